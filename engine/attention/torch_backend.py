@@ -1,0 +1,105 @@
+"""The reference attention backend: plain torch over the paged cache (CPU, and CUDA when asked).
+
+It defines what every faster backend must compute. Per request it gathers the context rows once
+(a dequantised workspace), scores all its query rows against it, and masks to each row's selection.
+Selections are request-local positions [T, K] (int32, -1 padded): the representation that PCP, DCP and
+HiSparse translate into their own row addresses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.metadata import AttnMetadata
+from engine.kv.cache import KVCacheSpec, PagedKVCache
+from kernels.formats import quantize_index_q_ref
+from kernels.indexer import gather_index_k_ref, index_scores_ref, store_index_k_ref, topk_positions_ref
+from kernels.sparse_mla import attend_rows_ref
+from kernels.store_kv import gather_kv_ref, store_kv_ref
+
+# Bound on Tq * H * S elements of one score tile (keeps CPU memory flat for long prompts).
+_MAX_TILE = 1 << 24
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, spec: KVCacheSpec):
+        self.spec = spec
+        self.indexer_rows_scored = 0  # instrumented: query rows this backend ran the indexer for
+
+    # ---- writes -------------------------------------------------------------------------------
+    def store_kv(self, cache: PagedKVCache, layer: int, latent: torch.Tensor, k_rope: torch.Tensor,
+                 meta: AttnMetadata) -> None:
+        store_kv_ref(latent, k_rope, cache.mla_layer(layer), meta.slot_mapping)
+
+    def store_index_k(self, cache: PagedKVCache, layer: int, k: torch.Tensor, meta: AttnMetadata) -> None:
+        store_index_k_ref(k, cache.index_layer(layer), meta.slot_mapping)
+
+    # ---- indexer -----------------------------------------------------------------------------
+    def indexer_topk(self, cache: PagedKVCache, layer: int, q: torch.Tensor, weights: torch.Tensor,
+                     meta: AttnMetadata, topk: int) -> torch.Tensor:
+        """q [T, H, D] float, weights [T, H] fp32 (scales folded) -> positions int32 [T, min(topk, max S)]."""
+        K = min(topk, max(meta.max_seq_len, 1))
+        out = torch.full((meta.num_tokens, K), -1, dtype=torch.int32, device=q.device)
+        if self.spec.indexer_precision == "fp8":
+            q, q_scale = quantize_index_q_ref(q)
+            weights = weights * q_scale
+        keys = cache.index_layer(layer)
+        for b, (lo, hi) in enumerate(_row_ranges(meta)):
+            if hi == lo:
+                continue
+            pos = meta.positions[lo:hi]
+            S = meta.seq_lens_cpu[b]
+            if S <= topk:  # every causal position is selected: no scores needed
+                out[lo:hi] = _causal_rows(pos, K)
+                continue
+            self.indexer_rows_scored += hi - lo
+            k_vals, k_scale = gather_index_k_ref(keys, meta.context_slots(b), self.spec.index_head_dim)
+            for c0, c1 in _chunks(lo, hi, q.shape[1] * S):
+                scores = index_scores_ref(q[c0:c1], weights[c0:c1], k_vals, k_scale)
+                out[c0:c1] = topk_positions_ref(scores, meta.positions[c0:c1], topk)[:, :K]
+        return out
+
+    # ---- attention ---------------------------------------------------------------------------
+    def sparse_mla(self, cache: PagedKVCache, layer: int, q: torch.Tensor, topk_pos: torch.Tensor,
+                   meta: AttnMetadata, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, R+P] -> (out [T, H, R] in q's dtype, lse [T, H] fp32)."""
+        T, H, _ = q.shape
+        R = self.spec.latent_dim
+        out = torch.zeros((T, H, R), dtype=torch.float32, device=q.device)
+        lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = cache.mla_layer(layer)
+        for b, (lo, hi) in enumerate(_row_ranges(meta)):
+            if hi == lo:
+                continue
+            S = meta.seq_lens_cpu[b]
+            ctx = gather_kv_ref(kv, meta.context_slots(b), R, self.spec.rope_dim)
+            for c0, c1 in _chunks(lo, hi, H * S):
+                allowed = positions_mask(topk_pos[c0:c1], S)
+                out[c0:c1], lse[c0:c1] = attend_rows_ref(q[c0:c1], ctx, allowed, sm_scale, R)
+        return out.to(q.dtype), lse
+
+
+def positions_mask(sel: torch.Tensor, S: int) -> torch.Tensor:
+    """Selections [Tq, K] (-1 padded) -> bool [Tq, S]."""
+    idx = torch.where(sel >= 0, sel.long(), torch.full_like(sel, S, dtype=torch.long))
+    mask = torch.zeros((sel.shape[0], S + 1), dtype=torch.bool, device=sel.device)
+    mask.scatter_(1, idx, True)
+    return mask[:, :S]
+
+
+def _causal_rows(pos: torch.Tensor, K: int) -> torch.Tensor:
+    cols = torch.arange(K, device=pos.device, dtype=torch.int64)
+    return torch.where(cols[None, :] <= pos[:, None], cols[None, :], torch.full_like(cols, -1)[None, :]).to(torch.int32)
+
+
+def _row_ranges(meta: AttnMetadata) -> list[tuple[int, int]]:
+    q = meta.query_start_loc_cpu
+    return [(q[i], q[i + 1]) for i in range(len(q) - 1)]
+
+
+def _chunks(lo: int, hi: int, per_row: int):
+    step = max(1, _MAX_TILE // max(per_row, 1))
+    for c0 in range(lo, hi, step):
+        yield c0, min(hi, c0 + step)

@@ -1,0 +1,26 @@
+"""Build a model for a checkpoint on a device: construct on `meta`, allocate, load, verify."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model import GlmDsaForCausalLM
+from engine.weights import FP32_PARAMS, load_weights
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                with_mtp: bool = True, checkpoint: str | Path | None = None) -> GlmDsaForCausalLM:
+    """Without a checkpoint the weights are left uninitialised (callers fill them, e.g. random init)."""
+    with torch.device("meta"):
+        model = GlmDsaForCausalLM(cfg, with_mtp=with_mtp)
+    model = model.to_empty(device=device)
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        want = torch.float32 if name.endswith(FP32_PARAMS) else dtype
+        if p.is_floating_point() and p.dtype != want:
+            p.data = p.data.to(want)
+    if checkpoint is not None:
+        load_weights(model, checkpoint, cfg)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,3 @@
+from engine.model.model import GlmDsaForCausalLM
+
+__all__ = ["GlmDsaForCausalLM"]

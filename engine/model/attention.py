@@ -1,0 +1,100 @@
+"""MLA with the DSA lightning indexer, in the absorbed ("MQA") form over the paged cache.
+
+Per token the cache holds c = [latent (R) ; k_rope (P)], one KV head shared by all H query heads:
+
+    q_lat_h = W_UK_h^T q_nope_h                 (W_UK_h: the first qk_nope rows of head h in kv_b_proj)
+    z_h,t   = scale * ([q_lat_h ; q_rope_h] . c_t)   over the indexer's selection of t <= s
+    o_h     = W_UV_h (sum_t softmax(z_h)_t latent_t)  then o_proj
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.context import ForwardContext
+from engine.model.layers import RMSNorm, apply_rope
+
+
+class Indexer(nn.Module):
+    """Scores past tokens per query: I[s, t] = sum_h w_h * ReLU(q_h . k_t / sqrt(D)); keeps the top-k."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.interleave = cfg.indexer_rope_interleave
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, layer: int, ctx: ForwardContext) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))
+        r = self.rope_dim  # layout per head: [rope | rest]
+        q = torch.cat([apply_rope(q[..., :r], ctx.cos, ctx.sin, self.interleave), q[..., r:]], dim=-1)
+        k = torch.cat([apply_rope(k[..., :r], ctx.cos, ctx.sin, self.interleave), k[..., r:]], dim=-1)
+        ctx.backend.store_index_k(ctx.kv_cache, layer, k, ctx.meta)
+        # weights carry 1/sqrt(H) (the model's) and 1/sqrt(D) (the score scale): both positive, so they
+        # fold through the ReLU and the kernels need not know them.
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
+        w = w * (self.n_heads ** -0.5) * (self.head_dim ** -0.5)
+        return ctx.backend.indexer_topk(ctx.kv_cache, layer, q.float(), w, ctx.meta, self.topk)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, has_indexer: bool):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_attention_heads
+        self.nope = cfg.qk_nope_head_dim
+        self.rope = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.latent = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        self.interleave = cfg.rope_interleave
+        H = self.num_heads
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.q_lora_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.latent + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.latent, cfg.kv_lora_norm_eps)
+        self.kv_b_proj = nn.Linear(self.latent, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=False)
+        self.indexer = Indexer(cfg) if has_indexer else None
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of kv_b_proj: W_UK [H, nope, R] and W_UV [H, v, R] (no copies)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.latent)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext,
+                prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        T = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(T, self.num_heads, self.nope + self.rope)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(kv[:, : self.latent])
+        k_pe = apply_rope(kv[:, self.latent:], ctx.cos, ctx.sin, self.interleave)
+        q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, self.interleave)
+        ctx.backend.store_kv(ctx.kv_cache, self.layer_id, latent, k_pe, ctx.meta)
+
+        if self.indexer is not None:
+            topk = self.indexer(x, q_resid, self.layer_id, ctx)
+        elif prev_topk is None:
+            raise RuntimeError(f"layer {self.layer_id} shares its indexer but no earlier layer produced a top-k")
+        else:
+            topk = prev_topk
+
+        w_uk, w_uv = self._absorbed()
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q_full = torch.cat([q_lat, q_pe], dim=-1)
+        out_lat, _ = ctx.backend.sparse_mla(ctx.kv_cache, self.layer_id, q_full, topk, ctx.meta, self.scale)
+        o = torch.einsum("thr,hvr->thv", out_lat.to(x.dtype), w_uv).reshape(T, self.num_heads * self.v_dim)
+        return self.o_proj(o), topk

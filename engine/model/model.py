@@ -1,0 +1,97 @@
+"""GLM-5.x DSA causal LM: embeddings -> decoder layers (MLA + DSA, dense MLP or MoE) -> norm -> lm_head.
+
+Module names mirror the HF checkpoint (`model.layers.{i}.self_attn.q_a_proj`, ...) so loading is a
+rename only for experts and the MTP layer (see engine/weights.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.attention import MLAttention
+from engine.model.context import ForwardContext
+from engine.model.layers import GatedMLP, RMSNorm
+from engine.model.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, *, has_indexer: bool, moe: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, layer_id, has_indexer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext,
+                prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, topk = self.self_attn(self.input_layernorm(x), ctx, prev_topk)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, topk
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, has_indexer=cfg.indexer_types[i] == "full", moe=cfg.mlp_layer_types[i] == "sparse")
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(nn.Module):
+    """u = eh_proj([enorm(embed(next token)) ; hnorm(h)]) -> one DSA decoder layer -> shared_head.norm.
+
+    Its own MLA and indexer caches are the last layer of the cache tensors (layer id = num_hidden_layers).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layer = DecoderLayer(cfg, cfg.mtp_layer_index, has_indexer=True, moe=cfg.n_routed_experts > 0)
+        self.shared_head = SharedHead(cfg)
+
+    def forward(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        u = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
+        h, _ = self.layer(u, ctx, None)
+        return self.shared_head.norm(h)
+
+
+class GlmDsaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, with_mtp: bool = True):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPLayer(cfg) if with_mtp and cfg.has_mtp else None
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [T] -> final normed hidden states [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        topk = None
+        for layer in self.model.layers:
+            x, topk = layer(x, ctx, topk)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, next_ids: torch.Tensor, prev_hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Draft hidden for the token after `next_ids` (post shared_head.norm; logits via compute_logits)."""
+        if self.mtp is None:
+            raise RuntimeError("this model was built without its MTP layer (num_nextn_predict_layers = 0?)")
+        return self.mtp(self.model.embed_tokens(next_ids), prev_hidden, ctx)
+
+    def num_parameters(self, include_mtp: bool = False) -> int:
+        return sum(p.numel() for n, p in self.named_parameters() if include_mtp or not n.startswith("mtp."))

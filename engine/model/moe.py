@@ -1,0 +1,63 @@
+"""Mixture of experts: fp32 sigmoid routing with a correction bias, routed experts and a shared expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.layers import GatedMLP
+from kernels.moe import fused_moe_ref, route_ref
+
+
+class MoEGate(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.normalize = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        # a buffer, as in HF: it steers selection and is not a trained parameter of the forward
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = x.float() @ self.weight.float().t()
+        return route_ref(logits, self.e_score_correction_bias, self.top_k, n_group=self.n_group,
+                         topk_group=self.topk_group, normalize=self.normalize, scaling=self.scaling)
+
+
+class Experts(nn.Module):
+    """The routed experts held by this rank: ids [offset, offset + num_local) of n_routed_experts."""
+
+    def __init__(self, cfg: ModelConfig, num_local: int | None = None, offset: int = 0):
+        super().__init__()
+        n = cfg.n_routed_experts if num_local is None else num_local
+        self.offset = offset
+        self.w13 = nn.Parameter(torch.empty(n, 2 * cfg.moe_intermediate_size, cfg.hidden_size))
+        self.w2 = nn.Parameter(torch.empty(n, cfg.hidden_size, cfg.moe_intermediate_size))
+        self.impl = fused_moe_ref  # swapped for the Triton grouped GEMM on CUDA
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.impl(x, self.w13, self.w2, weights, ids, self.offset)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = MoEGate(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = (GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+        self.dispatcher = None  # set by expert parallelism: moves tokens to the ranks owning their experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        if self.dispatcher is not None:
+            routed = self.dispatcher(x, weights, ids, self.experts)
+        else:
+            routed = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed

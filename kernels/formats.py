@@ -1,0 +1,86 @@
+"""Byte layouts of the cached rows, as plain torch (the definition every kernel is tested against).
+
+fp8_ds_mla row (DESIGN §3), for a latent of R values (R = 512 for GLM-5.x) and rope of P values (64):
+
+    bytes [0, R)                 latent, fp8 e4m3, one value per byte
+    bytes [R, R + 4·R/128)       one fp32 scale per 128-value tile, scale = 2^ceil(log2(max(amax/448, 1e-4)))
+    bytes [.., + 2·P)            rope values, bf16, stored as is (not quantised)
+
+GLM-5.x: 512 + 16 + 128 = 656 bytes. A latent narrower than 128 (test models) is a single tile.
+
+Indexer key row: D fp8 e4m3 values then one fp32 scale (same power-of-two rule): 132 bytes for D = 128.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+MIN_AMAX_SCALE = 1e-4
+FP8 = torch.float8_e4m3fn
+
+
+def tile_size(latent_dim: int) -> int:
+    t = min(128, latent_dim)
+    if latent_dim % t:
+        raise ValueError(f"latent width {latent_dim} must be a multiple of 128 (or below 128) for fp8_ds_mla")
+    return t
+
+
+def mla_row_bytes(latent_dim: int, rope_dim: int) -> int:
+    return latent_dim + 4 * (latent_dim // tile_size(latent_dim)) + 2 * rope_dim
+
+
+def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scale so that amax/scale <= 448 (exact in fp32, no mantissa bits)."""
+    s = torch.clamp(amax.float() / FP8_MAX, min=MIN_AMAX_SCALE)
+    return torch.exp2(torch.ceil(torch.log2(s)))
+
+
+def quantize_mla_rows_ref(latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    """[T, R] latent + [T, P] rope (any float dtype) -> [T, row_bytes] uint8 fp8_ds_mla rows."""
+    T, R = latent.shape
+    t = tile_size(R)
+    tiles = latent.float().reshape(T, R // t, t)
+    scale = pow2_scale(tiles.abs().amax(dim=-1))  # [T, R/t]
+    q = (tiles / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(T, R)
+    rope = k_rope.to(torch.bfloat16).contiguous()
+    return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8).reshape(T, -1),
+                      rope.view(torch.uint8).reshape(T, -1)], dim=1)
+
+
+def dequantize_mla_rows_ref(rows: torch.Tensor, latent_dim: int, rope_dim: int) -> torch.Tensor:
+    """[..., row_bytes] uint8 -> [..., R + P] float32 (latent dequantised, rope widened from bf16)."""
+    lead = rows.shape[:-1]
+    rows = rows.reshape(-1, rows.shape[-1]).contiguous()
+    t = tile_size(latent_dim)
+    n_tiles = latent_dim // t
+    q = rows[:, :latent_dim].view(FP8).float().reshape(-1, n_tiles, t)
+    scale = rows[:, latent_dim: latent_dim + 4 * n_tiles].contiguous().view(torch.float32)
+    rope = rows[:, latent_dim + 4 * n_tiles: latent_dim + 4 * n_tiles + 2 * rope_dim].contiguous()
+    latent = (q * scale[..., None]).reshape(-1, latent_dim)
+    out = torch.cat([latent, rope.view(torch.bfloat16).float()], dim=1)
+    return out.reshape(*lead, latent_dim + rope_dim)
+
+
+def quantize_index_rows_ref(k: torch.Tensor) -> torch.Tensor:
+    """[T, D] indexer keys -> [T, D + 4] uint8 rows (fp8 values, then the fp32 power-of-two scale)."""
+    scale = pow2_scale(k.float().abs().amax(dim=-1))  # [T]
+    q = (k.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return torch.cat([q.view(torch.uint8), scale[:, None].contiguous().view(torch.uint8)], dim=1)
+
+
+def dequantize_index_rows_ref(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[..., D + 4] uint8 -> [..., D] float32."""
+    lead = rows.shape[:-1]
+    rows = rows.reshape(-1, rows.shape[-1]).contiguous()
+    q = rows[:, :head_dim].view(FP8).float()
+    scale = rows[:, head_dim: head_dim + 4].contiguous().view(torch.float32)
+    return (q * scale).reshape(*lead, head_dim)
+
+
+def quantize_index_q_ref(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (token, head) fp8 queries: [T, H, D] -> (fp8 [T, H, D], fp32 scale [T, H])."""
+    scale = pow2_scale(q.float().abs().amax(dim=-1))
+    q8 = (q.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q8, scale
