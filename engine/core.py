@@ -1,0 +1,78 @@
+"""EngineCore: scheduler + runner, stepped by the offline LLM, the AsyncEngine and the services."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.engine_config import EngineConfig
+from engine.kv.manager import KVCacheManager
+from engine.request import Request
+from engine.scheduler import EngineCoreOutput, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_held: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    spec_drafts: int
+    spec_accepted: int
+    num_preemptions: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_drafts if self.spec_drafts else 0.0
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, runner_factory=None):
+        from engine.runner import ModelRunner
+
+        self.cfg = cfg
+        # the runner sizes the KV pool after loading the weights (what is left of the memory budget)
+        self.runner = (runner_factory or ModelRunner)(cfg)
+        self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.cache.block_size,
+                                 cfg.parallel.decode_context_parallel_size, cfg.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
+
+    def add_request(self, req: Request) -> None:
+        vocab = self.cfg.model.vocab_size
+        bad = [t for t in req.prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if not req.eos_token_ids:
+            req.eos_token_ids = self.cfg.model.eos_token_ids
+        self.scheduler.add_request(req)
+
+    def abort(self, req_id: str) -> bool:
+        return self.scheduler.abort(req_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.finished_req_ids:
+            return []
+        result = self.runner.execute(sched)
+        return self.scheduler.update(sched, result)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), num_held=len(s.held),
+                           kv_usage=self.kv.usage(), num_free_blocks=self.kv.num_free_blocks,
+                           num_blocks=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
+                           prefix_hits=self.kv.prefix_hits, spec_drafts=s.spec_drafts, spec_accepted=s.spec_accepted,
+                           num_preemptions=s.num_preemptions)
