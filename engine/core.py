@@ -25,6 +25,8 @@ class EngineStats:
     prefix_hits: int
     spec_drafts: int
     spec_accepted: int
+    spec_steps: int
+    spec_emitted: int
     num_preemptions: int
 
     @property
@@ -34,6 +36,11 @@ class EngineStats:
     @property
     def spec_acceptance_rate(self) -> float:
         return self.spec_accepted / self.spec_drafts if self.spec_drafts else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step (accepted drafts + the bonus token)."""
+        return self.spec_emitted / self.spec_steps if self.spec_steps else 0.0
 
 
 class EngineCore:
@@ -47,11 +54,16 @@ class EngineCore:
                                  cfg.parallel.decode_context_parallel_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
 
-    def add_request(self, req: Request) -> None:
+    def validate(self, req: Request) -> None:
+        """Raise ValueError for a request the engine cannot serve (nothing is changed)."""
         vocab = self.cfg.model.vocab_size
-        bad = [t for t in req.prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [t for t in req.prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        self.scheduler.validate(req)
+
+    def add_request(self, req: Request) -> None:
+        self.validate(req)
         if not req.eos_token_ids:
             req.eos_token_ids = self.cfg.model.eos_token_ids
         self.scheduler.add_request(req)
@@ -75,4 +87,5 @@ class EngineCore:
                            kv_usage=self.kv.usage(), num_free_blocks=self.kv.num_free_blocks,
                            num_blocks=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
                            prefix_hits=self.kv.prefix_hits, spec_drafts=s.spec_drafts, spec_accepted=s.spec_accepted,
+                           spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
                            num_preemptions=s.num_preemptions)

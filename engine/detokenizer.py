@@ -2,7 +2,9 @@
 
 Decoding only the tail window keeps each step O(1) in the output length: text for the new tokens is
 decode(ids[prefix:]) minus decode(ids[prefix:read]); a trailing U+FFFD means an incomplete UTF-8
-sequence, so we wait for the next token before emitting it.
+sequence, so we wait for the next token before emitting it. With stop strings, the last
+(longest stop - 1) characters are held back until they cannot begin a stop string, so streamed text
+never has to be retracted.
 """
 
 from __future__ import annotations
@@ -23,23 +25,38 @@ class IncrementalDetokenizer:
         self._read = 0
         self._max_stop = max((len(s) for s in params.stop), default=0)
         self.stop_hit: str | None = None
+        self._emitted = 0  # characters of output_text already handed out
 
     def update(self, new_ids: list[int]) -> str:
-        """Add tokens; returns the new text (stop strings already applied)."""
-        if self.stop_hit is not None:
+        """Add tokens; returns the text that can be released now (stop strings applied)."""
+        if self.stop_hit is None:
+            self._decode(new_ids)
+        hold = 0 if self.stop_hit is not None else max(self._max_stop - 1, 0)
+        return self._release(len(self.output_text) - hold)
+
+    def flush(self) -> str:
+        """The held-back tail, once the request is finished."""
+        return self._release(len(self.output_text))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self._emitted:
             return ""
+        out = self.output_text[self._emitted:upto]
+        self._emitted = upto
+        return out
+
+    def _decode(self, new_ids: list[int]) -> None:
         skip = self.params.skip_special_tokens
         before_len = len(self.output_text)
         self.ids.extend(new_ids)
         prefix_text = self.tok.decode(self.ids[self._prefix:self._read], skip)
         full = self.tok.decode(self.ids[self._prefix:], skip)
         if full.endswith("\ufffd") or len(full) < len(prefix_text):
-            return ""
+            return
         self.output_text += full[len(prefix_text):]
         self._prefix = max(0, len(self.ids) - _WINDOW)
         self._read = len(self.ids)
         self._check_stop(before_len)
-        return self.output_text[before_len:]
 
     def _check_stop(self, before_len: int) -> None:
         if not self.params.stop:

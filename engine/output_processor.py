@@ -66,14 +66,15 @@ class OutputProcessor:
                 if m.first_token_time is None:
                     m.first_token_time = now
             out.delta_text = t.detok.update(o.new_token_ids) if t.detok else ""
-            out.text += out.delta_text
-            if t.detok is not None and t.detok.stop_hit is not None and o.finish_reason is None:
+            if t.detok is not None and t.detok.stop_hit is not None:
                 out.finish_reason, out.stop_reason = "stop", t.detok.stop_hit
-                to_abort.append(o.req_id)
+                if o.finish_reason is None:
+                    to_abort.append(o.req_id)
             elif o.finish_reason is not None:
                 out.finish_reason, out.stop_reason = o.finish_reason, o.stop_reason
-                if t.detok is not None and t.detok.stop_hit is not None:
-                    out.finish_reason, out.stop_reason = "stop", t.detok.stop_hit
+            if out.finish_reason is not None and t.detok is not None:
+                out.delta_text += t.detok.flush()
+            out.text += out.delta_text
             if out.finish_reason is not None:
                 out.metrics.finished_time = now
                 self.tracked.pop(o.req_id, None)

@@ -41,11 +41,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_drafts = 0
         self.spec_accepted = 0
+        # verification steps with all k drafts (request x step), and the tokens they produced
+        # (accepted drafts + bonus): the mean acceptance length is spec_emitted / spec_steps
+        self.spec_steps = 0
+        self.spec_emitted = 0
 
     # ---- admission -----------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
-        if req.req_id in self.requests or req.req_id in self.held:
-            raise ValueError(f"request id {req.req_id!r} is already in use")
+    def validate(self, req: Request) -> None:
         if req.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty: give at least one token")
         if req.num_tokens + 1 > self.cfg.max_model_len:
@@ -53,6 +55,11 @@ class Scheduler:
                              f"max_model_len {self.cfg.max_model_len}")
         if self.kv.blocks_needed(req.num_tokens + 1) > self.kv.num_blocks:
             raise ValueError(f"the prompt needs more KV blocks than the engine has ({self.kv.num_blocks})")
+
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests or req.req_id in self.held:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.validate(req)
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -190,6 +197,9 @@ class Scheduler:
                 req.num_computed_tokens = chunk.start + n_known + s.num_accepted
                 self.spec_drafts += s.num_drafts
                 self.spec_accepted += s.num_accepted
+                if s.num_drafts and s.num_drafts == self.num_spec_tokens:
+                    self.spec_steps += 1
+                    self.spec_emitted += s.num_accepted + 1
                 emitted, logprobs = self._append_checked(req, s.token_ids, s.logprobs)
             else:
                 req.num_computed_tokens = chunk.start + n_known

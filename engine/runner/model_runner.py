@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import envs
 from engine.attention import get_attention_backend
 from engine.engine_config import EngineConfig
 from engine.kv.budget import num_kv_blocks
@@ -28,6 +29,8 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, num_blocks: int | None = None, model=None):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(envs.cpu_threads())
         self.block_size = cfg.cache.block_size
         self.with_mtp = cfg.model.has_mtp and cfg.speculative is not None
         self.model = model if model is not None else build_model(
