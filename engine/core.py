@@ -71,6 +71,30 @@ class EngineCore:
     def abort(self, req_id: str) -> bool:
         return self.scheduler.abort(req_id)
 
+    # ---- disaggregation hooks (services/prefill, services/decode) --------------------------------
+    def reserve_import(self, req: Request, num_import_tokens: int) -> tuple[list[int], int] | None:
+        """Admit a request whose first `num_import_tokens` tokens' KV the caller writes (see Scheduler)."""
+        vocab = self.cfg.model.vocab_size
+        if any(not (0 <= t < vocab) for t in req.all_token_ids):
+            raise ValueError(f"token ids must be integers in [0, {vocab})")
+        if not req.eos_token_ids:
+            req.eos_token_ids = self.cfg.model.eos_token_ids
+        return self.scheduler.reserve_import(req, num_import_tokens)
+
+    def import_done(self, req_id: str, ok: bool) -> None:
+        self.scheduler.import_done(req_id, ok)
+
+    def held_block_ids(self, req_id: str) -> list[int]:
+        """Blocks of a finished request kept for export (`Request.hold_kv_on_finish`)."""
+        return self.scheduler.held_block_ids(req_id)
+
+    def release_held(self, req_id: str) -> bool:
+        return self.scheduler.release_held(req_id)
+
+    def drain_kv_events(self) -> list[tuple[str, bytes]]:
+        """("stored" | "removed", 16-byte block hash) since the last call, for the Redis prefix index."""
+        return self.kv.pool.drain_events()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 

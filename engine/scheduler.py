@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # finished, KV kept for export (prefill service)
+        self.importing: dict[str, tuple[Request, int]] = {}  # KV arriving from outside: (req, up to token)
         self._finished_ids: list[str] = []  # runner must drop these
         self.num_preemptions = 0
         self.spec_drafts = 0
@@ -81,6 +82,49 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def held_block_ids(self, req_id: str) -> list[int]:
+        if req_id not in self.held:
+            raise KeyError(f"request {req_id!r} holds no exported KV (finished without hold, released or unknown)")
+        return self.kv.block_ids(req_id)
+
+    # ---- KV imported from outside (decode: from a prefill engine; prefill: prefix from kvstore) ---
+    def reserve_import(self, req: Request, num_import_tokens: int) -> tuple[list[int], int] | None:
+        """Admit `req` with its first `num_import_tokens` tokens' KV to be written by the caller.
+
+        Local prefix hits are used first. Returns (all block ids of the request, first token to import
+        = tokens already cached locally), or None when the pool is short (nothing changes). The request
+        waits in WAITING_FOR_KV until `import_done`; its blocks are never freed while a transfer may
+        still write them (an abort in between is deferred to `import_done`).
+        """
+        if req.req_id in self.requests or req.req_id in self.held:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.validate(req)
+        if not 0 < num_import_tokens < req.num_tokens:
+            raise ValueError(f"can import between 1 and {req.num_tokens - 1} tokens of KV, not {num_import_tokens}")
+        hits, n_hit = self.kv.get_computed_blocks(req)
+        n_hit = min(n_hit, num_import_tokens // self.kv.tokens_per_block * self.kv.tokens_per_block)
+        hits = hits[: n_hit // self.kv.tokens_per_block]
+        rest = req.num_tokens - n_hit
+        if self.kv.allocate_slots(req, rest, hits, num_lookahead=self._lookahead(req, req.num_tokens)) is None:
+            return None
+        req.num_cached_tokens = n_hit
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.requests[req.req_id] = req
+        self.importing[req.req_id] = (req, num_import_tokens)
+        return self.kv.block_ids(req.req_id), n_hit
+
+    def import_done(self, req_id: str, ok: bool) -> None:
+        """The caller finished writing (ok) or gave up (the tokens are then computed locally)."""
+        req, n_import = self.importing.pop(req_id)
+        if req.is_finished:  # aborted while the transfer ran: only now may its blocks be reused
+            self.kv.free(req_id)
+            return
+        req.num_computed_tokens = n_import if ok else req.num_cached_tokens
+        if ok:
+            self.kv.cache_blocks(req, n_import)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
 
     # ---- scheduling ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -239,6 +283,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._finished_ids.append(req.req_id)
+        if req.req_id in self.importing:
+            return  # a transfer may still write its blocks: import_done frees them
         if req.hold_kv_on_finish and status != RequestStatus.FINISHED_ABORTED:
             self.held[req.req_id] = req
         else:
