@@ -100,14 +100,37 @@ class ModelRunner:
             row_idx.extend(range(last_known, last_known + c.num_draft_tokens + 1))
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[row_idx])
+        greedy = self._plain_greedy(todo, logits, row_idx)
         r = 0
         for c, _ in todo:
+            if c.req_id in greedy:
+                tok = greedy[c.req_id]
+                out.sampled[c.req_id] = SampledOutput(token_ids=[tok])
+                emitted[c.req_id] = [tok]
+                self.states[c.req_id].output_token_ids.append(tok)
+                r += 1
+                continue
             n = c.num_draft_tokens + 1
             res = self._sample_one(c, logits[r:r + n])
             out.sampled[c.req_id] = res
             emitted[c.req_id] = res.token_ids
             self.states[c.req_id].output_token_ids.extend(res.token_ids)
             r += n
+
+    def _plain_greedy(self, todo, logits: torch.Tensor, row_idx: list[int]) -> dict[str, int]:
+        """One batched argmax for greedy rows with no drafts, penalties, logprobs or min_tokens."""
+        rows, ids = [], []
+        r = 0
+        for c, _ in todo:
+            p = self.states[c.req_id].sampling_params
+            if (p.greedy and not c.num_draft_tokens and not p.needs_penalties and p.logprobs is None
+                    and p.min_tokens == 0):
+                rows.append(r)
+                ids.append(c.req_id)
+            r += c.num_draft_tokens + 1
+        if not rows:
+            return {}
+        return dict(zip(ids, logits[rows].argmax(dim=-1).tolist()))
 
     def _sample_one(self, c: ScheduledChunk, logits: torch.Tensor) -> SampledOutput:
         st = self.states[c.req_id]
