@@ -26,7 +26,8 @@ from bench.replay import ReplayConfig, Replayer, ReplayResult
 from bench.server import FreshServer, GivenServer, wait_ready
 from bench.traces import Trace, load_traces
 
-COPIES_PER_LEVEL = 1 << 24  # session-copy ids of level k start at k << 24: levels never share a prompt
+COPIES_PER_LEVEL = 1 << 24  # session-copy ids: seed << 32 | (level + 1) << 24 | n, so levels of a run and
+# runs with different seeds never send the same prompt (a server kept across them gets no free hits)
 
 
 def int_list(text: str) -> list[int]:
@@ -82,6 +83,8 @@ def _prepare(args: argparse.Namespace) -> None:
         raise ValueError("--token-scale and --duration must be > 0 and --num-gpus >= 1")
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
+    if not 0 <= args.seed < 1 << 31:
+        raise ValueError(f"--seed must be in [0, 2^31), got {args.seed}")
     args.label = args.label or (Path(args.fresh_server).stem if args.fresh_server else "run")
     if not args.output_dir:
         args.output_dir = f"results/agentx-{args.label}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -92,7 +95,8 @@ def level_config(args: argparse.Namespace, level_idx: int, concurrency: int, inf
         concurrency=concurrency, duration_s=args.duration, warmup_s=args.warmup,
         think_time_scale=args.think_time_scale, max_think_s=args.max_think_time,
         max_context=args.max_context or info.get("max_model_len"), ramp_up_s=args.ramp_up,
-        drain_timeout_s=args.drain_timeout, seed=args.seed, copy_offset=(level_idx + 1) * COPIES_PER_LEVEL,
+        drain_timeout_s=args.drain_timeout, seed=args.seed,
+        copy_offset=(args.seed << 32) | ((level_idx + 1) * COPIES_PER_LEVEL),
         vocab_size=args.vocab_size or info.get("vocab_size") or 4096, min_token_id=args.min_token_id)
 
 

@@ -15,7 +15,7 @@ def _count(n: int) -> str:
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    return ["  " + "  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [header, *rows]]
+    return [("  " + "  ".join(c.rjust(w) for c, w in zip(line, widths))).rstrip() for line in [header, *rows]]
 
 
 def _kv_section(plan: dict) -> list[str]:

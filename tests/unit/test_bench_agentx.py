@@ -12,6 +12,7 @@ import types
 import pytest
 
 from bench import agentx, compare, serve
+from bench.synth import PromptSynth
 from services import cli
 from tests.unit.fake_openai import FakeOpenAI, RunningFake
 
@@ -100,6 +101,18 @@ def test_fresh_server_per_level(trace_dir, tmp_path, monkeypatch):
     out = agentx.run(agentx.build_parser().parse_args(_argv(["--fresh-server", "topo.yaml"], trace_dir, tmp_path / "f")))
     assert events == [("up", "topo.yaml"), ("down",)] * 2
     assert all(lv["num_gpus"] == 4 for lv in out["levels"]) and out["label"] == "fake"
+
+
+def test_levels_and_seeds_get_disjoint_session_copies():
+    args = agentx.build_parser().parse_args(["--seed", "1"])
+    offsets = set()
+    for seed in (1, 2):
+        args.seed = seed
+        offsets |= {agentx.level_config(args, level, 4, {}).copy_offset for level in (0, 1)}
+    assert len(offsets) == 4 and min(b - a for a, b in zip(sorted(offsets), sorted(offsets)[1:])) >= 1 << 24
+    blocks = {PromptSynth("t", off, vocab_size=4096).block(1)[0:8] == PromptSynth("t", 0, vocab_size=4096).block(1)[0:8]
+              for off in offsets}
+    assert blocks == {False}
 
 
 def test_compare_reports_ratio_at_equal_throughput(trace_dir, tmp_path):
