@@ -114,7 +114,7 @@ class Replayer:
         self.t_stop = self.t_measure + cfg.duration_s
         slots = [asyncio.create_task(self._slot(i)) for i in range(cfg.concurrency)]
         try:
-            _, pending = await asyncio.wait(slots, timeout=self.t_stop + cfg.drain_timeout_s - time.perf_counter())
+            await asyncio.wait(slots, timeout=self.t_stop + cfg.drain_timeout_s - time.perf_counter())
         finally:
             for task in slots:
                 task.cancel()
