@@ -94,3 +94,34 @@ def _save_shards(tensors: dict[str, torch.Tensor], out: Path, num_shards: int) -
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=1))
+
+
+def main(argv: list[str]) -> int:
+    """`pdserve make-checkpoint --preset tiny --out DIR --seed N [--shards K] [--set key=value ...]`."""
+    import argparse
+
+    from engine.presets import PRESETS
+
+    p = argparse.ArgumentParser(prog="pdserve make-checkpoint", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (JSON value), e.g. --set index_topk=8")
+    a = p.parse_args(argv)
+    overrides = {}
+    for item in a.set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            p.error(f"--set needs KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key] = raw
+    if a.preset != "tiny" and "num_hidden_layers" not in overrides:
+        p.error("only the tiny preset is small enough to write with random weights (override num_hidden_layers etc.)")
+    out = make_checkpoint(a.out, preset=a.preset, seed=a.seed, num_shards=a.shards, dtype=a.dtype, **overrides)
+    print(f"wrote {out}")
+    return 0
