@@ -1,7 +1,7 @@
 """`pdserve`: one console script, one subcommand per tool; each tool's module is imported only when
 its subcommand runs (so `pdserve plan` never starts grpc, and a missing part says so plainly).
 
-    pdserve up TOPOLOGY | down | serve ...     services.launcher   (up_main / down_main / serve_main)
+    pdserve up [--config T] | down | status     services.launcher   (up_main / down_main / status_main)
     pdserve make-checkpoint ...                engine.checkpoint   (main)
     pdserve bench agentx | serve | compare     bench.agentx / bench.serve / bench.compare (main)
     pdserve plan ...                           bench.plan          (main)
@@ -27,7 +27,7 @@ class Command:
 COMMANDS: dict[tuple[str, ...], Command] = {
     ("up",): Command("services.launcher", "up_main", "start a topology (router, prefill, decode, kvstore, redis)"),
     ("down",): Command("services.launcher", "down_main", "stop a topology started by `pdserve up`"),
-    ("serve",): Command("services.launcher", "serve_main", "run one service of a topology"),
+    ("status",): Command("services.launcher", "status_main", "which processes of a topology are alive"),
     ("make-checkpoint",): Command("engine.checkpoint", "main", "write a checkpoint (random or converted)"),
     ("bench", "agentx"): Command("bench.agentx", "main", "replay agentic-coding traces at several concurrencies"),
     ("bench", "serve"): Command("bench.serve", "main", "random/fixed-length prompts, vllm-bench-serve metrics"),
