@@ -86,6 +86,26 @@ class AsyncEngine:
         self._submit(lambda core: core.add_request(req))
         return self._stream(req.req_id, queue)
 
+    async def add_import_request(self, req: Request, num_import_tokens: int):
+        """Decode/prefill services: admit `req` whose first `num_import_tokens` tokens' KV the caller
+        will write. Returns (output stream, all block ids, tokens already cached locally), or None when
+        the KV pool is short right now. Call `import_done` once the bytes are in (or failed)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead: {self._dead!r}")
+        self.core.validate(req)
+        if req.req_id in self._streams:
+            raise ValueError(f"request id {req.req_id!r} is already running")
+        reserved = await self.call(lambda core: core.reserve_import(req, num_import_tokens))
+        if reserved is None:
+            return None
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[req.req_id] = queue
+        self.processor.add(req)
+        return self._stream(req.req_id, queue), reserved[0], reserved[1]
+
+    def import_done(self, req_id: str, ok: bool, num_tokens: int | None = None) -> None:
+        self._submit(lambda core: core.import_done(req_id, ok, num_tokens))
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None,
                        **kw) -> AsyncIterator[RequestOutput]:
         async for out in self.add_request(prompt_token_ids, params, req_id, **kw):

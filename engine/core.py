@@ -28,6 +28,7 @@ class EngineStats:
     spec_steps: int
     spec_emitted: int
     num_preemptions: int
+    num_queued_tokens: int = 0  # prompt tokens of waiting requests still to compute (a load figure)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -81,8 +82,8 @@ class EngineCore:
             req.eos_token_ids = self.cfg.model.eos_token_ids
         return self.scheduler.reserve_import(req, num_import_tokens)
 
-    def import_done(self, req_id: str, ok: bool) -> None:
-        self.scheduler.import_done(req_id, ok)
+    def import_done(self, req_id: str, ok: bool, num_tokens: int | None = None) -> None:
+        self.scheduler.import_done(req_id, ok, num_tokens)
 
     def held_block_ids(self, req_id: str) -> list[int]:
         """Blocks of a finished request kept for export (`Request.hold_kv_on_finish`)."""
@@ -112,4 +113,5 @@ class EngineCore:
                            num_blocks=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
                            prefix_hits=self.kv.prefix_hits, spec_drafts=s.spec_drafts, spec_accepted=s.spec_accepted,
                            spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
-                           num_preemptions=s.num_preemptions)
+                           num_preemptions=s.num_preemptions,
+                           num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting))

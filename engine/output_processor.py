@@ -34,6 +34,9 @@ class OutputProcessor:
                             logprobs=[] if req.sampling_params.logprobs is not None else None,
                             metrics=RequestMetrics(arrival_time=time.monotonic()))
         detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params) if self.tokenizer else None
+        if detok is not None and req.output_token_ids:  # tokens produced elsewhere (prefill): context only
+            detok.update(list(req.output_token_ids))
+            detok.flush()
         self.tracked[req.req_id] = _Tracked(out, detok)
 
     def abort(self, req_id: str) -> RequestOutput | None:

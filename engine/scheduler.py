@@ -103,8 +103,6 @@ class Scheduler:
         if not 0 < num_import_tokens < req.num_tokens:
             raise ValueError(f"can import between 1 and {req.num_tokens - 1} tokens of KV, not {num_import_tokens}")
         hits, n_hit = self.kv.get_computed_blocks(req)
-        n_hit = min(n_hit, num_import_tokens // self.kv.tokens_per_block * self.kv.tokens_per_block)
-        hits = hits[: n_hit // self.kv.tokens_per_block]
         rest = req.num_tokens - n_hit
         if self.kv.allocate_slots(req, rest, hits, num_lookahead=self._lookahead(req, req.num_tokens)) is None:
             return None
@@ -114,15 +112,18 @@ class Scheduler:
         self.importing[req.req_id] = (req, num_import_tokens)
         return self.kv.block_ids(req.req_id), n_hit
 
-    def import_done(self, req_id: str, ok: bool) -> None:
-        """The caller finished writing (ok) or gave up (the tokens are then computed locally)."""
+    def import_done(self, req_id: str, ok: bool, num_tokens: int | None = None) -> None:
+        """The caller finished writing (ok; `num_tokens` if only a leading part arrived) or gave up
+        (the missing tokens are then computed locally)."""
         req, n_import = self.importing.pop(req_id)
         if req.is_finished:  # aborted while the transfer ran: only now may its blocks be reused
             self.kv.free(req_id)
             return
-        req.num_computed_tokens = n_import if ok else req.num_cached_tokens
-        if ok:
-            self.kv.cache_blocks(req, n_import)
+        got = min(n_import if num_tokens is None else num_tokens, n_import) if ok else 0
+        req.num_computed_tokens = max(got, req.num_cached_tokens)
+        req.num_cached_tokens = req.num_computed_tokens  # tokens whose KV this engine did not compute
+        if got:
+            self.kv.cache_blocks(req, req.num_computed_tokens)
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
@@ -239,6 +240,8 @@ class Scheduler:
             if chunk.sample:
                 s = result.sampled[chunk.req_id]
                 req.num_computed_tokens = chunk.start + n_known + s.num_accepted
+                # publish full blocks before outputs are appended: finishing may free the blocks
+                self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
                 self.spec_drafts += s.num_drafts
                 self.spec_accepted += s.num_accepted
                 if s.num_drafts and s.num_drafts == self.num_spec_tokens:

@@ -79,3 +79,77 @@ def ttl_s(ttl_ms: int, default_s: float, max_s: float) -> float:
     if ttl_ms / 1000.0 > max_s:
         raise ValueError(f"ttl_ms {ttl_ms} exceeds the maximum of {int(max_s * 1000)}")
     return ttl_ms / 1000.0
+
+
+# ---- engine <-> wire: sampling parameters and token deltas ------------------------------------------
+_FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
+           "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
+_FINISH_NAMES = {v: k for k, v in _FINISH.items()}
+
+
+def sampling_to_proto(p) -> common_pb2.SamplingParams:
+    """engine.SamplingParams -> wire (every field set explicitly)."""
+    return common_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
+        max_tokens=p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens)
+
+
+def sampling_from_proto(m: common_pb2.SamplingParams):
+    """wire -> engine.SamplingParams (vLLM's defaults for unset optional fields); ValueError if invalid."""
+    from engine.sampling_params import SamplingParams
+
+    opt = {}
+    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "logprobs", "repetition_penalty",
+                 "skip_special_tokens"):
+        if m.HasField(name):
+            opt[name] = getattr(m, name)
+    return SamplingParams(min_p=m.min_p, stop=list(m.stop), stop_token_ids=list(m.stop_token_ids),
+                          ignore_eos=m.ignore_eos, presence_penalty=m.presence_penalty,
+                          frequency_penalty=m.frequency_penalty, min_tokens=m.min_tokens,
+                          include_stop_str_in_output=m.include_stop_str_in_output, **opt)
+
+
+def finish_to_proto(reason: str | None) -> int:
+    return _FINISH[reason]
+
+
+def finish_from_proto(code: int) -> str | None:
+    return _FINISH_NAMES.get(code)
+
+
+def logprobs_to_proto(token_ids: Sequence[int], logprobs: Sequence[dict] | None) -> list[common_pb2.TokenLogprobs]:
+    if not logprobs:
+        return []
+    out = []
+    for tok, d in zip(token_ids, logprobs):
+        ranked = sorted(d.items(), key=lambda kv: -kv[1])
+        rank = {t: i + 1 for i, (t, _) in enumerate(ranked)}
+        out.append(common_pb2.TokenLogprobs(
+            sampled=common_pb2.Logprob(token_id=tok, logprob=d[tok], rank=rank[tok]),
+            top=[common_pb2.Logprob(token_id=t, logprob=v, rank=rank[t]) for t, v in ranked]))
+    return out
+
+
+def logprobs_from_proto(items: Sequence[common_pb2.TokenLogprobs]) -> list[dict[int, float]] | None:
+    if not items:
+        return None
+    out = []
+    for it in items:
+        d = {lp.token_id: lp.logprob for lp in it.top}
+        d[it.sampled.token_id] = it.sampled.logprob
+        out.append(d)
+    return out
+
+
+def delta_to_proto(token_ids: Sequence[int], logprobs, finish_reason: str | None,
+                   stop_reason: int | str | None) -> common_pb2.TokenDelta:
+    d = common_pb2.TokenDelta(token_ids=list(token_ids), logprobs=logprobs_to_proto(token_ids, logprobs),
+                              finish_reason=finish_to_proto(finish_reason))
+    if isinstance(stop_reason, str):
+        d.stop_reason = stop_reason
+    elif isinstance(stop_reason, int):
+        d.stop_token_id = stop_reason
+    return d
