@@ -69,3 +69,8 @@ def cp_check_outputs() -> bool:
 def parent_pid() -> int | None:
     """Set by our launcher: a spawned rank exits when this process is gone (no orphans)."""
     return _int("PDSERVE_PARENT_PID", -1) if os.environ.get("PDSERVE_PARENT_PID") else None
+
+
+def torchelastic_agent_store() -> bool:
+    """Set by torchrun: its agent already hosts the rendezvous store at MASTER_ADDR:MASTER_PORT."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -76,8 +76,10 @@ class RankComm:
             raise RuntimeError("torch.distributed is already initialised in this process: one multi-rank engine "
                                "per process (shut the other down first: core.shutdown())")
         # the store's timeout bounds the start-up rendezvous (a worker that died importing is not waited
-        # for 30 minutes); the groups' timeouts bound each collective
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, env.rank == 0,
+        # for 30 minutes); the groups' timeouts bound each collective. Under torchrun its agent hosts
+        # the store and every rank is a client.
+        host_store = env.rank == 0 and not envs.torchelastic_agent_store()
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, host_store,
                               timeout=_STARTUP_TIMEOUT)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                                 timeout=_DATA_TIMEOUT)

@@ -173,3 +173,25 @@ def test_dcp_merges_match_reference(cp):
             tol = 1e-5 if dtype == "torch.float32" else 3e-2
             assert err <= tol and lse_err <= 1e-5 and inf_ok, (rank, dtype, backend, err, lse_err)
             assert shape[0] == (3, 0, 5, 2)[rank], "each rank gets exactly its own rows"
+
+
+def test_torchrun_launch_matches_single_rank(tiny_ckpt, refs, tmp_path):
+    """torchrun starts both ranks (torchrun's rendezvous store, RANK/WORLD_SIZE/...): same tokens."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.parallel.dist import free_port
+
+    prompts = [_ids(n, seed=300 + n) for n in (3, 70)]
+    out = tmp_path / "tokens.json"
+    driver = Path(__file__).with_name("cp_torchrun_driver.py")
+    root = str(Path(__file__).resolve().parents[2])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(driver), str(tiny_ckpt), json.dumps(prompts), str(out)]
+    proc = subprocess.run(cmd, cwd=root, env={**__import__("os").environ, "PYTHONPATH": root},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text()) == [
+        o.token_ids for o in refs[0].generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
