@@ -52,6 +52,8 @@ class CPAttentionBackend:
     def indexer_topk(self, cache, layer: int, q: torch.Tensor, weights: torch.Tensor, meta, topk: int) -> torch.Tensor:
         step: CPStep = meta.scratch["cp"]
         if step.dcp_size == 1:
+            if not q.shape[0]:  # this rank computes no rows in this step
+                return torch.full((0, step.topk_width(topk)), -1, dtype=torch.int32, device=q.device)
             return self.inner.indexer_topk(cache, layer, q, weights, meta, topk)
         out = torch.full((q.shape[0], step.topk_width(topk)), -1, dtype=torch.int32, device=q.device)
         idx = step.own_prefill_idx
@@ -74,11 +76,13 @@ class CPAttentionBackend:
     def sparse_mla(self, cache, layer: int, q: torch.Tensor, topk_pos: torch.Tensor, meta,
                    sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         step: CPStep = meta.scratch["cp"]
-        if step.dcp_size == 1:
-            return self.inner.sparse_mla(cache, layer, q, topk_pos, meta, sm_scale)
         T, H, _ = q.shape
+        if step.dcp_size == 1 and T:
+            return self.inner.sparse_mla(cache, layer, q, topk_pos, meta, sm_scale)
         out = torch.zeros((T, H, self.spec.latent_dim), dtype=q.dtype, device=q.device)
         lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+        if step.dcp_size == 1:
+            return out, lse
         idx = step.own_prefill_idx
         if step.context is not None:
             if idx.numel():

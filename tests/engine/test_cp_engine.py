@@ -164,6 +164,28 @@ def test_generation_batch_chunked_and_second_turn(cp):
         assert llm.get_stats().spec_drafts > 0
 
 
+def test_context_prefetch_switch_gives_same_bits(cp):
+    """Chunked prefill gathers the prior context per layer: overlapped (prefetch) or not, same logits."""
+    c, llm, _ = cp
+    if c["dcp"] == 1:
+        pytest.skip("DCP = 1 keeps the whole context on every rank: nothing to gather")
+    core = llm.core
+    core.scheduler.cfg = dataclasses.replace(core.scheduler.cfg, max_num_batched_tokens=40)
+    try:
+        ids = _ids(100, seed=7)
+        results, volumes = [], []
+        for prefetch in (True, False):
+            core.collective_rpc("set_kv_prefetch", prefetch)
+            core.collective_rpc("reset_comm_counters")
+            results.append(llm.prompt_logits(ids))
+            volumes.append([s["comm_bytes"].get("dcp_ctx", 0) for s in core.rank_stats()])
+    finally:
+        core.collective_rpc("set_kv_prefetch", True)
+        core.scheduler.cfg = dataclasses.replace(core.scheduler.cfg, max_num_batched_tokens=8192)
+    assert torch.equal(results[0], results[1])
+    assert volumes[0] == volumes[1] and min(volumes[0]) > 0
+
+
 def test_dcp_merges_match_reference(cp):
     c, llm, _ = cp
     if c["dcp"] == 1:
