@@ -15,6 +15,8 @@ l's new rows are written, so it overlaps with layer l's indexer, attention and M
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from engine.attention.metadata import AttnMetadata
@@ -99,16 +101,12 @@ class ContextGather:
     def _init_own_meta(self) -> None:
         """The rank's own rows of prefill requests, addressed through the buffer's block tables."""
         s = self.step
-        own = s.rows.own_rows
         ids = {r.req_idx: i for i, r in enumerate(self.requests)}
+        starts = [r.row_start for r in s.requests]
         counts = [0] * len(self.requests)
         positions = []
-        req_of = {}
-        for r in s.requests:
-            for row in range(r.row_start, r.row_start + r.num_rows):
-                req_of[row] = r
-        for row in own:
-            r = req_of[row]
+        for row in s.rows.own_rows:
+            r = s.requests[bisect.bisect_right(starts, row) - 1]
             if r.req_idx in ids:
                 counts[ids[r.req_idx]] += 1
                 positions.append(r.start + row - r.row_start)

@@ -13,7 +13,6 @@ step's result (all ranks sample the same tokens, see runner.py).
 from __future__ import annotations
 
 import atexit
-import logging
 import weakref
 
 import torch
@@ -28,7 +27,6 @@ from engine.parallel.runner import CPModelRunner, rank_output_digest
 from engine.parallel.worker import call_rpc
 from engine.scheduler import EngineCoreOutput
 
-log = logging.getLogger(__name__)
 
 
 class MultiRankEngineCore(EngineCore):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import envs
 from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec
 from engine.loader import build_model
@@ -26,7 +27,6 @@ from engine.parallel.ep import AllToAllDispatcher, expert_shard
 from engine.parallel.step import CPStep, build_step
 from engine.runner.model_runner import ModelRunner
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
-from engine import envs
 
 
 class CPModelRunner(ModelRunner):
