@@ -13,6 +13,7 @@ Merge of per-rank partial attention (out_r, lse_r) over disjoint key sets:
     lse = log Σ_r exp(lse_r),  out = Σ_r exp(lse_r − lse)·out_r     (lse_r = −inf: empty shard)
 `ag_rs`: all-gather the LSEs, scale the local partial, reduce-scatter the rows to their owners.
 `a2a`:   one all-to-all of the partials with the LSE packed as one extra column; owners merge.
+The scatter dimension is query rows, not heads as under TP: a PCP rank owns whole rows (all heads).
 """
 
 from __future__ import annotations
