@@ -135,6 +135,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.speculative is not None and not self.model.has_mtp:
             raise ValueError("speculative decoding with MTP needs a checkpoint with an MTP layer")
+        pc = self.parallel
+        if pc.enable_expert_parallel and pc.world_size > 1 and self.model.n_routed_experts % pc.world_size:
+            raise ValueError(f"expert parallelism over {pc.world_size} ranks needs n_routed_experts "
+                             f"({self.model.n_routed_experts}) divisible by {pc.world_size}")
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
             raise ValueError(f"max_model_len {self.scheduler.max_model_len} exceeds the model's "
                              f"max_position_embeddings {self.model.max_position_embeddings}")

@@ -61,6 +61,15 @@ class ModelRunner:
             hidden = self.model(input_ids, ctx)
         return hidden, layout, ctx
 
+    def mtp_forward(self, rows, prev_hidden: torch.Tensor, keep: list[int] | None = None) -> torch.Tensor:
+        """The MTP layer over `rows` (one prev_hidden row per token) -> its output rows (only `keep`'s
+        when given: context parallelism then gathers just those)."""
+        input_ids, meta, _ = build_batch(rows, self.block_size, self.device, self.slot_fn)
+        ctx = self.make_context(meta)
+        with torch.inference_mode():
+            out = self.model.mtp_forward(input_ids, prev_hidden, ctx)
+        return out if keep is None else out[keep]
+
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._update_states(sched)

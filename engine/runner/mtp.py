@@ -37,11 +37,11 @@ class MTPProposer:
             hid_idx.extend(range(start, start + n_valid))
             if c.sample and c.max_drafts > 0:
                 last.append((c, len(hid_idx) - 1, c.start + n_valid - 1))
-        mtp_hidden = self._mtp_pass(rows, hidden[hid_idx])
+        # the catch-up pass writes the MTP cache for every row; only the last rows' outputs are drafted from
+        prev = self.runner.mtp_forward(rows, hidden[hid_idx], keep=[i for _, i, _ in last])
         if not last:
             return {}
         drafts = {c.req_id: [] for c, _, _ in last}
-        prev = mtp_hidden[[i for _, i, _ in last]]
         active = [(c, pos) for c, _, pos in last]
         for step in range(self.num_steps):
             tokens = self._draw(active, prev, step)
@@ -52,17 +52,8 @@ class MTPProposer:
                 break
             active = [(active[i][0], active[i][1] + 1) for i in keep]
             step_rows = [(self.runner.states[c.req_id], pos, [drafts[c.req_id][-1]]) for c, pos in active]
-            prev = self._mtp_pass(step_rows, prev[keep])
+            prev = self.runner.mtp_forward(step_rows, prev[keep])
         return drafts
-
-    def _mtp_pass(self, rows, prev_hidden: torch.Tensor) -> torch.Tensor:
-        from engine.runner.inputs import build_batch
-
-        r = self.runner
-        input_ids, meta, _ = build_batch(rows, r.block_size, r.device, r.slot_fn)
-        ctx = r.make_context(meta)
-        with torch.inference_mode():
-            return r.model.mtp_forward(input_ids, prev_hidden, ctx)
 
     def _draw(self, active, mtp_hidden: torch.Tensor, step: int) -> list[int]:
         r = self.runner
