@@ -81,7 +81,7 @@ class EngineArgs:
                                     cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
                                     data_parallel_size=self.data_parallel_size),
             speculative=self._speculative(),
-            hisparse=HiSparseConfig(**hisparse) if hisparse else None,
+            hisparse=HiSparseConfig.from_dict(hisparse) if hisparse is not None else None,
             device=device, dtype=dtype, seed=self.seed, attention_backend=self.attention_backend)
 
     def _speculative(self) -> SpeculativeConfig | None:
