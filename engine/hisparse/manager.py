@@ -84,11 +84,17 @@ class HiSparseManager:
     # ---- the step hook -----------------------------------------------------------------------
     def begin_step(self, sched: SchedulerOutput, states: dict) -> None:
         """Place this step's pages (after the runner applied the scheduler's diffs)."""
+        self.place(sched.finished_req_ids + sched.preempted_req_ids,
+                   [(c.req_id, states[c.req_id].block_ids, c.start) for c in sched.chunks])
+
+    def place(self, dropped: list[str], synced: list[tuple[str, list[int], int]]) -> None:
+        """Drop requests; register / grow (req_id, host block ids, tokens already written); rebalance; apply.
+        The margin keeps one spare block per request for next step's growth before anything is restored."""
         self.counters[_STEP_H2D] = 0
-        for rid in sched.finished_req_ids + sched.preempted_req_ids:
+        for rid in dropped:
             self.residency.drop(rid)
-        for c in sched.chunks:
-            self.residency.sync(c.req_id, states[c.req_id].block_ids, c.start, self.spec.block_size)
+        for rid, blocks, num_written in synced:
+            self.residency.sync(rid, blocks, num_written, self.spec.block_size)
         self.apply(self.residency.rebalance(margin=len(self.residency.reqs)))
 
     def apply(self, a: StepActions) -> None:

@@ -8,10 +8,11 @@ Every MLA row is written through to the host pool, so a device page is only a ca
     HOST      no page left on the device; the hot buffer only
 
 Dropping a page costs nothing (its bytes are on the host already); bringing one back copies it.
-Under pressure the longest non-resident request gives up one page at a time; when none has a page
-left, the longest RESIDENT one (only if it holds more than H pages) turns H of its pages into its hot
-buffer and joins them. When room frees, the non-resident request closest to RESIDENT comes back whole
-and returns its hot buffer.
+Under pressure the longest request gives up pages one at a time (a RESIDENT one first turns H of its
+pages into its hot buffer, which only pays with more than H pages); a request that cannot fit even if
+all others gave up what they can goes straight to its hot buffer. When room frees, the non-resident
+request closest to RESIDENT comes back whole and returns its hot buffer; spare blocks go to the tail
+pages of non-resident requests (their newest rows are then read in place).
 
 Admission (`DeviceFootprint`, checked by the scheduler's KV manager): the sum over requests of
 min(pages, H) must fit the pool. Any set of requests that passes can be placed: short ones resident,
@@ -50,10 +51,8 @@ class ReqPages:
     hot_slot: int = -1  # >= 0: has a hot buffer (MIXED or HOST)
     hot_blocks: list[int] = field(default_factory=list)
     num_filled_pages: int = 0  # pages holding written rows (a restore copies only these)
-
-    @property
-    def num_dev_pages(self) -> int:
-        return sum(1 for d in self.dev if d >= 0)
+    num_dev_pages: int = 0  # pages with a device copy (kept in step with `dev`)
+    spill_from: int = 0  # every page below this one is host only (pages are spilled oldest first)
 
     @property
     def state(self) -> str:
@@ -95,7 +94,9 @@ class Residency:
                 raise RuntimeError("more running requests than hisparse page-table rows: raise max_num_seqs")
             r = self.reqs[req_id] = ReqPages(slot=self.free_slots.pop())
             self.actions.reset_slots.append(r.slot)
-        assert host_blocks[: len(r.host_blocks)] == r.host_blocks, f"{req_id}: host blocks may only be appended"
+        n = len(r.host_blocks)  # block lists only grow (checked on the last known block: O(1) per step)
+        assert len(host_blocks) >= n and (n == 0 or host_blocks[n - 1] == r.host_blocks[-1]), \
+            f"{req_id}: host blocks may only be appended"
         for hb in host_blocks[len(r.host_blocks):]:
             r.host_blocks.append(hb)
             r.dev.append(-1)
@@ -114,57 +115,82 @@ class Residency:
 
     # ---- placement -------------------------------------------------------------------------------
     def rebalance(self, margin: int) -> StepActions:
-        """Give every RESIDENT request all its pages (spilling others if needed), then bring back whole
-        requests while `margin` free blocks stay spare for next step's growth. Returns and clears the actions."""
+        """Give every RESIDENT request all its pages (making room, or making it non-resident when it is
+        the longest), then bring back whole requests while `margin` free blocks stay spare for next
+        step's growth. Restores are emitted for the final placement only. Returns and clears the actions."""
         if not self.offload_only:
+            self._placed: list[tuple[ReqPages, int, int]] = []
             for r in sorted(self.reqs.values(), key=lambda r: r.slot):
-                if r.hot_slot < 0:
+                if r.hot_slot == -1:
                     self._fill(r)
             self._restore(margin)
             self._top_up(margin)
+            self._emit_restores()
             for r in self.reqs.values():
-                assert r.hot_slot >= 0 or all(d >= 0 for d in r.dev), "a resident request lacks a device page"
+                assert r.hot_slot >= 0 or r.num_dev_pages == len(r.dev), "a resident request lacks a device page"
         actions, self.actions = self.actions, StepActions()
         return actions
 
     def _fill(self, r: ReqPages) -> None:
-        for p, d in enumerate(r.dev):
-            if d >= 0:
-                continue
-            if not self.free and not self._make_room(1):
-                self._to_sparse(r)  # cannot stay resident: only its hot buffer must fit (the footprint says it does)
-                return
-            if r.hot_slot >= 0:  # _make_room turned r itself into a hot-buffer request
+        if r.num_dev_pages == len(r.dev):
+            return
+        missing = [p for p, d in enumerate(r.dev) if d < 0]
+        if len(missing) > len(self.free) + self._reclaimable(r):
+            self._to_sparse(r)  # cannot fit even if everyone else gave up what they can: only its hot buffer
+            return
+        for p in missing:
+            if not self.free and not self._make_room(1, requester=r):
+                raise RuntimeError("hisparse residency: room promised by _reclaimable was not found")
+            if r.hot_slot >= 0:  # r was the longest: it went non-resident instead
                 return
             self._place(r, p, self.free.pop())
 
+    def _reclaimable(self, r: ReqPages) -> int:
+        """Blocks the others can give up: every page of a hot-buffer request, the pages beyond H of a
+        resident one (which then keeps them as its hot buffer)."""
+        return sum(o.num_dev_pages if o.hot_slot >= 0 else max(o.num_dev_pages - self.hot_blocks, 0)
+                   for o in self.reqs.values() if o is not r)
+
     def _place(self, r: ReqPages, page: int, block: int) -> None:
         r.dev[page] = block
+        r.num_dev_pages += 1
+        r.spill_from = min(r.spill_from, page)
         self.actions.page_updates.append((r.slot, page, block))
-        if page < r.num_filled_pages:
-            self.actions.restores.append((r.host_blocks[page], block))
-            self.num_restored_pages += 1
+        self._placed.append((r, page, block))
 
-    def _make_room(self, n: int) -> bool:
-        """Free device blocks until n are free, taking pages from the requests holding the most."""
+    def _emit_restores(self) -> None:
+        """Copy back the written pages that were placed this step and kept their block to the end."""
+        done = set()
+        for r, p, b in self._placed:
+            if r.dev[p] == b and p < r.num_filled_pages and (r.slot, p) not in done:
+                done.add((r.slot, p))
+                self.actions.restores.append((r.host_blocks[p], b))
+                self.num_restored_pages += 1
+
+    def _make_room(self, n: int, requester: ReqPages | None = None) -> bool:
+        """Free device blocks until n are free. The longest request (pages in all) gives: one page at a
+        time if it has a hot buffer; a resident one first turns H of its pages into its hot buffer (only
+        worth it with more than H pages; the requester qualifies as it is about to hold them all)."""
+        H = self.hot_blocks
         while len(self.free) < n:
-            # requests that already have a hot buffer give pages first; a resident one is converted only
-            # when none has a page left (and only if it holds more pages than a hot buffer takes)
-            sparse = [r for r in self.reqs.values() if r.hot_slot >= 0 and r.num_dev_pages > 0]
-            resident = [r for r in self.reqs.values() if r.hot_slot == -1 and r.num_dev_pages > self.hot_blocks]
-            if not sparse and not resident:
+            cands = [o for o in self.reqs.values()
+                     if (o.hot_slot >= 0 and o.num_dev_pages > 0)
+                     or (o.hot_slot == -1 and len(o.dev) > H and (o.num_dev_pages > H or o is requester))]
+            if not cands:
                 return False
-            v = max(sparse or resident, key=lambda r: (r.num_dev_pages, -r.slot))
+            v = max(cands, key=lambda o: (len(o.dev), o.hot_slot >= 0, -o.slot))
             if v.hot_slot >= 0:
-                self.free.append(self._spill(v, self._spill_order(v)[0]))
+                self.free.append(self._spill(v, self._next_spill(v)))
             else:
                 self._to_sparse(v)
+                if v is requester:
+                    return True
         return True
 
     def _to_sparse(self, r: ReqPages) -> None:
         """RESIDENT -> MIXED/HOST: H of its own pages (or free blocks) become its hot buffer."""
         assert self.free_hot, "no hot-buffer slot left: the device footprint admitted too many requests"
-        blocks = [self._spill(r, p) for p in self._spill_order(r)[: self.hot_blocks]]
+        blocks = [self._spill(r, self._next_spill(r)) for _ in range(min(self.hot_blocks, r.num_dev_pages))]
         r.hot_slot = self.free_hot.pop()
         while len(blocks) < self.hot_blocks:
             if not self.free and not self._make_room(1):
@@ -173,15 +199,21 @@ class Residency:
         r.hot_blocks = blocks
         self.actions.hot_assigned.append((r.hot_slot, list(blocks)))
 
-    def _spill_order(self, r: ReqPages) -> list[int]:
-        """Device pages to drop first: oldest first, the page being written (and later ones) last."""
+    def _next_spill(self, r: ReqPages) -> int:
+        """The device page to drop next: the oldest, the page being written (and later ones) last.
+        Amortised O(1): pages below `spill_from` are known to be spilled already."""
         tail = max(r.num_filled_pages - 1, 0)
-        pages = [p for p, d in enumerate(r.dev) if d >= 0]
-        return [p for p in pages if p < tail] + [p for p in pages if p >= tail]
+        for p in range(r.spill_from, tail):
+            if r.dev[p] >= 0:
+                r.spill_from = p + 1
+                return p
+        r.spill_from = tail
+        return next(p for p in range(tail, len(r.dev)) if r.dev[p] >= 0)
 
     def _spill(self, r: ReqPages, page: int) -> int:
         block = r.dev[page]
         r.dev[page] = -1
+        r.num_dev_pages -= 1
         self.actions.page_updates.append((r.slot, page, -1))
         self.num_spilled_pages += 1
         return block
@@ -190,11 +222,10 @@ class Residency:
         sparse = sorted((r for r in self.reqs.values() if r.hot_slot >= 0),
                         key=lambda r: (len(r.dev) - r.num_dev_pages, r.slot))
         for r in sparse:
-            missing = [p for p, d in enumerate(r.dev) if d < 0]
-            if len(missing) + margin > len(self.free) + self.hot_blocks:
+            if len(r.dev) - r.num_dev_pages + margin > len(self.free) + self.hot_blocks:
                 break
             self._release_hot(r)
-            for p in missing:
+            for p in [p for p, d in enumerate(r.dev) if d < 0]:
                 self._place(r, p, self.free.pop())
 
     def _top_up(self, margin: int) -> None:

@@ -88,10 +88,12 @@ def test_spill_page_by_page_then_restore_whole():
 def test_request_longer_than_the_device_pool_goes_to_host():
     res = Residency(num_device_blocks=4, hot_blocks=2, max_reqs=2)
     res.sync("long", list(range(9)), 9 * 64)
-    res.rebalance(margin=0)
+    a = res.rebalance(margin=0)
     _check_invariants(res)
     r = res.reqs["long"]
-    assert r.hot_slot >= 0 and r.num_dev_pages == 2 and r.state == "mixed"
+    assert r.hot_slot >= 0 and r.state == "mixed" and r.dev[8] >= 0 and r.num_dev_pages == 1, \
+        "it goes straight to a hot buffer; a spare block keeps the page being written"
+    assert a.restores == [(8, r.dev[8])], "no page is copied in only to be dropped again"
 
 
 def test_offload_only_keeps_nothing_on_the_device():
