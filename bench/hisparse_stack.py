@@ -151,7 +151,8 @@ def decode_meta(table: torch.Tensor, seq_len: int, req_ids: list[str], block_siz
     B, dev = table.shape[0], table.device
     pos = torch.full((B,), seq_len - 1, dtype=torch.int64, device=dev)
     slot = table[:, (seq_len - 1) // block_size].long() * block_size + (seq_len - 1) % block_size
-    meta = AttnMetadata(positions=pos, slot_mapping=slot, query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=dev),
+    meta = AttnMetadata(positions=pos, slot_mapping=slot,
+                        query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=dev),
                         seq_lens=torch.full((B,), seq_len, dtype=torch.int32, device=dev), block_table=table,
                         token_req_idx=torch.arange(B, dtype=torch.int32, device=dev),
                         query_start_loc_cpu=list(range(B + 1)), seq_lens_cpu=[seq_len] * B, block_size=block_size)

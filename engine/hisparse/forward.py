@@ -25,6 +25,15 @@ import torch
 from engine.attention.metadata import AttnMetadata
 
 RESIDENT, HOT, STAGED = "resident", "hot", "staged"
+
+
+def to_dev(x, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list / tensor -> `dev` without waiting for the GPU: through pinned memory, non-blocking (a
+    plain .to() of pageable memory synchronises the stream, mid-forward here)."""
+    t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
 MAX_STAGE_PAGES = 1 << 14  # one staged workspace holds at most this many pages per layer (1M tokens)
 
 
@@ -77,7 +86,8 @@ class ForwardState:
 def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
     req_ids = meta.scratch.get("req_ids")
     if req_ids is None or len(req_ids) != meta.num_reqs:
-        raise RuntimeError("hisparse needs the batch's request ids in meta.scratch['req_ids'] (runner.inputs.build_batch)")
+        raise RuntimeError("hisparse needs the batch's request ids in meta.scratch['req_ids'] "
+                           "(set by engine.runner.inputs.build_batch)")
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     reqs = [mgr.residency.reqs[rid] for rid in req_ids]
     paths = []
@@ -112,12 +122,12 @@ def _dev_slots(mgr, meta: AttnMetadata, reqs, paths: list[str], starts: list[int
     tok = meta.token_req_idx.long()
     pos = meta.positions.long()
     bs = meta.block_size
-    slot_of = torch.tensor([r.slot for r in reqs], dtype=torch.long).to(dev)[tok]
+    slot_of = to_dev([r.slot for r in reqs], dev)[tok]
     page = mgr.page_table[slot_of, pos // bs].long()
     out = torch.where(page >= 0, page * bs + pos % bs, torch.full_like(pos, -1))
     if HOT in paths:
-        hs = torch.tensor([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)]).to(dev)[tok]
-        row = (mgr.layout.lru_rows + pos - torch.tensor(starts).to(dev)[tok]).clamp(0, mgr.layout.rows - 1)
+        hs = to_dev([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)], dev)[tok]
+        row = (mgr.layout.lru_rows + pos - to_dev(starts, dev)[tok]).clamp(0, mgr.layout.rows - 1)
         hot_slot = mgr.hot.blocks[hs.clamp(min=0), row // bs].long() * bs + row % bs
         out = torch.where((page < 0) & (hs >= 0), hot_slot, out)
     return out
@@ -132,21 +142,21 @@ def _hot_batch(mgr, meta, reqs, hot: list[int], starts, num_pages, pool: list[in
     for b in hot:
         ws_base.append(at)
         at += num_pages[b]
-    hb = HotBatch(req_idx=hot, entry_rows=torch.tensor(rows, dtype=torch.long).to(dev),
-                  start=torch.tensor([starts[b] for b in hot], dtype=torch.long).to(dev),
-                  hot_slot=torch.tensor([reqs[b].hot_slot for b in hot], dtype=torch.long).to(dev),
-                  table_slot=torch.tensor([reqs[b].slot for b in hot], dtype=torch.long).to(dev),
-                  host_table=meta.block_table[torch.tensor(hot).to(dev)].long(),
-                  hot_base=torch.tensor([num_pages[b] * meta.block_size for b in hot], dtype=torch.long).to(dev),
-                  ws_base=torch.tensor(ws_base, dtype=torch.long).to(dev))
+    hb = HotBatch(req_idx=hot, entry_rows=to_dev(rows, dev),
+                  start=to_dev([starts[b] for b in hot], dev),
+                  hot_slot=to_dev([reqs[b].hot_slot for b in hot], dev),
+                  table_slot=to_dev([reqs[b].slot for b in hot], dev),
+                  host_table=meta.block_table[to_dev(hot, dev)].long(),
+                  hot_base=to_dev([num_pages[b] * meta.block_size for b in hot], dev),
+                  ws_base=to_dev(ws_base, dev))
     if not mgr.assemble:  # where each hot request's rows sit inside the pool part
         at, where_in_pool = 0, {}
         for b in pool:
             where_in_pool[b] = at
             at += qsl[b + 1] - qsl[b]
         pairs = [(where_in_pool[b] + i, j * M + i) for j, b in enumerate(hot) for i in range(qsl[b + 1] - qsl[b])]
-        hb.pool_rows = torch.tensor([p for p, _ in pairs], dtype=torch.long).to(dev)
-        hb.entry_ids = torch.tensor([e for _, e in pairs], dtype=torch.long).to(dev)
+        hb.pool_rows = to_dev([p for p, _ in pairs], dev)
+        hb.entry_ids = to_dev([e for _, e in pairs], dev)
     return hb
 
 
@@ -157,13 +167,13 @@ def _pool_table(mgr, reqs, pool: list[int], num_pages: list[int], paths: list[st
     widths = [num_pages[b] + (H if paths[b] == HOT else 0) for b in pool]
     wp = max(num_pages[b] for b in pool)
     table = torch.zeros((len(pool), max(widths)), dtype=torch.int32, device=dev)
-    slots = torch.tensor([reqs[b].slot for b in pool]).to(dev)
+    slots = to_dev([reqs[b].slot for b in pool], dev)
     table[:, :wp] = mgr.page_table[slots, :wp].clamp(min=0)
     hot_i = [i for i, b in enumerate(pool) if paths[b] == HOT]
     if hot_i:
         cols = torch.tensor([num_pages[pool[i]] for i in hot_i])[:, None] + torch.arange(H)[None, :]
-        hs = torch.tensor([reqs[pool[i]].hot_slot for i in hot_i]).to(dev)
-        table[torch.tensor(hot_i).to(dev)[:, None], cols.to(dev)] = mgr.hot.blocks[hs]
+        hs = to_dev([reqs[pool[i]].hot_slot for i in hot_i], dev)
+        table[to_dev(hot_i, dev)[:, None], to_dev(cols, dev)] = mgr.hot.blocks[hs]
     return table
 
 
@@ -175,7 +185,7 @@ def _workspace(meta: AttnMetadata, req_idx: list[int], num_pages: list[int]) -> 
         base.append(at)
         at += num_pages[b]
     width = max(num_pages[b] for b in req_idx)
-    table = (torch.tensor(base)[:, None] + torch.arange(width)[None, :]).clamp(max=at - 1).to(torch.int32).to(dev)
+    table = to_dev((torch.tensor(base)[:, None] + torch.arange(width)[None, :]).clamp(max=at - 1).to(torch.int32), dev)
     return Workspace(sub=sub_batch(meta, req_idx, table, [meta.seq_lens_cpu[b] for b in req_idx]), num_blocks=at)
 
 
@@ -190,11 +200,11 @@ def _staged(mgr, meta: AttnMetadata, reqs, staged: list[int], num_pages: list[in
     for group in groups:
         ws = _workspace(meta, group, num_pages)
         counts = torch.tensor([num_pages[b] for b in group])
-        req_of = torch.repeat_interleave(torch.arange(len(group)), counts).to(dev)
-        page = torch.arange(ws.num_blocks, device=dev) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts).to(dev)
-        slots = torch.tensor([reqs[b].slot for b in group]).to(dev)[req_of]
-        host = meta.block_table[torch.tensor(group).to(dev)[req_of], page].long()
+        req_of = to_dev(torch.repeat_interleave(torch.arange(len(group)), counts), dev)
+        page = torch.arange(ws.num_blocks, device=dev) - to_dev(torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts), dev)
+        slots = to_dev([reqs[b].slot for b in group], dev)[req_of]
+        host = meta.block_table[to_dev(group, dev)[req_of], page].long()
         src_dev = mgr.page_table[slots, page].long()
         ws.src_dev, ws.dst = src_dev, torch.arange(ws.num_blocks, device=dev)
         ws.src_host = torch.where(src_dev < 0, host, torch.full_like(host, -1))
@@ -214,13 +224,13 @@ def sub_batch(meta: AttnMetadata, req_idx: list[int], block_table: torch.Tensor,
     if req_idx == list(range(meta.num_reqs)):
         rows, positions, slot_mapping, tok = None, meta.positions, meta.slot_mapping, meta.token_req_idx
     else:
-        rows = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in req_idx]).to(dev)
+        rows = to_dev(torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in req_idx]), dev)
         positions, slot_mapping = meta.positions[rows], meta.slot_mapping[rows]
-        tok = torch.repeat_interleave(torch.arange(len(req_idx), dtype=torch.int32),
-                                      torch.tensor(counts, dtype=torch.int64)).to(dev)
+        tok = to_dev(torch.repeat_interleave(torch.arange(len(req_idx), dtype=torch.int32),
+                                             torch.tensor(counts, dtype=torch.int64)), dev)
     sub = AttnMetadata(positions=positions, slot_mapping=slot_mapping,
-                       query_start_loc=torch.tensor(new_qsl, dtype=torch.int32).to(dev),
-                       seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev), block_table=block_table,
+                       query_start_loc=to_dev(new_qsl, dev, torch.int32),
+                       seq_lens=to_dev(seq_lens, dev, torch.int32), block_table=block_table,
                        token_req_idx=tok, query_start_loc_cpu=new_qsl, seq_lens_cpu=list(seq_lens),
                        block_size=meta.block_size)
     return SubBatch(req_idx=list(req_idx), rows=rows, meta=sub)

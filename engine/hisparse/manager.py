@@ -9,6 +9,7 @@ import torch
 
 from engine.engine_config import EngineConfig
 from engine.hisparse.backend import HiSparseBackend
+from engine.hisparse.forward import to_dev
 from engine.hisparse.host_pool import HiSparseKVCache, host_blocks_for
 from engine.hisparse.hot_buffer import HotBuffers
 from engine.hisparse.layout import HotLayout, LayerGroups
@@ -104,8 +105,7 @@ class HiSparseManager:
         if a.page_updates:
             last = {(s, p): v for s, p, v in a.page_updates}  # a page can move twice in one step
             s, p = zip(*last)
-            self.page_table[torch.tensor(s).to(dev), torch.tensor(p).to(dev)] = \
-                torch.tensor(list(last.values()), dtype=torch.int32).to(dev)
+            self.page_table[to_dev(s, dev), to_dev(p, dev)] = to_dev(list(last.values()), dev, torch.int32)
         for hot_slot, blocks in a.hot_assigned:
             self.hot.assign(hot_slot, blocks)
         mla, host = self.cache.mla, self.cache.host.mla

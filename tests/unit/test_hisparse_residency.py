@@ -11,7 +11,8 @@ from engine.hisparse.residency import DeviceFootprint, Residency
 
 
 def _check_invariants(res: Residency) -> None:
-    held = [d for r in res.reqs.values() for d in r.dev if d >= 0] + [b for r in res.reqs.values() for b in r.hot_blocks]
+    held = [d for r in res.reqs.values() for d in r.dev if d >= 0]
+    held += [b for r in res.reqs.values() for b in r.hot_blocks]
     assert len(held) + len(res.free) == res.num_device_blocks, "a device block leaked or was double counted"
     assert len(set(held) | set(res.free)) == res.num_device_blocks
     hot_slots = [r.hot_slot for r in res.reqs.values() if r.hot_slot >= 0]
