@@ -151,6 +151,16 @@ def test_pressure_spills_page_by_page_and_completes(code16, prompts, reference):
     _assert_nothing_leaked(llm, 9)
 
 
+def test_host_pool_bounds_admission_and_preempts_by_recompute(code16, prompts, reference):
+    """4 requests of 3-4 pages each and a host pool of 9 blocks: preemption (recompute) keeps them exact."""
+    llm = LLM(str(code16), num_blocks=6, hisparse={"host_pool_blocks": 9}, num_speculative_tokens=3,
+              enable_prefix_caching=False, **EXACT)
+    assert _run(llm, prompts) == reference[3]
+    st = llm.get_stats()
+    assert st.num_preemptions > 0 and st.num_blocks == 9
+    _assert_nothing_leaked(llm, 6)
+
+
 def test_virtual_layout_path_equals_resident(code16, prompts, reference):
     """The GPU read path (block table of device pages + hot blocks, remapped selections) on the torch backend."""
     llm = _hisparse(code16, num_blocks=7, spec=3)
