@@ -76,7 +76,7 @@ def run_case(args, mode: str, context: int, batch: int, device: torch.device, ch
     else:
         mgr = hisparse_manager(cfg, spec, ctx, device, offload_only=mode == "offload")
         cache, backend = mgr.cache, mgr.wrap(inner)
-        fill_pages(cache.host.mla, cache.index, spec)
+        fill_pages(cache.mla, cache.index, spec)  # the host pool
         place(mgr, ctx, context)
         states = mgr.residency.count_states()
         assert states["resident"] == 0, f"{mode}: every request must decode from the host pool, got {states}"

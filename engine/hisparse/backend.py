@@ -1,7 +1,7 @@
 """The attention backend the model sees under HiSparse: it wraps the real one (torch or Triton).
 
     store_kv       the inner backend quantises the rows into a scratch page; they are copied to their device
-                   slot (page or reserved hot row) and backed up to the host pool (write-through, stream order)
+                   slot (page or reserved hot row) and to the host pool (write-through, in stream order)
     store_index_k  \\ unchanged: the index cache is addressed by host blocks, exactly like the block tables
     indexer_topk   /
     sparse_mla     full layer: resolve this step's plan for the hot requests (hits / misses / victims) and
@@ -65,8 +65,8 @@ class HiSparseBackend:
                                      dtype=spec.mla_torch_dtype, device=latent.device)
         rows = torch.arange(T, device=latent.device)
         self.inner.store_kv(_OneLayer(fw.scratch), layer, latent, k_rope, dataclasses.replace(meta, slot_mapping=rows))
-        self.mgr.mover.copy(fw.scratch, rows, cache.mla_layer(layer), fw.dev_slots)
-        self.mgr.mover.copy(fw.scratch, rows, cache.host.mla_layer(layer), meta.slot_mapping)
+        self.mgr.mover.copy(fw.scratch, rows, cache.pool.mla_layer(layer), fw.dev_slots)
+        self.mgr.mover.copy(fw.scratch, rows, cache.mla_layer(layer), meta.slot_mapping)  # write-through
 
     def store_index_k(self, cache, layer: int, k: torch.Tensor, meta: AttnMetadata) -> None:
         self.inner.store_index_k(cache, layer, k, meta)
@@ -87,10 +87,10 @@ class HiSparseBackend:
         parts = []
         if fw.pool is not None:
             sel = plan.pool_sel if plan.pool_sel is not None else _rows(topk_pos, fw.pool.rows)
-            parts.append((fw.pool.rows, self.inner.sparse_mla(cache, layer, _rows(q, fw.pool.rows), sel,
+            parts.append((fw.pool.rows, self.inner.sparse_mla(cache.pool, layer, _rows(q, fw.pool.rows), sel,
                                                               fw.pool.meta, sm_scale)))
         if fw.assembled is not None:
-            self._assemble(fw.assembled, cache.mla_layer(layer), plan)
+            self._assemble(fw.assembled, cache.pool.mla_layer(layer), plan)
             parts.append((fw.assembled.sub.rows, self._attend(fw.assembled, layer, q, topk_pos, sm_scale)))
         for ws in fw.staged:
             self._stage(fw, ws, cache, layer)
@@ -138,7 +138,7 @@ class HiSparseBackend:
         layers = mgr.groups.layers[group]
         mgr.count_plan(p.num_hits, p.num_misses, len(layers))
         fw.events.update(mgr.mover.copy_layers(
-            [(cache.host.mla_layer(l), cache.mla_layer(l)) for l in layers], src.flatten(), dst.flatten(), layers))
+            [(cache.mla_layer(l), cache.pool.mla_layer(l)) for l in layers], src.flatten(), dst.flatten(), layers))
 
     def _assemble(self, ws: Workspace, pool_layer: torch.Tensor, plan: GroupPlan) -> None:
         """Selected rows (device pages or hot rows) -> their positions in a zeroed workspace."""
@@ -152,11 +152,11 @@ class HiSparseBackend:
         spec = self.spec
         if fw.stage_buf is None:  # one buffer for every staged workspace: they are used one after the other
             fw.stage_buf = torch.empty((max(w.num_blocks for w in fw.staged), spec.block_size, spec.mla_row),
-                                       dtype=spec.mla_torch_dtype, device=cache.mla.device)
+                                       dtype=spec.mla_torch_dtype, device=cache.pool.mla.device)
         ws.buf = fw.stage_buf[: ws.num_blocks]
         dst = _pages(ws.buf)
-        self.mgr.mover.copy(_pages(cache.mla_layer(layer)), ws.src_dev, dst, ws.dst)
-        self.mgr.mover.copy(_pages(cache.host.mla_layer(layer)), ws.src_host, dst, ws.dst)
+        self.mgr.mover.copy(_pages(cache.pool.mla_layer(layer)), ws.src_dev, dst, ws.dst)
+        self.mgr.mover.copy(_pages(cache.mla_layer(layer)), ws.src_host, dst, ws.dst)
         self.mgr.count_h2d(ws.num_host_pages * spec.block_size * spec.mla_row * spec.mla_torch_dtype.itemsize)
 
 

@@ -108,7 +108,7 @@ class HiSparseManager:
             self.page_table[to_dev(s, dev), to_dev(p, dev)] = to_dev(list(last.values()), dev, torch.int32)
         for hot_slot, blocks in a.hot_assigned:
             self.hot.assign(hot_slot, blocks)
-        mla, host = self.cache.mla, self.cache.host.mla
+        mla, host = self.cache.pool.mla, self.cache.mla
         for host_block, dev_block in a.restores:
             mla[dev_block].copy_(host[host_block], non_blocking=True)
         if a.restores:

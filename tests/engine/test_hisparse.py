@@ -194,6 +194,33 @@ def test_prefix_cache_hits_come_back_from_the_host_pool(code16, prompts):
     _assert_nothing_leaked(llm, 12)
 
 
+def test_kv_imported_by_block_id_lands_in_the_host_pool(code16, prompts, reference):
+    """The disaggregation path: a prefill engine's blocks copied into a HiSparse decode engine by block id
+    (cache.mla / cache.index, as NIXL would) decode exactly like the aggregated engine."""
+    pre = LLM(str(code16), num_blocks=16, **EXACT).core
+    dec = _hisparse(code16, num_blocks=3).core
+    ids = prompts[2]
+    r = Request("pre", list(ids), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                hold_kv_on_finish=True)
+    pre.add_request(r)
+    while pre.has_unfinished():
+        first = pre.step()[-1].new_token_ids
+    d = Request("dec", list(ids), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    d.append_output(first)
+    block_ids, n_cached = dec.reserve_import(d, len(ids))
+    src, dst = pre.runner.kv_cache, dec.runner.kv_cache
+    for s_id, d_id in zip(pre.held_block_ids("pre"), block_ids):
+        dst.mla[d_id].copy_(src.mla[s_id])
+        dst.index[d_id].copy_(src.index[s_id])
+    dec.import_done("dec", ok=True)
+    got = list(first)
+    while dec.has_unfinished():
+        for o in dec.step():
+            got.extend(o.new_token_ids)
+    assert got == reference[0][2]
+    assert dec.stats().hisparse.misses > 0, "the imported request decoded from the host pool"
+
+
 def test_offload_only_baseline_equals_and_moves_whole_contexts(code16, prompts, reference):
     llm = _hisparse(code16, num_blocks=1, offload_only=True)
     assert _run(llm, prompts[:2]) == reference[0][:2]
