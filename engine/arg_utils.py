@@ -81,7 +81,7 @@ class EngineArgs:
                                     cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
                                     data_parallel_size=self.data_parallel_size),
             speculative=self._speculative(),
-            hisparse=HiSparseConfig(**hisparse) if hisparse else None,
+            hisparse=HiSparseConfig.from_dict(hisparse) if hisparse is not None else None,
             device=device, dtype=dtype, seed=self.seed, attention_backend=self.attention_backend)
 
     def _speculative(self) -> SpeculativeConfig | None:
@@ -112,6 +112,9 @@ class EngineArgs:
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--speculative-config", type=json.loads, default=None)
         g.add_argument("--attention-config", type=json.loads, default=None)
+        g.add_argument("--hisparse-config", dest="hisparse", type=json.loads, default=None,
+                       help='hybrid HiSparse for decode, e.g. {"host_pool_gib": 48} (same as attention-config '
+                            'hisparse_config)')
         g.add_argument("--prefill-context-parallel-size", type=int, default=1)
         g.add_argument("--decode-context-parallel-size", type=int, default=1)
         g.add_argument("--enable-expert-parallel", action="store_true")

@@ -29,6 +29,7 @@ class EngineStats:
     spec_emitted: int
     num_preemptions: int
     num_queued_tokens: int = 0  # prompt tokens of waiting requests still to compute (a load figure)
+    hisparse: object | None = None  # engine.hisparse.HiSparseStats when HiSparse is on
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -53,6 +54,9 @@ class EngineCore:
         self.runner = (runner_factory or ModelRunner)(cfg)
         self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.cache.block_size,
                                  cfg.parallel.decode_context_parallel_size, cfg.cache.enable_prefix_caching)
+        hisparse = getattr(self.runner, "hisparse", None)
+        if hisparse is not None:  # admission by host blocks (the pool above) and by device room
+            self.kv.device_footprint = hisparse.footprint()
         self.scheduler = Scheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
 
     def validate(self, req: Request) -> None:
@@ -114,4 +118,5 @@ class EngineCore:
                            prefix_hits=self.kv.prefix_hits, spec_drafts=s.spec_drafts, spec_accepted=s.spec_accepted,
                            spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
                            num_preemptions=s.num_preemptions,
-                           num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting))
+                           num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+                           hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None)

@@ -105,15 +105,39 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class HiSparseConfig:
+    """Hybrid HiSparse for decode (DESIGN §6, `engine/hisparse/`).
+
+    host_pool_gib       host memory for every request's MLA rows (all layers incl. MTP); admission is
+                        bounded by it. `host_pool_blocks` overrides it with an exact block count (tests).
+    device_buffer_size  LRU rows per request per layer of a non-resident request's hot buffer (default
+                        2 * index_topk); raised to (1 + drafts) * index_topk with MTP so the union of the
+                        verify rows' selections always fits.
+    offload_only        comparison baseline: no device pages and no hot buffer; every step brings each
+                        request's whole context back to the device, layer by layer.
+    """
+
     host_pool_gib: float = 1.0
     device_buffer_size: int | None = None  # hot rows per request per layer; default 2 * index_topk
     offload_only: bool = False  # baseline: bring the whole request back each step
+    host_pool_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.host_pool_gib <= 0:
             raise ValueError("hisparse host_pool_gib must be > 0")
         if self.device_buffer_size is not None and self.device_buffer_size < 1:
             raise ValueError("hisparse device_buffer_size must be >= 1")
+        if self.host_pool_blocks is not None and self.host_pool_blocks < 1:
+            raise ValueError("hisparse host_pool_blocks must be >= 1")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "HiSparseConfig | None":
+        if d is None:
+            return None
+        unknown = set(d) - {"host_pool_gib", "device_buffer_size", "offload_only", "host_pool_blocks"}
+        if unknown:
+            raise ValueError(f"unknown hisparse keys: {sorted(unknown)} (known: host_pool_gib, device_buffer_size, "
+                             "offload_only, host_pool_blocks)")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -133,6 +157,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.hisparse is not None and self.parallel.world_size > 1:
+            raise ValueError("hisparse runs on single-rank decode engines: drop it or the context parallel sizes")
         if self.speculative is not None and not self.model.has_mtp:
             raise ValueError("speculative decoding with MTP needs a checkpoint with an MTP layer")
         pc = self.parallel

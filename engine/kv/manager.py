@@ -22,6 +22,9 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # how many leading blocks of a request are published
         self.prefix_queries = 0  # tokens looked up / hit, for the hit-rate metric
         self.prefix_hits = 0
+        # HiSparse: block ids are host blocks; this bounds what the device pool must hold for them
+        # (engine.hisparse.residency.DeviceFootprint: fits(old, new) / update(old, new) in blocks)
+        self.device_footprint = None
 
     # ---- lookup --------------------------------------------------------------------------------
     def _virtual_hashes(self, req: Request) -> list[bytes]:
@@ -62,6 +65,9 @@ class KVCacheManager:
         n_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
         if n_new + n_free_hits > self.pool.num_free_blocks:
             return None
+        fp, n_before, n_after = self.device_footprint, len(held), len(held) + len(computed) + n_new
+        if fp is not None and not fp.fits(n_before, n_after):
+            return None
         self.pool.touch(computed)
         fresh = self.pool.allocate(n_new)
         blocks = self.req_blocks.setdefault(req.req_id, [])
@@ -69,6 +75,8 @@ class KVCacheManager:
         blocks.extend(fresh)
         if computed:
             self._num_cached[req.req_id] = self._num_cached.get(req.req_id, 0) + len(computed)
+        if fp is not None:
+            fp.update(n_before, n_after)
         return [b.block_id for b in list(computed) + fresh]
 
     def cache_blocks(self, req: Request, num_final_tokens: int) -> None:
@@ -88,6 +96,8 @@ class KVCacheManager:
     def free(self, req_id: str) -> None:
         blocks = self.req_blocks.pop(req_id, [])
         self._num_cached.pop(req_id, None)
+        if self.device_footprint is not None:
+            self.device_footprint.update(len(blocks), 0)
         self.pool.free(reversed(blocks))
 
     def block_ids(self, req_id: str) -> list[int]:

@@ -51,6 +51,7 @@ def build_batch(rows: list[tuple[RunnerRequest, int, list[int]]], block_size: in
         tables.append(req.block_ids)
     meta = build_metadata(positions=positions, slot_mapping=slot_mapping, query_lens=query_lens, seq_lens=seq_lens,
                           block_tables=tables, block_size=block_size, device=device)
+    meta.scratch["req_ids"] = layout.req_ids  # backends that keep per-request state (HiSparse) look them up
     return torch.tensor(input_ids, dtype=torch.long).to(device), meta, layout
 
 

@@ -37,8 +37,18 @@ class ModelRunner:
             cfg.model, device=self.device, dtype=cfg.torch_dtype, with_mtp=self.with_mtp, checkpoint=cfg.model_path)
         self.spec = KVCacheSpec.from_model(cfg.model, block_size=self.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
                                            indexer_precision=cfg.cache.indexer_precision, with_mtp=self.with_mtp)
-        self.kv_cache = PagedKVCache(self.spec, num_blocks or num_kv_blocks(cfg, self.spec), self.device)
+        num_blocks = num_blocks or num_kv_blocks(cfg, self.spec)
+        self.hisparse = None  # HiSparse: host pool + device pages + hot buffers behind a backend wrapper
+        if cfg.hisparse is not None:
+            from engine.hisparse import HiSparseManager
+
+            self.hisparse = HiSparseManager(cfg, self.spec, self.device, num_blocks)
+            self.kv_cache = self.hisparse.cache
+        else:
+            self.kv_cache = PagedKVCache(self.spec, num_blocks, self.device)
         self.backend = get_attention_backend(self.spec, self.device, cfg.attention_backend)
+        if self.hisparse is not None:
+            self.backend = self.hisparse.wrap(self.backend)
         self.inv_freq = rope_inv_freq(cfg.model.qk_rope_head_dim, cfg.model.rope_theta, self.device)
         self.sampler = Sampler(self.device, cfg.seed)
         self.states: dict[str, RunnerRequest] = {}
@@ -73,6 +83,8 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._update_states(sched)
+        if self.hisparse is not None:
+            self.hisparse.begin_step(sched, self.states)
         out = RunnerOutput()
         if sched.is_empty:
             return out
