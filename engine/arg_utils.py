@@ -37,6 +37,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    mtp_kv: bool = True
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int | None = None
     speculative_config: dict | None = None
@@ -70,7 +71,8 @@ class EngineArgs:
             model_path=model_path, model=mcfg,
             cache=CacheConfig(block_size=self.block_size, kv_cache_dtype=kv_dtype, indexer_precision=indexer,
                               num_blocks=self.num_blocks, gpu_memory_utilization=self.gpu_memory_utilization,
-                              cpu_kv_cache_gib=self.cpu_kv_cache_gib, enable_prefix_caching=self.enable_prefix_caching),
+                              cpu_kv_cache_gib=self.cpu_kv_cache_gib, enable_prefix_caching=self.enable_prefix_caching,
+                              mtp_kv=self.mtp_kv),
             scheduler=SchedulerConfig(max_model_len=max_len,
                                       max_num_batched_tokens=self.max_num_batched_tokens or max(8192, 1),
                                       max_num_seqs=self.max_num_seqs, enable_chunked_prefill=self.enable_chunked_prefill),
@@ -110,6 +112,8 @@ class EngineArgs:
         g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--mtp-kv", action=argparse.BooleanOptionalAction, default=True,
+                       help="keep/compute the MTP layer's KV (default on when the model has one)")
         g.add_argument("--speculative-config", type=json.loads, default=None)
         g.add_argument("--attention-config", type=json.loads, default=None)
         g.add_argument("--hisparse-config", dest="hisparse", type=json.loads, default=None,

@@ -25,6 +25,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0  # KV budget when the "device" is the CPU
     enable_prefix_caching: bool = True
+    # Keep (and compute) the MTP layer's KV when the model has one, even without speculating: every
+    # engine of a deployment then has one block layout, and decode engines that draft find the MTP
+    # cache of imported prompts filled in (it costs one extra layer's worth of prefill).
+    mtp_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size != 64:
@@ -161,6 +165,8 @@ class EngineConfig:
             raise ValueError("hisparse runs on single-rank decode engines: drop it or the context parallel sizes")
         if self.speculative is not None and not self.model.has_mtp:
             raise ValueError("speculative decoding with MTP needs a checkpoint with an MTP layer")
+        if self.speculative is not None and not self.cache.mtp_kv:
+            raise ValueError("speculative decoding needs the MTP layer's KV: drop --no-mtp-kv")
         pc = self.parallel
         if pc.enable_expert_parallel and pc.world_size > 1 and self.model.n_routed_experts % pc.world_size:
             raise ValueError(f"expert parallelism over {pc.world_size} ranks needs n_routed_experts "
@@ -172,6 +178,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def with_mtp(self) -> bool:
+        """Whether engines build the MTP layer and keep its KV (the last layer of the cache)."""
+        return self.model.has_mtp and self.cache.mtp_kv
 
     @property
     def num_spec_tokens(self) -> int:

@@ -1,35 +1,78 @@
-"""`make demo`: generate from the shipped tiny-code checkpoint and print tokens and timings."""
+"""`make demo`: start the whole system as local processes (`pdserve up` with configs/topology.cpu.yaml:
+Redis if none answers, kvstore, prefill, decode with MTP, router), stream one chat completion through
+the router's OpenAI API, print the text as it arrives and the timings, then stop everything."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINT = ROOT / "checkpoints" / "tiny-code"
+TOPOLOGY = ROOT / "configs" / "topology.cpu.yaml"
 
 
-def offline_demo() -> None:
-    from engine import LLM, SamplingParams
-
+def stream_chat(url: str, prompt: str, max_tokens: int) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
     t0 = time.perf_counter()
-    llm = LLM(str(CHECKPOINT), num_blocks=256, num_speculative_tokens=3)
-    load_s = time.perf_counter() - t0
-    prompt = "def fibonacci(n):\n"
-    t1 = time.perf_counter()
-    (out,) = llm.generate(prompt, SamplingParams(max_tokens=64, temperature=0.0))
-    gen_s = time.perf_counter() - t1
-    st = llm.get_stats()
-    print(f"model: {CHECKPOINT.name} (loaded in {load_s:.2f} s)")
-    print(f"prompt: {prompt!r}")
-    print("output:\n" + prompt + out.text)
-    print(f"token ids: {out.token_ids}")
-    m = out.metrics
-    print(f"{len(out.token_ids)} tokens in {gen_s:.2f} s ({len(out.token_ids) / gen_s:.1f} tok/s), "
-          f"TTFT {m.ttft * 1e3:.0f} ms, MTP acceptance length {st.spec_mean_acceptance_length:.2f}")
+    first, n_chunks, usage = None, 0, {}
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                text = choice["delta"].get("content", "")
+                if text:
+                    first = first or time.perf_counter()
+                    n_chunks += 1
+                    print(text, end="", flush=True)
+    end = time.perf_counter()
+    return {"ttft_s": (first or end) - t0, "total_s": end - t0, "chunks": n_chunks, "usage": usage,
+            "decode_s": end - (first or end)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.demo", description=__doc__)
+    p.add_argument("--config", default=str(TOPOLOGY))
+    p.add_argument("--prompt", default="Write a Python function that returns the n-th Fibonacci number.")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--keep", action="store_true", help="leave the services running")
+    a = p.parse_args(argv)
+
+    from services import launcher
+
+    print(f"starting the services of {Path(a.config).name} (logs in .run/) ...", flush=True)
+    t0 = time.perf_counter()
+    dep = launcher.up(a.config, echo=lambda s: print("  " + s, flush=True))
+    print(f"all healthy in {time.perf_counter() - t0:.1f} s\n")
+    try:
+        url = dep.endpoints()["router"][0]
+        print(f"POST {url}/v1/chat/completions (stream)\nuser: {a.prompt}\nassistant:", flush=True)
+        r = stream_chat(url, a.prompt, a.max_tokens)
+        u = r["usage"]
+        n = u.get("completion_tokens", 0)
+        print("\n\n--- timings ---")
+        print(f"prompt tokens {u.get('prompt_tokens')}, completion tokens {n}, "
+              f"cached prompt tokens {u.get('prompt_tokens_details', {}).get('cached_tokens')}")
+        print(f"time to first token {r['ttft_s'] * 1e3:.0f} ms; total {r['total_s']:.2f} s; "
+              f"decode {max(n - 1, 0) / max(r['decode_s'], 1e-9):.1f} tokens/s")
+    finally:
+        if not a.keep:
+            launcher.down(dep)
+            print("services stopped")
+    return 0
 
 
 if __name__ == "__main__":
-    offline_demo()
-    sys.exit(0)
+    sys.exit(main())

@@ -35,7 +35,7 @@ class CPModelRunner(ModelRunner):
         pc, mc = cfg.parallel, cfg.model
         shard = (expert_shard(mc.n_routed_experts, comm.rank, comm.world_size)
                  if pc.enable_expert_parallel and mc.n_routed_experts else None)
-        with_mtp = mc.has_mtp and cfg.speculative is not None
+        with_mtp = cfg.with_mtp
         model = build_model(mc, device=torch.device(cfg.device), dtype=cfg.torch_dtype, with_mtp=with_mtp,
                             checkpoint=cfg.model_path, expert_shard=shard)
         spec = KVCacheSpec.from_model(mc, block_size=cfg.cache.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,

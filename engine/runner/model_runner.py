@@ -32,7 +32,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(envs.cpu_threads())
         self.block_size = cfg.cache.block_size
-        self.with_mtp = cfg.model.has_mtp and cfg.speculative is not None
+        self.with_mtp = cfg.with_mtp
         self.model = model if model is not None else build_model(
             cfg.model, device=self.device, dtype=cfg.torch_dtype, with_mtp=self.with_mtp, checkpoint=cfg.model_path)
         self.spec = KVCacheSpec.from_model(cfg.model, block_size=self.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,

@@ -83,9 +83,22 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.world_size > 1 and args.rank > 0:
-        from engine.parallel.worker import run_worker_from_args
+    if args.world_size > 1:  # started rank by rank (launcher / services.common.ranks): torchrun's contract
+        _set_rank_environ(args)
+        if args.rank > 0:
+            from engine.parallel.worker import worker_main
 
-        run_worker_from_args(args)
-        return
+            worker_main()
+            return
     run(lambda: serve(args))
+
+
+def _set_rank_environ(args: argparse.Namespace) -> None:
+    import os
+
+    import torch
+
+    local = args.rank if torch.cuda.is_available() else 0
+    os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(local),
+                      LOCAL_WORLD_SIZE=str(args.world_size), MASTER_ADDR=args.master_addr,
+                      MASTER_PORT=str(args.master_port))

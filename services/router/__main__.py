@@ -1,0 +1,3 @@
+from services.router.main import main
+
+main()

@@ -1,0 +1,222 @@
+"""The router's OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE),
+/v1/models, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.router.flow import Flow, RequestStats, UpstreamError, new_request_id
+from services.router.openai_models import ChatCompletionRequest, CompletionRequest, error_body
+from services.router.requests import BadRequest, Limits, Prepared, prepare_chat, prepare_completion
+from services.router.responses import Formatter, sse, usage
+from services.router.routing import NoInstance
+
+log = logging.getLogger(__name__)
+
+_GRPC_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+              grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+              grpc.StatusCode.FAILED_PRECONDITION: 409}
+
+
+class Overloaded(RuntimeError):
+    """More requests in flight than --max-num-requests."""
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", code=None, param=None,
+                   retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    return JSONResponse(error_body(message, type_, code if code is not None else status, param), status_code=status,
+                        headers=headers)
+
+
+def exception_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, BadRequest):
+        return error_response(400, str(exc), code=exc.code, param=exc.param)
+    if isinstance(exc, Overloaded):
+        return error_response(429, str(exc), "rate_limit_error", retry_after=1)
+    if isinstance(exc, NoInstance):
+        return error_response(503, str(exc), "service_unavailable", retry_after=2)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        status = _GRPC_HTTP.get(exc.code(), 502)
+        return error_response(status, f"{exc.code().name}: {exc.details()}",
+                              "invalid_request_error" if status == 400 else "upstream_error",
+                              retry_after=1 if status in (429, 503) else None)
+    if isinstance(exc, UpstreamError):
+        return error_response(502, str(exc), "upstream_error")
+    log.exception("request failed", exc_info=exc)
+    return error_response(500, f"{type(exc).__name__}: {exc}", "internal_error")
+
+
+class RouterAPI:
+    def __init__(self, flow: Flow, limits: Limits, model_name: str, metrics, *, api_key: str | None = None,
+                 max_num_requests: int = 1024, max_body_bytes: int = 32 << 20):
+        self.flow, self.limits, self.model_name, self.metrics = flow, limits, model_name, metrics
+        self.tok = flow.tokenizer
+        self.api_key = api_key
+        self.max_num_requests, self.max_body_bytes = max_num_requests, max_body_bytes
+        self.inflight = 0
+
+    # ---- plumbing --------------------------------------------------------------------------------
+    def build(self) -> FastAPI:
+        app = FastAPI(title="pdserve router", version="1.0",
+                      description="OpenAI-compatible API of a disaggregated prefill/decode deployment.")
+        app.add_exception_handler(RequestValidationError, self._validation_error)
+        app.add_exception_handler(StarletteHTTPException, self._http_error)
+        app.middleware("http")(self._guard)
+        app.get("/health")(self.health)
+        app.get("/v1/models")(self.models)
+        app.get("/metrics", include_in_schema=False)(self.prometheus)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        return app
+
+    async def _validation_error(self, request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return error_response(400, f"invalid request: {where or 'body'}: {first.get('msg', 'malformed')}",
+                              param=where or None)
+
+    async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    async def _guard(self, request: Request, call_next):
+        """API key and body size, before any parsing."""
+        if self.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                return error_response(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                      "authentication_error")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return error_response(413, f"request body over {self.max_body_bytes} bytes")
+        return await call_next(request)
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise BadRequest(f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
+                             code="model_not_found")
+
+    # ---- endpoints -------------------------------------------------------------------------------
+    async def health(self) -> dict:
+        return {"status": "ok", "redis": self.flow.routing.redis_ok}
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve", "max_model_len": self.limits.max_model_len,
+                                            "vocab_size": self.limits.vocab_size}]}
+
+    async def prometheus(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, body: CompletionRequest):
+        try:
+            self._check_model(body.model)
+            prep = prepare_completion(body, self.tok, self.limits)
+            return await self._respond(Formatter("text", new_request_id("cmpl"), self.model_name, self.tok), prep, 0)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
+            return exception_response(exc)
+
+    async def chat_completions(self, body: ChatCompletionRequest):
+        try:
+            self._check_model(body.model)
+            prep = prepare_chat(body, self.tok, self.limits)
+            fmt = Formatter("chat", new_request_id("chatcmpl"), self.model_name, self.tok)
+            return await self._respond(fmt, prep, body.top_logprobs or 0)
+        except Exception as exc:  # noqa: BLE001
+            return exception_response(exc)
+
+    # ---- running the choices -------------------------------------------------------------------------
+    def _jobs(self, prep: Prepared) -> list[tuple[int, list[int], object]]:
+        jobs = []
+        for p, ids in enumerate(prep.prompts):
+            for i in range(prep.n):
+                params = prep.params
+                if i and params.seed is not None:  # n seeded samples must differ from each other
+                    params = type(params)(**{**params.__dict__, "seed": params.seed + i})
+                jobs.append((p * prep.n + i, ids, params))
+        return jobs
+
+    async def _respond(self, fmt: Formatter, prep: Prepared, top_n: int):
+        jobs = self._jobs(prep)
+        if self.inflight + len(jobs) > self.max_num_requests:
+            raise Overloaded(f"{self.inflight} requests in flight (limit {self.max_num_requests}); retry shortly")
+        if prep.stream:
+            self.inflight += len(jobs)
+            return StreamingResponse(self._stream(fmt, prep, jobs, top_n), media_type="text/event-stream")
+        self.inflight += len(jobs)
+        try:
+            results = await asyncio.gather(*[self._collect(fmt, prep, job, top_n) for job in jobs])
+        finally:
+            self.inflight -= len(jobs)
+        choices = [r[0] for r in results]
+        u = usage(sum(len(prep.prompts[j[0] // prep.n]) for j in jobs if j[0] % prep.n == 0),
+                  sum(r[1].completion_tokens for r in results), sum(r[1].cached_tokens for r in results))
+        return fmt.full(choices, u)
+
+    def _logprobs(self, fmt: Formatter, ids, lps, offset: int, top_n: int):
+        return fmt.chat_logprobs(ids, lps, top_n) if fmt.kind == "chat" else fmt.completion_logprobs(ids, lps, offset)
+
+    async def _collect(self, fmt: Formatter, prep: Prepared, job, top_n: int):
+        index, ids, params = job
+        stats = RequestStats(f"{fmt.req_id}-{index}", len(ids))
+        text, tokens, lps, finish, stop = "", [], [] if params.logprobs is not None else None, None, None
+        async for c in self.flow.generate(ids, params, stats, prep.cache_salt):
+            text += c.text
+            tokens += c.token_ids
+            if lps is not None and c.logprobs:
+                lps += c.logprobs
+            finish, stop = c.finish_reason or finish, c.stop_reason if c.finish_reason else stop
+        return fmt.full_choice(index, text, self._logprobs(fmt, tokens, lps, 0, top_n), finish, stop), stats
+
+    async def _stream(self, fmt: Formatter, prep: Prepared, jobs, top_n: int):
+        queue: asyncio.Queue = asyncio.Queue()
+        all_stats: list[RequestStats] = []
+
+        async def pump(job) -> None:
+            index, ids, params = job
+            stats = RequestStats(f"{fmt.req_id}-{index}", len(ids))
+            all_stats.append(stats)
+            try:
+                offset, first = 0, True
+                async for c in self.flow.generate(ids, params, stats, prep.cache_salt):
+                    lp = self._logprobs(fmt, c.token_ids, c.logprobs, offset, top_n) if c.logprobs else None
+                    queue.put_nowait(fmt.chunk(index, c.text, lp, c.finish_reason, c.stop_reason, first))
+                    offset, first = offset + len(c.text), False
+                queue.put_nowait(None)
+            except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(j)) for j in jobs]
+        try:
+            done = 0
+            while done < len(jobs):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, BaseException):
+                    resp = exception_response(item)
+                    yield sse(resp.body.decode())
+                    break
+                else:
+                    yield sse(item)
+            else:
+                if prep.include_usage:
+                    yield sse(fmt.usage_chunk(usage(sum(s.prompt_tokens for s in all_stats) // max(prep.n, 1),
+                                                    sum(s.completion_tokens for s in all_stats),
+                                                    sum(s.cached_tokens for s in all_stats) // max(prep.n, 1))))
+            yield sse("[DONE]")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.inflight -= len(jobs)

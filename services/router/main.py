@@ -1,0 +1,96 @@
+"""`python -m services.router --model DIR --port 8000 --grpc-port 50050 --redis-url URL`
+
+The OpenAI HTTP API and gRPC Router.Generate, in one asyncio process (uvloop)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import uvicorn
+
+from engine.config import ModelConfig
+from engine.tokenizer import Tokenizer
+from proto.pdserve.v1 import router_pb2_grpc
+from services.common import envs
+from services.common.grpc_server import GrpcServer, run
+from services.common.metrics import ServiceMetrics
+from services.common.net import advertise_host
+from services.common.redis_state import InstanceInfo, InstancePresence, RedisState
+from services.router.flow import Flow
+from services.router.grpc_api import SERVICE_NAME, RouterServicer
+from services.router.http_api import RouterAPI
+from services.router.requests import Limits
+from services.router.routing import Routing
+
+log = logging.getLogger("services.router")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
+    p.add_argument("--model", required=True, help="checkpoint directory (tokenizer, chat template, limits)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the dir name)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
+    p.add_argument("--grpc-port", type=int, default=50050)
+    p.add_argument("--metrics-port", type=int, default=0, help="separate /metrics port (also served on --port)")
+    p.add_argument("--redis-url", default=envs.redis_url())
+    p.add_argument("--instance-id", default=None)
+    p.add_argument("--advertise-host", default=None)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/*")
+    p.add_argument("--max-num-requests", type=int, default=1024, help="in-flight requests before 429")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    p.add_argument("--max-n", type=int, default=16)
+    p.add_argument("--prefill-timeout-s", type=float, default=600.0)
+    p.add_argument("--decode-timeout-s", type=float, default=3600.0)
+    p.add_argument("--lease-ms", type=int, default=0, help="KV lease asked of prefill (0: its default)")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    cfg = ModelConfig.from_pretrained(args.model)
+    tok = Tokenizer(args.model)
+    limits = Limits(max_model_len=args.max_model_len or cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
+                    max_n=args.max_n)
+    name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
+    host = advertise_host(args.advertise_host)
+    instance_id = args.instance_id or f"router-{host}-{args.port}"
+    metrics, state = ServiceMetrics("router", instance_id), RedisState(args.redis_url)
+    flow = Flow(Routing(state), tok, metrics, prefill_timeout_s=args.prefill_timeout_s,
+                decode_timeout_s=args.decode_timeout_s, lease_ms=args.lease_ms)
+    api = RouterAPI(flow, limits, name, metrics, api_key=args.api_key, max_num_requests=args.max_num_requests,
+                    max_body_bytes=args.max_body_bytes)
+    grpc_server = GrpcServer(args.grpc_port, args.host)
+    grpc_server.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(flow, limits, name),
+                            SERVICE_NAME)
+    http = uvicorn.Server(uvicorn.Config(api.build(), host=args.host, port=args.port, log_level="warning",
+                                         loop="none", lifespan="off", timeout_graceful_shutdown=2))
+    metrics_port = metrics.serve(args.metrics_port, args.host) if args.metrics_port else args.port
+    info = InstanceInfo("router", instance_id, f"{host}:{grpc_server.bind()}", f"{host}:{metrics_port}",
+                        extra={"http": f"{host}:{args.port}", "model": name})
+    presence = InstancePresence(state, info)
+    http_task = asyncio.get_running_loop().create_task(http.serve())
+    try:
+        await grpc_server.start()
+        await presence.start()
+        await grpc_server.set_serving(True)
+        log.info("router %s: HTTP :%d, gRPC :%d, model %s", instance_id, args.port, grpc_server.port, name)
+        done, _ = await asyncio.wait([http_task, asyncio.create_task(grpc_server.wait_for_shutdown_signal())],
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        http.should_exit = True
+        await grpc_server.set_serving(False)
+        await grpc_server.stop(grace=2.0)
+        await asyncio.gather(http_task, return_exceptions=True)
+        await presence.stop(deregister=True)
+        await flow.close()
+        await state.close()
+        metrics.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(lambda: serve(args))

@@ -1,0 +1,143 @@
+"""Turning an API request into engine work: prompts as token ids and validated SamplingParams.
+
+Every check raises `BadRequest` with a message that names the field, so the HTTP API answers 400 and
+the gRPC API INVALID_ARGUMENT, before anything is sent to an engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.tokenizer import Tokenizer
+from services.router.openai_models import ChatCompletionRequest, CompletionRequest
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+    max_n: int = 16
+    max_prompts: int = 64
+    max_stop: int = 16
+    max_stop_len: int = 256
+
+
+@dataclass
+class Prepared:
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+
+
+def _ids_from_prompt(prompt, tok: Tokenizer, limits: Limits) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)]
+    if not prompt:
+        raise BadRequest("prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [tok.encode(p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise BadRequest("prompt must be a string, a list of strings, token ids, or lists of token ids", "prompt")
+
+
+def _check_prompt(ids: list[int], limits: Limits) -> None:
+    if not ids:
+        raise BadRequest("a prompt is empty: give at least one token", "prompt")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size]
+    if bad:
+        raise BadRequest(f"token ids must be integers in [0, {limits.vocab_size}); got {bad[:5]}", "prompt")
+    if len(ids) >= limits.max_model_len:
+        raise BadRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has "
+                         f"{len(ids)} tokens", "prompt", code="context_length_exceeded")
+
+
+def _stop(stop, limits: Limits) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > limits.max_stop:
+        raise BadRequest(f"at most {limits.max_stop} stop strings", "stop")
+    if any(not s or len(s) > limits.max_stop_len for s in stops):
+        raise BadRequest(f"stop strings must be 1..{limits.max_stop_len} characters", "stop")
+    return stops
+
+
+def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int, limits: Limits) -> SamplingParams:
+    if body.n < 1 or body.n > limits.max_n:
+        raise BadRequest(f"n must be between 1 and {limits.max_n}, got {body.n}", "n")
+    room = limits.max_model_len - prompt_len
+    if max_tokens is None:
+        max_tokens = room
+    if max_tokens < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if max_tokens > room:
+        raise BadRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has "
+                         f"{prompt_len} tokens and max_tokens is {max_tokens}", "max_tokens",
+                         code="context_length_exceeded")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
+            min_p=body.min_p, seed=body.seed, stop=_stop(body.stop, limits), stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_tokens=min(body.min_tokens, max_tokens), skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output)
+    except ValueError as e:
+        raise BadRequest(str(e)) from e
+
+
+def prepare_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits) -> Prepared:
+    if body.echo:
+        raise BadRequest("echo is not supported", "echo")
+    if body.suffix:
+        raise BadRequest("suffix is not supported", "suffix")
+    prompts = _ids_from_prompt(body.prompt, tok, limits)
+    if len(prompts) > limits.max_prompts:
+        raise BadRequest(f"at most {limits.max_prompts} prompts per request", "prompt")
+    for ids in prompts:
+        _check_prompt(ids, limits)
+    params = _params(body, body.max_tokens, body.logprobs, max(len(p) for p in prompts), limits)
+    return Prepared(prompts, params, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage),
+                    body.cache_salt)
+
+
+def chat_prompt(body: ChatCompletionRequest, tok: Tokenizer) -> str:
+    messages = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(f"messages[{i}]: only text content parts are supported", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        messages.append({"role": m.role, "content": content or ""})
+    return tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+
+
+def prepare_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits) -> Prepared:
+    ids = tok.encode(chat_prompt(body, tok))
+    _check_prompt(ids, limits)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = _params(body, max_tokens, logprobs, len(ids), limits)
+    return Prepared([ids], params, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage),
+                    body.cache_salt)
