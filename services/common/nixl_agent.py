@@ -25,10 +25,10 @@ WRITEs and collects notifications. `progress_thread=True` (or PDSERVE_NIXL_PROGR
 restores NIXL's thread where a spare core is cheaper than the polling latency.
 
 Deadlines: NIXL reports a dead peer (nixlRemoteDisconnectError within milliseconds) but never a hung
-one (a stopped peer on the TCP transport leaves a READ in progress forever), so every wait takes an
+one (a stopped or wedged peer leaves a transfer in progress forever), so every wait takes an
 explicit deadline, after which the transfer is cancelled (released) and TransferTimeout raised.
 Bytes of a cancelled transfer may still land: do not reuse its target blocks before the peer's
-lease/reservation has expired too.
+lease/reservation has expired too. After PeerDisconnected, `remove_peer(name)` the dead peer.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ __all__ = ["NixlAgent", "BlockTensor", "BlockDescList", "Transfer", "NixlStats",
            "PeerDisconnected", "TransferTimeout", "deadline_in", "pulled_notif", "parse_pulled"]
 
 log = logging.getLogger(__name__)
+_SETTLE_ROUNDS = 20
 
 
 class NixlAgent:
@@ -141,6 +142,7 @@ class NixlAgent:
             for dl in [d for d in self._prepped if d.peer == name]:
                 self._release_dlist(dl)
             self._agent.remove_remote_agent(name)
+            self._settle()
 
     def connect(self, peer: str) -> None:
         """Optional: set up the connection now so the first transfer does not pay for it."""
@@ -173,6 +175,7 @@ class NixlAgent:
         if any(d is dl for d in self._prepped):
             self._prepped = [d for d in self._prepped if d is not dl]
             dl.handle.release()
+            dl.handle = None
 
     # ---- transfers -----------------------------------------------------------------------------
     def read(self, local: BlockDescList, local_block_ids: Sequence[int], remote: BlockDescList,
@@ -188,6 +191,8 @@ class NixlAgent:
     def _post(self, op: str, local: BlockDescList, local_ids: Sequence[int], remote: BlockDescList,
               remote_ids: Sequence[int], notif: bytes) -> Transfer:
         self._check_owner()
+        if local.handle is None or remote.handle is None:
+            raise ValueError(f"descriptor list released (peer {remote.peer or 'local'} removed?): prep it again")
         _check_pairing(local, local_ids, remote, remote_ids)
         now = time.monotonic()
         if len(local_ids) == 0:  # nothing to move; still deliver the notification
@@ -317,6 +322,13 @@ class NixlAgent:
         for name in list(self._peers):
             self._agent.remove_remote_agent(name)
         self._peers.clear()
+        self._settle()
+
+    def _settle(self) -> None:
+        # UCX aborts the process (assertion in its endpoint cleanup) when a worker is destroyed while
+        # an endpoint to a dead peer still queues failed operations; a few progress calls purge them.
+        for _ in range(_SETTLE_ROUNDS):
+            self._agent.get_new_notifs()
 
     def _check_owner(self) -> None:
         if threading.get_ident() != self._owner:

@@ -13,17 +13,18 @@ NUM_BLOCKS = 16
 SHAPES = {"mla": (NUM_BLOCKS, 2, 64, 40), "index": (NUM_BLOCKS, 1, 64, 12)}  # uint8, block-major
 
 
-def make_tensors(seed: int) -> dict[str, torch.Tensor]:
+def make_tensors(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {name: torch.randint(0, 256, shape, dtype=torch.uint8, generator=g) for name, shape in SHAPES.items()}
+    return {name: torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device)
+            for name, shape in SHAPES.items()}
 
 
-def _serve(conn, seed: int, env: dict[str, str]) -> None:
+def _serve(conn, seed: int, env: dict[str, str], device: str) -> None:
     os.environ.update(env)  # before the agent exists: UCX reads UCX_TLS when its context is created
     from services.common.nixl_agent import NixlAgent, deadline_in
 
     loop = asyncio.new_event_loop()
-    tensors = make_tensors(seed)
+    tensors = make_tensors(seed, device)  # (CUDA is initialised before the agent registers VRAM)
     agent = NixlAgent(f"peer-{os.getpid()}")
     described = agent.register(tensors)
     conn.send((agent.metadata(), described))
@@ -37,7 +38,7 @@ def _serve(conn, seed: int, env: dict[str, str]) -> None:
             except TimeoutError as e:
                 conn.send(e)
         elif cmd == "blocks":
-            conn.send({name: t[arg].clone() for name, t in tensors.items()})
+            conn.send({name: t[arg].cpu() for name, t in tensors.items()})
         elif cmd == "exit":
             agent.close()
             conn.send("bye")
@@ -47,10 +48,10 @@ def _serve(conn, seed: int, env: dict[str, str]) -> None:
 class Peer:
     """Handle on the child: `.metadata`, `.tensors` (BlockTensor list), `.call(cmd, arg)`."""
 
-    def __init__(self, seed: int, env: dict[str, str] | None = None):
+    def __init__(self, seed: int, env: dict[str, str] | None = None, device: str = "cpu"):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, seed, env or {}), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, seed, env or {}, device), daemon=True)
         self.proc.start()
         if not self.conn.poll(60):
             raise TimeoutError("NIXL peer process did not start within 60 s")

@@ -126,8 +126,38 @@ def test_dead_peer_raises_quickly():
         assert sample("pdserve:nixl_bytes_transferred_total") == sum(t.block_bytes for t in described)
         with pytest.raises(PeerDisconnected):
             agent.send_notif(name, b"anyone?")
+        agent.remove_peer(name)
+        assert not agent.has_peer(name)
+        with pytest.raises(ValueError, match="released"):
+            agent.read(local, [1], remote, [1])
         agent.close()
     asyncio.run(main())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("remote_device", ["cuda", "cpu"])  # GPU cache <-> GPU cache, GPU <-> host pool
+def test_vram_blocks_byte_exact(remote_device):
+    peer = Peer(seed=11, device=remote_device)
+    try:
+        async def main():
+            mine = make_tensors(12, "cuda")
+            agent = NixlAgent(f"gpu-{os.getpid()}-{time.monotonic_ns()}")
+            described = agent.register(mine)
+            assert {t.mem_type for t in described} == {"VRAM"}
+            name = agent.add_peer(peer.metadata)
+            local, remote = agent.prep_local(described), agent.prep_remote(name, peer.tensors)
+            await agent.wait(agent.read(local, [0, 1], remote, [7, 2]), deadline_in(20))
+            await agent.wait(agent.write(local, [3], remote, [9]), deadline_in(20))
+            theirs = make_tensors(11)
+            got = await asyncio.to_thread(peer.call, "blocks", [9])
+            for key in mine:
+                assert torch.equal(mine[key][[0, 1]].cpu(), theirs[key][[7, 2]])
+                assert torch.equal(got[key], mine[key][[3]].cpu())
+            agent.close()
+        asyncio.run(main())
+    finally:
+        peer.close()
 
 
 def test_agent_refuses_other_threads():
