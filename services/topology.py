@@ -110,7 +110,7 @@ def _service(kind: str, body: dict) -> ServiceSpec:
     _no_unknown(f"services.{kind}", body, _SERVICE_KEYS | kind_keys)
     ints = {k: body[k] for k in ("replicas", "port", "metrics_port", *kind_keys) if k in body}
     for k, v in ints.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (k != "port" and k != "metrics_port" and v < 1):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or ("port" not in k and v < 1):
             raise ValueError(f"services.{kind}.{k} must be a {'non-negative' if 'port' in k else 'positive'} "
                              f"integer, got {v!r}")
     if not isinstance(body.get("args", {}), dict) or not isinstance(body.get("env", {}), dict):
