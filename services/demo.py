@@ -1,6 +1,6 @@
 """`make demo`: start the whole system as local processes (`pdserve up` with configs/topology.cpu.yaml:
-Redis if none answers, kvstore, prefill, decode with MTP, router), stream one chat completion through
-the router's OpenAI API, print the text as it arrives and the timings, then stop everything."""
+Redis if none answers, kvstore, prefill, decode with HiSparse + MTP3, router), stream one completion of
+the tiny code model through the router's OpenAI API, print the text as it arrives and the timings, stop."""
 
 from __future__ import annotations
 
@@ -15,10 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = ROOT / "configs" / "topology.cpu.yaml"
 
 
-def stream_chat(url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+def stream(url: str, prompt: str, max_tokens: int, chat: bool) -> dict:
+    body = {"max_tokens": max_tokens, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     t0 = time.perf_counter()
     first, n_chunks, usage = None, 0, {}
@@ -32,7 +36,7 @@ def stream_chat(url: str, prompt: str, max_tokens: int) -> dict:
                 raise RuntimeError(chunk["error"]["message"])
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
-                text = choice["delta"].get("content", "")
+                text = choice["delta"].get("content", "") if chat else choice.get("text", "")
                 if text:
                     first = first or time.perf_counter()
                     n_chunks += 1
@@ -45,7 +49,8 @@ def stream_chat(url: str, prompt: str, max_tokens: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.demo", description=__doc__)
     p.add_argument("--config", default=str(TOPOLOGY))
-    p.add_argument("--prompt", default="Write a Python function that returns the n-th Fibonacci number.")
+    p.add_argument("--prompt", default='class Stack:\n    """A LIFO stack."""\n\n    def __init__(self):\n')
+    p.add_argument("--chat", action="store_true", help="send the prompt as a chat message instead")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--keep", action="store_true", help="leave the services running")
     a = p.parse_args(argv)
@@ -58,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"all healthy in {time.perf_counter() - t0:.1f} s\n")
     try:
         url = dep.endpoints()["router"][0]
-        print(f"POST {url}/v1/chat/completions (stream)\nuser: {a.prompt}\nassistant:", flush=True)
-        r = stream_chat(url, a.prompt, a.max_tokens)
+        if a.chat:
+            print(f"POST {url}/v1/chat/completions (stream)\nuser: {a.prompt}\nassistant:", flush=True)
+        else:
+            print(f"POST {url}/v1/completions (stream), greedy; the prompt, then the model's text:\n", flush=True)
+            print(a.prompt, end="", flush=True)
+        r = stream(url, a.prompt, a.max_tokens, a.chat)
         u = r["usage"]
         n = u.get("completion_tokens", 0)
         print("\n\n--- timings ---")
