@@ -29,6 +29,7 @@ class EngineHost:
                                          load=self.load_figures)
         self._tasks: list[asyncio.Task] = []
         self._prefix_seen = (0, 0)
+        self._hisparse_seen = (0, 0, 0)
 
     def load_figures(self) -> dict[str, float]:
         st = self.engine.stats()  # a snapshot the engine loop took between two steps
@@ -87,3 +88,10 @@ class EngineHost:
                 m.prefix_cache_queries.inc(max(q - self._prefix_seen[0], 0))
                 m.prefix_cache_hits.inc(max(h - self._prefix_seen[1], 0))
                 self._prefix_seen = (q, h)
+            if st.hisparse is not None and hasattr(m, "hisparse_hits"):
+                hs = st.hisparse
+                now = (hs.hits, hs.misses, hs.h2d_bytes)
+                for counter, cur, seen in zip((m.hisparse_hits, m.hisparse_misses, m.hisparse_h2d_bytes), now,
+                                              self._hisparse_seen):
+                    counter.inc(max(cur - seen, 0))
+                self._hisparse_seen = now

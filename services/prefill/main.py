@@ -48,7 +48,7 @@ async def serve(args: argparse.Namespace) -> None:
     metrics, state = ServiceMetrics("prefill", instance_id), RedisState(args.redis_url)
     exporter = KVExporter(instance_id, engine, metrics)
     link = None
-    if args.kvstore != "off" and exporter.tensors:
+    if args.kvstore != "off":
         link = KVStoreLink(exporter.agent, exporter.tensors, exporter.spec, state,
                            static_address=None if args.kvstore == "auto" else args.kvstore)
     servicer = PrefillServicer(instance_id, engine, exporter, metrics, link, args.lease_ms / 1000,
@@ -64,6 +64,7 @@ async def serve(args: argparse.Namespace) -> None:
                           instance_ttl_s=args.instance_ttl_s, block_ttl_s=args.block_ttl_s)
     try:
         engine.start()
+        await exporter.start()
         await server.start()
         await host_obj.start()
         servicer.start()

@@ -109,7 +109,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _admit(self, req: Request, hashes: list[bytes], hint):
         """Add the request; first load the prefix a kvstore holds beyond our own cache, if any."""
         n_hint = min(hint.num_blocks if hint.grpc_address else 0, len(hashes), (len(req.prompt_token_ids) - 1) // self.block_size)
-        if self.kvstore is None or n_hint == 0:
+        # a kvstore block is one unsharded copy: it can land in a single-rank engine's cache only
+        single_rank = self.engine.config.parallel.world_size == 1
+        if self.kvstore is None or n_hint == 0 or not single_rank:
             return self.engine.add_request(req.prompt_token_ids, req.sampling_params, req.req_id,
                                            cache_salt=req.cache_salt, hold_kv_on_finish=req.hold_kv_on_finish)
         admitted = await self.engine.add_import_request(req, n_hint * self.block_size)

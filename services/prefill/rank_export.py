@@ -1,0 +1,29 @@
+"""NIXL on the worker ranks of a multi-rank prefill engine (run there through `collective_rpc`).
+
+Each worker rank registers its own cache tensors with its own NIXL agent. Workers have no event loop
+(they block in the engine's collectives between steps), so their agents use NIXL's progress thread:
+decode READs from them passively and needs the target side to make progress.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+from services.common.nixl_agent import NixlAgent
+
+_AGENT: NixlAgent | None = None
+
+
+def setup(runner, instance_id: str) -> dict | None:
+    """On a worker rank: create the agent and register this rank's cache (idempotent). Rank 0 (the
+    service process) answers None: its exporter owns an agent on the event loop already."""
+    global _AGENT
+    if runner.comm.rank == 0:
+        return None
+    if _AGENT is None:
+        _AGENT = NixlAgent(f"{instance_id}.r{runner.comm.rank}.{os.getpid()}.{secrets.token_hex(3)}",
+                           progress_thread=True)
+        tensors = _AGENT.register({"mla": runner.kv_cache.mla, "index": runner.kv_cache.index})
+        _AGENT._tensors = tensors  # noqa: SLF001 - remembered for later calls
+    return {"agent_name": _AGENT.name, "agent_metadata": _AGENT.metadata(), "tensors": _AGENT._tensors}
