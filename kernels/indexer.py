@@ -131,7 +131,7 @@ def _score_config(num_heads: int, query_start_loc_cpu, fp8: bool) -> tuple[int, 
     block_t = max(1, min(128 // h_pad, next_pow2(most)))
     if interpreting():
         return h_pad, block_t, 16, 64
-    return h_pad, block_t, 64, 1024
+    return h_pad, block_t, 64 if fp8 else 32, 1024
 
 
 def _prepare(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
