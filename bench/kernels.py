@@ -24,7 +24,8 @@ from kernels.indexer import indexer_topk, indexer_topk_ref, store_index_k
 from kernels.merge import merge_attn_states, merge_attn_states_ref
 from kernels.moe import fused_moe, fused_moe_ref, route_ref
 from kernels.sparse_mla import sparse_mla, sparse_mla_decode, sparse_mla_prefill, sparse_mla_ref
-from kernels.store_kv import gather_kv, gather_kv_ref, store_kv, store_kv_ref
+from kernels.formats import tile_size
+from kernels.store_kv import gather_kv, gather_kv_ref, store_kv, store_kv_ref, store_rows
 from kernels.topk import topk_rows
 
 R, P, ROW = 512, 64, mla_row_bytes(512, 64)
@@ -120,6 +121,48 @@ def bench_store_gather(dev, ceil, T: int) -> list[dict]:
     return rows
 
 
+def sweep_store(dev, ceil, T: int) -> list[dict]:
+    cache = torch.empty((-(-2 * T // 64), 2, 64, ROW), dtype=torch.uint8, device=dev)[:, 1]
+    latent = torch.randn(T, R, device=dev, dtype=torch.bfloat16)
+    rope = torch.randn(T, P, device=dev, dtype=torch.bfloat16)
+    slot_sets = [torch.randperm(2 * T, device=dev)[:T] for _ in range(2)]
+    out = []
+    for rpp in (4, 8, 16, 32):
+        calls = [functools.partial(store_rows, latent, rope, cache, s, tile_size(R), rpp) for s in slot_sets]
+        out.append(roofline_row(f"sweep store_kv rows/program={rpp}", time_rotating(calls, dev),
+                                T * (R * 2 + P * 2 + 8 + ROW), 0, ceil))
+    return out
+
+
+def sweep_prefill(dev, ceil, T: int, configs: list) -> list[dict]:
+    K, H = 2048, 64
+    q = torch.randn(T, H, R + P, device=dev, dtype=torch.bfloat16)
+    idx = torch.randint(0, T, (T, K), device=dev, dtype=torch.int32)
+    kv = torch.randn(T, R + P, device=dev, dtype=torch.bfloat16)
+    out = []
+    for cfg in configs:
+        try:
+            t = time_plain(lambda: sparse_mla(q, kv, idx, 0.0625, num_splits=1, config=cfg), dev, rep_ms=100)
+        except Exception as e:  # noqa: BLE001
+            out.append({"kernel": f"sweep prefill cfg={cfg}", "error": repr(e)[:200]})
+            continue
+        out.append(roofline_row(f"sweep prefill T={T} cfg={cfg}", t, T * (R + P) * 2 + q.numel() * 2,
+                                T * H * K * FLOP_PER_ROW_HEAD, ceil))
+    return out
+
+
+def profile_once(case: str) -> None:
+    """Run one case a few times (compiles first) for `ncu --launch-skip 2 --launch-count 1`."""
+    dev = torch.device("cuda")
+    H = {"decode64": 64, "decode8": 8}[case]
+    cache = fp8_cache(1 << 21, dev)
+    q = torch.randn(64, 1, H, R + P, device=dev, dtype=torch.bfloat16)
+    idx = torch.randint(0, 1 << 21, (64, 1, 2048), device=dev, dtype=torch.int32)
+    for _ in range(3):
+        sparse_mla_decode(q, cache, idx, 0.0625)
+    sync(dev)
+
+
 def bench_merge(dev, ceil, N: int, rows: int, D: int = 512) -> dict:
     outs = [torch.randn(N, rows, D, device=dev, dtype=torch.bfloat16) for _ in range(2)]
     lses = torch.randn(N, rows, device=dev)
@@ -199,11 +242,13 @@ def run(dev: torch.device, quick: bool, sweep: bool) -> dict:
         rows.append(bench_moe(dev, ceil, 16, 4, 64, 32, 2))
         return {"ceilings": ceil, "rows": rows, "sweep": sweeps}
     if sweep:
-        _guard(sweeps, lambda: sweep_decode(dev, ceil, 64, 64, [(64, 32, 8, 1), (64, 32, 8, 2), (64, 32, 8, 3),
-                                                                 (64, 64, 8, 2)], [1, 2]))
-        _guard(sweeps, lambda: sweep_decode(dev, ceil, 8, 64, [(16, 32, 4, 2), (16, 64, 8, 2), (16, 64, 8, 3),
-                                                                (16, 64, 4, 3)], [1, 4]))
-        _guard(sweeps, lambda: sweep_decode(dev, ceil, 64, 1, [None], [1, 2, 4, 8, 16]))
+        _guard(sweeps, lambda: sweep_decode(dev, ceil, 64, 64, [(64, 32, 8, 1), (64, 64, 8, 1), (64, 32, 8, 2)],
+                                            [None]))
+        _guard(sweeps, lambda: sweep_decode(dev, ceil, 8, 64, [(16, 64, 8, 1), (16, 32, 4, 1), (16, 32, 8, 1),
+                                                                (16, 64, 4, 2)], [None]))
+        _guard(sweeps, lambda: sweep_decode(dev, ceil, 64, 1, [None], [4, 8, 16, 32]))
+        _guard(sweeps, lambda: sweep_prefill(dev, ceil, 8192, [(64, 32, 8, 1), (64, 64, 8, 1), (64, 32, 8, 2)]))
+        _guard(sweeps, lambda: sweep_store(dev, ceil, 1 << 17))
         print_table(sweeps)
     _guard(rows, lambda: bench_store_gather(dev, ceil, 1 << 17))
     batches = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -226,8 +271,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, numbers mean nothing")
-    ap.add_argument("--sweep", action="store_true", help="also time sparse_mla_decode tile configurations")
+    ap.add_argument("--sweep", action="store_true", help="also time tile configurations of the main kernels")
+    ap.add_argument("--profile", choices=["decode64", "decode8"], help="run one case for a profiler, then exit")
     args = ap.parse_args()
+    if args.profile:
+        profile_once(args.profile)
+        return
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     res = run(dev, args.quick or dev.type != "cuda", args.sweep)
     print_table(res["rows"])

@@ -21,6 +21,24 @@ from kernels.store_kv import cache_views, gather_kv_ref
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _gather_block(kv_ptr, kv_scale_ptr, kv_rope_ptr, slot, skv_blk, skv_tok, block_size,
+                  R: tl.constexpr, P: tl.constexpr, NT: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr):
+    """Issue the loads of one block of selected rows: (latent as stored, per-tile scales, rope)."""
+    valid = slot >= 0
+    base = (slot // block_size) * skv_blk + (slot % block_size) * skv_tok
+    lat = tl.load(kv_ptr + base[:, None] + tl.arange(0, R)[None, :], mask=valid[:, None], other=0)
+    if KV_FP8:
+        sc = tl.load(kv_scale_ptr + (base[:, None] + R) // 4 + tl.arange(0, NT)[None, :], mask=valid[:, None],
+                     other=0.0)
+        rope = tl.load(kv_rope_ptr + (base[:, None] + R + 4 * NT) // 2 + tl.arange(0, P)[None, :],
+                       mask=valid[:, None], other=0.0)
+    else:
+        sc = tl.full([BLOCK_N, NT], 1.0, tl.float32)
+        rope = tl.load(kv_ptr + base[:, None] + R + tl.arange(0, P)[None, :], mask=valid[:, None], other=0.0)
+    return lat, sc, rope
+
+
 @jit
 def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_ptr, lse_ptr,
                        num_heads, num_idx, split_len, sq_len,
@@ -34,6 +52,10 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     Rows of q/indices are (b, s) pairs, row = b * sq_len + s (strides per level, so any q view works).
     fp8 rows are dequantised to bf16 exactly (fp8 times a power of two), so the QK dot sees the cached
     values bit for bit; P is rounded to bf16 for the PV dot. Scores are kept in log2 units.
+
+    The gather is software-pipelined in registers: while block i is computed, the rows of block i+1 and
+    the indices of block i+2 are in flight (one program per SM at 64 heads cannot hide a dependent
+    index -> row load chain any other way).
     """
     NT: tl.constexpr = R // TILE
     DOT: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
@@ -43,43 +65,44 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     s = row % sq_len
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
+    idx_row = idx_ptr + b * si_b + s * si_s
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, num_idx)
+    offs = lo + tl.arange(0, BLOCK_N)
+    slot = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
+    lat, sc, rope = _gather_block(kv_ptr, kv_scale_ptr, kv_rope_ptr, slot, skv_blk, skv_tok, block_size,
+                                  R, P, NT, BLOCK_N, KV_FP8)
+    slot_next = tl.load(idx_row + offs + BLOCK_N, mask=offs + BLOCK_N < hi, other=-1).to(tl.int64)
     q_row = q_ptr + b * sq_b + s * sq_s + heads[:, None] * sq_h
     q_lat = tl.load(q_row + tl.arange(0, R)[None, :], mask=hmask[:, None], other=0.0).to(DOT)
     q_rope = tl.load(q_row + R + tl.arange(0, P)[None, :], mask=hmask[:, None], other=0.0).to(DOT)
-    idx_row = idx_ptr + b * si_b + s * si_s
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, num_idx)
     for n0 in range(lo, hi, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
-        valid = slot >= 0
-        base = (slot // block_size) * skv_blk + (slot % block_size) * skv_tok
+        # in flight during this block's math: the next block's rows, the indices after them
+        lat_n, sc_n, rope_n = _gather_block(kv_ptr, kv_scale_ptr, kv_rope_ptr, slot_next, skv_blk, skv_tok,
+                                            block_size, R, P, NT, BLOCK_N, KV_FP8)
+        offs_nn = n0 + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot_nn = tl.load(idx_row + offs_nn, mask=offs_nn < hi, other=-1).to(tl.int64)
+
         if KV_FP8:
-            lat8 = tl.load(kv_ptr + base[:, None] + tl.arange(0, R)[None, :], mask=valid[:, None], other=0)
-            sc = tl.load(kv_scale_ptr + (base[:, None] + R) // 4 + tl.arange(0, NT)[None, :],
-                         mask=valid[:, None], other=0.0)
-            lat = lat8.to(tl.float8e4nv, bitcast=True).to(DOT)
-            lat = tl.reshape(tl.reshape(lat, [BLOCK_N, NT, TILE]) * sc.to(DOT)[:, :, None], [BLOCK_N, R])
-            rope = tl.load(kv_rope_ptr + (base[:, None] + R + 4 * NT) // 2 + tl.arange(0, P)[None, :],
-                           mask=valid[:, None], other=0.0).to(DOT)
+            kv = lat.to(tl.float8e4nv, bitcast=True).to(DOT)
+            kv = tl.reshape(tl.reshape(kv, [BLOCK_N, NT, TILE]) * sc.to(DOT)[:, :, None], [BLOCK_N, R])
         else:
-            lat = tl.load(kv_ptr + base[:, None] + tl.arange(0, R)[None, :], mask=valid[:, None], other=0.0).to(DOT)
-            rope = tl.load(kv_ptr + base[:, None] + R + tl.arange(0, P)[None, :], mask=valid[:, None],
-                           other=0.0).to(DOT)
-        z = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
-        z = tl.dot(q_rope, tl.trans(rope), z, input_precision="ieee")
-        z = tl.where(valid[None, :], z * sm_scale_log2, float("-inf"))
+            kv = lat.to(DOT)
+        z = tl.dot(q_lat, tl.trans(kv), input_precision="ieee")
+        z = tl.dot(q_rope, tl.trans(rope.to(DOT)), z, input_precision="ieee")
+        z = tl.where((slot >= 0)[None, :], z * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing valid yet stays at 0
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(z - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), lat, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), kv, input_precision="ieee")
         m_i = m_new
+        lat, sc, rope, slot, slot_next = lat_n, sc_n, rope_n, slot_next, slot_nn
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -94,26 +117,28 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
 
 def _config(num_heads: int, dot_f32: bool) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages). 64 heads fill one wgmma M tile; the [64, R] fp32
-    accumulator needs two warpgroups to stay in registers (255 per thread, no spills at BLOCK_N = 32).
-    fp32 q (test models) runs on FMA units: small tiles, or its operands spill."""
+    accumulator needs two warpgroups to stay in registers. The kernel pipelines its gathers itself
+    (registers), so Triton's own pipelining stays off. fp32 q (test models) runs on FMA units: small
+    tiles, or its operands spill."""
     block_h = min(64, max(16, next_pow2(num_heads)))
     if interpreting():
         return block_h, 16, 4, 1
     if dot_f32:
         return 16, 16, 8, 1
     if block_h >= 64:
-        return block_h, 32, 8, 2
-    return block_h, 64, 8, 2
+        return block_h, 32, 8, 1
+    return block_h, 64, 8, 1
 
 
-def _num_splits(rows: int, head_blocks: int, num_idx: int, block_h: int, block_n: int, device) -> int:
-    """Split the index list so that at least one wave of programs runs (flash-decoding); each split
-    keeps >= 4 index blocks so the partial outputs stay small next to the KV rows read."""
-    programs = rows * head_blocks
-    target = num_sms(device) * (1 if block_h >= 64 else 4)
-    if programs >= target:
+def _num_splits(programs: int, num_idx: int, block_n: int, num_warps: int, device) -> int:
+    """Split the index list (flash-decoding) when there are too few (row, head block) programs to fill
+    the GPU: minimise waves / splits (time per program shrinks with the split) plus a small charge per
+    split for the partial outputs and the merge. Each split keeps >= 2 blocks of indices."""
+    slots = num_sms(device) * max(1, 8 // num_warps)  # programs resident at once (255 registers a thread)
+    if programs >= slots:
         return 1
-    return max(1, min(triton.cdiv(target, programs), num_idx // (4 * block_n)))
+    most = max(1, num_idx // (2 * block_n))
+    return min(range(1, most + 1), key=lambda s: (triton.cdiv(programs * s, slots) / s + 0.005 * s, s))
 
 
 def _row_strides(t: torch.Tensor, lead: int) -> tuple[int, int, int]:
@@ -162,7 +187,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     dot_f32 = interpreting() or q.dtype == torch.float32
     block_h, block_n, warps, stages = config or _config(H, dot_f32)
     hblocks = triton.cdiv(H, block_h)
-    splits = num_splits or _num_splits(rows, hblocks, K, block_h, block_n, q.device)
+    splits = num_splits or _num_splits(rows * hblocks, K, block_n, warps, q.device)
     split_len = triton.cdiv(triton.cdiv(max(K, 1), splits), block_n) * block_n
     splits = triton.cdiv(max(K, 1), split_len)
     if splits == 1:

@@ -141,7 +141,7 @@ def cache_views(cache: torch.Tensor, latent_dim: int, rope_dim: int, tile: int) 
 
 
 def store_rows(values: torch.Tensor, rope: torch.Tensor | None, cache: torch.Tensor, slot_mapping: torch.Tensor,
-               tile: int) -> None:
+               tile: int, rows_per_program: int = _ROWS_PER_PROGRAM) -> None:
     """values [T, R] (+ rope [T, P]) -> cache rows at slot_mapping [T] (fp8 with one scale per `tile` values
     when the cache is uint8; a plain cast otherwise)."""
     T, R = values.shape
@@ -158,11 +158,11 @@ def store_rows(values: torch.Tensor, rope: torch.Tensor | None, cache: torch.Ten
     check_device(values, slot_mapping, cache, *(() if rope is None else (rope,)))
     (c8, c32, c16), sb, st = cache_views(cache, R, P, tile)
     rope_arg = values if rope is None else rope
-    grid = (triton.cdiv(T, _ROWS_PER_PROGRAM),)
+    grid = (triton.cdiv(T, rows_per_program),)
     _store_rows_kernel[grid](
         values, rope_arg, slot_mapping, c8, c32, c16, T, values.stride(0), rope_arg.stride(0), sb, st,
         cache.shape[1], R=R, TILE=tile if cache.dtype == torch.uint8 else R, P=P,
-        QUANT=cache.dtype == torch.uint8, BLOCK_T=_ROWS_PER_PROGRAM, ROUND_FIRST=interpreting())
+        QUANT=cache.dtype == torch.uint8, BLOCK_T=rows_per_program, ROUND_FIRST=interpreting())
 
 
 def gather_rows(cache: torch.Tensor, slots: torch.Tensor, latent_dim: int, rope_dim: int, tile: int,
