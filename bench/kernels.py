@@ -45,7 +45,8 @@ def fp8_cache(num_tokens: int, device, layers: int = 2, gen=None) -> torch.Tenso
     return view
 
 
-def bench_decode(dev, ceil, H: int, Sq: int, batches: list[int], K: int, ctx: int, ref: bool) -> list[dict]:
+def bench_decode(dev, ceil, H: int, Sq: int, batches: list[int], K: int, ctx: int, ref: bool,
+                 config: tuple | None = None) -> list[dict]:
     cache = fp8_cache(ctx, dev)
     rows_out = []
     for B in batches:
@@ -54,14 +55,15 @@ def bench_decode(dev, ceil, H: int, Sq: int, batches: list[int], K: int, ctx: in
         kv_bytes = rows * K * ROW + rows * K * 4
         io_bytes = q.numel() * 2 + rows * H * (R * 2 + 4)
         sets = [torch.randint(0, ctx, (B, Sq, K), device=dev, dtype=torch.int32) for _ in range(num_sets(kv_bytes))]
-        t = time_rotating([functools.partial(sparse_mla_decode, q, cache, idx, 0.0625) for idx in sets], dev)
+        t = time_rotating([functools.partial(sparse_mla, q, cache, idx, 0.0625, config=config) for idx in sets], dev)
         t_ref = time_plain(lambda: sparse_mla_ref(q, cache, sets[0], 0.0625, R, P), dev, rep_ms=50) if ref else None
         rows_out.append(roofline_row(f"sparse_mla_decode H={H} Sq={Sq} B={B}", t, kv_bytes + io_bytes,
-                                     rows * H * K * FLOP_PER_ROW_HEAD, ceil, t_ref, H=H, Sq=Sq, B=B, K=K))
+                                     rows * H * K * FLOP_PER_ROW_HEAD, ceil, t_ref, H=H, Sq=Sq, B=B, K=K,
+                                     config=config or "default"))
     return rows_out
 
 
-def bench_prefill(dev, ceil, T: int, K: int, kind: str, ref_rows: int) -> dict:
+def bench_prefill(dev, ceil, T: int, K: int, kind: str, ref_rows: int, config: tuple | None = None) -> dict:
     """T query rows over a context of T tokens (bf16 workspace, or the fp8 paged cache)."""
     H = 64
     q = torch.randn(T, H, R + P, device=dev, dtype=torch.bfloat16)
@@ -69,12 +71,12 @@ def bench_prefill(dev, ceil, T: int, K: int, kind: str, ref_rows: int) -> dict:
     kv = (torch.randn(T, R + P, device=dev, dtype=torch.bfloat16) if kind == "bf16 workspace"
           else fp8_cache(T, dev))
     row_bytes = (R + P) * 2 if kind == "bf16 workspace" else ROW
-    t = time_plain(lambda: sparse_mla_prefill(q, kv, idx, 0.0625), dev, rep_ms=300)
+    t = time_plain(lambda: sparse_mla(q, kv, idx, 0.0625, num_splits=1, config=config), dev, rep_ms=300)
     n = min(T, ref_rows)
     t_ref = time_plain(lambda: sparse_mla_ref(q[:n], kv, idx[:n], 0.0625, R, P), dev, rep_ms=50) * T / n
     unique = T * row_bytes + q.numel() * 2 + idx.numel() * 4 + T * H * (R * 2 + 4)
     return roofline_row(f"sparse_mla_prefill {kind} T={T}", t, unique, T * H * K * FLOP_PER_ROW_HEAD, ceil, t_ref,
-                        T=T, K=K, gathered_bytes=T * K * row_bytes, ref_rows=n)
+                        T=T, K=K, gathered_bytes=T * K * row_bytes, ref_rows=n, config=config or "default")
 
 
 def bench_indexer(dev, ceil, S: int, T: int, ref_rows: int, H: int = 32, D: int = 128, topk: int = 2048) -> dict:
@@ -147,7 +149,7 @@ def sweep_prefill(dev, ceil, T: int, configs: list) -> list[dict]:
             out.append({"kernel": f"sweep prefill cfg={cfg}", "error": repr(e)[:200]})
             continue
         out.append(roofline_row(f"sweep prefill T={T} cfg={cfg}", t, T * (R + P) * 2 + q.numel() * 2,
-                                T * H * K * FLOP_PER_ROW_HEAD, ceil))
+                                T * H * K * FLOP_PER_ROW_HEAD, ceil, config=cfg))
     return out
 
 
@@ -200,7 +202,7 @@ def sweep_decode(dev, ceil, H: int, B: int, configs: list, splits: list) -> list
                 out.append({"kernel": f"sweep decode H={H} B={B} cfg={cfg} splits={ns}", "error": repr(e)[:200]})
                 continue
             out.append(roofline_row(f"sweep decode H={H} B={B} cfg={cfg} splits={ns}", t, B * K * (ROW + 4),
-                                    B * H * K * FLOP_PER_ROW_HEAD, ceil))
+                                    B * H * K * FLOP_PER_ROW_HEAD, ceil, config=cfg))
     return out
 
 
@@ -241,25 +243,31 @@ def run(dev: torch.device, quick: bool, sweep: bool) -> dict:
         rows.append(bench_merge(dev, ceil, 2, 16))
         rows.append(bench_moe(dev, ceil, 16, 4, 64, 32, 2))
         return {"ceilings": ceil, "rows": rows, "sweep": sweeps}
+    best: dict[str, tuple | None] = {"H64": None, "H8": None, "prefill": None}
     if sweep:
-        _guard(sweeps, lambda: sweep_decode(dev, ceil, 64, 64, [(64, 32, 8, 1), (64, 64, 8, 1), (64, 32, 8, 2)],
-                                            [None]))
-        _guard(sweeps, lambda: sweep_decode(dev, ceil, 8, 64, [(16, 64, 8, 1), (16, 32, 4, 1), (16, 32, 8, 1),
-                                                                (16, 64, 4, 2)], [None]))
-        _guard(sweeps, lambda: sweep_decode(dev, ceil, 64, 1, [None], [4, 8, 16, 32]))
-        _guard(sweeps, lambda: sweep_prefill(dev, ceil, 8192, [(64, 32, 8, 1), (64, 64, 8, 1), (64, 32, 8, 2)]))
-        _guard(sweeps, lambda: sweep_store(dev, ceil, 1 << 17))
+        h64 = [(64, 64, 8, 2, True), (64, 64, 8, 2, False), (64, 64, 8, 3, True), (64, 32, 8, 2, True)]
+        h8 = [(16, 32, 4, 2, True), (16, 32, 4, 2, False), (16, 64, 8, 2, True), (16, 32, 4, 3, True)]
+        pre = [(64, 64, 8, 2, True), (64, 32, 8, 2, True), (64, 64, 8, 3, True)]
+        for key, fn in (("H64", lambda: sweep_decode(dev, ceil, 64, 64, h64, [None])),
+                        ("H8", lambda: sweep_decode(dev, ceil, 8, 64, h8, [None])),
+                        ("prefill", lambda: sweep_prefill(dev, ceil, 8192, pre))):
+            n = len(sweeps)
+            _guard(sweeps, fn)
+            timed = [r for r in sweeps[n:] if "us" in r]
+            best[key] = min(timed, key=lambda r: r["us"])["config"] if timed else None
         print_table(sweeps)
+        print(f"configs used below (fastest of each sweep): {best}", flush=True)
     _guard(rows, lambda: bench_store_gather(dev, ceil, 1 << 17))
     batches = [1, 2, 4, 8, 16, 32, 64, 128]
     for H in (64, 8):
         for Sq in (1, 4):
             n = len(rows)
-            _guard(rows, lambda: bench_decode(dev, ceil, H, Sq, batches, K=2048, ctx=1 << 21, ref=True))
+            cfg = best["H64" if H == 64 else "H8"]
+            _guard(rows, lambda: bench_decode(dev, ceil, H, Sq, batches, K=2048, ctx=1 << 21, ref=True, config=cfg))
             print_table(rows[n:])
     for T in (8192, 65536):
-        _guard(rows, lambda: [bench_prefill(dev, ceil, T, 2048, "bf16 workspace", ref_rows=256)])
-    _guard(rows, lambda: [bench_prefill(dev, ceil, 8192, 2048, "fp8 paged", ref_rows=256)])
+        _guard(rows, lambda: [bench_prefill(dev, ceil, T, 2048, "bf16 workspace", 256, best["prefill"])])
+    _guard(rows, lambda: [bench_prefill(dev, ceil, 8192, 2048, "fp8 paged", 256, best["prefill"])])
     for S, ref_rows in ((8192, 256), (131072, 16), (1 << 20, 2)):
         _guard(rows, lambda: [bench_indexer(dev, ceil, S, 2048, ref_rows)])
     _guard(rows, lambda: [bench_merge(dev, ceil, 8, 128 * 64)])

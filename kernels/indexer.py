@@ -27,8 +27,8 @@ _MAX_SCORE_BYTES = 1 << 30
 
 @jit
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr, pos_ptr, score_ptr,
-                         row_offset, num_heads, sq_t, sq_h, sw_t, sk_blk, sk_tok, s_bt, ss_row, block_size,
-                         D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                         row_offset, num_heads, sq_t, sq_h, sw_t, sk_blk, sk_tok, s_bt, ss_row,
+                         BLOCK_SIZE: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                          KEYS_PER_PROG: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (tile, key range): scores[t, s] for the tile's rows (one request) and keys s <= pos[t].
 
@@ -57,8 +57,8 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr,
         for s0 in range(s_lo, s_end, BLOCK_N):
             s = s0 + tl.arange(0, BLOCK_N)
             s_ok = s < s_end
-            page = tl.load(bt_row + s // block_size, mask=s_ok, other=0).to(tl.int64)
-            base = tl.multiple_of(page * sk_blk + (s % block_size) * sk_tok, 4)
+            page = tl.load(bt_row + s // BLOCK_SIZE, mask=s_ok, other=0).to(tl.int64)
+            base = tl.multiple_of(page * sk_blk + (s % BLOCK_SIZE) * sk_tok, 4)
             k = tl.load(k_ptr + base[:, None] + tl.arange(0, D)[None, :], mask=s_ok[:, None], other=0)
             if FP8:
                 k = k.to(tl.float8e4nv, bitcast=True)
@@ -162,7 +162,7 @@ def _launch_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
     _index_scores_kernel[grid](
         q, w, k8, k32, block_table, tiles, token_req_idx, positions, scores,
         row_offset, H, q.stride(0), q.stride(1), w.stride(0), sb, st, block_table.stride(0), scores.stride(0),
-        index_cache.shape[1], D=D, H_PAD=h_pad, BLOCK_T=block_t, BLOCK_N=block_n, KEYS_PER_PROG=keys_per_prog,
+        BLOCK_SIZE=index_cache.shape[1], D=D, H_PAD=h_pad, BLOCK_T=block_t, BLOCK_N=block_n, KEYS_PER_PROG=keys_per_prog,
         FP8=fp8, DOT_F32=interpreting() or not fp8, num_warps=4, num_stages=1 if interpreting() else 3)
 
 

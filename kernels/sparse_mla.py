@@ -21,41 +21,20 @@ from kernels.store_kv import cache_views, gather_kv_ref
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _gather_block(kv_ptr, kv_scale_ptr, kv_rope_ptr, slot, skv_blk, skv_tok, block_size,
-                  R: tl.constexpr, P: tl.constexpr, NT: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr):
-    """Issue the loads of one block of selected rows: (latent as stored, per-tile scales, rope)."""
-    valid = slot >= 0
-    base = (slot // block_size) * skv_blk + (slot % block_size) * skv_tok
-    lat = tl.load(kv_ptr + base[:, None] + tl.arange(0, R)[None, :], mask=valid[:, None], other=0)
-    if KV_FP8:
-        sc = tl.load(kv_scale_ptr + (base[:, None] + R) // 4 + tl.arange(0, NT)[None, :], mask=valid[:, None],
-                     other=0.0)
-        rope = tl.load(kv_rope_ptr + (base[:, None] + R + 4 * NT) // 2 + tl.arange(0, P)[None, :],
-                       mask=valid[:, None], other=0.0)
-    else:
-        sc = tl.full([BLOCK_N, NT], 1.0, tl.float32)
-        rope = tl.load(kv_ptr + base[:, None] + R + tl.arange(0, P)[None, :], mask=valid[:, None], other=0.0)
-    return lat, sc, rope
-
-
 @jit
 def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_ptr, lse_ptr,
                        num_heads, num_idx, split_len, sq_len,
-                       sq_b, sq_s, sq_h, si_b, si_s, skv_blk, skv_tok, block_size,
+                       sq_b, sq_s, sq_h, si_b, si_s, skv_blk, skv_tok,
                        so_split, so_row, so_h, sl_split, sl_row, sm_scale_log2,
                        R: tl.constexpr, P: tl.constexpr, TILE: tl.constexpr, KV_FP8: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                       ROUND_FIRST: tl.constexpr):
+                       BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       IDX_AHEAD: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """Program (query row, head block, split): online softmax over indices [split*split_len, +split_len).
 
     Rows of q/indices are (b, s) pairs, row = b * sq_len + s (strides per level, so any q view works).
     fp8 rows are dequantised to bf16 exactly (fp8 times a power of two), so the QK dot sees the cached
-    values bit for bit; P is rounded to bf16 for the PV dot. Scores are kept in log2 units.
-
-    The gather is software-pipelined in registers: while block i is computed, the rows of block i+1 and
-    the indices of block i+2 are in flight (one program per SM at 64 heads cannot hide a dependent
-    index -> row load chain any other way).
+    values bit for bit; P is rounded to bf16 for the PV dot. Scores are kept in log2 units. BLOCK_SIZE
+    (tokens per page; 1 for a workspace) is a constant so slot -> page is a shift, not a 64-bit divide.
     """
     NT: tl.constexpr = R // TILE
     DOT: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
@@ -65,44 +44,50 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     s = row % sq_len
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
-    idx_row = idx_ptr + b * si_b + s * si_s
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, num_idx)
-    offs = lo + tl.arange(0, BLOCK_N)
-    slot = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
-    lat, sc, rope = _gather_block(kv_ptr, kv_scale_ptr, kv_rope_ptr, slot, skv_blk, skv_tok, block_size,
-                                  R, P, NT, BLOCK_N, KV_FP8)
-    slot_next = tl.load(idx_row + offs + BLOCK_N, mask=offs + BLOCK_N < hi, other=-1).to(tl.int64)
     q_row = q_ptr + b * sq_b + s * sq_s + heads[:, None] * sq_h
     q_lat = tl.load(q_row + tl.arange(0, R)[None, :], mask=hmask[:, None], other=0.0).to(DOT)
     q_rope = tl.load(q_row + R + tl.arange(0, P)[None, :], mask=hmask[:, None], other=0.0).to(DOT)
+    idx_row = idx_ptr + b * si_b + s * si_s
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, num_idx)
+    offs = lo + tl.arange(0, BLOCK_N)
+    slot_next = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
     for n0 in range(lo, hi, BLOCK_N):
-        # in flight during this block's math: the next block's rows, the indices after them
-        lat_n, sc_n, rope_n = _gather_block(kv_ptr, kv_scale_ptr, kv_rope_ptr, slot_next, skv_blk, skv_tok,
-                                            block_size, R, P, NT, BLOCK_N, KV_FP8)
-        offs_nn = n0 + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
-        slot_nn = tl.load(idx_row + offs_nn, mask=offs_nn < hi, other=-1).to(tl.int64)
-
-        if KV_FP8:
-            kv = lat.to(tl.float8e4nv, bitcast=True).to(DOT)
-            kv = tl.reshape(tl.reshape(kv, [BLOCK_N, NT, TILE]) * sc.to(DOT)[:, :, None], [BLOCK_N, R])
+        if IDX_AHEAD:  # the next block's indices load while this block computes: no index -> row chain
+            slot = slot_next
+            offs = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+            slot_next = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
         else:
-            kv = lat.to(DOT)
-        z = tl.dot(q_lat, tl.trans(kv), input_precision="ieee")
-        z = tl.dot(q_rope, tl.trans(rope.to(DOT)), z, input_precision="ieee")
-        z = tl.where((slot >= 0)[None, :], z * sm_scale_log2, float("-inf"))
+            offs = n0 + tl.arange(0, BLOCK_N)
+            slot = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
+        valid = slot >= 0
+        base = (slot // BLOCK_SIZE) * skv_blk + (slot % BLOCK_SIZE) * skv_tok
+        if KV_FP8:
+            lat8 = tl.load(kv_ptr + base[:, None] + tl.arange(0, R)[None, :], mask=valid[:, None], other=0)
+            sc = tl.load(kv_scale_ptr + (base[:, None] + R) // 4 + tl.arange(0, NT)[None, :],
+                         mask=valid[:, None], other=0.0)
+            lat = lat8.to(tl.float8e4nv, bitcast=True).to(DOT)
+            lat = tl.reshape(tl.reshape(lat, [BLOCK_N, NT, TILE]) * sc.to(DOT)[:, :, None], [BLOCK_N, R])
+            rope = tl.load(kv_rope_ptr + (base[:, None] + R + 4 * NT) // 2 + tl.arange(0, P)[None, :],
+                           mask=valid[:, None], other=0.0).to(DOT)
+        else:
+            lat = tl.load(kv_ptr + base[:, None] + tl.arange(0, R)[None, :], mask=valid[:, None], other=0.0).to(DOT)
+            rope = tl.load(kv_ptr + base[:, None] + R + tl.arange(0, P)[None, :], mask=valid[:, None],
+                           other=0.0).to(DOT)
+        z = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
+        z = tl.dot(q_rope, tl.trans(rope), z, input_precision="ieee")
+        z = tl.where(valid[None, :], z * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing valid yet stays at 0
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(z - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), kv, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), lat, input_precision="ieee")
         m_i = m_new
-        lat, sc, rope, slot, slot_next = lat_n, sc_n, rope_n, slot_next, slot_nn
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -115,19 +100,19 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     tl.store(lse_ptr + split * sl_split + row * sl_row + heads, lse, mask=hmask)
 
 
-def _config(num_heads: int, dot_f32: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages). 64 heads fill one wgmma M tile; the [64, R] fp32
-    accumulator needs two warpgroups to stay in registers. The kernel pipelines its gathers itself
-    (registers), so Triton's own pipelining stays off. fp32 q (test models) runs on FMA units: small
-    tiles, or its operands spill."""
+def _config(num_heads: int, dot_f32: bool) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD), from the H200 sweeps in BENCHMARKS.md.
+    64 heads fill one wgmma M tile; the [64, R] fp32 accumulator needs two warpgroups to stay in
+    registers. Few heads (memory-bound) run 4 warps so two programs share an SM. fp32 q (test models)
+    runs on FMA units: small tiles, or its operands spill."""
     block_h = min(64, max(16, next_pow2(num_heads)))
     if interpreting():
-        return block_h, 16, 4, 1
+        return block_h, 16, 4, 1, True
     if dot_f32:
-        return 16, 16, 8, 1
+        return 16, 16, 8, 1, True
     if block_h >= 64:
-        return block_h, 32, 8, 1
-    return block_h, 64, 8, 1
+        return block_h, 64, 8, 2, True
+    return block_h, 32, 4, 2, True
 
 
 def _num_splits(programs: int, num_idx: int, block_n: int, num_warps: int, device) -> int:
@@ -150,12 +135,12 @@ def _row_strides(t: torch.Tensor, lead: int) -> tuple[int, int, int]:
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                latent_dim: int = 512, *, num_splits: int | None = None,
-               config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               config: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `sparse_mla_ref`. q [T, H, R+P] or [B, Sq, H, R+P] (bf16/fp32, any strides with the last
     dim contiguous); kv a paged layer view [num_blocks, block_size, row] (fp8_ds_mla uint8, bf16, fp32;
     indices are global slots) or a workspace [S, R+P] (indices are rows); indices [..., K] int, -1 = skip.
     Returns (out [..., H, R] in q's dtype, lse [..., H] fp32); a row with no valid index gives 0 / -inf.
-    `num_splits` / `config` (BLOCK_H, BLOCK_N, num_warps, num_stages) override the heuristics (benchmarks).
+    `num_splits` / `config` (BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD) override the heuristics.
     """
     lead = q.dim() - 2
     if lead not in (1, 2) or indices.shape[:-1] != q.shape[:-2]:
@@ -185,7 +170,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     if rows == 0:
         return out, lse
     dot_f32 = interpreting() or q.dtype == torch.float32
-    block_h, block_n, warps, stages = config or _config(H, dot_f32)
+    block_h, block_n, warps, stages, idx_ahead = config or _config(H, dot_f32)
     hblocks = triton.cdiv(H, block_h)
     splits = num_splits or _num_splits(rows * hblocks, K, block_n, warps, q.device)
     split_len = triton.cdiv(triton.cdiv(max(K, 1), splits), block_n) * block_n
@@ -201,10 +186,10 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     l_split = dst_lse.stride(0) if splits > 1 else 0
     _sparse_mla_kernel[(rows, hblocks, splits)](
         q, kv8, kv32, kv16, indices, dst, dst_lse, H, K, split_len, sq_len,
-        qb, qs, q.stride(-2), ib, is_, s_blk, s_tok, paged.shape[1],
+        qb, qs, q.stride(-2), ib, is_, s_blk, s_tok,
         d_split, dst.stride(-3), dst.stride(-2), l_split, dst_lse.stride(-2), sm_scale * LOG2E,
-        R=R, P=P, TILE=tile, KV_FP8=kv.dtype == torch.uint8, BLOCK_H=block_h, BLOCK_N=block_n,
-        DOT_F32=dot_f32, ROUND_FIRST=interpreting(), num_warps=warps, num_stages=stages)
+        R=R, P=P, TILE=tile, KV_FP8=kv.dtype == torch.uint8, BLOCK_SIZE=paged.shape[1], BLOCK_H=block_h,
+        BLOCK_N=block_n, IDX_AHEAD=idx_ahead, DOT_F32=dot_f32, ROUND_FIRST=interpreting(), num_warps=warps, num_stages=stages)
     if splits > 1:
         merged, merged_lse = merge_attn_states(dst, dst_lse, out_dtype=q.dtype)
         out.view(rows, H, R).copy_(merged)

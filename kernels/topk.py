@@ -24,8 +24,8 @@ from kernels._jit import check_device, interpreting, jit
 
 
 @jit
-def _topk_kernel(score_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, row_offset, ss_row, so_row, s_bt, block_size, k,
-                 AS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_kernel(score_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, row_offset, ss_row, so_row, s_bt, k,
+                 BLOCK_SIZE: tl.constexpr, AS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     row = row_offset + r
     n = tl.load(pos_ptr + row).to(tl.int32) + 1
@@ -37,8 +37,8 @@ def _topk_kernel(score_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, row_offset, ss_ro
             cols = c0 + tl.arange(0, BLOCK)
             val = cols.to(tl.int64)
             if AS_SLOTS:
-                page = tl.load(bt_row + val // block_size, mask=cols < n, other=0).to(tl.int64)
-                val = page * block_size + val % block_size
+                page = tl.load(bt_row + val // BLOCK_SIZE, mask=cols < n, other=0).to(tl.int64)
+                val = page * BLOCK_SIZE + val % BLOCK_SIZE
             tl.store(o_row + cols, tl.where(cols < n, val, -1).to(tl.int32), mask=cols < k)
     else:
         bins = tl.arange(0, 256)
@@ -74,8 +74,8 @@ def _topk_kernel(score_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, row_offset, ss_ro
             dst = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
             val = cols.to(tl.int64)
             if AS_SLOTS:
-                page = tl.load(bt_row + val // block_size, mask=take, other=0).to(tl.int64)
-                val = page * block_size + val % block_size
+                page = tl.load(bt_row + val // BLOCK_SIZE, mask=take, other=0).to(tl.int64)
+                val = page * BLOCK_SIZE + val % BLOCK_SIZE
             tl.store(o_row + dst, val.to(tl.int32), mask=take)
             taken += tl.sum(take.to(tl.int32), axis=0)
             eq_seen += tl.sum(eq.to(tl.int32), axis=0)
@@ -100,5 +100,5 @@ def topk_rows(scores: torch.Tensor, positions: torch.Tensor, k: int, out: torch.
     check_device(scores, positions, out, req, table)
     block = 256 if interpreting() else 2048
     _topk_kernel[(rows,)](scores, positions, req, table, out, row_offset, scores.stride(0), out.stride(0),
-                          table.stride(0) if as_slots else 0, block_size, k, AS_SLOTS=as_slots, BLOCK=block,
+                          table.stride(0) if as_slots else 0, k, BLOCK_SIZE=block_size, AS_SLOTS=as_slots, BLOCK=block,
                           num_warps=8 if block >= 2048 else 4)
