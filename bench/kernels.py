@@ -23,9 +23,8 @@ from kernels.formats import mla_row_bytes
 from kernels.indexer import indexer_topk, indexer_topk_ref, store_index_k
 from kernels.merge import merge_attn_states, merge_attn_states_ref
 from kernels.moe import fused_moe, fused_moe_ref, route_ref
-from kernels.sparse_mla import sparse_mla, sparse_mla_decode, sparse_mla_prefill, sparse_mla_ref
-from kernels.formats import tile_size
-from kernels.store_kv import gather_kv, gather_kv_ref, store_kv, store_kv_ref, store_rows
+from kernels.sparse_mla import sparse_mla, sparse_mla_decode, sparse_mla_ref
+from kernels.store_kv import gather_kv, gather_kv_ref, store_kv, store_kv_ref
 from kernels.topk import topk_rows
 
 R, P, ROW = 512, 64, mla_row_bytes(512, 64)
@@ -121,19 +120,6 @@ def bench_store_gather(dev, ceil, T: int) -> list[dict]:
     t_ref = time_plain(lambda: gather_kv_ref(cache, slot_sets[0], R, P).bfloat16(), dev, rep_ms=50)
     rows.append(roofline_row(f"gather_kv fp8->bf16 n={T}", t, T * (ROW + 8 + (R + P) * 2), 0, ceil, t_ref, T=T))
     return rows
-
-
-def sweep_store(dev, ceil, T: int) -> list[dict]:
-    cache = torch.empty((-(-2 * T // 64), 2, 64, ROW), dtype=torch.uint8, device=dev)[:, 1]
-    latent = torch.randn(T, R, device=dev, dtype=torch.bfloat16)
-    rope = torch.randn(T, P, device=dev, dtype=torch.bfloat16)
-    slot_sets = [torch.randperm(2 * T, device=dev)[:T] for _ in range(2)]
-    out = []
-    for rpp in (4, 8, 16, 32):
-        calls = [functools.partial(store_rows, latent, rope, cache, s, tile_size(R), rpp) for s in slot_sets]
-        out.append(roofline_row(f"sweep store_kv rows/program={rpp}", time_rotating(calls, dev),
-                                T * (R * 2 + P * 2 + 8 + ROW), 0, ceil))
-    return out
 
 
 def sweep_prefill(dev, ceil, T: int, configs: list) -> list[dict]:

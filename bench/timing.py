@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable
@@ -79,7 +80,7 @@ def ceilings(device: torch.device) -> dict:
     n = 2 << 30
     a = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    t_copy = time_plain(lambda: b.copy_(a), device, rep_ms=200)
+    t_copy = time_plain(functools.partial(b.copy_, a), device, rep_ms=200)
     del a, b
     m = 8192
     x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
@@ -92,12 +93,12 @@ def ceilings(device: torch.device) -> dict:
 def roofline_row(name: str, seconds: float, bytes_moved: float, flops: float, ceil: dict,
                  ref_seconds: float | None = None, peak_scale: float = 1.0, **extra) -> dict:
     """One result: achieved TB/s and TFLOP/s, the floor max(bytes/BW, FLOPs/peak) and its fraction."""
-    floor = max(bytes_moved / (ceil["copy_tbps"] * 1e12), flops / (ceil["bf16_tflops"] * peak_scale * 1e12))
+    floor_compute = flops / (ceil["bf16_tflops"] * peak_scale * 1e12)
+    floor = max(bytes_moved / (ceil["copy_tbps"] * 1e12), floor_compute)
     row = {"kernel": name, "us": seconds * 1e6, "tbps": bytes_moved / seconds / 1e12,
            "tflops": flops / seconds / 1e12, "floor_us": floor * 1e6, "roofline_frac": floor / seconds,
            "bytes": bytes_moved, "flops": flops,
-           "bound": "memory" if bytes_moved / (ceil["copy_tbps"] * 1e12) >= flops / (ceil["bf16_tflops"] * peak_scale * 1e12)
-           else "compute"}
+           "bound": "memory" if bytes_moved / (ceil["copy_tbps"] * 1e12) >= floor_compute else "compute"}
     if ref_seconds is not None:
         row["ref_us"] = ref_seconds * 1e6
         row["speedup"] = ref_seconds / seconds

@@ -28,7 +28,8 @@ _MAX_SCORE_BYTES = 1 << 30
 @jit
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr, pos_ptr, score_ptr,
                          row_offset, num_heads, sq_t, sq_h, sw_t, sk_blk, sk_tok, s_bt, ss_row,
-                         BLOCK_SIZE: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_N: tl.constexpr,
                          KEYS_PER_PROG: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (tile, key range): scores[t, s] for the tile's rows (one request) and keys s <= pos[t].
 
@@ -162,7 +163,8 @@ def _launch_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
     _index_scores_kernel[grid](
         q, w, k8, k32, block_table, tiles, token_req_idx, positions, scores,
         row_offset, H, q.stride(0), q.stride(1), w.stride(0), sb, st, block_table.stride(0), scores.stride(0),
-        BLOCK_SIZE=index_cache.shape[1], D=D, H_PAD=h_pad, BLOCK_T=block_t, BLOCK_N=block_n, KEYS_PER_PROG=keys_per_prog,
+        BLOCK_SIZE=index_cache.shape[1], D=D, H_PAD=h_pad, BLOCK_T=block_t, BLOCK_N=block_n,
+        KEYS_PER_PROG=keys_per_prog,
         FP8=fp8, DOT_F32=interpreting() or not fp8, num_warps=4, num_stages=1 if interpreting() else 3)
 
 
@@ -232,7 +234,8 @@ def store_index_k_ref(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: 
     index_cache[slots // bs, slots % bs] = rows
 
 
-def gather_index_k_ref(index_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_index_k_ref(index_cache: torch.Tensor, slots: torch.Tensor,
+                       head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows at `slots` -> (values [n, D] float32, scales [n] float32); fp32 caches give scale 1."""
     bs = index_cache.shape[1]
     slots = slots.long()

@@ -89,7 +89,8 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, expert_offset: int,
     flat = ids.reshape(-1).long() - expert_offset
     key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # non-local ids sort last
     order = torch.argsort(key, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device).scatter_add_(0, key, torch.ones_like(key))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts

@@ -100,19 +100,19 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     tl.store(lse_ptr + split * sl_split + row * sl_row + heads, lse, mask=hmask)
 
 
-def _config(num_heads: int, dot_f32: bool) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD), from the H200 sweeps in BENCHMARKS.md.
-    64 heads fill one wgmma M tile; the [64, R] fp32 accumulator needs two warpgroups to stay in
-    registers. Few heads (memory-bound) run 4 warps so two programs share an SM. fp32 q (test models)
+def _config(num_heads: int, dot_f32: bool, kv_fp8: bool) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD): the fastest of the H200 sweeps in
+    BENCHMARKS.md. 64 heads fill one wgmma M tile; the [64, R] fp32 accumulator needs two warpgroups to
+    stay in registers (one program per SM). Few heads (memory-bound) run 4 warps, two programs per SM.
+    A bf16 workspace row is 1,152 B, so three stages of it overflow shared memory. fp32 q (test models)
     runs on FMA units: small tiles, or its operands spill."""
-    block_h = min(64, max(16, next_pow2(num_heads)))
     if interpreting():
-        return block_h, 16, 4, 1, True
+        return min(64, max(16, next_pow2(num_heads))), 16, 4, 1, True
     if dot_f32:
         return 16, 16, 8, 1, True
-    if block_h >= 64:
-        return block_h, 64, 8, 2, True
-    return block_h, 32, 4, 2, True
+    if num_heads > 32:
+        return 64, 64, 8, 3 if kv_fp8 else 2, True
+    return 16, 32, 4, 3 if kv_fp8 else 2, True  # 17-32 heads: two blocks of 16 (a block of 32 spills)
 
 
 def _num_splits(programs: int, num_idx: int, block_n: int, num_warps: int, device) -> int:
@@ -170,7 +170,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     if rows == 0:
         return out, lse
     dot_f32 = interpreting() or q.dtype == torch.float32
-    block_h, block_n, warps, stages, idx_ahead = config or _config(H, dot_f32)
+    block_h, block_n, warps, stages, idx_ahead = config or _config(H, dot_f32, kv.dtype == torch.uint8)
     hblocks = triton.cdiv(H, block_h)
     splits = num_splits or _num_splits(rows * hblocks, K, block_n, warps, q.device)
     split_len = triton.cdiv(triton.cdiv(max(K, 1), splits), block_n) * block_n
@@ -189,7 +189,8 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
         qb, qs, q.stride(-2), ib, is_, s_blk, s_tok,
         d_split, dst.stride(-3), dst.stride(-2), l_split, dst_lse.stride(-2), sm_scale * LOG2E,
         R=R, P=P, TILE=tile, KV_FP8=kv.dtype == torch.uint8, BLOCK_SIZE=paged.shape[1], BLOCK_H=block_h,
-        BLOCK_N=block_n, IDX_AHEAD=idx_ahead, DOT_F32=dot_f32, ROUND_FIRST=interpreting(), num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, IDX_AHEAD=idx_ahead, DOT_F32=dot_f32, ROUND_FIRST=interpreting(), num_warps=warps,
+        num_stages=stages)
     if splits > 1:
         merged, merged_lse = merge_attn_states(dst, dst_lse, out_dtype=q.dtype)
         out.view(rows, H, R).copy_(merged)

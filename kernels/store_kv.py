@@ -22,8 +22,8 @@ _ROWS_PER_PROGRAM = 16  # H200 sweep: 4 -> 62%, 8 -> 68%, 16 -> 69%, 32 -> 65% o
 @jit
 def _store_rows_kernel(lat_ptr, rope_ptr, slot_ptr, cache_ptr, scale_ptr, rope_out_ptr, num_rows,
                        stride_lat, stride_rope, stride_blk, stride_tok,
-                       BLOCK_SIZE: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, P: tl.constexpr, QUANT: tl.constexpr,
-                       BLOCK_T: tl.constexpr, ROUND_FIRST: tl.constexpr):
+                       BLOCK_SIZE: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, P: tl.constexpr,
+                       QUANT: tl.constexpr, BLOCK_T: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """Rows t of `lat` [T, R] (+ `rope` [T, P]) -> cache slot slot_ptr[t]; slot -1 is skipped.
 
     QUANT: cache/scale/rope_out are uint8/fp32/bf16 views of one byte buffer and strides count bytes;
@@ -71,8 +71,8 @@ def _store_rows_kernel(lat_ptr, rope_ptr, slot_ptr, cache_ptr, scale_ptr, rope_o
 @jit
 def _gather_rows_kernel(cache_ptr, scale_ptr, rope_ptr, slot_ptr, out_ptr, num_rows, stride_out,
                         stride_blk, stride_tok,
-                        BLOCK_SIZE: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, P: tl.constexpr, QUANT: tl.constexpr,
-                        BLOCK_T: tl.constexpr, ROUND_FIRST: tl.constexpr):
+                        BLOCK_SIZE: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, P: tl.constexpr,
+                        QUANT: tl.constexpr, BLOCK_T: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """out[i] = dequantised row at slot_ptr[i] ([R + P] values in out's dtype); slot -1 gives zeros."""
     NT: tl.constexpr = R // TILE
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

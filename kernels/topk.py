@@ -17,7 +17,6 @@ same set ordered by score.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from kernels._jit import check_device, interpreting, jit
