@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.formats import mla_row_bytes
-from kernels.sparse_mla import sparse_mla_decode, sparse_mla_prefill, sparse_mla_ref
+from kernels.sparse_mla import sparse_mla, sparse_mla_decode, sparse_mla_prefill, sparse_mla_ref
 from kernels.store_kv import store_kv_ref
 from tests.kernels.conftest import assert_attention_close, block_tables, gpu, interp, poisoned_cache, randn, slots_of
 
@@ -35,7 +35,7 @@ def pick(gen, S: int, K: int, device) -> torch.Tensor:
 
 
 def check_decode(kind: str, B: int, Sq: int, H: int, K: int, R: int, P: int, block_size: int, device,
-                 num_splits=None, q_dtype=torch.bfloat16):
+                 num_splits=None, q_dtype=torch.bfloat16, config=None):
     gen = torch.Generator().manual_seed(B * 1000 + H * 10 + Sq)
     seq_lens = [K // 2 + 7 * b for b in range(B)]  # some requests shorter than K: padded rows
     cache, table = make_cache(kind, seq_lens, R, P, block_size, device, gen)
@@ -46,7 +46,10 @@ def check_decode(kind: str, B: int, Sq: int, H: int, K: int, R: int, P: int, blo
     idx[0, -1] = -1  # a row with nothing selected: out 0, lse -inf
     q = randn(gen, B, Sq, H + 3, R + P, dtype=q_dtype, device=device)[:, :, 1: H + 1]  # non-contiguous heads
     scale = (R + P) ** -0.5
-    out, lse = sparse_mla_decode(q, cache, idx, scale, R, num_splits=num_splits)
+    if config is None:
+        out, lse = sparse_mla_decode(q, cache, idx, scale, R, num_splits=num_splits)
+    else:
+        out, lse = sparse_mla(q, cache, idx, scale, R, num_splits=num_splits, config=config)
     ref_out, ref_lse = sparse_mla_ref(q.float(), cache, idx, scale, R, P)
     assert out.shape == (B, Sq, H, R) and out.dtype == q.dtype and lse.shape == (B, Sq, H)
     assert_attention_close(out, lse, ref_out, ref_lse)
@@ -74,6 +77,13 @@ def check_prefill(kind: str, T: int, H: int, K: int, R: int, P: int, device, q_d
 @pytest.mark.parametrize("Sq,H,splits", [(1, 5, 1), (2, 3, None), (4, 16, 3)])
 def test_decode_fp8_interp(Sq, H, splits):
     check_decode("fp8", B=3, Sq=Sq, H=H, K=40, R=128, P=16, block_size=16, device="cpu", num_splits=splits)
+
+
+@interp
+def test_decode_several_head_blocks_interp():
+    # 20 heads in blocks of 16 (what 17-32 heads use on the GPU), the last one partly masked
+    check_decode("fp8", B=2, Sq=1, H=20, K=24, R=128, P=16, block_size=16, device="cpu", num_splits=2,
+                 config=(16, 16, 4, 1, True))
 
 
 @interp
