@@ -5,9 +5,24 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast kernels-test proto clean
+.PHONY: install system-deps demo test test-fast proto clean
 
-install: $(STAMP)
+install: system-deps $(STAMP)
+
+# Debian packages the scripts and tests use: redis-server (started privately when no Redis
+# answers) and docker-compose 1.29 (validates docker-compose.yml). Installed when missing and we
+# are root; otherwise say what to install.
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian packages:$$missing"; \
+	    (apt-get install -y -q $$missing >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null)) \
+	      || echo "warning: could not install$$missing (tests that need them will say so)"; \
+	  else echo "note: please install the Debian packages:$$missing"; fi; \
+	fi
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

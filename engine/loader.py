@@ -8,14 +8,24 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model import GlmDsaForCausalLM
+from engine.model.moe import Experts, MoE
 from engine.weights import FP32_PARAMS, load_weights
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                with_mtp: bool = True, checkpoint: str | Path | None = None) -> GlmDsaForCausalLM:
-    """Without a checkpoint the weights are left uninitialised (callers fill them, e.g. random init)."""
+                with_mtp: bool = True, checkpoint: str | Path | None = None,
+                expert_shard: tuple[int, int] | None = None) -> GlmDsaForCausalLM:
+    """Without a checkpoint the weights are left uninitialised (callers fill them, e.g. random init).
+
+    `expert_shard` (offset, num_local): keep only those routed experts (expert parallelism); the others
+    are never allocated and the loader skips their tensors.
+    """
     with torch.device("meta"):
         model = GlmDsaForCausalLM(cfg, with_mtp=with_mtp)
+        if expert_shard is not None:
+            for m in list(model.modules()):
+                if isinstance(m, MoE):
+                    m.experts = Experts(cfg, num_local=expert_shard[1], offset=expert_shard[0])
     model = model.to_empty(device=device)
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         want = torch.float32 if name.endswith(FP32_PARAMS) else dtype

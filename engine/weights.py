@@ -188,3 +188,27 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
         want = torch.float32 if name.endswith(FP32_PARAMS) else dtype
         if p.dtype != want and p.is_floating_point():
             p.data = p.data.to(want)
+
+
+def to_hf_state_dict(model: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our parameters under HF checkpoint names (per-expert tensors, MTP as layer N): the inverse of
+    `load_weights`, used by the checkpoint writer."""
+    out: dict[str, torch.Tensor] = {}
+    mtp_prefix = f"model.layers.{cfg.mtp_layer_index}."
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("mtp.layer."):
+            name = mtp_prefix + name[len("mtp.layer."):]
+        elif name.startswith("mtp."):
+            name = mtp_prefix + name[len("mtp."):]
+        if name.endswith(".experts.w13"):
+            base, half = name[: -len(".w13")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}.{e}.gate_proj.weight"] = t[e, :half].contiguous()
+                out[f"{base}.{e}.up_proj.weight"] = t[e, half:].contiguous()
+        elif name.endswith(".experts.w2"):
+            base = name[: -len(".w2")]
+            for e in range(t.shape[0]):
+                out[f"{base}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out

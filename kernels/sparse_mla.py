@@ -237,6 +237,9 @@ def sparse_mla_ref(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tenso
     Returns (out [..., H, R] in q's dtype, lse [..., H] fp32)."""
     lead = q.shape[:-2]
     H, D = q.shape[-2:]
+    if q.numel() == 0:
+        return (torch.zeros(*lead, H, latent_dim, dtype=q.dtype, device=q.device),
+                torch.full((*lead, H), float("-inf"), dtype=torch.float32, device=q.device))
     qf = q.reshape(-1, H, D)
     idx = indices.reshape(-1, indices.shape[-1]).long()
     valid = idx >= 0

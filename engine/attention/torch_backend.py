@@ -14,7 +14,7 @@ from engine.attention.metadata import AttnMetadata
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from kernels.formats import quantize_index_q_ref
 from kernels.indexer import gather_index_k_ref, index_scores_ref, store_index_k_ref, topk_positions_ref
-from kernels.sparse_mla import attend_rows_ref
+from kernels.sparse_mla import attend_rows_ref, sparse_mla_ref
 from kernels.store_kv import gather_kv_ref, store_kv_ref
 
 # Bound on Tq * H * S elements of one score tile (keeps CPU memory flat for long prompts).
@@ -41,6 +41,8 @@ class TorchAttentionBackend:
                      meta: AttnMetadata, topk: int) -> torch.Tensor:
         """q [T, H, D] float, weights [T, H] fp32 (scales folded) -> positions int32 [T, min(topk, max S)]."""
         K = min(topk, max(meta.max_seq_len, 1))
+        if meta.max_seq_len <= topk:  # every request's whole causal context is selected
+            return _causal_rows(meta.positions, K)
         out = torch.full((meta.num_tokens, K), -1, dtype=torch.int32, device=q.device)
         if self.spec.indexer_precision == "fp8":
             q, q_scale = quantize_index_q_ref(q)
@@ -65,11 +67,21 @@ class TorchAttentionBackend:
     def sparse_mla(self, cache: PagedKVCache, layer: int, q: torch.Tensor, topk_pos: torch.Tensor,
                    meta: AttnMetadata, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, R+P] -> (out [T, H, R] in q's dtype, lse [T, H] fp32)."""
+        T, H, D = q.shape
+        kv = cache.mla_layer(layer)
+        if T * topk_pos.shape[1] * D <= _MAX_TILE:  # decode-like batches: all rows at once
+            slots = rows_to_slots(meta, topk_pos)
+            out, lse = sparse_mla_ref(q, kv, slots, sm_scale, self.spec.latent_dim, self.spec.rope_dim)
+            return out, lse
+        return self._sparse_mla_per_request(kv, q, topk_pos, meta, sm_scale)
+
+    def _sparse_mla_per_request(self, kv: torch.Tensor, q: torch.Tensor, topk_pos: torch.Tensor,
+                                meta: AttnMetadata, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Long prefills: one dequantised context workspace per request, masked to each row's selection."""
         T, H, _ = q.shape
         R = self.spec.latent_dim
         out = torch.zeros((T, H, R), dtype=torch.float32, device=q.device)
         lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = cache.mla_layer(layer)
         for b, (lo, hi) in enumerate(_row_ranges(meta)):
             if hi == lo:
                 continue
@@ -79,6 +91,15 @@ class TorchAttentionBackend:
                 allowed = positions_mask(topk_pos[c0:c1], S)
                 out[c0:c1], lse[c0:c1] = attend_rows_ref(q[c0:c1], ctx, allowed, sm_scale, R)
         return out.to(q.dtype), lse
+
+
+def rows_to_slots(meta: AttnMetadata, positions: torch.Tensor) -> torch.Tensor:
+    """Request-local positions [T, K] (-1 padded) of each row's request -> global slots (-1 kept)."""
+    valid = positions >= 0
+    p = positions.clamp(min=0).long()
+    blocks = meta.block_table.long()[meta.token_req_idx.long()[:, None], p // meta.block_size]
+    slots = blocks * meta.block_size + p % meta.block_size
+    return torch.where(valid, slots, torch.full_like(slots, -1))
 
 
 def positions_mask(sel: torch.Tensor, S: int) -> torch.Tensor:

@@ -3,8 +3,8 @@
 
 Selections cross the backend boundary as request-local positions [T, K] (int32, -1 padded), like the
 torch backend's; the sparse kernel wants global slots, so `sparse_mla` translates them with the block
-table first (`metadata.positions_to_slots`, batched over rows). No method synchronises with the host:
-everything host-side comes from the metadata's `*_cpu` lists.
+table first (`torch_backend.rows_to_slots`, a batched `metadata.positions_to_slots`). No method
+synchronises with the host: everything host-side comes from the metadata's `*_cpu` lists.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttnMetadata
+from engine.attention.torch_backend import rows_to_slots
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from kernels.indexer import indexer_topk, store_index_k
 from kernels.sparse_mla import sparse_mla
@@ -50,15 +51,6 @@ class TritonAttentionBackend:
     def sparse_mla(self, cache: PagedKVCache, layer: int, q: torch.Tensor, topk_pos: torch.Tensor,
                    meta: AttnMetadata, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, R+P] -> (out [T, H, R] in q's dtype, lse [T, H] fp32)."""
-        slots = rows_positions_to_slots(meta.block_table, meta.token_req_idx, topk_pos, meta.block_size)
+        slots = rows_to_slots(meta, topk_pos).to(torch.int32)
         return sparse_mla(q, cache.mla_layer(layer), slots, sm_scale, self.spec.latent_dim, num_splits=None)
 
-
-def rows_positions_to_slots(block_table: torch.Tensor, token_req_idx: torch.Tensor, positions: torch.Tensor,
-                            block_size: int) -> torch.Tensor:
-    """Positions [T, K] of each row's own request (-1 = none) -> global slots int32 [T, K] (-1 kept)."""
-    valid = positions >= 0
-    p = positions.clamp(min=0).long()
-    blocks = block_table[token_req_idx.long()[:, None], p // block_size].long()
-    slots = blocks * block_size + p % block_size
-    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)

@@ -1,0 +1,76 @@
+"""Every environment variable pdserve reads, typed, in one place (STYLE §7)."""
+
+from __future__ import annotations
+
+import os
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from e
+
+
+def cpu_threads() -> int:
+    """Torch threads for a CPU engine. Default 1: the tiny models' ops are far smaller than the cost of
+    waking an OpenMP team, and services run several engines per host."""
+    return _int("PDSERVE_CPU_THREADS", 1)
+
+
+def log_level() -> str:
+    return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def redis_url() -> str:
+    return os.environ.get("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+# ---- multi-rank engines (torchrun's variables; set by engine.parallel.launcher for spawned ranks) ----
+def dist_rank() -> int | None:
+    """This process's rank when a launcher (torchrun or ours) started it, else None."""
+    return _int("RANK", -1) if os.environ.get("RANK") else None
+
+
+def dist_world_size() -> int | None:
+    return _int("WORLD_SIZE", -1) if os.environ.get("WORLD_SIZE") else None
+
+
+def dist_local_rank() -> int:
+    return _int("LOCAL_RANK", 0)
+
+
+def dist_master_addr() -> str:
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+def dist_master_port() -> int | None:
+    return _int("MASTER_PORT", -1) if os.environ.get("MASTER_PORT") else None
+
+
+def dist_device() -> str | None:
+    """'cpu' or 'cuda' for a rank process (set by our launcher); None: cuda when available."""
+    return os.environ.get("PDSERVE_DIST_DEVICE") or None
+
+
+def cp_kv_prefetch() -> bool:
+    """Overlap layer l+1's DCP context all-gather with layer l's compute (1, default) or not (0)."""
+    return _int("PDSERVE_CP_KV_PREFETCH", 1) != 0
+
+
+def cp_check_outputs() -> bool:
+    """Debug: after every step, check that all ranks sampled the same tokens (one extra small gather)."""
+    return _int("PDSERVE_CP_CHECK_OUTPUTS", 0) != 0
+
+
+def parent_pid() -> int | None:
+    """Set by our launcher: a spawned rank exits when this process is gone (no orphans)."""
+    return _int("PDSERVE_PARENT_PID", -1) if os.environ.get("PDSERVE_PARENT_PID") else None
+
+
+def torchelastic_agent_store() -> bool:
+    """Set by torchrun: its agent already hosts the rendezvous store at MASTER_ADDR:MASTER_PORT."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

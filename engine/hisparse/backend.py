@@ -1,0 +1,181 @@
+"""The attention backend the model sees under HiSparse: it wraps the real one (torch or Triton).
+
+    store_kv       the inner backend quantises the rows into a scratch page; they are copied to their device
+                   slot (page or reserved hot row) and to the host pool (write-through, in stream order)
+    store_index_k  \\ unchanged: the index cache is addressed by host blocks, exactly like the block tables
+    indexer_topk   /
+    sparse_mla     full layer: resolve this step's plan for the hot requests (hits / misses / victims) and
+                   start the miss copies of every layer of its group (side stream on CUDA); shared layers
+                   replay it. Then attend: resident + hot requests on the device pool, staged ones on a
+                   workspace gathered for this layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttnMetadata
+from engine.hisparse.forward import ForwardState, Workspace, plan_forward
+
+
+@dataclass
+class GroupPlan:
+    pool_sel: torch.Tensor | None  # selections of the pool rows, hot rows remapped (virtual mode)
+    asm_src: torch.Tensor | None  # assembled mode: device-pool slot of each selected entry
+    asm_dst: torch.Tensor | None  # and its workspace slot
+
+
+class _OneLayer:
+    """A cache whose every layer is one [num_blocks, 64, row] tensor (scratch rows and workspaces)."""
+
+    def __init__(self, view: torch.Tensor):
+        self.view = view
+
+    def mla_layer(self, layer: int) -> torch.Tensor:
+        return self.view
+
+
+class HiSparseBackend:
+    def __init__(self, inner, mgr):
+        self.inner = inner
+        self.mgr = mgr
+        self.spec = inner.spec
+        self.name = f"hisparse+{inner.name}"
+
+    @property
+    def indexer_rows_scored(self) -> int:
+        return self.inner.indexer_rows_scored
+
+    def state(self, meta: AttnMetadata) -> ForwardState:
+        fw = meta.scratch.get("hisparse")
+        if fw is None:
+            fw = meta.scratch["hisparse"] = plan_forward(self.mgr, meta)
+        return fw
+
+    # ---- writes -------------------------------------------------------------------------------
+    def store_kv(self, cache, layer: int, latent: torch.Tensor, k_rope: torch.Tensor, meta: AttnMetadata) -> None:
+        fw = self.state(meta)
+        T = latent.shape[0]
+        spec = self.spec
+        if fw.scratch is None:
+            fw.scratch = torch.empty((-(-T // spec.block_size), spec.block_size, spec.mla_row),
+                                     dtype=spec.mla_torch_dtype, device=latent.device)
+        rows = torch.arange(T, device=latent.device)
+        self.inner.store_kv(_OneLayer(fw.scratch), layer, latent, k_rope, dataclasses.replace(meta, slot_mapping=rows))
+        self.mgr.mover.copy(fw.scratch, rows, cache.pool.mla_layer(layer), fw.dev_slots)
+        self.mgr.mover.copy(fw.scratch, rows, cache.mla_layer(layer), meta.slot_mapping)  # write-through
+
+    def store_index_k(self, cache, layer: int, k: torch.Tensor, meta: AttnMetadata) -> None:
+        self.inner.store_index_k(cache, layer, k, meta)
+
+    def indexer_topk(self, cache, layer: int, q: torch.Tensor, weights: torch.Tensor, meta: AttnMetadata,
+                     topk: int) -> torch.Tensor:
+        return self.inner.indexer_topk(cache, layer, q, weights, meta, topk)
+
+    # ---- attention ---------------------------------------------------------------------------
+    def sparse_mla(self, cache, layer: int, q: torch.Tensor, topk_pos: torch.Tensor, meta: AttnMetadata,
+                   sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        fw = self.state(meta)
+        group = self.mgr.groups.group_of[layer]
+        plan = fw.plans.get(group)
+        if plan is None:
+            plan = fw.plans[group] = self._resolve(fw, cache, group, topk_pos, meta)
+        self.mgr.mover.wait(fw.events.pop(layer, None))
+        parts = []
+        if fw.pool is not None:
+            sel = plan.pool_sel if plan.pool_sel is not None else _rows(topk_pos, fw.pool.rows)
+            parts.append((fw.pool.rows, self.inner.sparse_mla(cache.pool, layer, _rows(q, fw.pool.rows), sel,
+                                                              fw.pool.meta, sm_scale)))
+        if fw.assembled is not None:
+            self._assemble(fw.assembled, cache.pool.mla_layer(layer), plan)
+            parts.append((fw.assembled.sub.rows, self._attend(fw.assembled, layer, q, topk_pos, sm_scale)))
+        for ws in fw.staged:
+            self._stage(fw, ws, cache, layer)
+            parts.append((ws.sub.rows, self._attend(ws, layer, q, topk_pos, sm_scale)))
+        return _merge(parts, q, self.spec.latent_dim)
+
+    def _attend(self, ws: Workspace, layer: int, q, topk_pos, sm_scale):
+        rows = ws.sub.rows
+        return self.inner.sparse_mla(_OneLayer(ws.buf), layer, _rows(q, rows), _rows(topk_pos, rows), ws.sub.meta,
+                                     sm_scale)
+
+    def _resolve(self, fw: ForwardState, cache, group: int, topk_pos: torch.Tensor, meta: AttnMetadata) -> GroupPlan:
+        hb, mgr = fw.hot, self.mgr
+        if hb is None:
+            return GroupPlan(None, None, None)
+        bs = meta.block_size
+        B, M = hb.entry_rows.shape
+        sel = topk_pos.long()[hb.entry_rows.clamp(min=0)]  # [B, M, K]
+        K = sel.shape[-1]
+        pos = torch.where(hb.entry_rows[..., None] >= 0, sel, torch.full_like(sel, -1)).reshape(B, M * K)
+        page = mgr.page_table[hb.table_slot[:, None], pos.clamp(min=0) // bs].long()
+        on_dev = (pos >= 0) & (page >= 0)
+        p = mgr.hot.resolve(group, pos, on_dev, hb.start, hb.hot_slot)
+        self._start_copies(fw, cache, group, hb, p)
+        hr = p.hot_row.clamp(min=0)
+        hot_dev = mgr.hot.blocks[hb.hot_slot[:, None], hr // bs].long() * bs + hr % bs
+        none = torch.full_like(pos, -1)
+        dev_slot = torch.where(on_dev, page * bs + pos % bs, torch.where(p.hot_row >= 0, hot_dev, none))
+        if mgr.assemble:
+            dst = torch.where(pos >= 0, hb.ws_base[:, None] * bs + pos, none)
+            return GroupPlan(None, dev_slot.flatten(), dst.flatten())
+        vpos = torch.where(on_dev, pos, torch.where(p.hot_row >= 0, hb.hot_base[:, None] + p.hot_row, none))
+        pool_sel = _rows(topk_pos, fw.pool.rows).clone()  # index lists from the host: no mask, no sync
+        pool_sel[hb.pool_rows] = vpos.view(B * M, K)[hb.entry_ids].to(pool_sel.dtype)
+        return GroupPlan(pool_sel, None, None)
+
+    def _start_copies(self, fw: ForwardState, cache, group: int, hb, p) -> None:
+        """Misses host -> LRU victims, for every layer of the group (replayed plan), counted once per row."""
+        mgr, bs = self.mgr, self.spec.block_size
+        mp, mr = p.miss_pos, p.miss_row
+        b_idx = torch.arange(mp.shape[0], device=mp.device)[:, None]
+        src = torch.where(mp >= 0, hb.host_table[b_idx, mp.clamp(min=0) // bs] * bs + mp % bs, mp)
+        mrc = mr.clamp(min=0)
+        dst = torch.where(mr >= 0, mgr.hot.blocks[hb.hot_slot[:, None], mrc // bs].long() * bs + mrc % bs, mr)
+        layers = mgr.groups.layers[group]
+        mgr.count_plan(p.num_hits, p.num_misses, len(layers))
+        fw.events.update(mgr.mover.copy_layers(
+            [(cache.mla_layer(l), cache.pool.mla_layer(l)) for l in layers], src.flatten(), dst.flatten(), layers))
+
+    def _assemble(self, ws: Workspace, pool_layer: torch.Tensor, plan: GroupPlan) -> None:
+        """Selected rows (device pages or hot rows) -> their positions in a zeroed workspace."""
+        spec = self.spec
+        ws.buf = torch.zeros((ws.num_blocks, spec.block_size, spec.mla_row), dtype=spec.mla_torch_dtype,
+                             device=pool_layer.device)
+        self.mgr.mover.copy(pool_layer, plan.asm_src, ws.buf, plan.asm_dst)
+
+    def _stage(self, fw: ForwardState, ws: Workspace, cache, layer: int) -> None:
+        """This layer's whole context of the staged requests, page by page (device D2D, host H2D)."""
+        spec = self.spec
+        if fw.stage_buf is None:  # one buffer for every staged workspace: they are used one after the other
+            fw.stage_buf = torch.empty((max(w.num_blocks for w in fw.staged), spec.block_size, spec.mla_row),
+                                       dtype=spec.mla_torch_dtype, device=cache.pool.mla.device)
+        ws.buf = fw.stage_buf[: ws.num_blocks]
+        dst = _pages(ws.buf)
+        self.mgr.mover.copy(_pages(cache.pool.mla_layer(layer)), ws.src_dev, dst, ws.dst)
+        self.mgr.mover.copy(_pages(cache.mla_layer(layer)), ws.src_host, dst, ws.dst)
+        self.mgr.count_h2d(ws.num_host_pages * spec.block_size * spec.mla_row * spec.mla_torch_dtype.itemsize)
+
+
+def _pages(view: torch.Tensor) -> torch.Tensor:
+    """[NB, 64, row] -> [NB, 1, 64 * row]: whole pages as single rows (one copy per page)."""
+    return view.view(view.shape[0], 1, view.shape[1] * view.shape[2])
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t[rows]
+
+
+def _merge(parts, q: torch.Tensor, latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if parts[0][0] is None:  # one part holding every row, in order
+        return parts[0][1]
+    T, H = q.shape[0], q.shape[1]
+    out = torch.empty((T, H, latent_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    for rows, (o, l) in parts:
+        out[rows] = o
+        lse[rows] = l
+    return out, lse

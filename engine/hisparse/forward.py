@@ -1,0 +1,236 @@
+"""Per-forward routing: how each request of a batch reaches its rows. Built once per forward (on the first
+backend call), used by every layer; it only reads residency (the step's placement is already done).
+
+    resident  every page on the device: the inner backend reads the device pages in place
+    hot       not resident, at most 1 + drafts rows (decode, verification, MTP steps): the rows it selects
+              come from device pages in place or from its hot buffer (engine.hisparse.hot_buffer)
+    staged    not resident with more rows (a prefill chunk), or the offload-only baseline: per layer the
+              whole context is gathered page by page (device pages D2D, host pages H2D) into a workspace
+
+Where a row of this step is written (device slot; its host slot is the batch's slot_mapping):
+    its page has a device copy -> that page;  hot -> its reserved newest row;  else host only (-1).
+
+Two ways to read hot rows: `virtual` (the GPU path) hands the inner backend a block table of
+[device pages (spilled ones point at block 0, never selected) | hot blocks] and selections remapped to
+that layout; `assembled` copies the selected rows into a position-ordered workspace first, so the torch
+reference computes exactly what it computes for a resident request (bit-identical fp32 decode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention.metadata import AttnMetadata
+
+RESIDENT, HOT, STAGED = "resident", "hot", "staged"
+
+
+def to_dev(x, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list / tensor -> `dev` without waiting for the GPU: through pinned memory, non-blocking (a
+    plain .to() of pageable memory synchronises the stream, mid-forward here)."""
+    t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+MAX_STAGE_PAGES = 1 << 14  # one staged workspace holds at most this many pages per layer (1M tokens)
+
+
+@dataclass
+class SubBatch:
+    req_idx: list[int]  # requests of the full batch, in batch order
+    rows: torch.Tensor | None  # their rows in the full batch (None: every row, in order)
+    meta: AttnMetadata  # over those rows, with this part's own block table and context lengths
+
+
+@dataclass
+class HotBatch:
+    req_idx: list[int]
+    entry_rows: torch.Tensor  # [B, M] rows of each request in the full batch, -1 padded
+    start: torch.Tensor  # [B] first position written this step
+    hot_slot: torch.Tensor  # [B]
+    table_slot: torch.Tensor  # [B] page-table rows
+    host_table: torch.Tensor  # [B, W] host block ids
+    hot_base: torch.Tensor  # [B] virtual position of hot row 0 (virtual mode)
+    ws_base: torch.Tensor  # [B] first workspace block (assembled mode)
+    pool_rows: torch.Tensor | None = None  # virtual mode: rows of the pool part holding hot rows ...
+    entry_ids: torch.Tensor | None = None  # ... and which of the [B * M] entry rows they are
+
+
+@dataclass
+class Workspace:
+    sub: SubBatch
+    num_blocks: int
+    src_dev: torch.Tensor | None = None  # staged: page copies, device block or -1
+    src_host: torch.Tensor | None = None  # host block or -1
+    dst: torch.Tensor | None = None  # workspace block
+    num_host_pages: torch.Tensor | None = None  # [] pages read from the host per layer
+    buf: torch.Tensor | None = None  # [num_blocks, 64, row] of this layer's rows
+
+
+@dataclass
+class ForwardState:
+    paths: list[str]
+    dev_slots: torch.Tensor  # [T] device slot each row is written to, -1: host only
+    pool: SubBatch | None = None  # resident (+ hot in virtual mode) requests, on the device pool
+    hot: HotBatch | None = None
+    assembled: Workspace | None = None
+    staged: list[Workspace] = field(default_factory=list)
+    plans: dict = field(default_factory=dict)  # group -> GroupPlan
+    events: dict = field(default_factory=dict)  # layer -> CUDA event of its miss copies
+    scratch: torch.Tensor | None = None  # [ceil(T/64), 64, row] where the inner backend quantises rows
+    stage_buf: torch.Tensor | None = None  # shared by the staged workspaces (one layer at a time)
+
+
+def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
+    req_ids = meta.scratch.get("req_ids")
+    if req_ids is None or len(req_ids) != meta.num_reqs:
+        raise RuntimeError("hisparse needs the batch's request ids in meta.scratch['req_ids'] "
+                           "(set by engine.runner.inputs.build_batch)")
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    reqs = [mgr.residency.reqs[rid] for rid in req_ids]
+    paths = []
+    for b, r in enumerate(reqs):
+        n = qsl[b + 1] - qsl[b]
+        if mgr.offload_only:
+            paths.append(STAGED)
+        elif r.hot_slot < 0:
+            paths.append(RESIDENT)
+        else:
+            paths.append(HOT if n <= mgr.layout.max_new_rows else STAGED)
+    starts = [lens[b] - (qsl[b + 1] - qsl[b]) for b in range(len(reqs))]
+    num_pages = [-(-s // meta.block_size) for s in lens]
+    fw = ForwardState(paths=paths, dev_slots=_dev_slots(mgr, meta, reqs, paths, starts))
+    hot = [b for b, p in enumerate(paths) if p == HOT]
+    resident = [b for b, p in enumerate(paths) if p == RESIDENT]
+    pool = sorted(resident + ([] if mgr.assemble else hot))
+    if hot:
+        fw.hot = _hot_batch(mgr, meta, reqs, hot, starts, num_pages, pool)
+        if mgr.assemble:
+            fw.assembled = _workspace(meta, hot, num_pages)
+    if pool:
+        table = _pool_table(mgr, reqs, pool, num_pages, paths)
+        vlens = [num_pages[b] * meta.block_size + mgr.layout.rows if paths[b] == HOT else lens[b] for b in pool]
+        fw.pool = sub_batch(meta, pool, table, vlens)
+    fw.staged = _staged(mgr, meta, reqs, [b for b, p in enumerate(paths) if p == STAGED], num_pages)
+    return fw
+
+
+def _dev_slots(mgr, meta: AttnMetadata, reqs, paths: list[str], starts: list[int]) -> torch.Tensor:
+    dev = meta.positions.device
+    tok = meta.token_req_idx.long()
+    pos = meta.positions.long()
+    bs = meta.block_size
+    slot_of = to_dev([r.slot for r in reqs], dev)[tok]
+    page = mgr.page_table[slot_of, pos // bs].long()
+    out = torch.where(page >= 0, page * bs + pos % bs, torch.full_like(pos, -1))
+    if HOT in paths:
+        hs = to_dev([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)], dev)[tok]
+        row = (mgr.layout.lru_rows + pos - to_dev(starts, dev)[tok]).clamp(0, mgr.layout.rows - 1)
+        hot_slot = mgr.hot.blocks[hs.clamp(min=0), row // bs].long() * bs + row % bs
+        out = torch.where((page < 0) & (hs >= 0), hot_slot, out)
+    return out
+
+
+def _hot_batch(mgr, meta, reqs, hot: list[int], starts, num_pages, pool: list[int]) -> HotBatch:
+    dev = meta.positions.device
+    qsl = meta.query_start_loc_cpu
+    M = mgr.layout.max_new_rows
+    rows = [[qsl[b] + i for i in range(qsl[b + 1] - qsl[b])] + [-1] * (M - qsl[b + 1] + qsl[b]) for b in hot]
+    ws_base, at = [], 0
+    for b in hot:
+        ws_base.append(at)
+        at += num_pages[b]
+    hb = HotBatch(req_idx=hot, entry_rows=to_dev(rows, dev),
+                  start=to_dev([starts[b] for b in hot], dev),
+                  hot_slot=to_dev([reqs[b].hot_slot for b in hot], dev),
+                  table_slot=to_dev([reqs[b].slot for b in hot], dev),
+                  host_table=meta.block_table[to_dev(hot, dev)].long(),
+                  hot_base=to_dev([num_pages[b] * meta.block_size for b in hot], dev),
+                  ws_base=to_dev(ws_base, dev))
+    if not mgr.assemble:  # where each hot request's rows sit inside the pool part
+        at, where_in_pool = 0, {}
+        for b in pool:
+            where_in_pool[b] = at
+            at += qsl[b + 1] - qsl[b]
+        pairs = [(where_in_pool[b] + i, j * M + i) for j, b in enumerate(hot) for i in range(qsl[b + 1] - qsl[b])]
+        hb.pool_rows = to_dev([p for p, _ in pairs], dev)
+        hb.entry_ids = to_dev([e for _, e in pairs], dev)
+    return hb
+
+
+def _pool_table(mgr, reqs, pool: list[int], num_pages: list[int], paths: list[str]) -> torch.Tensor:
+    """[len(pool), W] device blocks: each request's pages (spilled -> 0), then its hot blocks if hot."""
+    dev = mgr.page_table.device
+    H = mgr.layout.num_blocks
+    widths = [num_pages[b] + (H if paths[b] == HOT else 0) for b in pool]
+    wp = max(num_pages[b] for b in pool)
+    table = torch.zeros((len(pool), max(widths)), dtype=torch.int32, device=dev)
+    slots = to_dev([reqs[b].slot for b in pool], dev)
+    table[:, :wp] = mgr.page_table[slots, :wp].clamp(min=0)
+    hot_i = [i for i, b in enumerate(pool) if paths[b] == HOT]
+    if hot_i:
+        cols = torch.tensor([num_pages[pool[i]] for i in hot_i])[:, None] + torch.arange(H)[None, :]
+        hs = to_dev([reqs[pool[i]].hot_slot for i in hot_i], dev)
+        table[to_dev(hot_i, dev)[:, None], to_dev(cols, dev)] = mgr.hot.blocks[hs]
+    return table
+
+
+def _workspace(meta: AttnMetadata, req_idx: list[int], num_pages: list[int]) -> Workspace:
+    """A position-ordered workspace: request i owns blocks [base_i, base_i + pages_i)."""
+    dev = meta.positions.device
+    base, at = [], 0
+    for b in req_idx:
+        base.append(at)
+        at += num_pages[b]
+    width = max(num_pages[b] for b in req_idx)
+    table = to_dev((torch.tensor(base)[:, None] + torch.arange(width)[None, :]).clamp(max=at - 1).to(torch.int32), dev)
+    return Workspace(sub=sub_batch(meta, req_idx, table, [meta.seq_lens_cpu[b] for b in req_idx]), num_blocks=at)
+
+
+def _staged(mgr, meta: AttnMetadata, reqs, staged: list[int], num_pages: list[int]) -> list[Workspace]:
+    groups: list[list[int]] = []
+    for b in staged:  # split so that one workspace stays below MAX_STAGE_PAGES per layer
+        if not groups or sum(num_pages[x] for x in groups[-1]) + num_pages[b] > MAX_STAGE_PAGES:
+            groups.append([])
+        groups[-1].append(b)
+    out = []
+    dev = meta.positions.device
+    for group in groups:
+        ws = _workspace(meta, group, num_pages)
+        counts = torch.tensor([num_pages[b] for b in group])
+        req_of = to_dev(torch.repeat_interleave(torch.arange(len(group)), counts), dev)
+        page = torch.arange(ws.num_blocks, device=dev) - to_dev(torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts), dev)
+        slots = to_dev([reqs[b].slot for b in group], dev)[req_of]
+        host = meta.block_table[to_dev(group, dev)[req_of], page].long()
+        src_dev = mgr.page_table[slots, page].long()
+        ws.src_dev, ws.dst = src_dev, torch.arange(ws.num_blocks, device=dev)
+        ws.src_host = torch.where(src_dev < 0, host, torch.full_like(host, -1))
+        ws.num_host_pages = (src_dev < 0).sum()
+        out.append(ws)
+    return out
+
+
+def sub_batch(meta: AttnMetadata, req_idx: list[int], block_table: torch.Tensor, seq_lens: list[int]) -> SubBatch:
+    """Metadata over the rows of some requests of the batch, with their own block table and lengths."""
+    dev = meta.positions.device
+    qsl = meta.query_start_loc_cpu
+    counts = [qsl[b + 1] - qsl[b] for b in req_idx]
+    new_qsl = [0]
+    for n in counts:
+        new_qsl.append(new_qsl[-1] + n)
+    if req_idx == list(range(meta.num_reqs)):
+        rows, positions, slot_mapping, tok = None, meta.positions, meta.slot_mapping, meta.token_req_idx
+    else:
+        rows = to_dev(torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in req_idx]), dev)
+        positions, slot_mapping = meta.positions[rows], meta.slot_mapping[rows]
+        tok = to_dev(torch.repeat_interleave(torch.arange(len(req_idx), dtype=torch.int32),
+                                             torch.tensor(counts, dtype=torch.int64)), dev)
+    sub = AttnMetadata(positions=positions, slot_mapping=slot_mapping,
+                       query_start_loc=to_dev(new_qsl, dev, torch.int32),
+                       seq_lens=to_dev(seq_lens, dev, torch.int32), block_table=block_table,
+                       token_req_idx=tok, query_start_loc_cpu=new_qsl, seq_lens_cpu=list(seq_lens),
+                       block_size=meta.block_size)
+    return SubBatch(req_idx=list(req_idx), rows=rows, meta=sub)

@@ -1,0 +1,66 @@
+"""Moving rows between the host pool, the device pool and workspaces.
+
+CPU: plain indexing (`kernels.hisparse_gather.copy_rows_ref`). CUDA: the Triton copy kernel, which reads or
+writes pinned host memory in place (unified addressing), so slot lists computed on the GPU need no host
+round trip; a group's miss copies run on a side stream with one event per layer, which the layer's
+attention waits for. If this Triton cannot address pinned host memory, copies fall back to a synchronous
+gather (`path` says which one ran; the benchmark reports it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels.hisparse_gather import copy_rows, copy_rows_ref
+
+log = logging.getLogger(__name__)
+
+
+class RowMover:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device=device) if self.cuda else None
+        self.path = "triton" if self.cuda else "torch"
+
+    def copy(self, src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """dst[dst_slots] = src[src_slots] over paged views, skipping -1 on either side."""
+        if not self.cuda:
+            copy_rows_ref(src, src_slots, dst, dst_slots)
+            return
+        if self.path == "triton":
+            try:
+                copy_rows(src, src_slots, dst, dst_slots)
+                return
+            except (ValueError, RuntimeError) as e:  # e.g. "Pointer argument cannot be accessed from Triton"
+                if src.is_cuda and dst.is_cuda:
+                    raise
+                log.warning("hisparse: Triton cannot reach pinned host memory (%s); copies now synchronise", e)
+                self.path = "sync"
+        copy_rows_ref(src, src_slots, dst, dst_slots)
+
+    def copy_layers(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor,
+                    dst_slots: torch.Tensor, layers: list[int] | tuple[int, ...]) -> dict:
+        """The same rows for several layers (src view, dst view) -> {layer: event} to wait for (CUDA)."""
+        if not self.cuda:
+            for s, d in pairs:
+                self.copy(s, src_slots, d, dst_slots)
+            return {}
+        ready = torch.cuda.Event()
+        ready.record()
+        events = {}
+        src_slots.record_stream(self.side)  # freed on the main stream while the side stream may still read them
+        dst_slots.record_stream(self.side)
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(ready)
+            for layer, (s, d) in zip(layers, pairs):
+                self.copy(s, src_slots, d, dst_slots)
+                done = torch.cuda.Event()
+                done.record(self.side)
+                events[layer] = done
+        return events
+
+    def wait(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)

@@ -1,0 +1,16 @@
+"""Context and expert parallelism of one engine over N ranks (DESIGN §4-5).
+
+    executor.py    MultiRankEngineCore: EngineCore's interface, rank 0 = the caller's process
+    launcher.py    spawns ranks 1..N-1 (torchrun's environment) / torchrun entry point
+    worker.py      a worker rank's loop
+    dist.py        process groups, collectives with byte counters
+    runner.py      CPModelRunner: own rows, DCP write mapping, EP experts, gathered outputs
+    step.py        the plan of one forward pass (PCP rows, prefill vs decode attention path)
+    pcp.py         DualChunkSwap split of query rows
+    dcp.py         token -> (rank, local index) arithmetic, LSE merges (ag_rs, a2a), global top-k
+    dcp_context.py DCP prefill path: per-layer context all-gather into a temporary buffer (+ prefetch)
+    dcp_decode.py  DCP decode path: sharded indexer + attention, exact merge
+    cp_backend.py  the attention backend wrapper the model calls
+    ep.py          MoE all-to-all dispatcher
+    export.py      KVPageMap: the KV export hook
+"""

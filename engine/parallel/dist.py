@@ -1,0 +1,161 @@
+"""Process groups of a multi-rank engine and the collectives it uses, with byte counters.
+
+One process per rank (torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+Three groups over the same ranks:
+
+    data      NCCL on CUDA, gloo on CPU: per-layer all-gathers, all-to-alls, the DCP merges
+    prefetch  same backend, its own communicator: the asynchronous DCP context gathers of the next
+              layer, so they run beside (not queued behind) the data group's collectives
+    control   gloo, CPU objects: the per-step SchedulerOutput broadcast and RPCs; no timeout, since
+              workers wait in it while the engine is idle
+
+Every collective is called by all ranks in the same order with the same shapes; the callers compute
+shapes from the step plan, which every rank knows in full.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine import envs
+
+_STARTUP_TIMEOUT = timedelta(minutes=5)
+_DATA_TIMEOUT = timedelta(minutes=30)
+_CONTROL_TIMEOUT = timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls) -> "DistEnv":
+        rank, world, port = envs.dist_rank(), envs.dist_world_size(), envs.dist_master_port()
+        if rank is None or world is None or port is None:
+            raise ValueError("RANK, WORLD_SIZE and MASTER_PORT must be set (launch with torchrun or "
+                             "engine.parallel.launcher)")
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK {rank} is outside WORLD_SIZE {world}")
+        return cls(rank, world, envs.dist_local_rank(), envs.dist_master_addr(), port)
+
+    def to_environ(self) -> dict[str, str]:
+        """torchrun's variable names, for a process we start ourselves."""
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port)}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankComm:
+    """The collectives of one rank. `bytes[tag]` counts what this rank received (all-gather outputs,
+    all-to-all receive buffers) or sent (reduce-scatter inputs), for the communication-volume report."""
+
+    def __init__(self, env: DistEnv, device: torch.device):
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.device = device
+        self.bytes: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process: one multi-rank engine "
+                               "per process (shut the other down first: core.shutdown())")
+        # the store's timeout bounds the start-up rendezvous (a worker that died importing is not waited
+        # for 30 minutes); the groups' timeouts bound each collective. Under torchrun its agent hosts
+        # the store and every rank is a client.
+        host_store = env.rank == 0 and not envs.torchelastic_agent_store()
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, host_store,
+                              timeout=_STARTUP_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=_DATA_TIMEOUT)
+        self.data = dist.group.WORLD
+        self.prefetch = dist.new_group(backend=backend, timeout=_DATA_TIMEOUT)
+        self.control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+
+    def _count(self, tag: str, t: torch.Tensor) -> None:
+        self.bytes[tag] += t.numel() * t.element_size()
+        self.calls[tag] += 1
+
+    def reset_counters(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    # ---- tensors -------------------------------------------------------------------------------
+    def all_gather(self, x: torch.Tensor, tag: str, *, prefetch: bool = False, async_op: bool = False):
+        """x [n, ...] on every rank -> [world * n, ...] in rank order (or (out, work) when async)."""
+        x = x.contiguous()
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._count(tag, out)
+        work = dist.all_gather_single(out, x, group=self.prefetch if prefetch else self.data, async_op=async_op)
+        return (out, work) if async_op else out
+
+    def all_gather_padded(self, x: torch.Tensor, max_rows: int, tag: str) -> torch.Tensor:
+        """Rows x [n <= max_rows, ...] of every rank -> [world, max_rows, ...] (padding rows are zero)."""
+        pad = x.new_zeros((max_rows, *x.shape[1:]))
+        pad[: x.shape[0]] = x
+        return self.all_gather(pad, tag).view(self.world_size, max_rows, *x.shape[1:])
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int], tag: str) -> torch.Tensor:
+        """Rows of x grouped by destination rank (send_counts) -> rows from every rank (recv_counts)."""
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        self._count(tag, out)
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                               group=self.data)
+        return out
+
+    def exchange_counts(self, send_counts: list[int], tag: str) -> list[int]:
+        """How many rows every rank will send to this one, given how many this one sends to each."""
+        send = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
+        recv = torch.empty_like(send)
+        self._count(tag, recv)
+        dist.all_to_all_single(recv, send, group=self.data)
+        return recv.tolist()
+
+    def reduce_scatter(self, x: torch.Tensor, tag: str) -> torch.Tensor:
+        """x [world * n, ...] summed over ranks -> this rank's block [n, ...]."""
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] // self.world_size, *x.shape[1:]))
+        self._count(tag, x)
+        dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=self.data)
+        return out
+
+    def all_reduce_min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    # ---- objects (control group) ---------------------------------------------------------------
+    def broadcast_object(self, obj=None):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather_objects(self, obj) -> list | None:
+        """Every rank's `obj` on rank 0 (None elsewhere)."""
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.control)
+        return out
+
+    def all_gather_objects(self, obj) -> list:
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

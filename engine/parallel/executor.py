@@ -1,0 +1,152 @@
+"""MultiRankEngineCore: the EngineCore of a PCP x DCP x EP engine; the caller's process is rank 0.
+
+Same interface as `engine.core.EngineCore` (add_request, validate, abort, step, has_unfinished, stats,
+and the `scheduler` / `kv` / `runner` attributes): the scheduler and KV manager live on rank 0 only and
+stay CP-agnostic (the manager's `dcp_size` gives virtual blocks of 64·N tokens). Each step rank 0
+broadcasts the SchedulerOutput to the workers and every rank runs it; rank 0's RunnerOutput is the
+step's result (all ranks sample the same tokens, see runner.py).
+
+    rank 0 (caller):  schedule ─broadcast─▶ execute ─▶ update          workers: wait ─▶ execute ─▶ wait
+                                              ╰──── per-layer collectives ────╯
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+
+import torch
+
+from engine import envs
+from engine.core import EngineCore
+from engine.engine_config import EngineConfig
+from engine.parallel.dist import DistEnv, RankComm
+from engine.parallel.export import KVPageMap
+from engine.parallel.launcher import RankLauncher, RankPool, started_by_torchrun
+from engine.parallel.runner import CPModelRunner, rank_output_digest
+from engine.parallel.worker import call_rpc
+from engine.scheduler import EngineCoreOutput
+
+
+
+class MultiRankEngineCore(EngineCore):
+    def __init__(self, cfg: EngineConfig, check_outputs: bool | None = None):
+        world = cfg.parallel.world_size
+        if world < 2:
+            raise ValueError("MultiRankEngineCore needs prefill_context_parallel_size >= 2; use EngineCore")
+        device = torch.device(cfg.device)
+        self._closed = False
+        pooled = RankPool.take(world, device.type)
+        if pooled is not None:
+            self.launcher, self.comm = pooled
+        else:
+            self.launcher, self.comm = self._start_ranks(world, device)
+        try:
+            self.comm.broadcast_object(("engine", cfg))
+            super().__init__(cfg, runner_factory=lambda c: CPModelRunner(c, self.comm))
+        except BaseException:
+            self._abandon()
+            raise
+        self.check_outputs = envs.cp_check_outputs() if check_outputs is None else check_outputs
+        ref = weakref.ref(self)  # not a strong reference: the engine may be collected before exit
+        atexit.register(lambda: ref() is not None and ref().shutdown())
+
+    def _start_ranks(self, world: int, device: torch.device) -> tuple[RankLauncher | None, RankComm]:
+        if torch.distributed.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process: one multi-rank engine "
+                               "per process (shut the other down first: core.shutdown())")
+        launcher = None
+        if started_by_torchrun():
+            env = DistEnv.from_environ()
+            if env.world_size != world or env.rank != 0:
+                raise ValueError(f"torchrun started rank {env.rank} of {env.world_size}; this engine needs rank 0 "
+                                 f"of {world} (prefill_context_parallel_size)")
+        else:
+            launcher = RankLauncher(world, device.type)
+            env = launcher.start()
+        if device.type == "cuda":
+            torch.cuda.set_device(env.local_rank)
+        try:
+            return launcher, RankComm(env, device)
+        except BaseException:
+            self.launcher = launcher
+            self._abandon()
+            raise
+
+    # ---- stepping ------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.finished_req_ids:
+            return []
+        self._send(("step", sched, self.check_outputs))
+        result = self.runner.execute(sched)
+        if self.check_outputs:
+            digests = self.comm.all_gather_objects(rank_output_digest(result))
+            bad = [r for r, d in enumerate(digests) if d != digests[0]]
+            if bad:
+                raise RuntimeError(f"ranks {bad} sampled differently from rank 0: {digests[bad[0]]} vs {digests[0]}")
+        return self.scheduler.update(sched, result)
+
+    def collective_rpc(self, method: str, *args) -> list:
+        """Call runner `method` (or "module:function", runner first) on every rank -> results by rank."""
+        self._send(("rpc", method, args))
+        results = self.comm.gather_objects(call_rpc(self.runner, method, args))
+        for rank, (ok, value) in enumerate(results):
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed in {method}:\n{value}")
+        return [value for _, value in results]
+
+    def _send(self, msg: tuple) -> None:
+        if self._closed:
+            raise RuntimeError("this multi-rank engine was shut down")
+        if self.launcher is not None and self.launcher.dead_ranks():
+            raise RuntimeError(f"worker ranks {self.launcher.dead_ranks()} died; see their stderr")
+        self.comm.broadcast_object(msg)
+
+    # ---- KV export hook ------------------------------------------------------------------------
+    def kv_page_map(self, req_id: str) -> KVPageMap:
+        """Where a held (or running) request's computed KV lives: per rank, its local blocks and the
+        mapping global token -> (rank, local slot). See engine/parallel/export.py."""
+        req = self.scheduler.held.get(req_id) or self.scheduler.requests.get(req_id)
+        if req is None:
+            raise KeyError(f"request {req_id!r} is neither held nor running")
+        pc = self.cfg.parallel
+        return KVPageMap(req_id, req.num_computed_tokens, tuple(self.kv.block_ids(req_id)), self.cfg.cache.block_size,
+                         pc.decode_context_parallel_size, pc.cp_kv_cache_interleave_size, pc.world_size)
+
+    def rank_kv_rows(self, req_id: str) -> list[dict]:
+        """Every rank's part of a request's KV with the raw cache rows (see CPModelRunner.read_kv_rows)."""
+        m = self.kv_page_map(req_id)
+        return self.collective_rpc("read_kv_rows", list(m.block_ids), m.num_tokens)
+
+    def rank_stats(self) -> list[dict]:
+        return self.collective_rpc("rank_stats")
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def shutdown(self, keep_workers: bool = False) -> None:
+        """Stop the worker ranks; `keep_workers`: keep spawned ranks idle for the next engine of the same
+        world size in this process (engine.parallel.launcher.RankPool)."""
+        if self._closed:
+            return
+        self._closed = True
+        alive = self.launcher is None or not self.launcher.dead_ranks()
+        if keep_workers and alive and self.launcher is not None:
+            self.comm.broadcast_object(("release",))
+            self.comm.reset_counters()
+            RankPool.put(self.cfg.parallel.world_size, self.comm.device.type, self.launcher, self.comm)
+            return
+        try:
+            if alive:
+                self.comm.broadcast_object(("shutdown",))
+            self.comm.shutdown()
+        finally:
+            if self.launcher is not None:
+                self.launcher.stop()
+
+    def _abandon(self) -> None:
+        """Start-up failed: nothing of ours may stay behind (the process group was not there before)."""
+        self._closed = True
+        if self.launcher is not None:
+            self.launcher.kill()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,99 @@
+"""A worker rank: `python -m engine.parallel.worker` (torchrun's environment, see launcher.py).
+
+It joins the process groups, then serves engines one after another: ("engine", EngineConfig) builds its
+CPModelRunner, whose messages it then runs, in order:
+
+    ("step", SchedulerOutput, check)  run the step (collectives with the other ranks); with `check`,
+                                      all-gather what was sampled so rank 0 can compare
+    ("rpc", method, args)             call a runner method (or "module:function" with the runner first)
+                                      and gather the results on rank 0
+    ("release",)                      drop the runner, wait for the next ("engine", cfg) or ("exit",)
+    ("shutdown",)                     leave
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+from engine import envs
+from engine.parallel.dist import DistEnv, RankComm
+
+
+def worker_main() -> None:
+    env = DistEnv.from_environ()
+    device_type = envs.dist_device() or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    _exit_with_parent()
+    comm = RankComm(env, device)
+    from engine.parallel.runner import CPModelRunner
+
+    while True:  # one engine after another (a pooled rank waits here between engines)
+        msg = comm.broadcast_object()
+        if msg[0] == "exit":
+            break
+        assert msg[0] == "engine", f"expected an engine config from rank 0, got {msg[0]!r}"
+        if serve(CPModelRunner(msg[1], comm), comm) == "shutdown":
+            break
+        comm.reset_counters()
+    comm.shutdown()
+
+
+def serve(runner, comm: RankComm) -> str:
+    """Run rank 0's messages until "release" (back to the pool) or "shutdown"; returns which."""
+    from engine.parallel.runner import rank_output_digest
+
+    while True:
+        msg = comm.broadcast_object()
+        if msg[0] == "step":
+            out = runner.execute(msg[1])
+            if msg[2]:
+                comm.all_gather_objects(rank_output_digest(out))
+        elif msg[0] == "rpc":
+            comm.gather_objects(call_rpc(runner, msg[1], msg[2]))
+        elif msg[0] in ("release", "shutdown"):
+            return msg[0]
+        else:
+            raise RuntimeError(f"unknown message {msg[0]!r} from rank 0")
+
+
+def call_rpc(runner, method: str, args: tuple) -> tuple[bool, object]:
+    """(ok, result or formatted exception): an RPC error must not leave the other ranks waiting."""
+    try:
+        if ":" in method:
+            module, name = method.split(":", 1)
+            return True, getattr(importlib.import_module(module), name)(runner, *args)
+        return True, getattr(runner, method)(*args)
+    except Exception:  # reported to rank 0, which raises it
+        return False, traceback.format_exc()
+
+
+def _exit_with_parent() -> None:
+    parent = envs.parent_pid()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    try:
+        worker_main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)

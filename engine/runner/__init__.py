@@ -1,0 +1,3 @@
+from engine.runner.model_runner import ModelRunner
+
+__all__ = ["ModelRunner"]

@@ -1,0 +1,59 @@
+"""Flattening scheduled chunks into one forward batch (host lists -> device tensors once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttnMetadata, build_metadata
+from engine.runner.state import RunnerRequest
+from engine.scheduler_output import ScheduledChunk
+
+
+@dataclass
+class BatchRows:
+    """Where each request's rows sit in the flat batch: rows [row_start, row_start + num_rows)."""
+
+    req_ids: list[str]
+    row_starts: list[int]
+    num_rows: list[int]
+
+
+def slots_for(block_ids: list[int], positions: range | list[int], block_size: int) -> list[int]:
+    return [block_ids[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def build_batch(rows: list[tuple[RunnerRequest, int, list[int]]], block_size: int, device: torch.device,
+                slot_fn=slots_for) -> tuple[torch.Tensor, AttnMetadata, BatchRows]:
+    """rows: (request, start position, token ids) -> (input_ids [T], metadata, row layout).
+
+    Positions of a request's rows are start .. start + len - 1 and its context after the step is
+    start + len tokens. `slot_fn(block_ids, positions, block_size)` maps positions to write slots (context
+    parallelism replaces it with its rank-local mapping).
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_lens, seq_lens, tables = [], [], []
+    layout = BatchRows([], [], [])
+    for req, start, tokens in rows:
+        n = len(tokens)
+        layout.req_ids.append(req.req_id)
+        layout.row_starts.append(len(input_ids))
+        layout.num_rows.append(n)
+        input_ids.extend(tokens)
+        pos = range(start, start + n)
+        positions.extend(pos)
+        slot_mapping.extend(slot_fn(req.block_ids, pos, block_size))
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        tables.append(req.block_ids)
+    meta = build_metadata(positions=positions, slot_mapping=slot_mapping, query_lens=query_lens, seq_lens=seq_lens,
+                          block_tables=tables, block_size=block_size, device=device)
+    meta.scratch["req_ids"] = layout.req_ids  # backends that keep per-request state (HiSparse) look them up
+    return torch.tensor(input_ids, dtype=torch.long).to(device), meta, layout
+
+
+def chunk_rows(chunks: list[ScheduledChunk], states: dict[str, RunnerRequest]) -> list[tuple[RunnerRequest, int, list[int]]]:
+    return [(states[c.req_id], c.start, c.token_ids) for c in chunks]

@@ -1,0 +1,175 @@
+"""The ModelRunner owns every tensor (weights, KV pages, buffers) and runs one SchedulerOutput.
+
+One step:  update request states from the diffs -> flatten chunks into a batch -> target forward ->
+sample / verify drafts -> MTP pass (catch up its cache on the rows whose next token is now known,
+then propose drafts) -> RunnerOutput.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import envs
+from engine.attention import get_attention_backend
+from engine.engine_config import EngineConfig
+from engine.kv.budget import num_kv_blocks
+from engine.kv.cache import KVCacheSpec, PagedKVCache
+from engine.loader import build_model
+from engine.model.context import ForwardContext
+from engine.model.layers import rope_cos_sin, rope_inv_freq
+from engine.runner.inputs import BatchRows, build_batch, chunk_rows, slots_for
+from engine.runner.mtp import MTPProposer
+from engine.runner.sampler import RowSpec, Sampler, top_logprobs
+from engine.runner.spec import SyntheticAcceptance, verify_drafts
+from engine.runner.state import RunnerRequest
+from engine.scheduler_output import RunnerOutput, SampledOutput, ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, num_blocks: int | None = None, model=None):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(envs.cpu_threads())
+        self.block_size = cfg.cache.block_size
+        self.with_mtp = cfg.model.has_mtp and cfg.speculative is not None
+        self.model = model if model is not None else build_model(
+            cfg.model, device=self.device, dtype=cfg.torch_dtype, with_mtp=self.with_mtp, checkpoint=cfg.model_path)
+        self.spec = KVCacheSpec.from_model(cfg.model, block_size=self.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
+                                           indexer_precision=cfg.cache.indexer_precision, with_mtp=self.with_mtp)
+        num_blocks = num_blocks or num_kv_blocks(cfg, self.spec)
+        self.hisparse = None  # HiSparse: host pool + device pages + hot buffers behind a backend wrapper
+        if cfg.hisparse is not None:
+            from engine.hisparse import HiSparseManager
+
+            self.hisparse = HiSparseManager(cfg, self.spec, self.device, num_blocks)
+            self.kv_cache = self.hisparse.cache
+        else:
+            self.kv_cache = PagedKVCache(self.spec, num_blocks, self.device)
+        self.backend = get_attention_backend(self.spec, self.device, cfg.attention_backend)
+        if self.hisparse is not None:
+            self.backend = self.hisparse.wrap(self.backend)
+        self.inv_freq = rope_inv_freq(cfg.model.qk_rope_head_dim, cfg.model.rope_theta, self.device)
+        self.sampler = Sampler(self.device, cfg.seed)
+        self.states: dict[str, RunnerRequest] = {}
+        self.eos_ids = cfg.model.eos_token_ids
+        spec_cfg = cfg.speculative
+        self.synthetic = (SyntheticAcceptance(spec_cfg.synthetic_acceptance_length, spec_cfg.num_speculative_tokens,
+                                              cfg.seed) if spec_cfg and spec_cfg.synthetic_acceptance_length else None)
+        self.mtp = MTPProposer(self) if self.with_mtp else None
+        self.slot_fn = slots_for  # context parallelism substitutes its rank-local mapping
+
+    # ---- forward helpers -----------------------------------------------------------------------
+    def make_context(self, meta, rope_offset: int = 0) -> ForwardContext:
+        cos, sin = rope_cos_sin(meta.positions + rope_offset, self.inv_freq)
+        return ForwardContext(meta, self.kv_cache, self.backend, cos, sin)
+
+    def forward(self, rows) -> tuple[torch.Tensor, BatchRows, object]:
+        input_ids, meta, layout = build_batch(rows, self.block_size, self.device, self.slot_fn)
+        ctx = self.make_context(meta)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, ctx)
+        return hidden, layout, ctx
+
+    def mtp_forward(self, rows, prev_hidden: torch.Tensor, keep: list[int] | None = None) -> torch.Tensor:
+        """The MTP layer over `rows` (one prev_hidden row per token) -> its output rows (only `keep`'s
+        when given: context parallelism then gathers just those)."""
+        input_ids, meta, _ = build_batch(rows, self.block_size, self.device, self.slot_fn)
+        ctx = self.make_context(meta)
+        with torch.inference_mode():
+            out = self.model.mtp_forward(input_ids, prev_hidden, ctx)
+        return out if keep is None else out[keep]
+
+    # ---- one step ------------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._update_states(sched)
+        if self.hisparse is not None:
+            self.hisparse.begin_step(sched, self.states)
+        out = RunnerOutput()
+        if sched.is_empty:
+            return out
+        hidden, layout, _ = self.forward(chunk_rows(sched.chunks, self.states))
+        emitted: dict[str, list[int]] = {}
+        for chunk, start in zip(sched.chunks, layout.row_starts):
+            state = self.states[chunk.req_id]
+            if state.return_prompt_logits:
+                n_known = len(chunk.token_ids) - chunk.num_draft_tokens
+                with torch.inference_mode():
+                    out.prompt_logits[chunk.req_id] = self.model.compute_logits(hidden[start:start + n_known]).cpu()
+        self._sample(sched.chunks, layout, hidden, out, emitted)
+        if self.mtp is not None:
+            out.drafts = self.mtp.run(sched.chunks, layout, hidden, emitted)
+        return out
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_req_ids + sched.preempted_req_ids:
+            self.states.pop(rid, None)
+        for d in sched.new_requests:
+            self.states[d.req_id] = RunnerRequest.from_new(d, self.device)
+        for c in sched.chunks:
+            if c.new_block_ids:
+                self.states[c.req_id].block_ids.extend(c.new_block_ids)
+
+    def _sample(self, chunks: list[ScheduledChunk], layout: BatchRows, hidden: torch.Tensor, out: RunnerOutput,
+                emitted: dict[str, list[int]]) -> None:
+        todo = [(c, s) for c, s in zip(chunks, layout.row_starts) if c.sample]
+        if not todo:
+            return
+        row_idx = []
+        for c, s in todo:
+            last_known = s + len(c.token_ids) - c.num_draft_tokens - 1
+            row_idx.extend(range(last_known, last_known + c.num_draft_tokens + 1))
+        with torch.inference_mode():
+            logits = self.model.compute_logits(hidden[row_idx])
+        greedy = self._plain_greedy(todo, logits, row_idx)
+        r = 0
+        for c, _ in todo:
+            if c.req_id in greedy:
+                tok = greedy[c.req_id]
+                out.sampled[c.req_id] = SampledOutput(token_ids=[tok])
+                emitted[c.req_id] = [tok]
+                self.states[c.req_id].output_token_ids.append(tok)
+                r += 1
+                continue
+            n = c.num_draft_tokens + 1
+            res = self._sample_one(c, logits[r:r + n])
+            out.sampled[c.req_id] = res
+            emitted[c.req_id] = res.token_ids
+            self.states[c.req_id].output_token_ids.extend(res.token_ids)
+            r += n
+
+    def _plain_greedy(self, todo, logits: torch.Tensor, row_idx: list[int]) -> dict[str, int]:
+        """One batched argmax for greedy rows with no drafts, penalties, logprobs or min_tokens."""
+        rows, ids = [], []
+        r = 0
+        for c, _ in todo:
+            p = self.states[c.req_id].sampling_params
+            if (p.greedy and not c.num_draft_tokens and not p.needs_penalties and p.logprobs is None
+                    and p.min_tokens == 0):
+                rows.append(r)
+                ids.append(c.req_id)
+            r += c.num_draft_tokens + 1
+        if not rows:
+            return {}
+        return dict(zip(ids, logits[rows].argmax(dim=-1).tolist()))
+
+    def _sample_one(self, c: ScheduledChunk, logits: torch.Tensor) -> SampledOutput:
+        st = self.states[c.req_id]
+        p = st.sampling_params
+        drafts = c.token_ids[len(c.token_ids) - c.num_draft_tokens:] if c.num_draft_tokens else []
+        rows = [RowSpec(p, st.prompt_token_ids, st.output_token_ids + drafts[:i], st.generator, self.eos_ids)
+                for i in range(len(drafts) + 1)]
+        probs = self.sampler.probs(logits, rows)
+        if self.synthetic is not None and drafts:
+            n_acc = self.synthetic.num_accepted(len(drafts))
+            bonus = int(self.sampler.draw(probs[n_acc:n_acc + 1], [st.generator])[0])
+            tokens = drafts[:n_acc] + [bonus]
+        elif drafts:
+            tokens, n_acc = verify_drafts(self.sampler, probs, drafts, st.draft_probs, p.greedy, st.generator)
+        else:
+            tokens, n_acc = [int(self.sampler.draw(probs, [st.generator])[0])], 0
+        lps = None
+        if p.logprobs is not None:
+            used = logits[: len(tokens)]
+            lps = top_logprobs(used, torch.tensor(tokens), [p.logprobs] * len(tokens))
+        return SampledOutput(token_ids=tokens, logprobs=lps, num_drafts=len(drafts), num_accepted=n_acc)

@@ -1,0 +1,75 @@
+"""The MTP drafter (DESIGN §7), run after the target pass of every step.
+
+    catch-up:  for every row whose next token is now known (prompt rows, accepted drafts, the newly
+               sampled token), run the MTP layer on (embed(next token), target hidden) at that row's
+               position. This (re)writes the MTP layer's own KV for those positions — stale entries
+               from rejected drafts are overwritten here, which is the rollback.
+    draft 1:   the last catch-up row's output -> lm_head -> d1
+    draft j:   (embed(d_{j-1}), previous MTP output after shared_head.norm) at the next position -> d_j
+Draft-step KV beyond the verified tokens is rewritten by the next step's catch-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.runner.inputs import BatchRows
+from engine.runner.sampler import RowSpec
+from engine.scheduler_output import ScheduledChunk
+
+
+class MTPProposer:
+    def __init__(self, runner):
+        self.runner = runner
+        self.num_steps = runner.cfg.num_spec_tokens
+
+    def run(self, chunks: list[ScheduledChunk], layout: BatchRows, hidden: torch.Tensor,
+            emitted: dict[str, list[int]]) -> dict[str, list[int]]:
+        rows, hid_idx, last = [], [], []
+        for c, start in zip(chunks, layout.row_starts):
+            n_known = len(c.token_ids) - c.num_draft_tokens
+            if c.sample:
+                seq = c.token_ids[:n_known] + emitted[c.req_id]
+            else:
+                seq = c.token_ids + [c.next_token_id]
+            n_valid = len(seq) - 1
+            rows.append((self.runner.states[c.req_id], c.start, seq[1:]))
+            hid_idx.extend(range(start, start + n_valid))
+            if c.sample and c.max_drafts > 0:
+                last.append((c, len(hid_idx) - 1, c.start + n_valid - 1))
+        # the catch-up pass writes the MTP cache for every row; only the last rows' outputs are drafted from
+        prev = self.runner.mtp_forward(rows, hidden[hid_idx], keep=[i for _, i, _ in last])
+        if not last:
+            return {}
+        drafts = {c.req_id: [] for c, _, _ in last}
+        active = [(c, pos) for c, _, pos in last]
+        for step in range(self.num_steps):
+            tokens = self._draw(active, prev, step)
+            for (c, _), t in zip(active, tokens):
+                drafts[c.req_id].append(t)
+            keep = [i for i, (c, _) in enumerate(active) if len(drafts[c.req_id]) < min(c.max_drafts, self.num_steps)]
+            if not keep:
+                break
+            active = [(active[i][0], active[i][1] + 1) for i in keep]
+            step_rows = [(self.runner.states[c.req_id], pos, [drafts[c.req_id][-1]]) for c, pos in active]
+            prev = self.runner.mtp_forward(step_rows, prev[keep])
+        return drafts
+
+    def _draw(self, active, mtp_hidden: torch.Tensor, step: int) -> list[int]:
+        r = self.runner
+        with torch.inference_mode():
+            logits = r.model.compute_logits(mtp_hidden)
+        specs = []
+        for c, _ in active:
+            st = r.states[c.req_id]
+            specs.append(RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.draft_generator,
+                                 r.eos_ids))
+        probs = r.sampler.probs(logits, specs)
+        tokens = r.sampler.draw(probs, [s.generator for s in specs]).tolist()
+        for (c, _), row in zip(active, probs):
+            st = r.states[c.req_id]
+            if step == 0:
+                st.draft_probs = row[None].clone()
+            else:
+                st.draft_probs = torch.cat([st.draft_probs, row[None]], dim=0)
+        return tokens

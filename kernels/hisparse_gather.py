@@ -1,0 +1,103 @@
+"""Row copies between paged caches for HiSparse: missed rows host -> hot buffer, the newest rows device ->
+host, whole contexts host -> workspace.
+
+A "cache" here is one layer's paged view `[num_blocks, block_size, row]` (a strided view of a block-major
+tensor is fine; the row itself must be contiguous). Slot s names row `s % block_size` of block
+`s // block_size`. Rows are copied as raw words, so every format (fp8_ds_mla bytes, bf16, fp32) moves bit
+for bit. On CUDA either side may be pinned host memory: the kernel reads or writes it in place over PCIe
+(unified virtual addressing), so a copy whose slots were computed on the GPU needs no host round trip.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+# A CPU-only torch cannot compile kernels: run them in Triton's interpreter (set before triton's import).
+if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, dst_ptr, src_slot_ptr, dst_slot_ptr, num_rows, num_words,
+                      src_block_size, s_blk, s_tok, dst_block_size, d_blk, d_tok,
+                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program r copies rows [r*BLOCK_R, +BLOCK_R) of the slot lists; a slot < 0 on either side skips the row.
+    Strides are in words; offsets are 64-bit (host pools exceed 2^31 words)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < num_rows
+    src = tl.load(src_slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+    dst = tl.load(dst_slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+    ok = (src >= 0) & (dst >= 0)
+    src_base = (src // src_block_size) * s_blk + (src % src_block_size) * s_tok
+    dst_base = (dst // dst_block_size) * d_blk + (dst % dst_block_size) * d_tok
+    for w0 in range(0, num_words, BLOCK_W):
+        cols = w0 + tl.arange(0, BLOCK_W)
+        mask = ok[:, None] & (cols[None, :] < num_words)
+        vals = tl.load(src_ptr + src_base[:, None] + cols[None, :], mask=mask, other=0)
+        tl.store(dst_ptr + dst_base[:, None] + cols[None, :], vals, mask=mask)
+
+
+def _as_words(view: torch.Tensor) -> torch.Tensor:
+    """Reinterpret a [NB, bs, row] view as 32-bit words when the row and strides allow it, else bytes."""
+    b = view.view(torch.uint8) if view.dtype != torch.uint8 else view
+    if b.shape[-1] % 4 == 0 and all(s % 4 == 0 for s in b.stride()[:-1]) and b.data_ptr() % 4 == 0:
+        return b.view(torch.int32)
+    return b
+
+
+def _check(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    for name, t in (("src", src), ("dst", dst)):
+        if t.dim() != 3 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be a paged view [num_blocks, block_size, row] with contiguous rows, "
+                             f"got shape {tuple(t.shape)} strides {t.stride()}")
+    if src.shape[-1] * src.element_size() != dst.shape[-1] * dst.element_size():
+        raise ValueError(f"row sizes differ: src {src.shape[-1] * src.element_size()} B, "
+                         f"dst {dst.shape[-1] * dst.element_size()} B")
+    if src_slots.dim() != 1 or src_slots.shape != dst_slots.shape:
+        raise ValueError(f"slot lists must be 1-D and equally long, got {tuple(src_slots.shape)} and "
+                         f"{tuple(dst_slots.shape)}")
+    if src_slots.dtype not in (torch.int32, torch.int64) or dst_slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError("slot lists must be int32 or int64")
+
+
+def copy_rows(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """dst[dst_slots[i]] = src[src_slots[i]] for every i with both slots >= 0 (the Triton kernel).
+
+    src / dst: paged views [NB, bs, row] of the same row size in bytes (dtypes may differ: bytes move).
+    On CUDA the slot lists must be on the GPU; src or dst may be pinned host memory. Rows written twice
+    in one call must carry the same bytes (the order between programs is undefined).
+    """
+    _check(src, src_slots, dst, dst_slots)
+    n = src_slots.shape[0]
+    if n == 0:
+        return
+    sw, dw = _as_words(src), _as_words(dst)
+    if sw.dtype != dw.dtype:  # one side could not be read as words: move bytes on both
+        sw, dw = src.view(torch.uint8), dst.view(torch.uint8)
+    words = sw.shape[-1]
+    block_r = 16
+    block_w = min(256, triton.next_power_of_2(words))
+    _copy_rows_kernel[(triton.cdiv(n, block_r),)](
+        sw, dw, src_slots.contiguous(), dst_slots.contiguous(), n, words,
+        sw.shape[1], sw.stride(0), sw.stride(1), dw.shape[1], dw.stride(0), dw.stride(1),
+        BLOCK_R=block_r, BLOCK_W=block_w)
+
+
+def copy_rows_ref(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Plain-torch `copy_rows` (CPU tensors, or all on one device)."""
+    _check(src, src_slots, dst, dst_slots)
+    keep = (src_slots >= 0) & (dst_slots >= 0)
+    s = src_slots[keep].long().to(src.device)
+    d = dst_slots[keep].long().to(dst.device)
+    if s.numel() == 0:
+        return
+    rows = src[s // src.shape[1], s % src.shape[1]]
+    if rows.dtype != dst.dtype:
+        rows = rows.contiguous().view(torch.uint8).view(dst.dtype)
+    dst[d // dst.shape[1], d % dst.shape[1]] = rows.to(dst.device)

@@ -1,0 +1,1 @@
+"""Infrastructure every service stands on: gRPC server, NIXL agent, Redis state, metrics, processes."""

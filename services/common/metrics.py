@@ -1,0 +1,95 @@
+"""Prometheus metrics of one service process: names per DESIGN §10 (vLLM's, `pdserve:` prefix).
+
+    m = ServiceMetrics("kvstore", instance_id="kvstore-0")
+    m.kv_cache_usage_perc.set(0.25)
+    port = m.serve(port=9100)          # GET http://host:9100/metrics
+
+Each service owns one CollectorRegistry (never the process-global default) so tests can run
+several services in one process, and a role gets only the metrics it can move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+PREFIX = "pdserve:"
+ROLES = ("router", "prefill", "decode", "kvstore")
+
+# Latency buckets as vLLM uses them (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    attr: str  # attribute on ServiceMetrics
+    kind: type  # Counter | Gauge | Histogram
+    doc: str
+    roles: tuple[str, ...]
+    buckets: tuple[float, ...] | None = None
+
+    @property
+    def name(self) -> str:  # prometheus_client appends `_total` to counters itself
+        return PREFIX + self.attr
+
+
+ENGINES = ("prefill", "decode")
+METRICS: tuple[MetricDef, ...] = (
+    MetricDef("time_to_first_token_seconds", Histogram, "Time to first token.", ("router", "prefill"), TTFT_BUCKETS),
+    MetricDef("time_per_output_token_seconds", Histogram, "Time per output token after the first.",
+              ("router", "decode"), TPOT_BUCKETS),
+    MetricDef("e2e_request_latency_seconds", Histogram, "End-to-end request latency.", ("router",), E2E_BUCKETS),
+    MetricDef("num_requests_running", Gauge, "Requests being computed.", ("router",) + ENGINES),
+    MetricDef("num_requests_waiting", Gauge, "Requests queued.", ("router",) + ENGINES),
+    MetricDef("kv_cache_usage_perc", Gauge, "Fraction of KV blocks in use (1 = full).", ENGINES + ("kvstore",)),
+    MetricDef("prefix_cache_queries", Counter, "Prefix-cache queries, in tokens.", ("router", "prefill", "kvstore")),
+    MetricDef("prefix_cache_hits", Counter, "Prefix-cache hits, in tokens.", ("router", "prefill", "kvstore")),
+    MetricDef("spec_decode_num_draft_tokens", Counter, "Draft tokens proposed.", ("decode",)),
+    MetricDef("spec_decode_num_accepted_tokens", Counter, "Draft tokens accepted.", ("decode",)),
+    MetricDef("nixl_bytes_transferred", Counter, "Bytes moved by NIXL transfers this process initiated.",
+              ENGINES),
+    MetricDef("nixl_num_failed_transfers", Counter, "NIXL transfers that failed or passed their deadline.",
+              ENGINES),
+    MetricDef("kv_lease_expired", Counter, "KV leases/reservations that expired before release.",
+              ("prefill", "kvstore")),
+    MetricDef("hisparse_hits", Counter, "HiSparse top-k rows found in the device hot buffer.", ("decode",)),
+    MetricDef("hisparse_misses", Counter, "HiSparse top-k rows copied from host.", ("decode",)),
+    MetricDef("hisparse_h2d_bytes", Counter, "HiSparse host-to-device bytes.", ("decode",)),
+    MetricDef("kvstore_num_blocks", Gauge, "Blocks in the host KV pool.", ("kvstore",)),
+    MetricDef("kvstore_num_stored_blocks", Gauge, "Committed (readable) blocks in the pool.", ("kvstore",)),
+    MetricDef("kvstore_evictions", Counter, "Blocks evicted (LRU) to make room.", ("kvstore",)),
+)
+
+
+class ServiceMetrics:
+    """The metrics of one service role, registered on a private registry."""
+
+    def __init__(self, role: str, instance_id: str = "", registry: CollectorRegistry | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.role = role
+        self.registry = registry or CollectorRegistry()
+        self._server = None
+        Info(PREFIX + "service", "Which service this is.", registry=self.registry).info(
+            {"role": role, "instance_id": instance_id})
+        for m in METRICS:
+            if role in m.roles:
+                kwargs = {"buckets": m.buckets} if m.buckets else {}
+                setattr(self, m.attr, m.kind(m.name, m.doc, registry=self.registry, **kwargs))
+
+    def serve(self, port: int = 0, host: str = "0.0.0.0") -> int:
+        """Serve /metrics over HTTP from a daemon thread; returns the bound port (0 = any free)."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,25 @@
+"""Flags every engine-hosting service shares (the launcher passes them; see configs/README.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.common import envs
+
+
+def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    g = p.add_argument_group("service")
+    g.add_argument("--host", default="0.0.0.0", help="address to bind")
+    g.add_argument("--port", type=int, default=default_port, help="gRPC port (0 = any free port)")
+    g.add_argument("--metrics-port", type=int, default=0, help="HTTP /metrics port (0 = any free port)")
+    g.add_argument("--redis-url", default=envs.redis_url())
+    g.add_argument("--instance-id", default=None, help="default: <role>-<advertised host>-<port>")
+    g.add_argument("--advertise-host", default=None, help="address others dial (default: this host's IP)")
+    g.add_argument("--heartbeat-s", type=float, default=1.0)
+    g.add_argument("--instance-ttl-s", type=float, default=5.0)
+    g.add_argument("--block-ttl-s", type=float, default=600.0)
+    r = p.add_argument_group("ranks (multi-process engines)")
+    r.add_argument("--rank", type=int, default=0)
+    r.add_argument("--world-size", type=int, default=1)
+    r.add_argument("--master-addr", default="127.0.0.1")
+    r.add_argument("--master-port", type=int, default=0)

@@ -1,0 +1,3 @@
+from services.decode.main import main
+
+main()

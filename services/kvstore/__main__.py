@@ -1,0 +1,3 @@
+from services.kvstore.main import main
+
+main()

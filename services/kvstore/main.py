@@ -1,0 +1,93 @@
+"""`python -m services.kvstore --port 50060 --redis-url redis://... --model DIR --pool-gib 64`"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from engine.config import ModelConfig
+from engine.kv.cache import KV_CACHE_DTYPES, KVCacheSpec, num_blocks_for_bytes
+from services.common import envs
+from services.common.grpc_server import GrpcServer, run
+from services.common.metrics import ServiceMetrics
+from services.common.net import advertise_host
+from services.common.redis_state import InstanceInfo, InstancePresence, RedisState
+from services.kvstore.server import SERVICE_NAME, KVStoreServicer
+from proto.pdserve.v1 import kvstore_pb2_grpc
+
+log = logging.getLogger("services.kvstore")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
+    p.add_argument("--model", required=True, help="checkpoint directory (its config.json sizes the blocks)")
+    p.add_argument("--pool-gib", type=float, required=True, help="host memory for KV blocks, GiB")
+    p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=KV_CACHE_DTYPES)
+    p.add_argument("--indexer-precision", default="fp8", choices=("fp8", "fp32"))
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--no-mtp-kv", action="store_true", help="blocks without the MTP layer's caches")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50060)
+    p.add_argument("--metrics-port", type=int, default=0, help="HTTP /metrics port (0 = any free port)")
+    p.add_argument("--redis-url", default=envs.redis_url())
+    p.add_argument("--instance-id", default=None, help="default: kvstore-<advertised host>-<port>")
+    p.add_argument("--advertise-host", default=None, help="address others dial (default: this host's IP)")
+    p.add_argument("--reservation-ttl-ms", type=int, default=10_000)
+    p.add_argument("--lease-ttl-ms", type=int, default=30_000)
+    p.add_argument("--max-ttl-ms", type=int, default=300_000)
+    p.add_argument("--reservation-grace-ms", type=int, default=2_000,
+                   help="extra time an expired reservation's blocks stay unused (late WRITEs)")
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--instance-ttl-s", type=float, default=5.0)
+    p.add_argument("--block-ttl-s", type=float, default=600.0)
+    args = p.parse_args(argv)
+    if args.pool_gib <= 0:
+        p.error(f"--pool-gib must be positive, got {args.pool_gib}")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    spec = KVCacheSpec.from_model(ModelConfig.from_pretrained(args.model), block_size=args.block_size,
+                                  kv_cache_dtype=args.kv_cache_dtype, indexer_precision=args.indexer_precision,
+                                  with_mtp=not args.no_mtp_kv)
+    num_blocks = num_blocks_for_bytes(spec, int(args.pool_gib * (1 << 30)))
+    if num_blocks == 0:
+        raise SystemExit(f"--pool-gib {args.pool_gib} holds no block of {spec.block_bytes} bytes")
+    host = advertise_host(args.advertise_host)
+    server = GrpcServer(args.port, args.host)
+    port = server.bind()
+    instance_id = args.instance_id or f"kvstore-{host}-{port}"
+    metrics, state = ServiceMetrics("kvstore", instance_id), RedisState(args.redis_url)
+    servicer = KVStoreServicer(instance_id, spec, num_blocks, state=state, metrics=metrics,
+                               reservation_ttl_s=args.reservation_ttl_ms / 1000, lease_ttl_s=args.lease_ttl_ms / 1000,
+                               max_ttl_s=args.max_ttl_ms / 1000, grace_s=args.reservation_grace_ms / 1000,
+                               block_ttl_s=args.block_ttl_s)
+    server.add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer, SERVICE_NAME)
+    metrics_port = metrics.serve(args.metrics_port, args.host)
+    info = InstanceInfo("kvstore", instance_id, f"{host}:{port}", f"{host}:{metrics_port}",
+                        capacity={"num_blocks": num_blocks, "block_bytes": spec.block_bytes},
+                        extra={"nixl_agent": servicer.agent.name})
+    presence = InstancePresence(state, info, ttl_s=args.instance_ttl_s, heartbeat_s=args.heartbeat_s,
+                                block_ttl_s=args.block_ttl_s, held_blocks=servicer.pool.stored_hashes,
+                                load=servicer.load_figures)
+    try:
+        await server.start()
+        await presence.start()
+        servicer.start()
+        await server.set_serving(True)
+        log.info("kvstore %s: %d blocks of %d B (%.3f GiB) at %s:%d, metrics at :%d", instance_id, num_blocks,
+                 spec.block_bytes, num_blocks * spec.block_bytes / (1 << 30), host, port, metrics_port)
+        await server.wait_for_shutdown_signal()
+        log.info("kvstore %s shutting down", instance_id)
+    finally:
+        await server.stop(grace=2.0)
+        await presence.stop(deregister=True)
+        await servicer.stop()
+        await state.close()
+        metrics.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(lambda: serve(args))

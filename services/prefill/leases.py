@@ -1,0 +1,92 @@
+"""Leases on exported KV: a finished prefill's blocks stay pinned until decode pulled them, the lease
+expired, and any offload to the kvstore that reads them has finished (whichever order)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    req_id: str
+    expires: float  # monotonic
+    pulled: bool = False
+    expired: bool = False
+    readers: set = field(default_factory=set)  # tasks still reading the blocks (kvstore offload)
+
+
+class LeaseTable:
+    def __init__(self, release: Callable[[str], Awaitable[None]], default_s: float, max_s: float,
+                 on_expired: Callable[[], None] = lambda: None):
+        self._release = release
+        self.default_s, self.max_s = default_s, max_s
+        self._on_expired = on_expired
+        self.leases: dict[str, Lease] = {}
+        self._task: asyncio.Task | None = None
+
+    def grant(self, req_id: str, lease_s: float | None = None) -> Lease:
+        s = self.default_s if not lease_s else min(lease_s, self.max_s)
+        lease = Lease(lease_id=secrets.token_hex(8), req_id=req_id, expires=time.monotonic() + s)
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def renew(self, lease_id: str, extend_s: float) -> Lease | None:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.expired:
+            return None
+        lease.expires = min(time.monotonic() + (extend_s or self.default_s), time.monotonic() + self.max_s)
+        return lease
+
+    def add_reader(self, lease: Lease, task: asyncio.Task) -> None:
+        lease.readers.add(task)
+        task.add_done_callback(lambda t: self._reader_done(lease, t))
+
+    async def pulled(self, lease_id: str) -> bool:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.expired:
+            return False
+        lease.pulled = True
+        await self._maybe_release(lease)
+        return True
+
+    def by_request(self, req_id: str) -> Lease | None:
+        return next((l for l in self.leases.values() if l.req_id == req_id), None)
+
+    def _reader_done(self, lease: Lease, task: asyncio.Task) -> None:
+        lease.readers.discard(task)
+        if lease.pulled or lease.expired:
+            asyncio.get_running_loop().create_task(self._maybe_release(lease))
+
+    async def _maybe_release(self, lease: Lease) -> None:
+        if lease.readers or lease.lease_id not in self.leases:
+            return
+        del self.leases[lease.lease_id]
+        await self._release(lease.req_id)
+
+    # ---- expiry ----------------------------------------------------------------------------------
+    def start(self, period_s: float = 0.1) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._expire_loop(period_s))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _expire_loop(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            now = time.monotonic()
+            for lease in [l for l in self.leases.values() if not l.expired and not l.pulled and l.expires <= now]:
+                lease.expired = True
+                self._on_expired()
+                log.warning("KV lease %s of %s expired before decode pulled it; freeing its blocks",
+                            lease.lease_id, lease.req_id)
+                await self._maybe_release(lease)

@@ -1,0 +1,91 @@
+"""`python -m services.prefill --model DIR --port 50051 --redis-url URL [engine flags]`
+
+Rank 0 serves gRPC and drives the engine; with PCP/DCP > 1 the other ranks run the engine's worker
+loop (`--rank r --world-size N --master-addr A --master-port P`, as `services.common.ranks` or the
+launcher start them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from engine.arg_utils import EngineArgs
+from engine.async_engine import AsyncEngine
+from proto.pdserve.v1 import prefill_pb2_grpc
+from services.common import envs
+from services.common.engine_host import EngineHost
+from services.common.grpc_server import GrpcServer, run
+from services.common.metrics import ServiceMetrics
+from services.common.net import advertise_host
+from services.common.redis_state import InstanceInfo, RedisState
+from services.common.service_args import add_service_args
+from services.prefill.exporter import KVExporter
+from services.prefill.kvstore_link import KVStoreLink
+from services.prefill.server import SERVICE_NAME, PrefillServicer
+
+log = logging.getLogger("services.prefill")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__)
+    EngineArgs.add_cli_args(p)
+    add_service_args(p, default_port=50051)
+    g = p.add_argument_group("prefill")
+    g.add_argument("--lease-ms", type=int, default=30_000, help="how long exported KV waits for decode")
+    g.add_argument("--max-lease-ms", type=int, default=300_000)
+    g.add_argument("--kvstore", default="auto", help="'auto' (find one in Redis), 'off', or host:port")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    engine_args = EngineArgs.from_cli_args(args)
+    engine = AsyncEngine(engine_args)
+    host = advertise_host(args.advertise_host)
+    server = GrpcServer(args.port, args.host)
+    port = server.bind()
+    instance_id = args.instance_id or f"prefill-{host}-{port}"
+    metrics, state = ServiceMetrics("prefill", instance_id), RedisState(args.redis_url)
+    exporter = KVExporter(instance_id, engine, metrics)
+    link = None
+    if args.kvstore != "off" and exporter.tensors:
+        link = KVStoreLink(exporter.agent, exporter.tensors, exporter.spec, state,
+                           static_address=None if args.kvstore == "auto" else args.kvstore)
+    servicer = PrefillServicer(instance_id, engine, exporter, metrics, link, args.lease_ms / 1000,
+                               args.max_lease_ms / 1000)
+    server.add_service(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer, SERVICE_NAME)
+    metrics_port = metrics.serve(args.metrics_port, args.host)
+    cfg = engine.config
+    info = InstanceInfo("prefill", instance_id, f"{host}:{port}", f"{host}:{metrics_port}",
+                        capacity={"num_blocks": engine.stats().num_blocks, "max_model_len": cfg.scheduler.max_model_len},
+                        extra={"nixl_agent": exporter.agent.name, "pcp": cfg.parallel.prefill_context_parallel_size,
+                               "dcp": cfg.parallel.decode_context_parallel_size})
+    host_obj = EngineHost(engine, info, state, metrics, heartbeat_s=args.heartbeat_s,
+                          instance_ttl_s=args.instance_ttl_s, block_ttl_s=args.block_ttl_s)
+    try:
+        engine.start()
+        await server.start()
+        await host_obj.start()
+        servicer.start()
+        await server.set_serving(True)
+        log.info("prefill %s serving %s at %s:%d (metrics :%d)", instance_id, cfg.model_path, host, port, metrics_port)
+        await server.wait_for_shutdown_signal()
+    finally:
+        await server.set_serving(False)
+        await server.stop(grace=2.0)
+        await servicer.stop()
+        await host_obj.stop()
+        await engine.shutdown()
+        await state.close()
+        metrics.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.world_size > 1 and args.rank > 0:
+        from engine.parallel.worker import run_worker_from_args
+
+        run_worker_from_args(args)
+        return
+    run(lambda: serve(args))

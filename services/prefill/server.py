@@ -1,0 +1,145 @@
+"""The Prefill gRPC service: compute a prompt's KV and first token, then export the KV under a lease.
+
+    Prefill(request)  -> [load a cached prefix from a kvstore over NIXL] -> engine computes the rest
+                      -> first token; the KV stays pinned under a lease (KVHandle: NIXL peers, block ids)
+                      -> [offload the prompt's full blocks to a kvstore over NIXL, in the background]
+    ReleaseKV / "pulled <lease>" notification / lease expiry -> blocks freed (after the offload read them)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+
+from engine.async_engine import AsyncEngine
+from engine.kv.hashing import block_hashes
+from engine.request import Request
+from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common.convert import delta_to_proto, sampling_from_proto, unix_ms
+from services.common.grpc_server import FailedPrecondition, NotFound, grpc_errors
+from services.common.metrics import ServiceMetrics
+from services.common.nixl_agent import parse_pulled
+from services.prefill import convert
+from services.prefill.exporter import KVExporter
+from services.prefill.kvstore_link import KVStoreLink
+from services.prefill.leases import LeaseTable
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Prefill"
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, instance_id: str, engine: AsyncEngine, exporter: KVExporter, metrics: ServiceMetrics,
+                 kvstore: KVStoreLink | None, lease_s: float, max_lease_s: float):
+        self.instance_id, self.engine, self.exporter, self.metrics = instance_id, engine, exporter, metrics
+        self.kvstore = kvstore
+        self.block_size = engine.config.cache.block_size
+        self.leases = LeaseTable(self._release, lease_s, max_lease_s,
+                                 on_expired=lambda: metrics.kv_lease_expired.inc())
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self.leases.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._pulled_notifications()))
+
+    async def stop(self) -> None:
+        await self.leases.stop()
+        for t in self._tasks:
+            t.cancel()
+
+    # ---- RPCs ----------------------------------------------------------------------------------
+    @grpc_errors
+    async def Prefill(self, request, context):
+        t0 = time.monotonic()
+        g = request.request
+        ids = list(g.prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt_token_ids is empty: the router tokenizes; give at least one token")
+        params = sampling_from_proto(g.sampling_params)
+        req_id = g.request_id or uuid.uuid4().hex
+        wants_kv = params.max_tokens > 1
+        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        req = Request(req_id, ids, first_params, cache_salt=g.cache_salt or None, hold_kv_on_finish=wants_kv)
+        hashes = block_hashes(ids, self.block_size, req.cache_salt)
+        stream = await self._admit(req, hashes, request.kvstore)
+        last = None
+        async for out in stream:
+            last = out
+        finish = last.finish_reason
+        if finish == "length" and wants_kv:
+            finish = None  # only the prefill's own max_tokens=1 ended it: decode continues
+        if finish == "abort":
+            raise FailedPrecondition(f"request {req_id} was aborted during prefill")
+        self.metrics.time_to_first_token_seconds.observe(time.monotonic() - t0)
+        usage = common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(last.token_ids),
+                                 cached_tokens=last.num_cached_tokens)
+        first = delta_to_proto(last.token_ids, last.logprobs, finish, last.stop_reason)
+        reply = prefill_pb2.PrefillResponse(request_id=req_id, first=first, usage=usage)
+        if wants_kv and finish is not None:
+            await self._release(req_id)
+        elif wants_kv:
+            reply.kv.CopyFrom(await self._export(req_id, ids, hashes, request.lease_ms, last.num_cached_tokens))
+        return reply
+
+    @grpc_errors
+    async def ReleaseKV(self, request, context):
+        return prefill_pb2.ReleaseKVResponse(released=await self.leases.pulled(request.lease_id))
+
+    @grpc_errors
+    async def RenewLease(self, request, context):
+        lease = self.leases.renew(request.lease_id, request.extend_ms / 1000.0)
+        if lease is None:
+            raise NotFound(f"lease {request.lease_id!r} is unknown or expired")
+        return prefill_pb2.RenewLeaseResponse(lease_expires_unix_ms=unix_ms(lease.expires))
+
+    @grpc_errors
+    async def Abort(self, request, context):
+        lease = self.leases.by_request(request.request_id)
+        if lease is not None:
+            await self.leases.pulled(lease.lease_id)
+            return prefill_pb2.AbortResponse(aborted=True)
+        self.engine.abort(request.request_id)
+        return prefill_pb2.AbortResponse(aborted=True)
+
+    # ---- steps ---------------------------------------------------------------------------------
+    async def _admit(self, req: Request, hashes: list[bytes], hint):
+        """Add the request; first load the prefix a kvstore holds beyond our own cache, if any."""
+        n_hint = min(hint.num_blocks if hint.grpc_address else 0, len(hashes), (len(req.prompt_token_ids) - 1) // self.block_size)
+        if self.kvstore is None or n_hint == 0:
+            return self.engine.add_request(req.prompt_token_ids, req.sampling_params, req.req_id,
+                                           cache_salt=req.cache_salt, hold_kv_on_finish=req.hold_kv_on_finish)
+        admitted = await self.engine.add_import_request(req, n_hint * self.block_size)
+        if admitted is None:  # no room to stage the prefix: compute everything instead
+            return self.engine.add_request(req.prompt_token_ids, req.sampling_params, req.req_id,
+                                           cache_salt=req.cache_salt, hold_kv_on_finish=req.hold_kv_on_finish)
+        stream, block_ids, n_cached = admitted
+        first = n_cached // self.block_size
+        loaded = await self.kvstore.load(hint.grpc_address, hashes[first:n_hint], block_ids[first:n_hint])
+        self.engine.import_done(req.req_id, ok=loaded > 0, num_tokens=(first + loaded) * self.block_size)
+        return stream
+
+    async def _export(self, req_id: str, ids: list[int], hashes: list[bytes], lease_ms: int,
+                      num_cached: int) -> prefill_pb2.KVHandle:
+        pages = await self.exporter.rank_pages(req_id)
+        lease = self.leases.grant(req_id, lease_ms / 1000.0 if lease_ms else None)
+        if self.kvstore is not None and hashes:
+            task = asyncio.get_running_loop().create_task(
+                self.kvstore.offload(hashes, pages[0].block_ids[: len(hashes)] if len(pages) == 1 else None))
+            self.leases.add_reader(lease, task)
+        return convert.kv_handle(self.instance_id, lease, len(ids), self.exporter, pages, hashes, num_cached)
+
+    async def _release(self, req_id: str) -> None:
+        await self.engine.call(lambda core: core.release_held(req_id))
+
+    async def _pulled_notifications(self) -> None:
+        """Decode may signal "pulled <lease>" with its NIXL READ instead of (or before) ReleaseKV."""
+        while True:
+            for _, msg in self.exporter.agent.poll_notifs():
+                lease_id = parse_pulled(msg)
+                if lease_id is not None:
+                    await self.leases.pulled(lease_id)
+            await asyncio.sleep(0.01)

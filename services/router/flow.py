@@ -1,0 +1,188 @@
+"""The two-phase flow behind every router request:
+
+    tokens -> block hashes -> pick prefill (cached prefix + load) -> Prefill RPC -> first token
+           -> pick decode (load) -> Decode.Generate stream (it pulls the KV over NIXL) -> tokens
+Text is detokenized here (stop strings held back exactly as the engine does). A client that goes
+away cancels the in-flight RPC, which aborts the request on that engine and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv.hashing import block_hashes
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.common.convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
+from services.common.grpc_server import channel
+from services.common.metrics import ServiceMetrics
+from services.router.routing import Routing
+
+log = logging.getLogger(__name__)
+
+
+class UpstreamError(RuntimeError):
+    """An engine failed mid-request; the client gets an error event (never a silent hang)."""
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestStats:
+    req_id: str
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    prefill_instance: str = ""
+    decode_instance: str = ""
+
+
+class Flow:
+    def __init__(self, routing: Routing, tokenizer: Tokenizer, metrics: ServiceMetrics, *, block_size: int = 64,
+                 prefill_timeout_s: float = 600.0, decode_timeout_s: float = 3600.0, lease_ms: int = 0):
+        self.routing, self.tokenizer, self.metrics = routing, tokenizer, metrics
+        self.block_size = block_size
+        self.prefill_timeout_s, self.decode_timeout_s = prefill_timeout_s, decode_timeout_s
+        self.lease_ms = lease_ms
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.num_running = 0
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address)
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+    async def generate(self, ids: list[int], params: SamplingParams, stats: RequestStats,
+                       cache_salt: str | None = None) -> AsyncIterator[Chunk]:
+        self.num_running += 1
+        self.metrics.num_requests_running.set(self.num_running)
+        detok = IncrementalDetokenizer(self.tokenizer, params)
+        try:
+            async for chunk in self._phases(ids, params, stats, cache_salt, detok):
+                yield chunk
+        finally:
+            self.num_running -= 1
+            self.metrics.num_requests_running.set(self.num_running)
+
+    async def _phases(self, ids, params, stats, cache_salt, detok) -> AsyncIterator[Chunk]:
+        g = common_pb2.GenerateRequest(request_id=stats.req_id, prompt_token_ids=ids,
+                                       sampling_params=sampling_to_proto(params), cache_salt=cache_salt or "")
+        hashes = block_hashes(ids, self.block_size, cache_salt)
+        first = await self._prefill(g, hashes, stats)
+        yield self._chunk(first.first, detok, stats)
+        if finish_from_proto(first.first.finish_reason) is not None or not first.HasField("kv"):
+            return
+        async for chunk in self._decode(g, first, stats, detok):
+            yield chunk
+
+    async def _prefill(self, g, hashes: list[bytes], stats: RequestStats) -> prefill_pb2.PrefillResponse:
+        choice = await self.routing.pick_prefill(hashes, len(g.prompt_token_ids))
+        inst = choice.instance
+        stats.prefill_instance = inst.instance_id
+        req = prefill_pb2.PrefillRequest(request=g, block_hashes=hashes, lease_ms=self.lease_ms)
+        if choice.kvstore is not None:
+            req.kvstore.CopyFrom(prefill_pb2.KVStoreHint(instance_id=choice.kvstore.instance_id,
+                                                         grpc_address=choice.kvstore.grpc_address,
+                                                         num_blocks=choice.kvstore_blocks))
+        stub = prefill_pb2_grpc.PrefillStub(self._channel(inst.grpc_address))
+        self.routing.started(inst.instance_id)
+        try:
+            reply = await stub.Prefill(req, timeout=self.prefill_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+                self.routing.avoid(inst.instance_id)
+            raise
+        finally:
+            self.routing.finished(inst.instance_id)
+        stats.cached_tokens = reply.usage.cached_tokens
+        self.metrics.prefix_cache_queries.inc(len(g.prompt_token_ids))
+        self.metrics.prefix_cache_hits.inc(reply.usage.cached_tokens)
+        return reply
+
+    async def _decode(self, g, first, stats: RequestStats, detok) -> AsyncIterator[Chunk]:
+        inst = await self.routing.pick_decode()
+        stats.decode_instance = inst.instance_id
+        stub = decode_pb2_grpc.DecodeStub(self._channel(inst.grpc_address))
+        call = stub.Generate(decode_pb2.DecodeRequest(request=g, kv=first.kv, first=first.first),
+                             timeout=self.decode_timeout_s)
+        self.routing.started(inst.instance_id)
+        finished = False
+        try:
+            async for reply in call:
+                chunk = self._chunk(reply.delta, detok, stats)
+                finished = chunk.finish_reason is not None
+                yield chunk
+                if finished:
+                    break
+            if not finished:
+                raise UpstreamError(f"decode {inst.instance_id} ended the stream without finishing")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                self.routing.avoid(inst.instance_id)
+            raise UpstreamError(f"decode {inst.instance_id} failed: {exc.code().name}: {exc.details()}") from exc
+        finally:
+            self.routing.finished(inst.instance_id)
+            if not call.done():
+                call.cancel()  # client went away, or we stopped early: abort there, free the blocks
+            if not finished:
+                await self._release_lease(stats.prefill_instance, first.kv.lease_id)
+
+    async def _release_lease(self, prefill_id: str, lease_id: str) -> None:
+        """Best effort: decode may never have pulled; do not leave the KV pinned until the lease expires."""
+        inst = next((i for i in self.routing.view.by_role.get("prefill", []) if i.instance_id == prefill_id), None)
+        if inst is None or not lease_id:
+            return
+        try:
+            stub = prefill_pb2_grpc.PrefillStub(self._channel(inst.grpc_address))
+            await asyncio.shield(stub.ReleaseKV(prefill_pb2.ReleaseKVRequest(lease_id=lease_id), timeout=2.0))
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+
+    def _chunk(self, delta: common_pb2.TokenDelta, detok: IncrementalDetokenizer, stats: RequestStats) -> Chunk:
+        ids = list(delta.token_ids)
+        if ids and stats.first_token is None:
+            stats.first_token = time.monotonic()
+            self.metrics.time_to_first_token_seconds.observe(stats.first_token - stats.arrival)
+        stats.completion_tokens += len(ids)
+        finish = finish_from_proto(delta.finish_reason)
+        text = detok.update(ids)
+        stop_reason: int | str | None = delta.stop_reason or (delta.stop_token_id if delta.HasField("stop_token_id") else None)
+        if detok.stop_hit is not None:
+            finish, stop_reason = "stop", detok.stop_hit
+        if finish is not None:
+            text += detok.flush()
+            self._observe_end(stats)
+        return Chunk(ids, text, logprobs_from_proto(delta.logprobs), finish, stop_reason)
+
+    def _observe_end(self, stats: RequestStats) -> None:
+        now = time.monotonic()
+        self.metrics.e2e_request_latency_seconds.observe(now - stats.arrival)
+        if stats.first_token is not None and stats.completion_tokens > 1:
+            self.metrics.time_per_output_token_seconds.observe((now - stats.first_token) / (stats.completion_tokens - 1))
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

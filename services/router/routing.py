@@ -1,0 +1,122 @@
+"""Choosing instances: the prefill instance that minimises the work ahead of this prompt (tokens it
+must compute given its cached prefix, plus tokens already queued there), and the least-loaded decode.
+
+Instances and load figures come from Redis (refreshed at most every `refresh_s`); when Redis is
+unreachable the last known instances are used with load-only scoring, so routing degrades instead of
+failing. Instances that just failed a call are avoided for `avoid_s` (they re-earn trust by heartbeat).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from services.common.redis_state import InstanceInfo, RedisState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Choice:
+    instance: InstanceInfo
+    cached_blocks: int = 0  # leading prompt blocks that instance holds
+    kvstore: InstanceInfo | None = None  # a kvstore holding a longer prefix
+    kvstore_blocks: int = 0
+
+
+@dataclass
+class _View:
+    by_role: dict[str, list[InstanceInfo]] = field(default_factory=dict)
+    loads: dict[str, dict[str, float]] = field(default_factory=dict)
+    at: float = 0.0
+
+
+class NoInstance(RuntimeError):
+    """No live instance of a role: the router answers 503."""
+
+
+class Routing:
+    def __init__(self, state: RedisState, *, refresh_s: float = 0.5, avoid_s: float = 5.0, block_size: int = 64):
+        self.state = state
+        self.refresh_s, self.avoid_s, self.block_size = refresh_s, avoid_s, block_size
+        self.view = _View()
+        self.redis_ok = True
+        self._avoid: dict[str, float] = {}
+        self._inflight: dict[str, int] = {}  # requests this router has sent and not seen finish
+
+    async def _refresh(self) -> None:
+        if time.monotonic() - self.view.at < self.refresh_s:
+            return
+        try:
+            infos = await self.state.instances()
+            loads = await self.state.loads([i.instance_id for i in infos])
+        except (RedisError, OSError) as exc:
+            if self.redis_ok:
+                log.warning("Redis unreachable (%s): routing on the last known instances, load only", exc)
+            self.redis_ok = False
+            self.view.at = time.monotonic()
+            return
+        self.redis_ok = True
+        by_role: dict[str, list[InstanceInfo]] = {}
+        for i in infos:
+            by_role.setdefault(i.role, []).append(i)
+        self.view = _View(by_role, loads, time.monotonic())
+
+    def _live(self, role: str) -> list[InstanceInfo]:
+        now = time.monotonic()
+        found = self.view.by_role.get(role, [])
+        ok = [i for i in found if self._avoid.get(i.instance_id, 0.0) <= now]
+        return ok or found  # if every instance failed recently, try them anyway
+
+    def avoid(self, instance_id: str) -> None:
+        self._avoid[instance_id] = time.monotonic() + self.avoid_s
+        self.view.at = 0.0  # re-read the registry on the next request
+
+    def started(self, instance_id: str) -> None:
+        self._inflight[instance_id] = self._inflight.get(instance_id, 0) + 1
+
+    def finished(self, instance_id: str) -> None:
+        self._inflight[instance_id] = max(self._inflight.get(instance_id, 0) - 1, 0)
+
+    async def pick_prefill(self, hashes: list[bytes], num_tokens: int) -> Choice:
+        await self._refresh()
+        cands = self._live("prefill")
+        if not cands:
+            raise NoInstance("no prefill instance is registered (is `pdserve up` running?)")
+        runs: dict[str, int] = {}
+        if hashes and self.redis_ok:
+            ids = [i.instance_id for i in cands + self._live("kvstore")]
+            try:
+                runs = await self.state.lookup_prefix(hashes, instance_ids=ids)
+            except (RedisError, OSError):
+                runs = {}
+        best = min(cands, key=lambda i: (self._prefill_cost(i, runs, num_tokens), random.random()))
+        choice = Choice(best, runs.get(best.instance_id, 0))
+        stores = [s for s in self._live("kvstore") if runs.get(s.instance_id, 0) > choice.cached_blocks]
+        if stores:
+            store = max(stores, key=lambda s: runs[s.instance_id])
+            choice.kvstore, choice.kvstore_blocks = store, runs[store.instance_id]
+        return choice
+
+    def _prefill_cost(self, inst: InstanceInfo, runs: dict[str, int], num_tokens: int) -> float:
+        load = self.view.loads.get(inst.instance_id, {})
+        cached = runs.get(inst.instance_id, 0) * self.block_size
+        queued = load.get("queued_tokens", 0.0) + self._inflight.get(inst.instance_id, 0) * num_tokens * 0.5
+        return max(num_tokens - cached, 1) + queued
+
+    async def pick_decode(self) -> InstanceInfo:
+        await self._refresh()
+        cands = self._live("decode")
+        if not cands:
+            raise NoInstance("no decode instance is registered (is `pdserve up` running?)")
+
+        def cost(i: InstanceInfo) -> tuple:
+            load = self.view.loads.get(i.instance_id, {})
+            busy = load.get("running", 0.0) + load.get("waiting", 0.0) + self._inflight.get(i.instance_id, 0)
+            return (load.get("kv_usage", 0.0) > 0.95, busy, load.get("kv_usage", 0.0), random.random())
+
+        return min(cands, key=cost)

@@ -1,0 +1,39 @@
+"""Shared fixtures: checkpoints built once per session (random tiny ones, HF oracle ones, tiny-code)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_CODE = ROOT / "checkpoints" / "tiny-code"
+
+# Tests run two pytest workers on two cores: one thread each (tiny ops lose to OpenMP wake-ups).
+torch.set_num_threads(1)
+os.environ.setdefault("PDSERVE_CPU_THREADS", "1")
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="session")
+def tiny_code() -> Path:
+    return TINY_CODE
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A random-weight `tiny` preset checkpoint (top-k 16: sparse selection is active past 16 tokens)."""
+    from engine.checkpoint import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_dense(tmp_path_factory) -> Path:
+    """Same shape, top-k 4096: attention is dense, so results depend on nothing the indexer picks."""
+    from engine.checkpoint import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("tinyd") / "ckpt", preset="tiny", seed=0, index_topk=4096)

@@ -1,0 +1,88 @@
+"""The HiSparse row-copy kernel against its torch reference: bit for bit, strided layer views, skipped
+slots, byte-sized rows, whole-page rows; host <-> device through pinned memory on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.hisparse_gather import copy_rows, copy_rows_ref
+
+interp = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (CPU-only torch)")
+
+
+def _cache(num_blocks: int, row: int, dtype: torch.dtype, gen: torch.Generator, device="cpu", layers: int = 3,
+           pin: bool = False) -> torch.Tensor:
+    """Block-major [NB, layers, 64, row] of random bytes (NaN payloads included: bytes must move as they are)."""
+    nbytes = row * torch.tensor([], dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (num_blocks, layers, 64, nbytes), generator=gen, dtype=torch.uint8)
+    t = raw.view(dtype) if dtype != torch.uint8 else raw
+    if pin:
+        t = t.pin_memory()
+    return t.to(device) if device != "cpu" else t
+
+
+def _slots(n: int, hi: int, gen: torch.Generator, skip_every: int = 5) -> torch.Tensor:
+    s = torch.randperm(hi, generator=gen)[:n].long()
+    s[::skip_every] = -1
+    return s
+
+
+@interp
+@pytest.mark.parametrize("dtype,row", [(torch.uint8, 40), (torch.uint8, 42), (torch.float32, 24),
+                                       (torch.bfloat16, 36)])
+def test_copy_rows_interp_bitwise(dtype, row):
+    gen = torch.Generator().manual_seed(row)
+    src_full = _cache(5, row, dtype, gen)
+    dst_full = _cache(4, row, dtype, gen)
+    before = dst_full.clone()
+    ss = _slots(150, 5 * 64, gen)
+    ds = _slots(150, 4 * 64, gen, skip_every=7)
+    want = dst_full.clone()
+    copy_rows_ref(src_full[:, 1], ss, want[:, 2], ds)
+    copy_rows(src_full[:, 1], ss, dst_full[:, 2], ds)
+    assert torch.equal(dst_full.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(dst_full.view(torch.uint8), before.view(torch.uint8))
+    assert torch.equal(dst_full[:, [0, 1]].view(torch.uint8), before[:, [0, 1]].view(torch.uint8)), \
+        "other layers must stay untouched"
+
+
+@interp
+def test_copy_whole_pages_and_empty_lists():
+    gen = torch.Generator().manual_seed(1)
+    src_full, dst_full = _cache(6, 20, torch.uint8, gen), _cache(3, 20, torch.uint8, gen)
+    pages = lambda v: v.view(v.shape[0], 1, v.shape[1] * v.shape[2])  # noqa: E731
+    ss, ds = torch.tensor([4, -1, 0]), torch.tensor([0, 1, 2])
+    want = dst_full.clone()
+    copy_rows_ref(pages(src_full[:, 0]), ss, pages(want[:, 1]), ds)
+    copy_rows(pages(src_full[:, 0]), ss, pages(dst_full[:, 1]), ds)
+    assert torch.equal(dst_full, want) and torch.equal(dst_full[0, 1], src_full[4, 0])
+    copy_rows(src_full[:, 0], torch.empty(0, dtype=torch.long), dst_full[:, 0], torch.empty(0, dtype=torch.long))
+
+
+def test_copy_rows_rejects_bad_shapes():
+    a = torch.zeros(2, 64, 8)
+    with pytest.raises(ValueError, match="row sizes differ"):
+        copy_rows_ref(a, torch.tensor([0]), torch.zeros(2, 64, 4), torch.tensor([0]))
+    with pytest.raises(ValueError, match="equally long"):
+        copy_rows_ref(a, torch.tensor([0, 1]), a, torch.tensor([0]))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        copy_rows_ref(a.transpose(1, 2), torch.tensor([0]), a, torch.tensor([0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
+def test_copy_rows_gpu_pinned_host(direction):
+    gen = torch.Generator().manual_seed(7)
+    host_src = direction == "h2d"
+    src_full = _cache(64, 656, torch.uint8, gen, device="cpu" if host_src else "cuda", pin=host_src, layers=4)
+    host_dst = direction == "d2h"
+    dst_full = _cache(32, 656, torch.uint8, gen, device="cpu" if host_dst else "cuda", pin=host_dst, layers=4)
+    ss = _slots(1500, 64 * 64, gen).cuda()
+    ds = _slots(1500, 32 * 64, gen, skip_every=7).cuda()
+    want = dst_full.cpu().clone()
+    copy_rows_ref(src_full[:, 1].cpu(), ss.cpu(), want[:, 3], ds.cpu())
+    copy_rows(src_full[:, 1], ss, dst_full[:, 3], ds)
+    torch.cuda.synchronize()
+    assert torch.equal(dst_full.cpu(), want)

@@ -1,0 +1,22 @@
+"""`python -m bench.hisparse --cpu-smoke` runs end to end at toy sizes (GPU numbers come from the real run)."""
+
+from __future__ import annotations
+
+import json
+
+from bench.hisparse import main
+
+
+def test_cpu_smoke_runs_all_modes(tmp_path):
+    out = tmp_path / "hisparse.json"
+    res = main(["--cpu-smoke", "--contexts", "700", "--batches", "2", "--churn", "0.1,0.6", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    rows = {(r["mode"], r["churn"]): r for r in res["rows"]}
+    assert set(m for m, _ in rows) == {"resident", "hisparse", "offload"}
+    low, high = rows[("hisparse", 0.1)], rows[("hisparse", 0.6)]
+    assert 0.0 < high["hit_rate"] < low["hit_rate"] < 1.0, "more churn, fewer hits"
+    assert 0 < low["h2d_bytes_per_step"] < high["h2d_bytes_per_step"]
+    offload = next(r for r in res["rows"] if r["mode"] == "offload")
+    ctx_bytes = 2 * 700 * 4 * 164  # two requests' whole contexts, 4 layers of 164-byte rows
+    assert offload["h2d_bytes_per_step"] >= ctx_bytes > 10 * high["h2d_bytes_per_step"]
+    assert rows[("resident", 0.1)]["h2d_bytes_per_step"] == 0 and all(r["step_ms"] > 0 for r in res["rows"])

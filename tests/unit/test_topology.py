@@ -1,0 +1,56 @@
+"""Topology files: parsing, validation errors, and the flags of each process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services import topology
+from services.topology import Ports, args_to_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_default_topology_loads():
+    topo = topology.load(ROOT / "configs" / "topology.cpu.yaml")
+    assert [s.kind for s in topo.services] == ["kvstore", "prefill", "decode", "router"]
+    assert topo.service("router").extra["grpc_port"] == 50050
+    assert topo.service("prefill").ranks == 1
+    assert topo.path(topo.model) == ROOT / "checkpoints" / "tiny-code"
+
+
+def test_prefill_ranks_and_flags():
+    topo = topology.load({"model": "/m", "services": {"router": {"grpc_port": 7}, "prefill": {
+        "prefill_context_parallel_size": 8, "decode_context_parallel_size": 8,
+        "args": {"enable-expert-parallel": True, "dcp-comm-backend": "ag_rs",
+                 "attention-config": {"sparse_mla_force_mqa": True}}}}})
+    assert [s.kind for s in topo.services] == ["prefill", "router"]  # start order, not file order
+    spec = topo.service("prefill")
+    assert spec.ranks == 8
+    argv = topology.flags(topo, spec, 0, 3, Ports(50051, 9151, master_port=29500), "redis://r:1/0")
+    text = " ".join(argv)
+    assert "--rank 3 --world-size 8 --master-addr 127.0.0.1 --master-port 29500" in text
+    assert "--prefill-context-parallel-size 8 --decode-context-parallel-size 8" in text
+    assert '--attention-config {"sparse_mla_force_mqa": true}' in text and "--enable-expert-parallel" in argv
+    assert "--instance-id prefill-0" in text and "--model /m" in text
+
+
+def test_args_to_flags():
+    assert args_to_flags({"a": 1, "b": True, "c": False, "d": [1, 2], "--e": "x"}) == \
+        ["--a", "1", "--b", "--d", "1", "--d", "2", "--e", "x"]
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"services": {"kvstore": {}}}, "needs `model`"),
+    ({"model": "m", "services": {"tokenizer": {}}}, "unknown service kind"),
+    ({"model": "m", "services": {"kvstore": {"replica": 2}}}, "unknown key"),
+    ({"model": "m", "services": {"decode": {"replicas": 0}}}, "positive integer"),
+    ({"model": "m", "services": {"decode": {"port": -1}}}, "non-negative"),
+    ({"model": "m", "services": {"decode": {"grpc_port": 5}}}, "unknown key"),
+    ({"model": "m", "services": {"decode": {"args": ["--x"]}}}, "mappings"),
+    ({"model": "m", "services": {"kvstore": {}}, "redis": {}}, "unknown key"),
+])
+def test_bad_topologies_are_rejected(raw, match):
+    with pytest.raises(ValueError, match=match):
+        topology.load(raw)
