@@ -248,7 +248,9 @@ def sparse_mla_ref(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tenso
         rows = gather_kv_ref(kv_cache, flat, latent_dim, rope_dim)
     else:
         rows = kv_cache[flat].float()
-    rows = rows.reshape(idx.shape[0], idx.shape[1], -1)
+    # padding entries read slot 0, which may be an unused (even NaN-poisoned) page: zero them, as the
+    # kernel's masked loads do, so 0 * NaN never reaches the PV sum
+    rows = rows.reshape(idx.shape[0], idx.shape[1], -1).masked_fill(~valid[..., None], 0.0)
     z = torch.einsum("thd,tkd->thk", qf.float(), rows) * sm_scale
     z = z.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(z, dim=-1)

@@ -80,6 +80,19 @@ def test_decode_fp8_interp(Sq, H, splits):
 
 
 @interp
+def test_padding_never_reads_a_poisoned_page_interp():
+    """-1 entries must not pull in slot 0's page (here unused and NaN): neither kernel nor reference."""
+    gen = torch.Generator().manual_seed(5)
+    _, cache = poisoned_cache(3, 16, mla_row_bytes(128, 16), torch.uint8, "cpu")
+    store_kv_ref(randn(gen, 16, 128), randn(gen, 16, 16), cache, torch.arange(16, 32))  # only block 1
+    idx = torch.tensor([[[16, 20, -1, 31, -1]]], dtype=torch.int32)
+    q = randn(gen, 1, 1, 4, 144, dtype=torch.bfloat16)
+    out, lse = sparse_mla_decode(q, cache, idx, 0.1, 128)
+    ref_out, ref_lse = sparse_mla_ref(q.float(), cache, idx, 0.1, 128, 16)
+    assert_attention_close(out, lse, ref_out, ref_lse)
+
+
+@interp
 def test_decode_several_head_blocks_interp():
     # 20 heads in blocks of 16 (what 17-32 heads use on the GPU), the last one partly masked
     check_decode("fp8", B=2, Sq=1, H=20, K=24, R=128, P=16, block_size=16, device="cpu", num_splits=2,
