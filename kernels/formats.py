@@ -32,9 +32,15 @@ def mla_row_bytes(latent_dim: int, rope_dim: int) -> int:
 
 
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Power-of-two scale so that amax/scale <= 448 (exact in fp32, no mantissa bits)."""
+    """Power-of-two scale so that amax/scale <= 448 (exact in fp32, no mantissa bits).
+
+    ceil(log2(s)) is taken from the exponent bits (frexp), not from `log2`, whose fp32 rounding returns k
+    for s just above 2^k; the kernels compute the same exponent with integer ops, so both agree bit for bit.
+    """
     s = torch.clamp(amax.float() / FP8_MAX, min=MIN_AMAX_SCALE)
-    return torch.exp2(torch.ceil(torch.log2(s)))
+    mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
+    exp = torch.where(mant == 0.5, exp - 1, exp)
+    return torch.ldexp(torch.ones_like(s), exp)
 
 
 def quantize_mla_rows_ref(latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,207 @@ go to the lower position. Rows with fewer than k candidates are padded with -1.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from kernels._jit import check_device, interpreting, jit, next_pow2
 from kernels.formats import dequantize_index_rows_ref, quantize_index_rows_ref
+from kernels.store_kv import cache_views, store_rows
+from kernels.topk import topk_rows
+
+# Bytes of fp32 scores materialised at once ([rows, S] per chunk of query rows).
+_MAX_SCORE_BYTES = 1 << 30
+
+
+@jit
+def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr, pos_ptr, score_ptr,
+                         row_offset, num_heads, sq_t, sq_h, sw_t, sk_blk, sk_tok, s_bt, ss_row,
+                         BLOCK_SIZE: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_N: tl.constexpr,
+                         KEYS_PER_PROG: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (tile, key range): scores[t, s] for the tile's rows (one request) and keys s <= pos[t].
+
+    A tile is `tile_ptr[tile] = (first row, number of rows <= BLOCK_T)`; its BLOCK_T x H_PAD (row, head)
+    pairs are the M side of one dot against BLOCK_N keys, then ReLU, times w, summed over heads.
+    """
+    M: tl.constexpr = BLOCK_T * H_PAD
+    row0 = tl.load(tile_ptr + 2 * tl.program_id(0)).to(tl.int64)
+    num_rows = tl.load(tile_ptr + 2 * tl.program_id(0) + 1)
+    t = tl.arange(0, BLOCK_T)
+    pos = tl.load(pos_ptr + row0 + t, mask=t < num_rows, other=-1)
+    s_lo = tl.program_id(1) * KEYS_PER_PROG
+    s_end = tl.minimum(tl.max(pos, axis=0) + 1, s_lo + KEYS_PER_PROG)
+    if s_lo < s_end:
+        m = tl.arange(0, M)
+        m_ok = (m // H_PAD < num_rows) & (m % H_PAD < num_heads)
+        # fp8 rows are 132 B apart: 4-byte aligned, which Triton cannot infer (it only tracks 16)
+        q_rows = q_ptr + tl.multiple_of((row0 + m // H_PAD) * sq_t + (m % H_PAD) * sq_h, 4)
+        q = tl.load(q_rows[:, None] + tl.arange(0, D)[None, :], mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + (row0 + m // H_PAD) * sw_t + m % H_PAD, mask=m_ok, other=0.0)
+        if FP8:
+            q = q.to(tl.float8e4nv, bitcast=True)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        bt_row = bt_ptr + tl.load(req_ptr + row0).to(tl.int64) * s_bt
+        for s0 in range(s_lo, s_end, BLOCK_N):
+            s = s0 + tl.arange(0, BLOCK_N)
+            s_ok = s < s_end
+            page = tl.load(bt_row + s // BLOCK_SIZE, mask=s_ok, other=0).to(tl.int64)
+            base = tl.multiple_of(page * sk_blk + (s % BLOCK_SIZE) * sk_tok, 4)
+            k = tl.load(k_ptr + base[:, None] + tl.arange(0, D)[None, :], mask=s_ok[:, None], other=0)
+            if FP8:
+                k = k.to(tl.float8e4nv, bitcast=True)
+                k_scale = tl.load(ks_ptr + (base + D) // 4, mask=s_ok, other=0.0)
+            else:
+                k_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+            if DOT_F32:
+                k = k.to(tl.float32)
+            logits = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, BLOCK_N]
+            logits = tl.maximum(logits, 0.0) * w[:, None]
+            score = tl.sum(tl.reshape(logits, [BLOCK_T, H_PAD, BLOCK_N]), axis=1) * k_scale[None, :]
+            dst = score_ptr + (row0 - row_offset + t)[:, None] * ss_row + s[None, :]
+            tl.store(dst, score, mask=(t[:, None] < num_rows) & (s[None, :] <= pos[:, None]))
+
+
+def store_index_k(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton `store_index_k_ref`: k [T, D] -> rows at slot_mapping (fp8 + pow2 scale, or fp32); -1 skipped."""
+    if index_cache.dim() != 3 or index_cache.dtype not in (torch.uint8, torch.float32):
+        raise ValueError(f"index_cache must be [num_blocks, block_size, row] uint8 or float32, "
+                         f"got {index_cache.dtype} {tuple(index_cache.shape)}")
+    store_rows(k, None, index_cache, slot_mapping, k.shape[1])
+
+
+def quantize_index_q(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `quantize_index_q_ref`: q [T, H, D] -> (fp8 [T, H, D] view, fp32 scale [T, H] view).
+
+    Each (token, head) row is an index-cache row ([D fp8 | fp32 scale]), written by the store kernel."""
+    T, H, D = q.shape
+    buf = torch.empty((1, T * H, D + 4), dtype=torch.uint8, device=q.device)
+    rows = q.reshape(T * H, D)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    store_rows(rows, None, buf, torch.arange(T * H, device=q.device), D)
+    flat = buf[0]
+    return (flat[:, :D].view(torch.float8_e4m3fn).view(T, H, D),
+            flat[:, D:].view(torch.float32).view(T, H))
+
+
+def _tiles(lo: int, hi: int, query_start_loc_cpu: list[int], seq_lens_cpu: list[int] | None, topk: int,
+           block_t: int) -> list[tuple[int, int]]:
+    """(first row, rows) tiles of rows [lo, hi) that never cross a request; requests whose whole context
+    fits in the top-k need no scores (every position is selected)."""
+    tiles = []
+    for b in range(len(query_start_loc_cpu) - 1):
+        r0, r1 = max(lo, query_start_loc_cpu[b]), min(hi, query_start_loc_cpu[b + 1])
+        if r0 >= r1 or (seq_lens_cpu is not None and seq_lens_cpu[b] <= topk):
+            continue
+        tiles += [(r, min(block_t, r1 - r)) for r in range(r0, r1, block_t)]
+    return tiles
+
+
+def _tile_tensor(lo: int, hi: int, query_start_loc_cpu, seq_lens_cpu, topk: int, block_t: int,
+                 device: torch.device) -> torch.Tensor:
+    if query_start_loc_cpu is None:  # no host-side layout: one row per tile, built on the device
+        rows = torch.arange(lo, hi, dtype=torch.int32, device=device)
+        return torch.stack([rows, torch.ones_like(rows)], dim=1)
+    tiles = _tiles(lo, hi, query_start_loc_cpu, seq_lens_cpu, topk, block_t)
+    host = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2)
+    if device.type == "cuda":  # pinned + non_blocking: no host synchronisation
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+def _score_config(num_heads: int, query_start_loc_cpu, fp8: bool) -> tuple[int, int, int, int]:
+    """(H_PAD, BLOCK_T, BLOCK_N, KEYS_PER_PROG): about 128 (row, head) pairs per fp8 dot; the fp32 mode
+    (exact tests, no tensor cores) keeps one row per tile so its operands stay in registers."""
+    h_pad = max(16, next_pow2(num_heads))
+    most = 1 if query_start_loc_cpu is None or not fp8 else max(
+        (b - a for a, b in zip(query_start_loc_cpu, query_start_loc_cpu[1:])), default=1)
+    block_t = max(1, min(128 // h_pad, next_pow2(most)))
+    if interpreting():
+        return h_pad, block_t, 16, 64
+    return h_pad, block_t, 64 if fp8 else 32, 1024
+
+
+def _prepare(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+             q_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(q as the kernel reads it, w with the q scale folded in, fp8?)."""
+    fp8 = index_cache.dtype == torch.uint8
+    w = weights.float()
+    if fp8 and q.dtype != torch.float8_e4m3fn:
+        q, q_scale = quantize_index_q(q)
+    if q_scale is not None:
+        w = w * q_scale.float()
+    if not fp8:
+        q = q.float()
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    return (q.view(torch.uint8) if fp8 else q), w.contiguous(), fp8
+
+
+def _launch_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
+                   token_req_idx: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, scores: torch.Tensor,
+                   row_offset: int, cfg: tuple[int, int, int, int], fp8: bool) -> None:
+    if tiles.shape[0] == 0:
+        return
+    T, H, D = q.shape
+    h_pad, block_t, block_n, keys_per_prog = cfg
+    (k8, k32, _), sb, st = cache_views(index_cache, D, 0, D)
+    grid = (tiles.shape[0], triton.cdiv(scores.shape[1], keys_per_prog))
+    _index_scores_kernel[grid](
+        q, w, k8, k32, block_table, tiles, token_req_idx, positions, scores,
+        row_offset, H, q.stride(0), q.stride(1), w.stride(0), sb, st, block_table.stride(0), scores.stride(0),
+        BLOCK_SIZE=index_cache.shape[1], D=D, H_PAD=h_pad, BLOCK_T=block_t, BLOCK_N=block_n,
+        KEYS_PER_PROG=keys_per_prog,
+        FP8=fp8, DOT_F32=interpreting() or not fp8, num_warps=4, num_stages=1 if interpreting() else 3)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
+                 token_req_idx: torch.Tensor, positions: torch.Tensor, max_seq_len: int, *,
+                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The scores `indexer_topk` selects from, [T, max_seq_len] fp32 (-inf past each row's position):
+    `index_scores_ref` computed by the kernel, for tests and benchmarks."""
+    check_device(q, weights, index_cache, block_table, token_req_idx, positions)
+    qk, w, fp8 = _prepare(q, weights, index_cache, q_scale)
+    scores = torch.full((q.shape[0], max_seq_len), float("-inf"), dtype=torch.float32, device=q.device)
+    if q.shape[0]:
+        tiles = _tile_tensor(0, q.shape[0], None, None, 0, 1, q.device)
+        _launch_scores(qk, w, index_cache, block_table, token_req_idx, positions, tiles, scores, 0,
+                       _score_config(q.shape[1], None, fp8), fp8)
+    return scores
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
+                 token_req_idx: torch.Tensor, positions: torch.Tensor, topk: int, *,
+                 q_scale: torch.Tensor | None = None, return_slots: bool = True, max_seq_len: int | None = None,
+                 query_start_loc_cpu: list[int] | None = None, seq_lens_cpu: list[int] | None = None,
+                 out_width: int | None = None) -> torch.Tensor:
+    """Triton `indexer_topk_ref` -> int32 [T, out_width or topk] global slots (or positions), -1 padded.
+
+    q [T, H, D]: fp8 with `q_scale` [T, H], or float (quantised here when the cache is fp8; used as fp32
+    when the cache is fp32). The host-side layout (`query_start_loc_cpu`, `seq_lens_cpu`, `max_seq_len`)
+    lets rows of one request share key loads and skips requests that need no scores; without it every
+    row is its own tile and the longest context is read from `positions` (one host sync).
+    Valid entries come first in ascending position order (`indexer_topk_ref` orders them by score).
+    """
+    T, H, D = q.shape
+    width = out_width or topk
+    check_device(q, weights, index_cache, block_table, token_req_idx, positions)
+    out = torch.empty((T, width), dtype=torch.int32, device=q.device)
+    if T == 0:
+        return out
+    qk, w, fp8 = _prepare(q, weights, index_cache, q_scale)
+    S = max(1, int(positions.max()) + 1 if max_seq_len is None else max_seq_len)
+    cfg = _score_config(H, query_start_loc_cpu, fp8)
+    rows_per_chunk = max(cfg[1], _MAX_SCORE_BYTES // (4 * S))
+    for lo in range(0, T, rows_per_chunk):
+        hi = min(T, lo + rows_per_chunk)
+        scores = torch.empty((hi - lo, S), dtype=torch.float32, device=q.device)
+        tiles = _tile_tensor(lo, hi, query_start_loc_cpu, seq_lens_cpu, width, cfg[1], q.device)
+        _launch_scores(qk, w, index_cache, block_table, token_req_idx, positions, tiles, scores, lo, cfg, fp8)
+        topk_rows(scores, positions, width, out, lo, token_req_idx=token_req_idx if return_slots else None,
+                  block_table=block_table if return_slots else None, block_size=index_cache.shape[1])
+    return out
 
 
 def store_index_k_ref(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -35,7 +234,8 @@ def store_index_k_ref(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: 
     index_cache[slots // bs, slots % bs] = rows
 
 
-def gather_index_k_ref(index_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_index_k_ref(index_cache: torch.Tensor, slots: torch.Tensor,
+                       head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows at `slots` -> (values [n, D] float32, scales [n] float32); fp32 caches give scale 1."""
     bs = index_cache.shape[1]
     slots = slots.long()

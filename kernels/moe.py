@@ -8,6 +8,151 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels._jit import check_device, interpreting, jit, to_bf16
+
+
+@jit
+def _moe_up_kernel(x_ptr, w13_ptr, h_ptr, rows_ptr, block_expert_ptr, num_experts, top_k, hidden, inter,
+                   sx_t, sw_e, sw_n, sh_r,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                   ROUND_FIRST: tl.constexpr):
+    """h[r, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, inter + n]) for the BLOCK_M sorted rows r of
+    one expert e (row r holds assignment a = token * top_k + j, or -1 for padding)."""
+    e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if e < num_experts:
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        a = tl.load(rows_ptr + r)
+        ok = a >= 0
+        tok = tl.where(ok, a // top_k, 0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_gate = w13_ptr + e * sw_e + n[None, :].to(tl.int64) * sw_n
+        w_up = w_gate + inter * sw_n
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + tok[:, None] * sx_t + kk[None, :], mask=ok[:, None] & (kk[None, :] < hidden), other=0.0)
+            w_mask = (kk[:, None] < hidden) & (n[None, :] < inter)
+            wg = tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0)
+            wu = tl.load(w_up + kk[:, None], mask=w_mask, other=0.0)
+            if DOT_F32:
+                x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            acc_g = tl.dot(x, wg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(x, wu, acc_u, input_precision="ieee")
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        if h_ptr.dtype.element_ty == tl.bfloat16:
+            hv = to_bf16(h, ROUND_FIRST)
+        else:
+            hv = h.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + r[:, None].to(tl.int64) * sh_r + n[None, :], hv, mask=ok[:, None] & (n[None, :] < inter))
+
+
+@jit
+def _moe_down_kernel(h_ptr, w2_ptr, y_ptr, rows_ptr, block_expert_ptr, weights_ptr, num_experts, hidden, inter,
+                     sh_r, sw_e, sw_n, sy_a,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """y[a, n] = weights[a] * (h[r] . w2[e, n]) for the sorted rows r of expert e (fp32, one row per
+    assignment a, so the sum over an token's experts is a deterministic reduction afterwards)."""
+    e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if e < num_experts:
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        a = tl.load(rows_ptr + r)
+        ok = a >= 0
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = w2_ptr + e * sw_e + n[None, :].to(tl.int64) * sw_n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            h = tl.load(h_ptr + r[:, None].to(tl.int64) * sh_r + kk[None, :], mask=ok[:, None] & (kk[None, :] < inter),
+                        other=0.0)
+            w = tl.load(w_rows + kk[:, None], mask=(kk[:, None] < inter) & (n[None, :] < hidden), other=0.0)
+            if DOT_F32:
+                h, w = h.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(h, w, acc, input_precision="ieee")
+        wt = tl.load(weights_ptr + a, mask=ok, other=0.0)
+        tl.store(y_ptr + tl.where(ok, a, 0).to(tl.int64)[:, None] * sy_a + n[None, :], acc * wt[:, None],
+                 mask=ok[:, None] & (n[None, :] < hidden))
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, expert_offset: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assignments (token, j) sorted by local expert, each expert padded to a multiple of block_m rows.
+
+    Returns rows [max_rows] (assignment id t*k + j, -1 = padding) and block_expert [max_rows / block_m]
+    (num_experts = past the last expert). Only device ops (sort, scatter, cumsum, searchsorted): no host
+    synchronisation; max_rows is a host-side bound, A + min(E, A) * (block_m - 1).
+    """
+    A = ids.numel()
+    flat = ids.reshape(-1).long() - expert_offset
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # non-local ids sort last
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    start = torch.cumsum(counts, 0) - counts
+    sorted_key = key[order]
+    local_key = sorted_key.clamp(max=num_experts - 1)
+    max_rows = triton.cdiv(A + min(num_experts, A) * (block_m - 1), block_m) * block_m
+    dest = pad_end[local_key] - padded[local_key] + torch.arange(A, device=ids.device) - start[sorted_key]
+    dest = torch.where(sorted_key < num_experts, dest, max_rows)  # the dump slot, cut off below
+    rows = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=ids.device)
+    rows.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(0, max_rows, block_m, device=ids.device)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True).to(torch.int32)
+    return rows[:max_rows], block_expert
+
+
+def _moe_config(num_assign: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): small M when experts see few tokens each."""
+    if interpreting():
+        return 16, 32, 32, 4, 1
+    block_m = 64 if num_assign >= 8 * num_experts else 16
+    return block_m, 128, 64, 4, 3
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              expert_offset: int = 0) -> torch.Tensor:
+    """Triton `fused_moe_ref` (same arguments): a grouped GEMM over expert-sorted assignments, with
+    SiLU-and-mul fused into the first GEMM and the routing weight into the second; no host syncs."""
+    T, H = x.shape
+    E, two_i, H_w = w13.shape
+    inner = two_i // 2
+    if H_w != H or w2.shape != (E, H, inner) or weights.shape != ids.shape or ids.shape[0] != T:
+        raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, weights "
+                         f"{tuple(weights.shape)}, ids {tuple(ids.shape)} do not fit [T,H], [E,2I,H], [E,H,I], [T,k]")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x, w13 and w2 must share a float dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    check_device(x, w13, w2, weights, ids)
+    top_k = ids.shape[1]
+    if T == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    block_m, block_n, block_k, warps, stages = _moe_config(ids.numel(), E)
+    rows, block_expert = align_by_expert(ids, E, expert_offset, block_m)
+    h = torch.empty((rows.shape[0], inner), dtype=x.dtype, device=x.device)
+    y = torch.zeros((T * top_k, H), dtype=torch.float32, device=x.device)
+    dot_f32 = interpreting() or x.dtype == torch.float32
+    nb = block_expert.shape[0]
+    _moe_up_kernel[(nb, triton.cdiv(inner, block_n))](
+        x, w13, h, rows, block_expert, E, top_k, H, inner, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32, ROUND_FIRST=interpreting(),
+        num_warps=warps, num_stages=stages)
+    w_flat = weights.reshape(-1).float().contiguous()
+    _moe_down_kernel[(nb, triton.cdiv(H, block_n))](
+        h, w2, y, rows, block_expert, w_flat, E, H, inner, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32, num_warps=warps, num_stages=stages)
+    return y.view(T, top_k, H).sum(dim=1).to(x.dtype)
+
+
+def moe_impl_for(device: torch.device | str):
+    """The `Experts.impl` to use on `device`: the Triton grouped GEMM on CUDA, the reference elsewhere."""
+    return fused_moe if torch.device(device).type == "cuda" else fused_moe_ref
 
 
 def route_ref(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, *, n_group: int = 1,

@@ -10,8 +10,213 @@ A row with no valid index returns out = 0 and lse = -inf (so a DCP merge ignores
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from kernels.store_kv import gather_kv_ref
+from kernels._jit import check_device, interpreting, jit, next_pow2, num_sms, to_bf16
+from kernels.formats import tile_size
+from kernels.merge import merge_attn_states
+from kernels.store_kv import cache_views, gather_kv_ref
+
+LOG2E = 1.4426950408889634
+
+
+@jit
+def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_ptr, lse_ptr,
+                       num_heads, num_idx, split_len, sq_len,
+                       sq_b, sq_s, sq_h, si_b, si_s, skv_blk, skv_tok,
+                       so_split, so_row, so_h, sl_split, sl_row, sm_scale_log2,
+                       R: tl.constexpr, P: tl.constexpr, TILE: tl.constexpr, KV_FP8: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       IDX_AHEAD: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """Program (query row, head block, split): online softmax over indices [split*split_len, +split_len).
+
+    Rows of q/indices are (b, s) pairs, row = b * sq_len + s (strides per level, so any q view works).
+    fp8 rows are dequantised to bf16 exactly (fp8 times a power of two), so the QK dot sees the cached
+    values bit for bit; P is rounded to bf16 for the PV dot. Scores are kept in log2 units. BLOCK_SIZE
+    (tokens per page; 1 for a workspace) is a constant so slot -> page is a shift, not a 64-bit divide.
+    """
+    NT: tl.constexpr = R // TILE
+    DOT: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
+    b = row // sq_len
+    s = row % sq_len
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    q_row = q_ptr + b * sq_b + s * sq_s + heads[:, None] * sq_h
+    q_lat = tl.load(q_row + tl.arange(0, R)[None, :], mask=hmask[:, None], other=0.0).to(DOT)
+    q_rope = tl.load(q_row + R + tl.arange(0, P)[None, :], mask=hmask[:, None], other=0.0).to(DOT)
+    idx_row = idx_ptr + b * si_b + s * si_s
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, num_idx)
+    offs = lo + tl.arange(0, BLOCK_N)
+    slot_next = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
+    for n0 in range(lo, hi, BLOCK_N):
+        if IDX_AHEAD:  # the next block's indices load while this block computes: no index -> row chain
+            slot = slot_next
+            offs = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+            slot_next = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
+        else:
+            offs = n0 + tl.arange(0, BLOCK_N)
+            slot = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
+        valid = slot >= 0
+        base = (slot // BLOCK_SIZE) * skv_blk + (slot % BLOCK_SIZE) * skv_tok
+        if KV_FP8:
+            lat8 = tl.load(kv_ptr + base[:, None] + tl.arange(0, R)[None, :], mask=valid[:, None], other=0)
+            sc = tl.load(kv_scale_ptr + (base[:, None] + R) // 4 + tl.arange(0, NT)[None, :],
+                         mask=valid[:, None], other=0.0)
+            lat = lat8.to(tl.float8e4nv, bitcast=True).to(DOT)
+            lat = tl.reshape(tl.reshape(lat, [BLOCK_N, NT, TILE]) * sc.to(DOT)[:, :, None], [BLOCK_N, R])
+            rope = tl.load(kv_rope_ptr + (base[:, None] + R + 4 * NT) // 2 + tl.arange(0, P)[None, :],
+                           mask=valid[:, None], other=0.0).to(DOT)
+        else:
+            lat = tl.load(kv_ptr + base[:, None] + tl.arange(0, R)[None, :], mask=valid[:, None], other=0.0).to(DOT)
+            rope = tl.load(kv_ptr + base[:, None] + R + tl.arange(0, P)[None, :], mask=valid[:, None],
+                           other=0.0).to(DOT)
+        z = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
+        z = tl.dot(q_rope, tl.trans(rope), z, input_precision="ieee")
+        z = tl.where(valid[None, :], z * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(z, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing valid yet stays at 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(z - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), lat, input_precision="ieee")
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    o_ptr = out_ptr + split * so_split + row * so_row + heads[:, None] * so_h + tl.arange(0, R)[None, :]
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(o_ptr, to_bf16(out, ROUND_FIRST), mask=hmask[:, None])
+    else:
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    tl.store(lse_ptr + split * sl_split + row * sl_row + heads, lse, mask=hmask)
+
+
+def _config(num_heads: int, dot_f32: bool, kv_fp8: bool) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD): the fastest of the H200 sweeps in
+    BENCHMARKS.md. 64 heads fill one wgmma M tile; the [64, R] fp32 accumulator needs two warpgroups to
+    stay in registers (one program per SM). Few heads (memory-bound) run 4 warps, two programs per SM.
+    A bf16 workspace row is 1,152 B, so three stages of it overflow shared memory. fp32 q (test models)
+    runs on FMA units: small tiles, or its operands spill."""
+    if interpreting():
+        return min(64, max(16, next_pow2(num_heads))), 16, 4, 1, True
+    if dot_f32:
+        return 16, 16, 8, 1, True
+    if num_heads > 32:
+        return 64, 64, 8, 3 if kv_fp8 else 2, True
+    return 16, 32, 4, 3 if kv_fp8 else 2, True  # 17-32 heads: two blocks of 16 (a block of 32 spills)
+
+
+def _num_splits(programs: int, num_idx: int, block_n: int, num_warps: int, device) -> int:
+    """Split the index list (flash-decoding) when there are too few (row, head block) programs to fill
+    the GPU: minimise waves / splits (time per program shrinks with the split) plus a small charge per
+    split for the partial outputs and the merge. Each split keeps >= 2 blocks of indices."""
+    slots = num_sms(device) * max(1, 8 // num_warps)  # programs resident at once (255 registers a thread)
+    if programs >= slots:
+        return 1
+    most = max(1, num_idx // (2 * block_n))
+    return min(range(1, most + 1), key=lambda s: (triton.cdiv(programs * s, slots) / s + 0.005 * s, s))
+
+
+def _row_strides(t: torch.Tensor, lead: int) -> tuple[int, int, int]:
+    """(stride of b, stride of s, sq_len) for the leading dims of t (1 or 2 of them)."""
+    if lead == 1:
+        return t.stride(0), 0, 1
+    return t.stride(0), t.stride(1), t.shape[1]
+
+
+def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+               latent_dim: int = 512, *, num_splits: int | None = None,
+               config: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `sparse_mla_ref`. q [T, H, R+P] or [B, Sq, H, R+P] (bf16/fp32, any strides with the last
+    dim contiguous); kv a paged layer view [num_blocks, block_size, row] (fp8_ds_mla uint8, bf16, fp32;
+    indices are global slots) or a workspace [S, R+P] (indices are rows); indices [..., K] int, -1 = skip.
+    Returns (out [..., H, R] in q's dtype, lse [..., H] fp32); a row with no valid index gives 0 / -inf.
+    `num_splits` / `config` (BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD) override the heuristics.
+    """
+    lead = q.dim() - 2
+    if lead not in (1, 2) or indices.shape[:-1] != q.shape[:-2]:
+        raise ValueError(f"q {tuple(q.shape)} must be [T, H, D] or [B, Sq, H, D] with indices "
+                         f"{tuple(indices.shape)} = [..., K] over the same rows")
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be bfloat16 or float32, got {q.dtype}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indices must be int32 (or int64), got {indices.dtype}")
+    check_device(q, kv, indices)
+    H, D = q.shape[-2:]
+    R, P = latent_dim, D - latent_dim
+    tile = tile_size(R)
+    for name, n in (("latent", R), ("rope", P), ("tile", tile)):
+        if n <= 0 or n & (n - 1):
+            raise ValueError(f"{name} width {n} must be a power of two (q is [..., {D}], latent {R})")
+    paged = kv if kv.dim() == 3 else kv.unsqueeze(1)  # a workspace is a cache of 1-token pages
+    (kv8, kv32, kv16), s_blk, s_tok = cache_views(paged, R, P, tile)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    rows = q.shape[:-2].numel()
+    K = indices.shape[-1]
+    out = torch.empty((*q.shape[:-1], R), dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    if rows == 0:
+        return out, lse
+    dot_f32 = interpreting() or q.dtype == torch.float32
+    block_h, block_n, warps, stages, idx_ahead = config or _config(H, dot_f32, kv.dtype == torch.uint8)
+    hblocks = triton.cdiv(H, block_h)
+    splits = num_splits or _num_splits(rows * hblocks, K, block_n, warps, q.device)
+    split_len = triton.cdiv(triton.cdiv(max(K, 1), splits), block_n) * block_n
+    splits = triton.cdiv(max(K, 1), split_len)
+    if splits == 1:
+        dst, dst_lse = out.view(rows, H, R), lse.view(rows, H)
+    else:
+        dst = torch.empty((splits, rows, H, R), dtype=torch.float32, device=q.device)
+        dst_lse = torch.empty((splits, rows, H), dtype=torch.float32, device=q.device)
+    qb, qs, sq_len = _row_strides(q, lead)
+    ib, is_, _ = _row_strides(indices, lead)
+    d_split = dst.stride(0) if splits > 1 else 0
+    l_split = dst_lse.stride(0) if splits > 1 else 0
+    _sparse_mla_kernel[(rows, hblocks, splits)](
+        q, kv8, kv32, kv16, indices, dst, dst_lse, H, K, split_len, sq_len,
+        qb, qs, q.stride(-2), ib, is_, s_blk, s_tok,
+        d_split, dst.stride(-3), dst.stride(-2), l_split, dst_lse.stride(-2), sm_scale * LOG2E,
+        R=R, P=P, TILE=tile, KV_FP8=kv.dtype == torch.uint8, BLOCK_SIZE=paged.shape[1], BLOCK_H=block_h,
+        BLOCK_N=block_n, IDX_AHEAD=idx_ahead, DOT_F32=dot_f32, ROUND_FIRST=interpreting(), num_warps=warps,
+        num_stages=stages)
+    if splits > 1:
+        merged, merged_lse = merge_attn_states(dst, dst_lse, out_dtype=q.dtype)
+        out.view(rows, H, R).copy_(merged)
+        lse.view(rows, H).copy_(merged_lse)
+    return out, lse
+
+
+def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                      latent_dim: int = 512, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Sq, H, R+P] (Sq <= 4 for MTP verification), indices [B, Sq, K] global slots of a paged cache
+    -> (out [B, Sq, H, R], lse [B, Sq, H]). Splits the index list across programs at small batch."""
+    if q.dim() != 4:
+        raise ValueError(f"decode q must be [B, Sq, H, D], got {tuple(q.shape)}")
+    return sparse_mla(q, kv_cache, indices, sm_scale, latent_dim, num_splits=num_splits)
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                       latent_dim: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, R+P], kv a bf16/fp32 workspace [S, R+P] (indices = rows) or a paged cache (global slots),
+    indices [T, K] -> (out [T, H, R], lse [T, H])."""
+    if q.dim() != 3:
+        raise ValueError(f"prefill q must be [T, H, D], got {tuple(q.shape)}")
+    return sparse_mla(q, kv, indices, sm_scale, latent_dim, num_splits=1)
+
+
+# ---- references -------------------------------------------------------------------------------------
 
 
 def attend_rows_ref(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sm_scale: float,
@@ -43,7 +248,9 @@ def sparse_mla_ref(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tenso
         rows = gather_kv_ref(kv_cache, flat, latent_dim, rope_dim)
     else:
         rows = kv_cache[flat].float()
-    rows = rows.reshape(idx.shape[0], idx.shape[1], -1)
+    # padding entries read slot 0, which may be an unused (even NaN-poisoned) page: zero them, as the
+    # kernel's masked loads do, so 0 * NaN never reaches the PV sum
+    rows = rows.reshape(idx.shape[0], idx.shape[1], -1).masked_fill(~valid[..., None], 0.0)
     z = torch.einsum("thd,tkd->thk", qf.float(), rows) * sm_scale
     z = z.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(z, dim=-1)
