@@ -34,3 +34,13 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", dtype: 
     if checkpoint is not None:
         load_weights(model, checkpoint, cfg)
     return model.eval().requires_grad_(False)
+
+
+def use_kernel_moe(model: GlmDsaForCausalLM, on: bool) -> None:
+    """Route every MoE layer through the Triton grouped GEMM (CUDA) or the torch reference."""
+    from engine.model.moe import Experts
+    from kernels.moe import fused_moe, fused_moe_ref
+
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.impl = fused_moe if on else fused_moe_ref

@@ -14,7 +14,7 @@ from engine.attention import get_attention_backend
 from engine.engine_config import EngineConfig
 from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec, PagedKVCache
-from engine.loader import build_model
+from engine.loader import build_model, use_kernel_moe
 from engine.model.context import ForwardContext
 from engine.model.layers import rope_cos_sin, rope_inv_freq
 from engine.runner.inputs import BatchRows, build_batch, chunk_rows, slots_for
@@ -47,6 +47,7 @@ class ModelRunner:
         else:
             self.kv_cache = PagedKVCache(self.spec, num_blocks, self.device)
         self.backend = get_attention_backend(self.spec, self.device, cfg.attention_backend)
+        use_kernel_moe(self.model, self.backend.name == "triton")  # one switch for every kernel
         if self.hisparse is not None:
             self.backend = self.hisparse.wrap(self.backend)
         self.inv_freq = rope_inv_freq(cfg.model.qk_rope_head_dim, cfg.model.rope_theta, self.device)
