@@ -50,6 +50,7 @@ class EngineArgs:
     cp_kv_cache_interleave_size: int = 1
     data_parallel_size: int = 1
     attention_backend: str | None = None
+    load_format: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -84,7 +85,8 @@ class EngineArgs:
                                     data_parallel_size=self.data_parallel_size),
             speculative=self._speculative(),
             hisparse=HiSparseConfig.from_dict(hisparse) if hisparse is not None else None,
-            device=device, dtype=dtype, seed=self.seed, attention_backend=self.attention_backend)
+            device=device, dtype=dtype, seed=self.seed, attention_backend=self.attention_backend,
+            load_format=self.load_format)
 
     def _speculative(self) -> SpeculativeConfig | None:
         if self.speculative_config:
@@ -126,6 +128,8 @@ class EngineArgs:
         g.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
         g.add_argument("--data-parallel-size", type=int, default=1)
         g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+        g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="dummy: random weights of the config's shape (benchmarks without a checkpoint)")
         return p
 
     @classmethod

@@ -157,8 +157,11 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     attention_backend: str | None = None  # None: torch on CPU, triton on CUDA
+    load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks)
 
     def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.hisparse is not None and self.parallel.world_size > 1:
@@ -178,6 +181,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """Where weights load from (None with load_format='dummy')."""
+        return self.model_path if self.load_format == "auto" else None
 
     @property
     def with_mtp(self) -> bool:

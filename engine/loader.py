@@ -36,6 +36,23 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", dtype: 
     return model.eval().requires_grad_(False)
 
 
+def dummy_init(model: GlmDsaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """`--load-format dummy`: random weights drawn on the model's device (benchmarks of real shapes
+    without a checkpoint). Norm weights are 1, biases 0, the routing bias small and random."""
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(list(model.named_parameters()) + list(model.named_buffers()))):
+            g = torch.Generator(device=p.device)
+            g.manual_seed(seed * 100003 + i)
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.01, generator=g)
+            else:
+                p.normal_(0.0, std, generator=g)
+
+
 def use_kernel_moe(model: GlmDsaForCausalLM, on: bool) -> None:
     """Route every MoE layer through the Triton grouped GEMM (CUDA) or the torch reference."""
     from engine.model.moe import Experts

@@ -18,7 +18,7 @@ import torch
 from engine import envs
 from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec
-from engine.loader import build_model
+from engine.loader import build_model, dummy_init
 from engine.model.moe import MoE
 from engine.parallel.cp_backend import CPAttentionBackend
 from engine.parallel.dcp import dcp_slot_fn, token_locations
@@ -37,7 +37,9 @@ class CPModelRunner(ModelRunner):
                  if pc.enable_expert_parallel and mc.n_routed_experts else None)
         with_mtp = cfg.with_mtp
         model = build_model(mc, device=torch.device(cfg.device), dtype=cfg.torch_dtype, with_mtp=with_mtp,
-                            checkpoint=cfg.model_path, expert_shard=shard)
+                            checkpoint=cfg.checkpoint, expert_shard=shard)
+        if cfg.checkpoint is None:
+            dummy_init(model, cfg.seed)
         spec = KVCacheSpec.from_model(mc, block_size=cfg.cache.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
                                       indexer_precision=cfg.cache.indexer_precision, with_mtp=with_mtp)
         # block ids name the same local block on every rank: every rank needs the same pool size

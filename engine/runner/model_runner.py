@@ -14,7 +14,7 @@ from engine.attention import get_attention_backend
 from engine.engine_config import EngineConfig
 from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec, PagedKVCache
-from engine.loader import build_model, use_kernel_moe
+from engine.loader import build_model, dummy_init, use_kernel_moe
 from engine.model.context import ForwardContext
 from engine.model.layers import rope_cos_sin, rope_inv_freq
 from engine.runner.inputs import BatchRows, build_batch, chunk_rows, slots_for
@@ -34,7 +34,9 @@ class ModelRunner:
         self.block_size = cfg.cache.block_size
         self.with_mtp = cfg.with_mtp
         self.model = model if model is not None else build_model(
-            cfg.model, device=self.device, dtype=cfg.torch_dtype, with_mtp=self.with_mtp, checkpoint=cfg.model_path)
+            cfg.model, device=self.device, dtype=cfg.torch_dtype, with_mtp=self.with_mtp, checkpoint=cfg.checkpoint)
+        if model is None and cfg.checkpoint is None:
+            dummy_init(self.model, cfg.seed)
         self.spec = KVCacheSpec.from_model(cfg.model, block_size=self.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
                                            indexer_precision=cfg.cache.indexer_precision, with_mtp=self.with_mtp)
         num_blocks = num_blocks or num_kv_blocks(cfg, self.spec)
