@@ -66,6 +66,14 @@ class Deployment:
                     out.setdefault("router_grpc", []).append(p.address)
         return out
 
+    @property
+    def url(self) -> str:
+        """The router's HTTP base URL (what benchmarks and clients talk to)."""
+        routers = self.endpoints().get("router", [])
+        if not routers:
+            raise RuntimeError("this deployment has no router")
+        return routers[0]
+
     def save(self) -> None:
         Path(self.run_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=1))
 
