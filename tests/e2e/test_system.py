@@ -117,6 +117,12 @@ def test_health_metrics_and_models(url, instances):
                  "pdserve:num_requests_running"):
         assert name in text
     assert system.metric(instances["decode"].metrics_address, "pdserve:nixl_bytes_transferred_total") > 0
+    decode_text = urllib.request.urlopen(f"http://{instances['decode'].metrics_address}/metrics").read().decode()
+    for name in ("pdserve:hisparse_hits_total", "pdserve:hisparse_misses_total", "pdserve:hisparse_h2d_bytes_total",
+                 "pdserve:spec_decode_num_accepted_tokens_total", "pdserve:kv_cache_usage_perc",
+                 "pdserve:num_requests_waiting", "pdserve:time_per_output_token_seconds"):
+        assert name in decode_text, name
+    assert system.metric(instances["decode"].metrics_address, "pdserve:spec_decode_num_draft_tokens_total") > 0
 
 
 @pytest.mark.parametrize("body,status", [

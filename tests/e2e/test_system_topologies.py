@@ -1,0 +1,96 @@
+"""Other topologies end to end: a PCP=DCP=2 prefill engine feeding decode over NIXL (token re-layout of
+DCP shards), and two prefill instances + a kvstore (prefix-aware routing; the kvstore tier after the
+prefill instances evicted a session's prefix)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+from engine import LLM, SamplingParams
+from services import launcher
+from services.common.redis_state import RedisState
+from tests.e2e import system
+
+pytestmark = pytest.mark.xdist_group("system")
+
+
+def _text(tok, start: int, n: int) -> list[int]:
+    import argparse
+    import difflib
+    import typing
+    ids = tok.encode("".join(inspect.getsource(m) for m in (difflib, argparse, typing)))
+    assert len(ids) >= start + n, "the corpus is too short for this slice"
+    return ids[start:start + n]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_code) -> LLM:
+    return LLM(str(tiny_code), kv_cache_dtype="fp8_ds_mla", num_blocks=256)
+
+
+def test_pcp2_dcp2_prefill_to_decode_equals_offline(tmp_path_factory, offline):
+    topo = system.topology(tmp_path_factory.mktemp("pcp"))
+    topo["services"]["prefill"].update(prefill_context_parallel_size=2, decode_context_parallel_size=2)
+    dep = launcher.up(topo, timeout_s=300, die_with_parent=True)
+    try:
+        url = dep.endpoints()["router"][0]
+        prompts = [_text(offline.tokenizer, 300 * i, 30 + 41 * i) for i in range(8)]
+        expected = offline.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        for ids, want in zip(prompts, expected):
+            status, body = system.post(url, "/v1/completions", {"prompt": ids, "max_tokens": 16, "temperature": 0,
+                                                                "ignore_eos": True})
+            assert status == 200, body
+            assert body["choices"][0]["text"] == want.text, f"prompt of {len(ids)} tokens"
+    finally:
+        launcher.down(dep)
+
+
+def _instances(dep) -> dict[str, list]:
+    async def read():
+        state = RedisState(dep.redis_url)
+        try:
+            out: dict[str, list] = {}
+            for i in await state.instances():
+                out.setdefault(i.role, []).append(i)
+            return out
+        finally:
+            await state.close()
+    return asyncio.run(read())
+
+
+def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline):
+    topo = system.topology(tmp_path_factory.mktemp("cache"), prefill={"num-blocks": 24})
+    topo["services"]["prefill"]["replicas"] = 2
+    dep = launcher.up(topo, timeout_s=300, die_with_parent=True)
+    try:
+        url = dep.endpoints()["router"][0]
+        body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        session = _text(offline.tokenizer, 1000, 10 * 64 + 5)
+        assert system.post(url, "/v1/completions", {**body, "prompt": session})[0] == 200
+        prefills = _instances(dep)["prefill"]
+
+        def hits() -> list[float]:
+            return [system.metric(p.metrics_address, "pdserve:prefix_cache_hits_total") for p in prefills]
+
+        before = hits()
+        turn2 = session + _text(offline.tokenizer, 5000, 40)
+        status, warm = system.post(url, "/v1/completions", {**body, "prompt": turn2})
+        assert status == 200 and warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 10 * 64
+        gained = system.wait_for(lambda: [h - b for h, b in zip(hits(), before)] if max(hits()) > max(before) else None)
+        assert sorted(gained)[0] == 0 and sorted(gained)[1] >= 10 * 64, "turn 2 must go to the instance with the prefix"
+
+        # push the session out of both prefill instances (24 blocks each); the kvstore keeps it
+        for i in range(8):
+            filler = _text(offline.tokenizer, 20000 + 900 * i, 15 * 64)
+            assert system.post(url, "/v1/completions", {**body, "prompt": filler})[0] == 200
+        turn3 = session + _text(offline.tokenizer, 9000, 30)
+        status, again = system.post(url, "/v1/completions", {**body, "prompt": turn3})
+        assert status == 200
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 10 * 64, "not loaded from the kvstore"
+        (cold,) = offline.generate([turn3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert again["choices"][0]["text"] == cold.text
+    finally:
+        launcher.down(dep)
