@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mlp-width", type=int, default=12288, help="dense MLP width per layer (0: none)")
     p.add_argument("--attention-only", action="store_true", help="no projections or MLP: KV path only")
     p.add_argument("--max-resident-gib", type=float, default=100.0, help="skip resident runs above this")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="profile every case (host: cProfile top functions; device: torch.profiler top kernels) "
+                        "into FILE")
     p.add_argument("--plans-only", action="store_true", help="hit rates of the LRU plans alone (any device): "
                    "real top-k and buffer, no attention")
     if "--cpu-smoke" in (argv if argv is not None else sys.argv[1:]):  # toy defaults; explicit flags still win
@@ -244,7 +247,7 @@ def main(argv=None) -> dict:
         for batch in [int(b) for b in args.batches.split(",")]:
             for mode in args.modes.split(","):
                 for churn in [float(c) for c in args.churn.split(",")] if mode == "hisparse" else [None]:
-                    rows.append(run_case(args, mode, context, batch, device, churn))
+                    rows.append(_profiled(args, mode, context, batch, device, churn))
                     print(json.dumps(rows[-1]), flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -255,6 +258,31 @@ def main(argv=None) -> dict:
         json.dump(result, f, indent=1)
     print(_table(rows))
     return result
+
+
+def _profiled(args, mode, context, batch, device, churn) -> dict:
+    """run_case, under cProfile and torch.profiler when --profile is given (the report is appended)."""
+    if not args.profile:
+        return run_case(args, mode, context, batch, device, churn)
+    import cProfile
+    import io
+    import pstats
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = cProfile.Profile()
+    with torch.profiler.profile(activities=acts) as tp:
+        prof.enable()
+        row = run_case(args, mode, context, batch, device, churn)
+        prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with open(args.profile, "a") as f:
+        f.write(f"==== {mode} context {context} batch {batch}: {row.get('step_ms')} ms/step\n")
+        f.write(out.getvalue())
+        f.write(tp.key_averages().table(sort_by=sort, row_limit=25))
+        f.write("\n")
+    return row
 
 
 def _device_name(device: torch.device) -> str:

@@ -139,8 +139,13 @@ class Contexts:
         return self.shared_pages + self.batch * self.own_pages
 
     def block_ids(self, b: int) -> list[int]:
-        own = self.shared_pages + b * self.own_pages
-        return list(range(self.shared_pages)) + list(range(own, own + self.own_pages))
+        """Request b's block list; the same list object every step (as the runner keeps one per request:
+        rebuilding a 16K-entry list per request per step would be benchmark overhead, not HiSparse's)."""
+        cache = self.__dict__.setdefault("_ids", {})
+        if b not in cache:
+            own = self.shared_pages + b * self.own_pages
+            cache[b] = list(range(self.shared_pages)) + list(range(own, own + self.own_pages))
+        return cache[b]
 
     def table(self, device) -> torch.Tensor:
         return torch.tensor([self.block_ids(b) for b in range(self.batch)], dtype=torch.int32).to(device)
