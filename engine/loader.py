@@ -38,12 +38,24 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", dtype: 
 
 def dummy_init(model: GlmDsaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
     """`--load-format dummy`: random weights drawn on the model's device (benchmarks of real shapes
-    without a checkpoint). Norm weights are 1, biases 0, the routing bias small and random."""
+    without a checkpoint). Norm weights are 1, biases 0, the routing bias small and random.
+
+    Routed experts are drawn one expert at a time, seeded by their global id, so an expert-parallel rank
+    holding experts [offset, offset + n) gets the same weights as one rank holding them all (the
+    multi-GPU benchmarks compare the two)."""
+    from engine.model.moe import Experts
+
+    expert_offset = {id(p): m.offset for m in model.modules() if isinstance(m, Experts)
+                     for p in (m.w13, m.w2)}
     with torch.no_grad():
         for i, (name, p) in enumerate(sorted(list(model.named_parameters()) + list(model.named_buffers()))):
             g = torch.Generator(device=p.device)
             g.manual_seed(seed * 100003 + i)
-            if name.endswith(("norm.weight", "layernorm.weight")):
+            if id(p) in expert_offset:
+                for e in range(p.shape[0]):
+                    g.manual_seed((seed * 100003 + i) * 4099 + expert_offset[id(p)] + e)
+                    p[e].normal_(0.0, std, generator=g)
+            elif name.endswith(("norm.weight", "layernorm.weight")):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
