@@ -26,11 +26,12 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", dtype: 
             for m in list(model.modules()):
                 if isinstance(m, MoE):
                     m.experts = Experts(cfg, num_local=expert_shard[1], offset=expert_shard[0])
+        # set dtypes while nothing is allocated: materialising fp32 first would double the peak memory
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            want = torch.float32 if name.endswith(FP32_PARAMS) else dtype
+            if p.is_floating_point() and p.dtype != want:
+                p.data = p.data.to(want)
     model = model.to_empty(device=device)
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        want = torch.float32 if name.endswith(FP32_PARAMS) else dtype
-        if p.is_floating_point() and p.dtype != want:
-            p.data = p.data.to(want)
     if checkpoint is not None:
         load_weights(model, checkpoint, cfg)
     return model.eval().requires_grad_(False)
