@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import statistics
 import threading
 import time
 import urllib.request
@@ -84,6 +85,11 @@ class RssSampler:
         """Per process, the largest sample taken in [t0, t1] (0 when none was)."""
         window = [s for ts, s in self.samples if t0 <= ts <= t1]
         return {n: max((s[n] for s in window), default=0.0) for n in self.processes}
+
+    def median(self, t0: float, t1: float) -> dict[str, float]:
+        """Per process, the median sample taken in [t0, t1] (0 when none was)."""
+        window = [s for ts, s in self.samples if t0 <= ts <= t1]
+        return {n: statistics.median(s[n] for s in window) if window else 0.0 for n in self.processes}
 
 
 # ---- correctness against the offline engine -----------------------------------------------------------

@@ -119,14 +119,14 @@ def _engine_flags(dep) -> tuple[str, str]:
 
 
 def memory_report(sampler: loadcheck.RssSampler, driven: Driven) -> dict:
-    """Peak RSS per process, and its growth after warm-up: the peak over the last third of the load
-    against the peak over the middle third (the first third is warm-up). Peaks over 20 s windows,
-    not single samples: a decode step's activations move RSS by ~100 MiB from one second to the next."""
+    """Peak RSS per process, and its growth after warm-up: the median RSS over the last third of the
+    load against the median over the middle third (the first third is warm-up). Medians of ~20
+    samples, not single samples or peaks: a batch's activations move RSS by ~100 MiB for a second."""
     third = (driven.t_stop - driven.t0) / 3
-    middle = sampler.peak(driven.t0 + third, driven.t0 + 2 * third)
-    last = sampler.peak(driven.t0 + 2 * third, driven.t_stop)
-    return {name: {"peak_mib": round(peak, 1), "middle_third_peak_mib": round(middle[name], 1),
-                   "last_third_peak_mib": round(last[name], 1), "growth_mib": round(last[name] - middle[name], 1),
+    middle = sampler.median(driven.t0 + third, driven.t0 + 2 * third)
+    last = sampler.median(driven.t0 + 2 * third, driven.t_stop)
+    return {name: {"peak_mib": round(peak, 1), "middle_third_median_mib": round(middle[name], 1),
+                   "last_third_median_mib": round(last[name], 1), "growth_mib": round(last[name] - middle[name], 1),
                    "growth_frac": round((last[name] - middle[name]) / middle[name], 4) if middle[name] else None}
             for name, peak in sampler.peak().items()}
 

@@ -15,12 +15,14 @@ from tests.e2e import system
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("load")]
 
 CONCURRENCY, DURATION_S = 200, 60.0
-# Flat memory: the peak RSS of the last third of the run may exceed the middle third's by at most
-# max(32 MiB, 5%). Each third completes ~130 requests, so a leak of ~250 KiB per request (one batch's
-# logits, a request's KV-sized buffer) breaks the 32 MiB bound on the small services; the 5% (about
-# 145 MiB on decode) covers decode's batch-dependent activations, whose peaks move by up to ~100 MiB
-# between windows without any trend.
-GROWTH_MIB, GROWTH_FRAC = 32.0, 0.05
+# Flat memory: the median RSS over the last third of the run may exceed the middle third's by at most
+# max(64 MiB, 5%). Measured without a leak (BENCHMARKS.md): router, kvstore and Redis move by < 2 MiB;
+# prefill by up to +26 MiB and decode by -65..+18 MiB, because the 200 workers start together and
+# their second requests' prefills bunch up in the last third (batch activations, not retained memory:
+# the prefill's median falls back after the drain). Each third completes ~140 requests, so a leak of
+# ~0.5 MiB per request (a batch's logits kept, a request's KV-sized buffer) breaks the bound on the
+# router or prefill; the 5% (about 140 MiB on decode) leaves decode's batch-dependent working set room.
+GROWTH_MIB, GROWTH_FRAC = 64.0, 0.05
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,6 @@ def test_memory_is_flat_after_warm_up(result):
     memory = result["memory"]
     assert {"router-0", "prefill-0", "decode-0", "kvstore-0"} <= set(memory)
     for name, m in memory.items():
-        assert m["middle_third_peak_mib"] > 0, name
-        bound = max(GROWTH_MIB, GROWTH_FRAC * m["middle_third_peak_mib"])
+        assert m["middle_third_median_mib"] > 0, name
+        bound = max(GROWTH_MIB, GROWTH_FRAC * m["middle_third_median_mib"])
         assert m["growth_mib"] <= bound, f"{name}: RSS grew {m['growth_mib']} MiB after warm-up (bound {bound:.0f})"

@@ -48,3 +48,4 @@ def test_rss_of_this_process_and_window_peaks():
     s.samples = [(0.0, {"a": 10.0}), (1.0, {"a": 30.0}), (2.0, {"a": 20.0}), (3.0, {"a": 25.0})]
     assert s.peak() == {"a": 30.0}
     assert s.peak(1.5, 3.0) == {"a": 25.0} and s.peak(5.0, 6.0) == {"a": 0.0}
+    assert s.median(0.0, 2.0) == {"a": 20.0} and s.median(2.0, 3.0) == {"a": 22.5} and s.median(5.0, 6.0) == {"a": 0.0}
