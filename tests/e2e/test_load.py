@@ -41,7 +41,8 @@ def result(tmp_path_factory) -> dict:
 def test_200_streams_for_60_s_finish_without_errors(result):
     assert result["errors"] == [] and result["num_errors"] == 0
     assert result["in_flight_min"] >= CONCURRENCY, "the client did not keep 200 streams open"
-    assert result["completed"] == result["requests_sent"] > CONCURRENCY  # some workers sent a second request
+    # every worker finished at least one request (on a fast machine most send several)
+    assert result["completed"] == result["requests_sent"] >= CONCURRENCY
     assert result["total_output_tokens"] >= 8 * result["completed"]
 
 
