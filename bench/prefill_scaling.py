@@ -213,6 +213,42 @@ def timings(a) -> dict:
     return out
 
 
+def profile(a) -> dict:
+    """torch.profiler table of rank 0 for one step of a.new tokens after max(a.contexts) cached tokens."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    path = str(stack_dir(a.preset, a.layers, Path(tempfile.mkdtemp(prefix="stack-"))))
+    P = max(a.contexts)
+    llm = _llm(path, a, a.pcp, a.dcp, a.ep, load_format="dummy", max_num_batched_tokens=a.chunk,
+               max_model_len=P + a.new + 2048, gpu_memory_utilization=a.gpu_memory_utilization,
+               num_blocks=a.num_blocks, num_speculative_tokens=None, **SERVING)
+    vocab = llm.config.model.vocab_size
+    base = _ids(P, 7, vocab)
+    _time_generate(llm, base, 2)
+    _cached_step(llm, base + _ids(a.new, 1, vocab), P)  # warm up this shape
+    if a.cprofile:  # where rank 0's host time goes, by Python function
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        t, hit = _cached_step(llm, base + _ids(a.new, 3, vocab), P)
+        prof.disable()
+        print(f"step {t * 1e3:.1f} ms (under cProfile)")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=acts, with_stack=True) as prof:
+        t, hit = _cached_step(llm, base + _ids(a.new, 2, vocab), P)
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(f"step {t * 1e3:.1f} ms, {hit} cached")
+    print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60))
+    print(prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=12,
+                                                      max_name_column_width=40, max_src_column_width=100))
+    _free(llm)
+    return {"step_s": t, "hit": hit}
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",")]
 
@@ -220,7 +256,7 @@ def _ints(s: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefill_scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("check", "time", "report"))
+    p.add_argument("what", choices=("check", "time", "profile", "report"))
     p.add_argument("files", nargs="*", help="report: the JSON files of check/time runs")
     p.add_argument("--device", default="cuda")
     p.add_argument("--pcp", type=int, default=2)
@@ -238,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny-code", default="checkpoints/tiny-code")
     p.add_argument("--check-len", type=int, default=4096, help="longest stack prompt of `check`")
     p.add_argument("--check-blocks", type=int, default=512)
+    p.add_argument("--cprofile", action="store_true", help="profile: also rank 0's Python functions")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.what == "report":
@@ -247,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.device == "cuda" and torch.cuda.device_count() < a.pcp:
         raise SystemExit(f"--pcp {a.pcp} needs {a.pcp} CUDA GPUs, found {torch.cuda.device_count()}")
-    res = {"kind": a.what, **(check(a) if a.what == "check" else timings(a))}
+    res = {"kind": a.what, **{"check": check, "time": timings, "profile": profile}[a.what](a)}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))

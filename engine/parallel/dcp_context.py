@@ -69,23 +69,25 @@ class ContextGather:
     def _init_exchange(self) -> None:
         """Send list (this rank's prior rows, by request then local index) and where every rank's
         rows land in the buffer."""
-        s, bs = self.step, self.spec.block_size
+        s, bs, dev = self.step, self.spec.block_size, self.device
         N, I = s.dcp_size, s.interleave
         counts = [sum(num_local(r.start, k, N, I) for r in self.requests) for k in range(N)]
         self.max_prior = max(counts)
-        send, recv = [], torch.full((N * self.max_prior,), -1, dtype=torch.int64)
+        # index math on the device: contexts of 10^5..10^6 rows make host tensors the step's bottleneck
+        send, slots = [], []
         for k in range(N):
-            at = k * self.max_prior
             for r, off in zip(self.requests, self.offsets):
-                j = torch.arange(num_local(r.start, k, N, I), dtype=torch.int64)
-                recv[at: at + j.numel()] = off * bs + global_position(j, k, N, I)
-                at += j.numel()
+                j = torch.arange(num_local(r.start, k, N, I), dtype=torch.int64, device=dev)
+                slots.append(off * bs + global_position(j, k, N, I))
                 if k == s.rank and j.numel():
-                    table = torch.tensor(r.block_ids, dtype=torch.int64)
+                    table = torch.tensor(r.block_ids, dtype=torch.int64).to(dev)
                     send.append(table[j // bs] * bs + j % bs)
-        self.send_slots = (torch.cat(send) if send else torch.zeros(0, dtype=torch.int64)).to(self.device)
-        self.recv_slots = recv.to(self.device)
-        self.recv_valid = self.recv_slots >= 0
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        self.send_slots = torch.cat(send) if send else empty
+        # rank k's rows land at [k * max_prior, k * max_prior + counts[k]) of the gathered buffer
+        self.recv_rows = torch.cat([torch.arange(k * self.max_prior, k * self.max_prior + counts[k], device=dev)
+                                    for k in range(N)])
+        self.recv_slots = torch.cat(slots) if slots else empty
 
     def _init_new_rows(self) -> None:
         rows, slots, positions = [], [], []
@@ -147,8 +149,7 @@ class ContextGather:
             self.issue(layer)
             recv, work = self.pending.pop(layer)
             work.wait()
-            recv = recv[self.recv_valid]
-            slots = self.recv_slots[self.recv_valid]
+            recv, slots = recv.index_select(0, self.recv_rows), self.recv_slots
             mla_bytes = sp.mla_row * mla.element_size()
             mla.view(-1, sp.mla_row)[slots] = recv[:, :mla_bytes].contiguous().view(sp.mla_torch_dtype)
             if has_index:

@@ -42,6 +42,8 @@ class RankLauncher:
         path = [str(_PROJECT_ROOT)] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
         base.update(PYTHONPATH=os.pathsep.join(path), PDSERVE_DIST_DEVICE=self.device_type,
                     PDSERVE_PARENT_PID=str(os.getpid()))
+        if self.device_type == "cuda":  # GPU ranks do no heavy host math; N ranks x all cores of OpenMP
+            base.setdefault("OMP_NUM_THREADS", "1")  # threads only contend with NCCL's and CUDA's
         for rank in range(1, self.world_size):
             env = dict(base)
             env.update(self.env_for(rank).to_environ())
