@@ -18,6 +18,7 @@ from engine.async_engine import AsyncEngine
 from engine.request import Request
 from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from services.common.convert import check_kv_layout, delta_to_proto, sampling_from_proto
+from services.common.admission import Admission
 from services.common.grpc_server import Overloaded, grpc_errors
 from services.common.metrics import ServiceMetrics
 from services.common.nixl_agent import TransferError
@@ -30,8 +31,9 @@ SERVICE_NAME = "pdserve.v1.Decode"
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: AsyncEngine, puller: KVPuller, metrics: ServiceMetrics, *, admit_timeout_s: float,
-                 pull_retries: int = 1):
+                 pull_retries: int = 1, admission: Admission | None = None):
         self.engine, self.puller, self.metrics = engine, puller, metrics
+        self.admission = admission or Admission("decode", 1024, 256)
         self.admit_timeout_s = admit_timeout_s
         self.pull_retries = pull_retries
         self.num_pull_failures = 0
@@ -41,7 +43,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     @grpc_errors
     async def Generate(self, request, context):
         req = self._request(request)
-        stream, block_ids, n_cached = await self._admit(req, request.kv.num_tokens)
+        with self.admission.inflight():
+            async for reply in self._generate(req, request):
+                yield reply
+
+    async def _generate(self, req: Request, request):
+        with self.admission.queued():  # bounded: requests waiting for KV room
+            stream, block_ids, n_cached = await self._admit(req, request.kv.num_tokens)
         ok = await self._pull(request.kv, block_ids, n_cached)
         self.engine.import_done(req.req_id, ok)
         t_first = None

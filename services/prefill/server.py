@@ -19,6 +19,7 @@ from engine.kv.hashing import block_hashes
 from engine.request import Request
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.convert import delta_to_proto, sampling_from_proto, unix_ms
+from services.common.admission import Admission
 from services.common.grpc_server import FailedPrecondition, NotFound, grpc_errors
 from services.common.metrics import ServiceMetrics
 from services.common.nixl_agent import parse_pulled
@@ -34,8 +35,9 @@ SERVICE_NAME = "pdserve.v1.Prefill"
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, instance_id: str, engine: AsyncEngine, exporter: KVExporter, metrics: ServiceMetrics,
-                 kvstore: KVStoreLink | None, lease_s: float, max_lease_s: float):
+                 kvstore: KVStoreLink | None, lease_s: float, max_lease_s: float, admission: Admission | None = None):
         self.instance_id, self.engine, self.exporter, self.metrics = instance_id, engine, exporter, metrics
+        self.admission = admission or Admission("prefill", 1024, 256)
         self.kvstore = kvstore
         self.block_size = engine.config.cache.block_size
         self.leases = LeaseTable(self._release, lease_s, max_lease_s,
@@ -54,6 +56,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
     @grpc_errors
     async def Prefill(self, request, context):
+        self.admission.check_waiting(self.engine.stats().num_waiting)
+        with self.admission.inflight():
+            return await self._prefill(request)
+
+    async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
         t0 = time.monotonic()
         g = request.request
         ids = list(g.prompt_token_ids)
