@@ -117,11 +117,12 @@ def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int,
                          code="context_length_exceeded")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    stop = _stop(body.stop, limits)  # outside the try: keeps its own param name
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
-            min_p=body.min_p, seed=body.seed, stop=_stop(body.stop, limits), stop_token_ids=body.stop_token_ids or [],
+            min_p=body.min_p, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
