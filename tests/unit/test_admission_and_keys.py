@@ -168,3 +168,20 @@ def test_internal_services_bind_loopback_unless_asked():
     assert kvstore_args(["--model", "m", "--pool-gib", "1"]).host == "127.0.0.1"
     assert advertise_host(None, "127.0.0.1") == "127.0.0.1"  # bound to loopback: advertise loopback
     assert advertise_host("10.0.0.5", "0.0.0.0") == "10.0.0.5"
+
+
+def test_kv_handles_with_too_few_blocks_or_foreign_ranks_are_refused():
+    from proto.pdserve.v1 import prefill_pb2
+    from services.decode.puller import check_rank_blocks, rank_num_tokens, token_home
+
+    for n, dcp, inter in ((130, 1, 1), (1000, 2, 64), (1000, 4, 16), (77, 3, 5)):
+        for r in range(dcp):
+            assert rank_num_tokens(n, r, dcp, inter) == sum(token_home(i, dcp, inter)[0] == r for i in range(n))
+    kv = prefill_pb2.KVHandle(num_tokens=130, ranks=[prefill_pb2.RankPages(rank=0, block_ids=[4, 5, 6])])
+    check_rank_blocks(kv, 1, 1, 64)  # 130 tokens: 3 blocks
+    del kv.ranks[0].block_ids[-1]
+    with pytest.raises(ValueError, match="needs 3"):
+        check_rank_blocks(kv, 1, 1, 64)
+    kv.ranks[0].rank = 2
+    with pytest.raises(ValueError, match="outside"):
+        check_rank_blocks(kv, 1, 1, 64)
