@@ -6,17 +6,22 @@ given back afterwards (deployment: `hardened` in conftest.py, small bounds)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import threading
+import time
 import urllib.request
 
 import grpc
 import pytest
 
 from engine import SamplingParams
-from proto.pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from proto.pdserve.v1 import (common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2,
+                              prefill_pb2_grpc)
 from services.common.convert import sampling_to_proto
-from services.common.grpc_server import RETRY_AFTER_KEY
+from services.common.grpc_server import RETRY_AFTER_KEY, GrpcServer, Overloaded, grpc_errors
+from services.common.redis_state import InstanceInfo, InstancePresence, RedisState
 from tests.e2e import hardened as h
 from tests.e2e import system
 from tests.e2e.conftest import HARDENED_LIMITS as LIM
@@ -132,3 +137,71 @@ def test_kvstore_bounds_open_transfers(insts):
     assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ids
     assert len(ids) <= LIM["kvstore_open"] and _retry_after(refused) > 0
     assert again.reservation_id, "released transfers must free their slots"
+
+
+class _Full(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
+    """A prefill and decode that are always at capacity (what a saturated instance answers)."""
+
+    def __init__(self):
+        self.calls = {"Prefill": 0, "Generate": 0}
+
+    @grpc_errors
+    async def Prefill(self, request, context):
+        self.calls["Prefill"] += 1
+        raise Overloaded("prefill-full is at capacity", retry_after_s=2.0)
+
+    @grpc_errors
+    async def Generate(self, request, context):
+        self.calls["Generate"] += 1
+        raise Overloaded("decode-full is at capacity", retry_after_s=2.0)
+        yield  # a server stream, like the real one
+
+
+@contextlib.contextmanager
+def _registered_full_instances(redis_url: str):
+    """Serve `_Full` on loopback and register it in Redis as one more prefill and one more decode."""
+    servicer, started, stop = _Full(), threading.Event(), threading.Event()
+
+    async def serve():
+        server = GrpcServer(0)
+        server.add_service(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer, "pdserve.v1.Prefill")
+        server.add_service(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, "pdserve.v1.Decode")
+        address = f"127.0.0.1:{await server.start()}"
+        state = RedisState(redis_url)
+        presences = [InstancePresence(state, InstanceInfo(role, f"{role}-full", address, "127.0.0.1:1"),
+                                      heartbeat_s=0.5) for role in ("prefill", "decode")]
+        for p in presences:
+            await p.start()
+        started.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        for p in presences:
+            await p.stop(deregister=True)
+        await state.close()
+        await server.stop(0)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(15), "the stand-in did not start"
+    try:
+        yield servicer
+    finally:
+        stop.set()
+        thread.join(15)
+
+
+def test_router_skips_a_full_instance_for_another_one(hardened, url, insts):
+    """With a full prefill and a full decode registered beside the real ones, every request is
+    still served: the router takes RESOURCE_EXHAUSTED as "try the next instance of that role"."""
+    with _registered_full_instances(hardened.redis_url) as full:
+        time.sleep(1.0)  # the router re-reads the registry every 0.5 s
+        statuses = []
+        for i in range(30):
+            status, body, _ = h.request(url, "/v1/completions", {"prompt": f"v{i} = {i}", "max_tokens": 3},
+                                        h.auth())
+            statuses.append(status)
+            assert status == 200, body
+            if min(full.calls.values()) >= 2:
+                break
+    assert full.calls["Prefill"] >= 2 and full.calls["Generate"] >= 2, (full.calls, statuses)
+    assert h.engines_idle(insts), "a request retried elsewhere left blocks behind"
