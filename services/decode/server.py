@@ -50,7 +50,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _generate(self, req: Request, request):
         with self.admission.queued():  # bounded: requests waiting for KV room
             stream, block_ids, n_cached = await self._admit(req, request.kv.num_tokens)
-        ok = await self._pull(request.kv, block_ids, n_cached)
+        ok = await self._pull_or_cancel(req.req_id, request.kv, block_ids, n_cached)
         self.engine.import_done(req.req_id, ok)
         t_first = None
         n_seen = 0
@@ -99,6 +99,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise Overloaded(f"no KV room for {num_tokens} tokens within {self.admit_timeout_s:.0f}s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+    async def _pull_or_cancel(self, req_id: str, kv, block_ids: list[int], n_cached: int) -> bool:
+        """The pull, run to its end even when the client leaves meanwhile: a READ may still be writing
+        our blocks, so a request given up mid-pull is freed only once the pull ended (never leaked)."""
+        pull = asyncio.ensure_future(self._pull(kv, block_ids, n_cached))
+        try:
+            return await asyncio.shield(pull)
+        except BaseException:
+            self.engine.cancel(req_id)  # the scheduler defers freeing until import_done
+            pull.add_done_callback(lambda _: self.engine.import_done(req_id, False))
+            raise
 
     async def _pull(self, kv, block_ids: list[int], n_cached: int) -> bool:
         for attempt in range(self.pull_retries + 1):
