@@ -89,7 +89,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if wants_kv and finish is not None:
             await self._release(req_id)
         elif wants_kv:
-            reply.kv.CopyFrom(await self._export(req_id, ids, hashes, request.lease_ms, last.num_cached_tokens))
+            try:
+                reply.kv.CopyFrom(await self._export(req_id, ids, hashes, request.lease_ms, last.num_cached_tokens))
+            except BaseException:  # no lease was granted (the client left, or the export failed): free the KV
+                await asyncio.shield(self._release(req_id))
+                raise
         return reply
 
     @grpc_errors
@@ -127,7 +131,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                            cache_salt=req.cache_salt, hold_kv_on_finish=req.hold_kv_on_finish)
         stream, block_ids, n_cached = admitted
         first = n_cached // self.block_size
-        loaded = await self.kvstore.load(hint.grpc_address, hashes[first:n_hint], block_ids[first:n_hint])
+        load = asyncio.ensure_future(self.kvstore.load(hint.grpc_address, hashes[first:n_hint],
+                                                       block_ids[first:n_hint]))
+        try:
+            loaded = await asyncio.shield(load)  # a READ may be writing our blocks until it ends
+        except BaseException:  # the client left: free the request once the READ ended, never before
+            self.engine.cancel(req.req_id)
+            load.add_done_callback(lambda _: self.engine.import_done(req.req_id, ok=False))
+            raise
         self.engine.import_done(req.req_id, ok=loaded > 0, num_tokens=(first + loaded) * self.block_size)
         return stream
 
