@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -57,7 +58,20 @@ def _retry_after(exc: grpc.aio.AioRpcError) -> int:
     return int(dict(exc.trailing_metadata() or ()).get(RETRY_AFTER_KEY, "0"))
 
 
-def test_router_and_decode_bounds_answer_429_and_give_everything_back(url, insts):
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _reject_burst(url: str, count: int) -> None:
+    """`count` requests that the router must refuse (each needs more slots than are free)."""
+    body = {"prompt": "x = 1", "max_tokens": 1, "n": 2}
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(lambda _: h.request(url, "/v1/completions", body, h.auth())[0], range(count)))
+    assert statuses == [429] * count
+
+
+def test_router_and_decode_bounds_answer_429_and_give_everything_back(hardened, url, insts):
     streams = [_open_stream(url, list(range(200 + i, 330 + i))) for i in range(LIM["decode_inflight"])]
     try:
         # router bound: 2 choices in flight + 2 more > 3
@@ -72,6 +86,14 @@ def test_router_and_decode_bounds_answer_429_and_give_everything_back(url, insts
         assert "decode" in err["error"]["message"] and int(headers["Retry-After"]) >= 1
         # the rejected request's prefill KV was released at once, not left to its 30 s lease
         assert system.wait_for(lambda: h.blocks_in_use(insts["prefill"]) == 0, timeout=5)
+        # rejected requests leave nothing behind: the router's memory is flat over a burst of them
+        router_pid = next(p.pid for p in hardened.processes if p.kind == "router")
+        _reject_burst(url, 100)
+        rss0 = _rss_mib(router_pid)
+        _reject_burst(url, 400)
+        rss1 = _rss_mib(router_pid)
+        print(f"router RSS over 400 rejected requests: {rss0:.1f} -> {rss1:.1f} MiB")
+        assert rss1 - rss0 < 8, "memory grew with rejected requests"
     finally:
         for s in streams:
             s.close()
