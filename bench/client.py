@@ -4,7 +4,8 @@ One call -> one RequestRecord with wall-clock timestamps (time.perf_counter):
 
     t_start ──prefill──▶ t_first ──decode (chunk arrivals: itl_s)──▶ t_end
 
-Output tokens come from the final `usage` chunk when the server sends one, else one per chunk.
+Output tokens come from the final `usage` chunk when the server sends one, else one per chunk. With
+`token_ids=True` the request asks for `return_token_ids` and the record keeps the streamed ids in order.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class RequestRecord:
     measured: bool = True  # started inside the measurement window (after warm-up)
     session: str = ""  # "<trace id>#<copy>" of the session copy that sent it
     depth: int = 0  # 0 for the main agent, 1 for a subagent, ...
+    token_ids: list[int] | None = None  # the streamed output ids, when asked for (return_token_ids)
 
     @property
     def ok(self) -> bool:
@@ -58,9 +60,12 @@ class RequestRecord:
         return self.prompt_tokens if self.prompt_tokens is not None else self.prompt_len
 
 
-def completion_payload(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+def completion_payload(model: str, prompt: list[int], max_tokens: int, token_ids: bool = False) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if token_ids:
+        body["return_token_ids"] = True
+    return body
 
 
 def make_session(limit: int = 0) -> aiohttp.ClientSession:
@@ -69,10 +74,13 @@ def make_session(limit: int = 0) -> aiohttp.ClientSession:
 
 
 async def stream_completion(http: aiohttp.ClientSession, base_url: str, model: str, prompt: list[int],
-                            max_tokens: int, record: RequestRecord | None = None) -> RequestRecord:
+                            max_tokens: int, record: RequestRecord | None = None,
+                            token_ids: bool = False) -> RequestRecord:
     """POST one streaming completion and time it; failures land in `record.error`, never raise."""
     rec = record or RequestRecord(prompt_len=len(prompt), max_tokens=max_tokens)
-    payload = completion_payload(model, prompt, max_tokens)
+    if token_ids:
+        rec.token_ids = []
+    payload = completion_payload(model, prompt, max_tokens, token_ids)
     if len(prompt) > BIG_BODY_TOKENS:
         body = await asyncio.to_thread(json.dumps, payload)
     else:
@@ -109,6 +117,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord) -> None
             return
         now = time.perf_counter()
         if chunk.get("choices"):
+            if rec.token_ids is not None:
+                rec.token_ids += chunk["choices"][0].get("token_ids") or []
             if num_chunks == 0:
                 rec.t_first = now
             else:

@@ -3,7 +3,7 @@ its subcommand runs (so `pdserve plan` never starts grpc, and a missing part say
 
     pdserve up [--config T] | down | status     services.launcher   (up_main / down_main / status_main)
     pdserve make-checkpoint ...                engine.checkpoint   (main)
-    pdserve bench agentx | serve | compare     bench.agentx / bench.serve / bench.compare (main)
+    pdserve bench agentx | serve | load | compare   bench.agentx / .serve / .loadtest / .compare (main)
     pdserve plan ...                           bench.plan          (main)
 
 Every target is `fn(argv: list[str]) -> int` and owns its own argparse (so `--help` is its help).
@@ -31,6 +31,7 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("make-checkpoint",): Command("engine.checkpoint", "main", "write a checkpoint (random or converted)"),
     ("bench", "agentx"): Command("bench.agentx", "main", "replay agentic-coding traces at several concurrencies"),
     ("bench", "serve"): Command("bench.serve", "main", "random/fixed-length prompts, vllm-bench-serve metrics"),
+    ("bench", "load"): Command("bench.loadtest", "main", "N concurrent greedy streams: tokens = offline, no leaks, flat RSS"),
     ("bench", "compare"): Command("bench.compare", "main", "plot several agentx results with ratios"),
     ("plan",): Command("bench.plan", "main", "KV, capacity and roofline planner for a model and deployment"),
 }

@@ -28,6 +28,9 @@ from engine import envs
 _STARTUP_TIMEOUT = timedelta(minutes=5)
 _DATA_TIMEOUT = timedelta(minutes=30)
 _CONTROL_TIMEOUT = timedelta(days=365)
+# torch 2.13 names the single-tensor collectives *_single; torch 2.11 (GPU images) only *_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class RankComm:
         x = x.contiguous()
         out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         self._count(tag, out)
-        work = dist.all_gather_single(out, x, group=self.prefetch if prefetch else self.data, async_op=async_op)
+        work = _all_gather_single(out, x, group=self.prefetch if prefetch else self.data, async_op=async_op)
         return (out, work) if async_op else out
 
     def all_gather_padded(self, x: torch.Tensor, max_rows: int, tag: str) -> torch.Tensor:
@@ -131,7 +134,7 @@ class RankComm:
         x = x.contiguous()
         out = x.new_empty((x.shape[0] // self.world_size, *x.shape[1:]))
         self._count(tag, x)
-        dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=self.data)
+        _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=self.data)
         return out
 
     def all_reduce_min(self, value: int) -> int:

@@ -99,10 +99,15 @@ class KVEvent:
 class RedisState:
     """Typed access to the key schema above (one connection pool per process)."""
 
-    def __init__(self, url: str, *, socket_timeout: float = 2.0):
+    def __init__(self, url: str, *, socket_timeout: float = 2.0, max_connections: int = 64):
         self.url = url
-        self.redis = aioredis.from_url(url, decode_responses=True, socket_timeout=socket_timeout,
-                                       socket_connect_timeout=socket_timeout)
+        # A blocking pool: with hundreds of requests in flight, a call waits for a free connection
+        # (up to socket_timeout) instead of failing at once with "Too many connections", which every
+        # caller would take for Redis being down.
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=socket_timeout,
+                                                        decode_responses=True, socket_timeout=socket_timeout,
+                                                        socket_connect_timeout=socket_timeout)
+        self.redis = aioredis.Redis.from_pool(pool)
 
     async def ping(self) -> bool:
         try:

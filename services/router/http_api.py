@@ -177,7 +177,8 @@ class RouterAPI:
             if lps is not None and c.logprobs:
                 lps += c.logprobs
             finish, stop = c.finish_reason or finish, c.stop_reason if c.finish_reason else stop
-        return fmt.full_choice(index, text, self._logprobs(fmt, tokens, lps, 0, top_n), finish, stop), stats
+        return fmt.full_choice(index, text, self._logprobs(fmt, tokens, lps, 0, top_n), finish, stop,
+                               tokens if prep.return_token_ids else None), stats
 
     async def _stream(self, fmt: Formatter, prep: Prepared, jobs, top_n: int):
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_BUFFER_CHUNKS)
@@ -191,7 +192,8 @@ class RouterAPI:
                 offset, first = 0, True
                 async for c in self.flow.generate(ids, params, stats, prep.cache_salt):
                     lp = self._logprobs(fmt, c.token_ids, c.logprobs, offset, top_n) if c.logprobs else None
-                    await queue.put(fmt.chunk(index, c.text, lp, c.finish_reason, c.stop_reason, first))
+                    await queue.put(fmt.chunk(index, c.text, lp, c.finish_reason, c.stop_reason, first,
+                                              c.token_ids if prep.return_token_ids else None))
                     offset, first = offset + len(c.text), False
                 await queue.put(None)
             except Exception as exc:  # noqa: BLE001 - reported to the client as an error event

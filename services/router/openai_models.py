@@ -2,7 +2,8 @@
 
 Field names and defaults follow OpenAI, plus vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens,
-include_stop_str_in_output) and `cache_salt`.
+include_stop_str_in_output, return_token_ids: each choice / chunk also carries its `token_ids`) and
+`cache_salt`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
     cache_salt: str | None = None
 
 

@@ -38,6 +38,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     cache_salt: str | None
+    return_token_ids: bool = False
 
 
 def _ids_from_prompt(prompt, tok: Tokenizer, limits: Limits) -> list[list[int]]:
@@ -146,7 +147,7 @@ def prepare_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits) 
         _check_prompt(ids, limits)
     params = _params(body, body.max_tokens, body.logprobs, max(len(p) for p in prompts), limits)
     return Prepared(prompts, params, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                    body.cache_salt)
+                    body.cache_salt, body.return_token_ids)
 
 
 def chat_prompt(body: ChatCompletionRequest, tok: Tokenizer) -> str:
@@ -173,4 +174,4 @@ def prepare_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits) ->
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _params(body, max_tokens, logprobs, len(ids), limits)
     return Prepared([ids], params, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                    body.cache_salt)
+                    body.cache_salt, body.return_token_ids)

@@ -56,7 +56,7 @@ class Formatter:
 
     # ---- streaming chunks --------------------------------------------------------------------------
     def chunk(self, index: int, text: str, logprobs: dict | None, finish: str | None,
-              stop_reason=None, first: bool = False) -> dict:
+              stop_reason=None, first: bool = False, token_ids: list[int] | None = None) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -66,6 +66,8 @@ class Formatter:
             obj = self._base("text_completion")
         if finish is not None:
             choice["stop_reason"] = stop_reason
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         obj["choices"] = [choice]
         return obj
 
@@ -82,8 +84,14 @@ class Formatter:
         obj["usage"] = u
         return obj
 
-    def full_choice(self, index: int, text: str, logprobs: dict | None, finish: str | None, stop_reason) -> dict:
+    def full_choice(self, index: int, text: str, logprobs: dict | None, finish: str | None, stop_reason,
+                    token_ids: list[int] | None = None) -> dict:
         if self.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish, "stop_reason": stop_reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
+            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": finish, "stop_reason": stop_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": stop_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return choice

@@ -8,6 +8,7 @@ failing. Instances that just failed a call are avoided for `avoid_s` (they re-ea
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -47,10 +48,18 @@ class Routing:
         self.redis_ok = True
         self._avoid: dict[str, float] = {}
         self._inflight: dict[str, int] = {}  # requests this router has sent and not seen finish
+        self._reading: asyncio.Future | None = None
 
     async def _refresh(self) -> None:
+        """Re-read the registry when the view is older than refresh_s. Concurrent callers share one
+        read: a burst of requests must not each open a Redis connection (nor wait behind each other's)."""
         if time.monotonic() - self.view.at < self.refresh_s:
             return
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read_registry())
+        await asyncio.shield(self._reading)  # a cancelled request must not cancel the others' read
+
+    async def _read_registry(self) -> None:
         try:
             infos = await self.state.instances()
             loads = await self.state.loads([i.instance_id for i in infos])

@@ -61,9 +61,10 @@ def test_greedy_outputs_equal_the_offline_engine(url, offline):
     expected = offline.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     for ids, want in zip(prompts, expected):
         status, body = system.post(url, "/v1/completions", {"prompt": ids, "max_tokens": 24, "temperature": 0,
-                                                            "ignore_eos": True})
+                                                            "ignore_eos": True, "return_token_ids": True})
         assert status == 200, body
         assert body["choices"][0]["text"] == want.text
+        assert body["choices"][0]["token_ids"] == list(want.token_ids)
         assert body["usage"]["completion_tokens"] == 24
 
 
