@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 _GRPC_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
               grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
               grpc.StatusCode.FAILED_PRECONDITION: 409}
-STREAM_BUFFER_CHUNKS = 64  # per streaming response: a slow reader back-pressures the engines instead of growing memory
+# chunks buffered per streaming response: a slow reader back-pressures the engines instead of growing memory
+STREAM_BUFFER_CHUNKS = 64
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", code=None, param=None,
