@@ -30,6 +30,7 @@ from services.kvstore.pool import BlockPool, PoolChanges
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.KVStore"
+MAX_INDEX_BACKLOG = 4096  # index updates queued while Redis is slow or down; beyond: one full re-publish
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
@@ -108,14 +109,26 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def _publish(self, changes: PoolChanges) -> None:
         if changes.removed:
             self.metrics.kvstore_evictions.inc(len(changes.removed))
-            self._index_queue.put_nowait(("removed", changes.removed))
+            self._queue_index("removed", changes.removed)
         if changes.stored:
-            self._index_queue.put_nowait(("stored", changes.stored))
+            self._queue_index("stored", changes.stored)
         self._update_gauges()
+
+    def _queue_index(self, kind: str, hashes: list[bytes]) -> None:
+        """Bounded: a long Redis outage replaces the backlog by one re-publish of what the pool holds
+        (hashes evicted meanwhile stay indexed until their TTL; a prefill asking for them recomputes)."""
+        if self._index_queue.qsize() >= MAX_INDEX_BACKLOG:
+            while not self._index_queue.empty():
+                self._index_queue.get_nowait()
+            self._index_queue.put_nowait(("resync", []))
+            return
+        self._index_queue.put_nowait((kind, hashes))
 
     async def _index_loop(self) -> None:
         while True:
             kind, hashes = await self._index_queue.get()
+            if kind == "resync":
+                kind, hashes = "stored", self.pool.stored_hashes()
             while True:  # in order; retry until Redis takes it (the presence re-publishes after a restart)
                 try:
                     if kind == "stored":

@@ -185,3 +185,40 @@ def test_kv_handles_with_too_few_blocks_or_foreign_ranks_are_refused():
     kv.ranks[0].rank = 2
     with pytest.raises(ValueError, match="outside"):
         check_rank_blocks(kv, 1, 1, 64)
+
+
+def test_kvstore_index_backlog_is_bounded_while_redis_is_away(monkeypatch):
+    from services.kvstore import server
+    from services.kvstore.pool import BlockPool
+
+    monkeypatch.setattr(server, "MAX_INDEX_BACKLOG", 8)
+    sv = server.KVStoreServicer.__new__(server.KVStoreServicer)  # only the index queue and the pool
+    sv.pool, sv.instance_id, sv.block_ttl_s = BlockPool(4), "kv", 60.0
+
+    class _Redis:
+        def __init__(self):
+            self.calls = []
+
+        async def add_blocks(self, instance_id, hashes, ttl_s):
+            self.calls.append(("stored", sorted(hashes)))
+
+        async def remove_blocks(self, instance_id, hashes):
+            self.calls.append(("removed", sorted(hashes)))
+
+    async def run():
+        sv._index_queue = asyncio.Queue()
+        for i in range(100):  # Redis away: updates pile up ...
+            res, _, _ = sv.pool.reserve([bytes([i]) * 16], 10.0, 0.0)
+            sv._queue_index("stored", sv.pool.commit(res.reservation_id, 0.0).stored)
+            assert sv._index_queue.qsize() <= 8  # ... but never beyond the bound
+        sv.state = _Redis()
+        task = asyncio.create_task(sv._index_loop())
+        while not sv._index_queue.empty():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        return sv.state.calls
+
+    calls = asyncio.run(run())
+    # the backlog collapsed into one re-publish of what the pool holds now (then the later updates)
+    assert ("stored", sorted(sv.pool.stored_hashes())) in calls and len(calls) <= 8
