@@ -134,6 +134,12 @@ class AsyncEngine:
         if q is not None and out is not None:
             q.put_nowait(_snapshot(out))
 
+    def cancel(self, req_id: str) -> None:
+        """Abort a request whose output stream will never be read (its consumer gave up before
+        iterating it, so the stream's own cleanup never runs)."""
+        self.abort(req_id)
+        self._streams.pop(req_id, None)
+
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(core) between two steps (services use it for KV export/import bookkeeping)."""
         fut = asyncio.get_running_loop().create_future()

@@ -36,3 +36,10 @@ def nixl_progress_thread() -> bool:
 def log_level() -> str:
     """`PDSERVE_LOG_LEVEL`: logging level name of every service (default INFO)."""
     return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def api_keys() -> tuple[str, ...]:
+    """`PDSERVE_API_KEY`: comma-separated router API keys, each `key` or `key:tenant` (same as
+    `--api-key`); empty = no authentication."""
+    raw = os.environ.get("PDSERVE_API_KEY", "")
+    return tuple(k.strip() for k in raw.split(",") if k.strip())

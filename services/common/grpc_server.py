@@ -25,13 +25,27 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.grpc_parse import parse_checked
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt as token ids is ~5 MB; KV bytes never travel in gRPC
 
 
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of RESOURCE_EXHAUSTED: when to try this instance again
+
+
 class Overloaded(Exception):
-    """The service is at capacity; the client should retry elsewhere or later (RESOURCE_EXHAUSTED)."""
+    """The service is at capacity; the client should retry elsewhere or later (RESOURCE_EXHAUSTED,
+    with `retry-after-ms` in the trailing metadata)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unauthenticated(Exception):
+    """Missing or wrong credentials (UNAUTHENTICATED)."""
 
 
 class NotFound(Exception):
@@ -48,6 +62,7 @@ class Unavailable(Exception):
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
@@ -73,6 +88,8 @@ def grpc_errors(fn: Callable) -> Callable:
         code, details = status_for(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.exception("%s failed", fn.__qualname__, exc_info=exc)
+        if isinstance(exc, Overloaded):
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(int(exc.retry_after_s * 1000))),))
         await context.abort(code, details)
 
     if inspect.isasyncgenfunction(fn):
@@ -101,7 +118,7 @@ def grpc_errors(fn: Callable) -> Callable:
 class GrpcServer:
     """A grpc.aio server with health checking and reflection; one per service process."""
 
-    def __init__(self, port: int = 0, host: str = "0.0.0.0", *,
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", *,
                  options: list[tuple[str, Any]] | None = None):
         opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -116,7 +133,7 @@ class GrpcServer:
 
     def add_service(self, add_to_server: Callable[[Any, Any], None], servicer: Any, name: str) -> None:
         """`add_to_server` is the generated `add_<Svc>Servicer_to_server`; `name` e.g. 'pdserve.v1.KVStore'."""
-        add_to_server(servicer, self.server)
+        add_to_server(servicer, parse_checked(self.server))  # corrupt bytes -> INVALID_ARGUMENT
         self.service_names.append(name)
 
     def bind(self) -> int:
@@ -162,6 +179,14 @@ class GrpcServer:
         """Report NOT_SERVING first (balancers stop sending), then let in-flight RPCs finish."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+
+
+def retry_after_s(exc: grpc.aio.AioRpcError, default: float = 1.0) -> float:
+    """The `retry-after-ms` an overloaded server sent with RESOURCE_EXHAUSTED (else `default`)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY and str(value).isdigit():
+            return int(value) / 1000.0
+    return default
 
 
 def run(main: Callable[[], Awaitable[Any]]) -> Any:

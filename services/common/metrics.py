@@ -83,7 +83,7 @@ class ServiceMetrics:
                 kwargs = {"buckets": m.buckets} if m.buckets else {}
                 setattr(self, m.attr, m.kind(m.name, m.doc, registry=self.registry, **kwargs))
 
-    def serve(self, port: int = 0, host: str = "0.0.0.0") -> int:
+    def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Serve /metrics over HTTP from a daemon thread; returns the bound port (0 = any free)."""
         self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         return self._server.server_port

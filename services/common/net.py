@@ -14,8 +14,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def advertise_host(explicit: str | None = None) -> str:
-    """The address other processes should dial to reach this one.
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def advertise_host(explicit: str | None = None, bind_host: str | None = None) -> str:
+    """The address other processes should dial to reach this one. A service bound to loopback
+    advertises loopback (its host IP would not answer).
 
     In a container the hostname resolves to the container's IP on the compose network, which is
     what scaled replicas (no fixed name or host port) must register in Redis.
@@ -23,6 +27,8 @@ def advertise_host(explicit: str | None = None) -> str:
     host = explicit or envs.advertise_host()
     if host:
         return host
+    if bind_host in LOOPBACK:
+        return "127.0.0.1"
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

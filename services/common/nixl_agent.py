@@ -126,7 +126,11 @@ class NixlAgent:
         for name, md in self._peers.items():
             if md == metadata:
                 return name
-        name = _as_str(self._agent.add_remote_agent(metadata))
+        try:
+            name = _as_str(self._agent.add_remote_agent(metadata))
+        except Exception as exc:  # NIXL's own error types: corrupt or foreign metadata is a bad argument
+            raise ValueError(f"NIXL rejected the peer's agent metadata ({len(metadata)} bytes): "
+                             f"{type(exc).__name__}: {exc}") from exc
         if name in self._peers:  # the same name with new metadata: NIXL replaced it; our dlists are stale
             for dl in [d for d in self._prepped if d.peer == name]:
                 self._release_dlist(dl)

@@ -9,7 +9,8 @@ from services.common import envs
 
 def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
     g = p.add_argument_group("service")
-    g.add_argument("--host", default="0.0.0.0", help="address to bind")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind gRPC and /metrics (loopback by default; 0.0.0.0 to serve other hosts)")
     g.add_argument("--port", type=int, default=default_port, help="gRPC port (0 = any free port)")
     g.add_argument("--metrics-port", type=int, default=0, help="HTTP /metrics port (0 = any free port)")
     g.add_argument("--redis-url", default=envs.redis_url())
@@ -18,6 +19,10 @@ def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--heartbeat-s", type=float, default=1.0)
     g.add_argument("--instance-ttl-s", type=float, default=5.0)
     g.add_argument("--block-ttl-s", type=float, default=600.0)
+    g.add_argument("--max-inflight-requests", type=int, default=1024,
+                   help="RPCs (Prefill / Generate) served at once; beyond: RESOURCE_EXHAUSTED")
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting (engine queue, KV room) before RESOURCE_EXHAUSTED")
     r = p.add_argument_group("ranks (multi-process engines)")
     r.add_argument("--rank", type=int, default=0)
     r.add_argument("--world-size", type=int, default=1)

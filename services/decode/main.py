@@ -14,6 +14,7 @@ from engine.arg_utils import EngineArgs
 from engine.async_engine import AsyncEngine
 from proto.pdserve.v1 import decode_pb2_grpc
 from services.common import envs
+from services.common.admission import Admission
 from services.common.engine_host import EngineHost
 from services.common.grpc_server import GrpcServer, run
 from services.common.metrics import ServiceMetrics
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     engine = AsyncEngine(EngineArgs.from_cli_args(args))
-    host = advertise_host(args.advertise_host)
+    host = advertise_host(args.advertise_host, args.host)
     server = GrpcServer(args.port, args.host)
     port = server.bind()
     instance_id = args.instance_id or f"decode-{host}-{port}"
@@ -49,7 +50,8 @@ async def serve(args: argparse.Namespace) -> None:
     runner = engine.core.runner
     puller = KVPuller(agent, runner.kv_cache, runner.spec, staging_blocks=args.staging_blocks,
                       timeout_s=args.pull_timeout_s)
-    servicer = DecodeServicer(engine, puller, metrics, admit_timeout_s=args.admit_timeout_s)
+    servicer = DecodeServicer(engine, puller, metrics, admit_timeout_s=args.admit_timeout_s,
+                              admission=Admission("decode", args.max_inflight_requests, args.max_queued_requests))
     server.add_service(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, SERVICE_NAME)
     metrics_port = metrics.serve(args.metrics_port, args.host)
     cfg = engine.config

@@ -40,6 +40,25 @@ def direct_plan(num_tokens: int, first_block: int, dcp: int, interleave: int, bl
     return PullPlan(direct=plan)
 
 
+def rank_num_tokens(num_tokens: int, rank: int, dcp: int, interleave: int) -> int:
+    """Tokens of a `num_tokens` prompt that rank `rank` holds (whole cycles of interleave·dcp, then
+    the part of the last cycle that reaches this rank)."""
+    cycle = interleave * dcp
+    return num_tokens // cycle * interleave + min(max(num_tokens % cycle - rank * interleave, 0), interleave)
+
+
+def check_rank_blocks(kv, dcp: int, interleave: int, block_size: int) -> None:
+    """ValueError unless every rank of the handle lists a block for each of its tokens (a short list
+    would leave rows of our blocks unwritten, or index past the list)."""
+    for rp in kv.ranks:
+        if not 0 <= rp.rank < dcp:
+            raise ValueError(f"KV handle rank {rp.rank} is outside dcp_size {dcp}")
+        need = -(-rank_num_tokens(kv.num_tokens, rp.rank, dcp, interleave) // block_size)
+        if len(rp.block_ids) < need:
+            raise ValueError(f"KV handle rank {rp.rank} lists {len(rp.block_ids)} blocks; its "
+                             f"{kv.num_tokens}-token share needs {need}")
+
+
 class KVPuller:
     def __init__(self, agent: NixlAgent, cache: PagedKVCache, spec: KVCacheSpec, *, staging_blocks: int = 64,
                  timeout_s: float = 30.0):
@@ -67,6 +86,7 @@ class KVPuller:
         dcp, inter = max(kv.dcp_size, 1), max(kv.cp_kv_cache_interleave_size, 1)
         if len(ranks) != dcp:
             raise ValueError(f"KV handle lists {len(ranks)} ranks for dcp_size {dcp}")
+        check_rank_blocks(kv, dcp, inter, self.block_size)
         deadline = deadline_in(self.timeout_s)
         if dcp == 1 or inter % self.block_size == 0:
             plan = direct_plan(kv.num_tokens, first, dcp, inter, self.block_size,

@@ -18,6 +18,7 @@ from engine.async_engine import AsyncEngine
 from engine.request import Request
 from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 from services.common.convert import check_kv_layout, delta_to_proto, sampling_from_proto
+from services.common.admission import Admission
 from services.common.grpc_server import Overloaded, grpc_errors
 from services.common.metrics import ServiceMetrics
 from services.common.nixl_agent import TransferError
@@ -30,8 +31,9 @@ SERVICE_NAME = "pdserve.v1.Decode"
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: AsyncEngine, puller: KVPuller, metrics: ServiceMetrics, *, admit_timeout_s: float,
-                 pull_retries: int = 1):
+                 pull_retries: int = 1, admission: Admission | None = None):
         self.engine, self.puller, self.metrics = engine, puller, metrics
+        self.admission = admission or Admission("decode", 1024, 256)
         self.admit_timeout_s = admit_timeout_s
         self.pull_retries = pull_retries
         self.num_pull_failures = 0
@@ -41,8 +43,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     @grpc_errors
     async def Generate(self, request, context):
         req = self._request(request)
-        stream, block_ids, n_cached = await self._admit(req, request.kv.num_tokens)
-        ok = await self._pull(request.kv, block_ids, n_cached)
+        with self.admission.inflight():
+            async for reply in self._generate(req, request):
+                yield reply
+
+    async def _generate(self, req: Request, request):
+        with self.admission.queued():  # bounded: requests waiting for KV room
+            stream, block_ids, n_cached = await self._admit(req, request.kv.num_tokens)
+        ok = await self._pull_or_cancel(req.req_id, request.kv, block_ids, n_cached)
         self.engine.import_done(req.req_id, ok)
         t_first = None
         n_seen = 0
@@ -91,6 +99,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise Overloaded(f"no KV room for {num_tokens} tokens within {self.admit_timeout_s:.0f}s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+    async def _pull_or_cancel(self, req_id: str, kv, block_ids: list[int], n_cached: int) -> bool:
+        """The pull, run to its end even when the client leaves meanwhile: a READ may still be writing
+        our blocks, so a request given up mid-pull is freed only once the pull ended (never leaked)."""
+        pull = asyncio.ensure_future(self._pull(kv, block_ids, n_cached))
+        try:
+            return await asyncio.shield(pull)
+        except BaseException:
+            self.engine.cancel(req_id)  # the scheduler defers freeing until import_done
+            pull.add_done_callback(lambda _: self.engine.import_done(req_id, False))
+            raise
 
     async def _pull(self, kv, block_ids: list[int], n_cached: int) -> bool:
         for attempt in range(self.pull_retries + 1):

@@ -26,7 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--indexer-precision", default="fp8", choices=("fp8", "fp32"))
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--no-mtp-kv", action="store_true", help="blocks without the MTP layer's caches")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind gRPC and /metrics (loopback by default; 0.0.0.0 to serve other hosts)")
     p.add_argument("--port", type=int, default=50060)
     p.add_argument("--metrics-port", type=int, default=0, help="HTTP /metrics port (0 = any free port)")
     p.add_argument("--redis-url", default=envs.redis_url())
@@ -37,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-ttl-ms", type=int, default=300_000)
     p.add_argument("--reservation-grace-ms", type=int, default=2_000,
                    help="extra time an expired reservation's blocks stay unused (late WRITEs)")
+    p.add_argument("--max-open-transfers", type=int, default=256,
+                   help="reservations + leases open at once (NIXL transfers in flight); beyond: RESOURCE_EXHAUSTED")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--instance-ttl-s", type=float, default=5.0)
     p.add_argument("--block-ttl-s", type=float, default=600.0)
@@ -53,7 +56,7 @@ async def serve(args: argparse.Namespace) -> None:
     num_blocks = num_blocks_for_bytes(spec, int(args.pool_gib * (1 << 30)))
     if num_blocks == 0:
         raise SystemExit(f"--pool-gib {args.pool_gib} holds no block of {spec.block_bytes} bytes")
-    host = advertise_host(args.advertise_host)
+    host = advertise_host(args.advertise_host, args.host)
     server = GrpcServer(args.port, args.host)
     port = server.bind()
     instance_id = args.instance_id or f"kvstore-{host}-{port}"
@@ -61,7 +64,7 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = KVStoreServicer(instance_id, spec, num_blocks, state=state, metrics=metrics,
                                reservation_ttl_s=args.reservation_ttl_ms / 1000, lease_ttl_s=args.lease_ttl_ms / 1000,
                                max_ttl_s=args.max_ttl_ms / 1000, grace_s=args.reservation_grace_ms / 1000,
-                               block_ttl_s=args.block_ttl_s)
+                               block_ttl_s=args.block_ttl_s, max_open_transfers=args.max_open_transfers)
     server.add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer, SERVICE_NAME)
     metrics_port = metrics.serve(args.metrics_port, args.host)
     info = InstanceInfo("kvstore", instance_id, f"{host}:{port}", f"{host}:{metrics_port}",

@@ -79,6 +79,11 @@ class BlockPool:
         return list(self._stored)
 
     @property
+    def num_open(self) -> int:
+        """Reservations and leases not yet committed/released: each is a NIXL transfer in flight."""
+        return len(self._reservations) + len(self._leases)
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from proto.pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common.convert import block_hashes_from_proto, kv_layout_to_proto, nixl_peer_to_proto, ttl_s
-from services.common.grpc_server import grpc_errors
+from services.common.grpc_server import Overloaded, grpc_errors
 from services.common.metrics import ServiceMetrics
 from services.common.nixl_agent import NixlAgent
 from services.common.redis_state import RedisState
@@ -30,16 +30,18 @@ from services.kvstore.pool import BlockPool, PoolChanges
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.KVStore"
+MAX_INDEX_BACKLOG = 4096  # index updates queued while Redis is slow or down; beyond: one full re-publish
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, instance_id: str, spec: KVCacheSpec, num_blocks: int, *, state: RedisState,
                  metrics: ServiceMetrics, reservation_ttl_s: float, lease_ttl_s: float, max_ttl_s: float,
-                 grace_s: float, block_ttl_s: float):
+                 grace_s: float, block_ttl_s: float, max_open_transfers: int = 256):
         self.instance_id, self.spec = instance_id, spec
         self.state, self.metrics = state, metrics
         self.reservation_ttl_s, self.lease_ttl_s, self.max_ttl_s = reservation_ttl_s, lease_ttl_s, max_ttl_s
         self.block_ttl_s = block_ttl_s
+        self.max_open_transfers = max_open_transfers
         self.pool = BlockPool(num_blocks, grace_s=grace_s)
         self.cache = PagedKVCache(spec, num_blocks, "cpu", pin_memory=True)
         self.agent = NixlAgent(f"{instance_id}.{os.getpid()}.{secrets.token_hex(3)}")  # unique per process
@@ -63,6 +65,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Reserve(self, request, context):
         hashes = block_hashes_from_proto(request.block_hashes)
         ttl = ttl_s(request.ttl_ms, self.reservation_ttl_s, self.max_ttl_s)
+        self._check_open()
         res, num_present, changes = self.pool.reserve(hashes, ttl, time.monotonic())
         self._publish(changes)
         return convert.reserve_response(res, num_present, self.agent.name)
@@ -76,6 +79,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     @grpc_errors
     async def Load(self, request, context):
         hashes = block_hashes_from_proto(request.block_hashes)
+        self._check_open()
         lease = self.pool.load(hashes, ttl_s(request.ttl_ms, self.lease_ttl_s, self.max_ttl_s), time.monotonic())
         self.metrics.prefix_cache_queries.inc(len(hashes) * self.spec.block_size)
         self.metrics.prefix_cache_hits.inc(len(lease.block_ids) * self.spec.block_size if lease else 0)
@@ -84,6 +88,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     @grpc_errors
     async def Release(self, request, context):
         return kvstore_pb2.ReleaseResponse(released=self.pool.release(convert.release_id(request), time.monotonic()))
+
+    def _check_open(self) -> None:
+        """Bound the transfers in flight (each pins blocks until commit/release/expiry)."""
+        self.pool.expire(time.monotonic())
+        if self.pool.num_open >= self.max_open_transfers:
+            raise Overloaded(f"kvstore has {self.pool.num_open} transfers open (limit {self.max_open_transfers})")
 
     # ---- background work -----------------------------------------------------------------------
     def start(self, sweep_s: float = 0.1) -> None:
@@ -99,14 +109,26 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def _publish(self, changes: PoolChanges) -> None:
         if changes.removed:
             self.metrics.kvstore_evictions.inc(len(changes.removed))
-            self._index_queue.put_nowait(("removed", changes.removed))
+            self._queue_index("removed", changes.removed)
         if changes.stored:
-            self._index_queue.put_nowait(("stored", changes.stored))
+            self._queue_index("stored", changes.stored)
         self._update_gauges()
+
+    def _queue_index(self, kind: str, hashes: list[bytes]) -> None:
+        """Bounded: a long Redis outage replaces the backlog by one re-publish of what the pool holds
+        (hashes evicted meanwhile stay indexed until their TTL; a prefill asking for them recomputes)."""
+        if self._index_queue.qsize() >= MAX_INDEX_BACKLOG:
+            while not self._index_queue.empty():
+                self._index_queue.get_nowait()
+            self._index_queue.put_nowait(("resync", []))
+            return
+        self._index_queue.put_nowait((kind, hashes))
 
     async def _index_loop(self) -> None:
         while True:
             kind, hashes = await self._index_queue.get()
+            if kind == "resync":
+                kind, hashes = "stored", self.pool.stored_hashes()
             while True:  # in order; retry until Redis takes it (the presence re-publishes after a restart)
                 try:
                     if kind == "stored":

@@ -14,6 +14,7 @@ from engine.arg_utils import EngineArgs
 from engine.async_engine import AsyncEngine
 from proto.pdserve.v1 import prefill_pb2_grpc
 from services.common import envs
+from services.common.admission import Admission
 from services.common.engine_host import EngineHost
 from services.common.grpc_server import GrpcServer, run
 from services.common.metrics import ServiceMetrics
@@ -41,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     engine = AsyncEngine(engine_args)
-    host = advertise_host(args.advertise_host)
+    host = advertise_host(args.advertise_host, args.host)
     server = GrpcServer(args.port, args.host)
     port = server.bind()
     instance_id = args.instance_id or f"prefill-{host}-{port}"
@@ -52,7 +53,8 @@ async def serve(args: argparse.Namespace) -> None:
         link = KVStoreLink(exporter.agent, exporter.tensors, exporter.spec, state,
                            static_address=None if args.kvstore == "auto" else args.kvstore)
     servicer = PrefillServicer(instance_id, engine, exporter, metrics, link, args.lease_ms / 1000,
-                               args.max_lease_ms / 1000)
+                               args.max_lease_ms / 1000,
+                               Admission("prefill", args.max_inflight_requests, args.max_queued_requests))
     server.add_service(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer, SERVICE_NAME)
     metrics_port = metrics.serve(args.metrics_port, args.host)
     cfg = engine.config

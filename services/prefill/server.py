@@ -19,6 +19,7 @@ from engine.kv.hashing import block_hashes
 from engine.request import Request
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.convert import delta_to_proto, sampling_from_proto, unix_ms
+from services.common.admission import Admission
 from services.common.grpc_server import FailedPrecondition, NotFound, grpc_errors
 from services.common.metrics import ServiceMetrics
 from services.common.nixl_agent import parse_pulled
@@ -34,8 +35,9 @@ SERVICE_NAME = "pdserve.v1.Prefill"
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, instance_id: str, engine: AsyncEngine, exporter: KVExporter, metrics: ServiceMetrics,
-                 kvstore: KVStoreLink | None, lease_s: float, max_lease_s: float):
+                 kvstore: KVStoreLink | None, lease_s: float, max_lease_s: float, admission: Admission | None = None):
         self.instance_id, self.engine, self.exporter, self.metrics = instance_id, engine, exporter, metrics
+        self.admission = admission or Admission("prefill", 1024, 256)
         self.kvstore = kvstore
         self.block_size = engine.config.cache.block_size
         self.leases = LeaseTable(self._release, lease_s, max_lease_s,
@@ -54,6 +56,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
     @grpc_errors
     async def Prefill(self, request, context):
+        self.admission.check_waiting(self.engine.stats().num_waiting)
+        with self.admission.inflight():
+            return await self._prefill(request)
+
+    async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
         t0 = time.monotonic()
         g = request.request
         ids = list(g.prompt_token_ids)
@@ -82,7 +89,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if wants_kv and finish is not None:
             await self._release(req_id)
         elif wants_kv:
-            reply.kv.CopyFrom(await self._export(req_id, ids, hashes, request.lease_ms, last.num_cached_tokens))
+            try:
+                reply.kv.CopyFrom(await self._export(req_id, ids, hashes, request.lease_ms, last.num_cached_tokens))
+            except BaseException:  # no lease was granted (the client left, or the export failed): free the KV
+                await asyncio.shield(self._release(req_id))
+                raise
         return reply
 
     @grpc_errors
@@ -120,7 +131,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                            cache_salt=req.cache_salt, hold_kv_on_finish=req.hold_kv_on_finish)
         stream, block_ids, n_cached = admitted
         first = n_cached // self.block_size
-        loaded = await self.kvstore.load(hint.grpc_address, hashes[first:n_hint], block_ids[first:n_hint])
+        load = asyncio.ensure_future(self.kvstore.load(hint.grpc_address, hashes[first:n_hint],
+                                                       block_ids[first:n_hint]))
+        try:
+            loaded = await asyncio.shield(load)  # a READ may be writing our blocks until it ends
+        except BaseException:  # the client left: free the request once the READ ended, never before
+            self.engine.cancel(req.req_id)
+            load.add_done_callback(lambda _: self.engine.import_done(req.req_id, ok=False))
+            raise
         self.engine.import_done(req.req_id, ok=loaded > 0, num_tokens=(first + loaded) * self.block_size)
         return stream
 

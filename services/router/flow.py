@@ -4,6 +4,8 @@
            -> pick decode (load) -> Decode.Generate stream (it pulls the KV over NIXL) -> tokens
 Text is detokenized here (stop strings held back exactly as the engine does). A client that goes
 away cancels the in-flight RPC, which aborts the request on that engine and frees its blocks.
+An instance at capacity (RESOURCE_EXHAUSTED) is skipped for another one of its role; when every
+one is full the request fails with `Overloaded` (HTTP 429 / RESOURCE_EXHAUSTED, with retry-after).
 """
 
 from __future__ import annotations
@@ -23,15 +25,43 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.common.convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
-from services.common.grpc_server import channel
+from services.common.grpc_server import Overloaded, channel, retry_after_s
 from services.common.metrics import ServiceMetrics
-from services.router.routing import Routing
+from services.router.routing import NoInstance, Routing
 
 log = logging.getLogger(__name__)
 
 
 class UpstreamError(RuntimeError):
     """An engine failed mid-request; the client gets an error event (never a silent hang)."""
+
+
+class _Busy(Exception):
+    """One instance answered RESOURCE_EXHAUSTED before doing any work: try another."""
+
+    def __init__(self, instance_id: str, retry_after: float):
+        super().__init__(instance_id)
+        self.instance_id, self.retry_after = instance_id, retry_after
+
+
+async def _on_any(role: str, pick, attempt):
+    """Run `attempt(instance)` on instances of `role` until one is not busy; Overloaded when all are.
+    `pick(exclude)` returns the next instance; `attempt` raises _Busy to move on."""
+    tried: set[str] = set()
+    retry_after = 1.0
+    while True:
+        try:
+            inst = await pick(frozenset(tried))
+        except NoInstance:
+            if not tried:
+                raise
+            raise Overloaded(f"every {role} instance is at capacity ({len(tried)} tried); retry shortly",
+                             retry_after) from None
+        try:
+            return await attempt(inst)
+        except _Busy as busy:
+            tried.add(busy.instance_id)
+            retry_after = min(retry_after, busy.retry_after) if len(tried) > 1 else busy.retry_after
 
 
 @dataclass
@@ -99,7 +129,10 @@ class Flow:
             yield chunk
 
     async def _prefill(self, g, hashes: list[bytes], stats: RequestStats) -> prefill_pb2.PrefillResponse:
-        choice = await self.routing.pick_prefill(hashes, len(g.prompt_token_ids))
+        return await _on_any("prefill", lambda skip: self.routing.pick_prefill(hashes, len(g.prompt_token_ids), skip),
+                             lambda choice: self._prefill_on(choice, g, hashes, stats))
+
+    async def _prefill_on(self, choice, g, hashes: list[bytes], stats: RequestStats) -> prefill_pb2.PrefillResponse:
         inst = choice.instance
         stats.prefill_instance = inst.instance_id
         req = prefill_pb2.PrefillRequest(request=g, block_hashes=hashes, lease_ms=self.lease_ms)
@@ -112,6 +145,8 @@ class Flow:
         try:
             reply = await stub.Prefill(req, timeout=self.prefill_timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise _Busy(inst.instance_id, retry_after_s(exc)) from exc
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
                 self.routing.avoid(inst.instance_id)
             raise
@@ -123,32 +158,56 @@ class Flow:
         return reply
 
     async def _decode(self, g, first, stats: RequestStats, detok) -> AsyncIterator[Chunk]:
-        inst = await self.routing.pick_decode()
+        try:
+            inst, call, head = await _on_any("decode", self.routing.pick_decode,
+                                             lambda inst: self._open_decode(inst, g, first))
+        except BaseException:  # no decode took it (all full, failed, or the client left): free the KV now
+            await self._release_lease(stats.prefill_instance, first.kv.lease_id)
+            raise
         stats.decode_instance = inst.instance_id
-        stub = decode_pb2_grpc.DecodeStub(self._channel(inst.grpc_address))
-        call = stub.Generate(decode_pb2.DecodeRequest(request=g, kv=first.kv, first=first.first),
-                             timeout=self.decode_timeout_s)
-        self.routing.started(inst.instance_id)
         finished = False
         try:
-            async for reply in call:
+            reply = head
+            while reply is not grpc.aio.EOF:
                 chunk = self._chunk(reply.delta, detok, stats)
                 finished = chunk.finish_reason is not None
                 yield chunk
                 if finished:
                     break
+                reply = await call.read()
             if not finished:
                 raise UpstreamError(f"decode {inst.instance_id} ended the stream without finishing")
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                self.routing.avoid(inst.instance_id)
-            raise UpstreamError(f"decode {inst.instance_id} failed: {exc.code().name}: {exc.details()}") from exc
+            raise self._decode_failed(inst, exc) from exc
         finally:
             self.routing.finished(inst.instance_id)
             if not call.done():
                 call.cancel()  # client went away, or we stopped early: abort there, free the blocks
             if not finished:
                 await self._release_lease(stats.prefill_instance, first.kv.lease_id)
+
+    async def _open_decode(self, inst, g, first):
+        """Start Decode.Generate on `inst` and wait for its first reply: a full instance answers
+        RESOURCE_EXHAUSTED before pulling any KV, so the prefill lease stays valid for the next one."""
+        stub = decode_pb2_grpc.DecodeStub(self._channel(inst.grpc_address))
+        call = stub.Generate(decode_pb2.DecodeRequest(request=g, kv=first.kv, first=first.first),
+                             timeout=self.decode_timeout_s)
+        self.routing.started(inst.instance_id)
+        try:
+            return inst, call, await call.read()
+        except BaseException as exc:
+            self.routing.finished(inst.instance_id)
+            call.cancel()
+            if isinstance(exc, grpc.aio.AioRpcError):
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise _Busy(inst.instance_id, retry_after_s(exc)) from exc
+                raise self._decode_failed(inst, exc) from exc
+            raise
+
+    def _decode_failed(self, inst, exc: grpc.aio.AioRpcError) -> UpstreamError:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            self.routing.avoid(inst.instance_id)
+        return UpstreamError(f"decode {inst.instance_id} failed: {exc.code().name}: {exc.details()}")
 
     async def _release_lease(self, prefill_id: str, lease_id: str) -> None:
         """Best effort: decode may never have pulled; do not leave the KV pinned until the lease expires."""

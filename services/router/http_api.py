@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
+import math
 
 import grpc
 from fastapi import FastAPI, Request
@@ -14,9 +14,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common.admission import Admission
+from services.common.grpc_server import Overloaded, retry_after_s
 from services.router.flow import Flow, RequestStats, UpstreamError, new_request_id
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, error_body
 from services.router.requests import BadRequest, Limits, Prepared, prepare_chat, prepare_completion
+from services.router.guard import ApiKeys, Guard, tenant_cache_salt
 from services.router.responses import Formatter, sse, usage
 from services.router.routing import NoInstance
 
@@ -25,10 +28,8 @@ log = logging.getLogger(__name__)
 _GRPC_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
               grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
               grpc.StatusCode.FAILED_PRECONDITION: 409}
-
-
-class Overloaded(RuntimeError):
-    """More requests in flight than --max-num-requests."""
+# chunks buffered per streaming response: a slow reader back-pressures the engines instead of growing memory
+STREAM_BUFFER_CHUNKS = 64
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", code=None, param=None,
@@ -42,28 +43,43 @@ def exception_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, BadRequest):
         return error_response(400, str(exc), code=exc.code, param=exc.param)
     if isinstance(exc, Overloaded):
-        return error_response(429, str(exc), "rate_limit_error", retry_after=1)
+        return error_response(429, str(exc), "rate_limit_error", retry_after=math.ceil(exc.retry_after_s))
     if isinstance(exc, NoInstance):
         return error_response(503, str(exc), "service_unavailable", retry_after=2)
     if isinstance(exc, grpc.aio.AioRpcError):
         status = _GRPC_HTTP.get(exc.code(), 502)
         return error_response(status, f"{exc.code().name}: {exc.details()}",
                               "invalid_request_error" if status == 400 else "upstream_error",
-                              retry_after=1 if status in (429, 503) else None)
+                              retry_after=math.ceil(retry_after_s(exc)) if status in (429, 503) else None)
     if isinstance(exc, UpstreamError):
         return error_response(502, str(exc), "upstream_error")
     log.exception("request failed", exc_info=exc)
     return error_response(500, f"{type(exc).__name__}: {exc}", "internal_error")
 
 
+class _AdmittedStream(StreamingResponse):
+    """Gives the admission slots back when the response ends, even when the client went away before
+    the body generator ever started (its `finally` would then never run)."""
+
+    def __init__(self, content, release):
+        super().__init__(content, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
 class RouterAPI:
-    def __init__(self, flow: Flow, limits: Limits, model_name: str, metrics, *, api_key: str | None = None,
-                 max_num_requests: int = 1024, max_body_bytes: int = 32 << 20):
+    def __init__(self, flow: Flow, limits: Limits, model_name: str, metrics, *, keys: ApiKeys | None = None,
+                 admission: Admission | None = None, max_body_bytes: int = 32 << 20):
         self.flow, self.limits, self.model_name, self.metrics = flow, limits, model_name, metrics
         self.tok = flow.tokenizer
-        self.api_key = api_key
-        self.max_num_requests, self.max_body_bytes = max_num_requests, max_body_bytes
-        self.inflight = 0
+        self.keys = keys or ApiKeys()
+        self.admission = admission or Admission("router", 1024)
+        self.max_body_bytes = max_body_bytes
 
     # ---- plumbing --------------------------------------------------------------------------------
     def build(self) -> FastAPI:
@@ -71,7 +87,7 @@ class RouterAPI:
                       description="OpenAI-compatible API of a disaggregated prefill/decode deployment.")
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
-        app.middleware("http")(self._guard)
+        app.add_middleware(Guard, keys=self.keys, max_body_bytes=self.max_body_bytes)
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)
         app.get("/metrics", include_in_schema=False)(self.prometheus)
@@ -87,19 +103,6 @@ class RouterAPI:
 
     async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
-
-    async def _guard(self, request: Request, call_next):
-        """API key and body size, before any parsing."""
-        if self.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                return error_response(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                      "authentication_error")
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            return error_response(413, f"request body over {self.max_body_bytes} bytes")
-        return await call_next(request)
 
     def _check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
@@ -118,18 +121,20 @@ class RouterAPI:
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request):
         try:
             self._check_model(body.model)
             prep = prepare_completion(body, self.tok, self.limits)
+            prep.cache_salt = tenant_cache_salt(request.state.tenant, prep.cache_salt)
             return await self._respond(Formatter("text", new_request_id("cmpl"), self.model_name, self.tok), prep, 0)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return exception_response(exc)
 
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         try:
             self._check_model(body.model)
             prep = prepare_chat(body, self.tok, self.limits)
+            prep.cache_salt = tenant_cache_salt(request.state.tenant, prep.cache_salt)
             fmt = Formatter("chat", new_request_id("chatcmpl"), self.model_name, self.tok)
             return await self._respond(fmt, prep, body.top_logprobs or 0)
         except Exception as exc:  # noqa: BLE001
@@ -148,16 +153,13 @@ class RouterAPI:
 
     async def _respond(self, fmt: Formatter, prep: Prepared, top_n: int):
         jobs = self._jobs(prep)
-        if self.inflight + len(jobs) > self.max_num_requests:
-            raise Overloaded(f"{self.inflight} requests in flight (limit {self.max_num_requests}); retry shortly")
+        self.admission.acquire(len(jobs))  # Overloaded -> 429 + Retry-After; released when the response ends
         if prep.stream:
-            self.inflight += len(jobs)
-            return StreamingResponse(self._stream(fmt, prep, jobs, top_n), media_type="text/event-stream")
-        self.inflight += len(jobs)
+            return _AdmittedStream(self._stream(fmt, prep, jobs, top_n), lambda: self.admission.release(len(jobs)))
         try:
             results = await asyncio.gather(*[self._collect(fmt, prep, job, top_n) for job in jobs])
         finally:
-            self.inflight -= len(jobs)
+            self.admission.release(len(jobs))
         choices = [r[0] for r in results]
         u = usage(sum(len(prep.prompts[j[0] // prep.n]) for j in jobs if j[0] % prep.n == 0),
                   sum(r[1].completion_tokens for r in results), sum(r[1].cached_tokens for r in results))
@@ -180,7 +182,7 @@ class RouterAPI:
                                tokens if prep.return_token_ids else None), stats
 
     async def _stream(self, fmt: Formatter, prep: Prepared, jobs, top_n: int):
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_BUFFER_CHUNKS)
         all_stats: list[RequestStats] = []
 
         async def pump(job) -> None:
@@ -191,12 +193,12 @@ class RouterAPI:
                 offset, first = 0, True
                 async for c in self.flow.generate(ids, params, stats, prep.cache_salt):
                     lp = self._logprobs(fmt, c.token_ids, c.logprobs, offset, top_n) if c.logprobs else None
-                    queue.put_nowait(fmt.chunk(index, c.text, lp, c.finish_reason, c.stop_reason, first,
-                                               c.token_ids if prep.return_token_ids else None))
+                    await queue.put(fmt.chunk(index, c.text, lp, c.finish_reason, c.stop_reason, first,
+                                              c.token_ids if prep.return_token_ids else None))
                     offset, first = offset + len(c.text), False
-                queue.put_nowait(None)
+                await queue.put(None)
             except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
-                queue.put_nowait(exc)
+                await queue.put(exc)
 
         tasks = [asyncio.create_task(pump(j)) for j in jobs]
         try:
@@ -221,4 +223,3 @@ class RouterAPI:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self.inflight -= len(jobs)

@@ -14,12 +14,14 @@ from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from proto.pdserve.v1 import router_pb2_grpc
 from services.common import envs
+from services.common.admission import Admission
 from services.common.grpc_server import GrpcServer, run
 from services.common.metrics import ServiceMetrics
 from services.common.net import advertise_host
 from services.common.redis_state import InstanceInfo, InstancePresence, RedisState
 from services.router.flow import Flow
 from services.router.grpc_api import SERVICE_NAME, RouterServicer
+from services.router.guard import ApiKeys
 from services.router.http_api import RouterAPI
 from services.router.requests import Limits
 from services.router.routing import Routing
@@ -32,16 +34,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="checkpoint directory (tokenizer, chat template, limits)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the dir name)")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (the public entry point: all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=50050)
     p.add_argument("--metrics-port", type=int, default=0, help="separate /metrics port (also served on --port)")
     p.add_argument("--redis-url", default=envs.redis_url())
     p.add_argument("--instance-id", default=None)
     p.add_argument("--advertise-host", default=None)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/*")
-    p.add_argument("--max-num-requests", type=int, default=1024, help="in-flight requests before 429")
-    p.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    p.add_argument("--api-key", action="append", default=list(envs.api_keys()),
+                   help="require `Authorization: Bearer <key>` on /v1/* and gRPC; `key` or `key:tenant`; "
+                        "repeatable (default: PDSERVE_API_KEY, comma-separated)")
+    p.add_argument("--api-keys-file", default=None, help="one `key` or `key:tenant` a line")
+    p.add_argument("--max-inflight-requests", "--max-num-requests", dest="max_inflight_requests", type=int,
+                   default=1024, help="requests (choices) in flight before 429 / RESOURCE_EXHAUSTED")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413")
     p.add_argument("--max-n", type=int, default=16)
     p.add_argument("--prefill-timeout-s", type=float, default=600.0)
     p.add_argument("--decode-timeout-s", type=float, default=3600.0)
@@ -54,17 +60,18 @@ async def serve(args: argparse.Namespace) -> None:
     tok = Tokenizer(args.model)
     limits = Limits(max_model_len=args.max_model_len or cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
                     max_n=args.max_n)
+    keys = ApiKeys.from_sources(args.api_key, args.api_keys_file)
+    admission = Admission("router", args.max_inflight_requests)
     name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
-    host = advertise_host(args.advertise_host)
+    host = advertise_host(args.advertise_host, args.host)
     instance_id = args.instance_id or f"router-{host}-{args.port}"
     metrics, state = ServiceMetrics("router", instance_id), RedisState(args.redis_url)
     flow = Flow(Routing(state), tok, metrics, prefill_timeout_s=args.prefill_timeout_s,
                 decode_timeout_s=args.decode_timeout_s, lease_ms=args.lease_ms)
-    api = RouterAPI(flow, limits, name, metrics, api_key=args.api_key, max_num_requests=args.max_num_requests,
-                    max_body_bytes=args.max_body_bytes)
+    api = RouterAPI(flow, limits, name, metrics, keys=keys, admission=admission, max_body_bytes=args.max_body_bytes)
     grpc_server = GrpcServer(args.grpc_port, args.host)
-    grpc_server.add_service(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(flow, limits, name),
-                            SERVICE_NAME)
+    grpc_server.add_service(router_pb2_grpc.add_RouterServicer_to_server,
+                            RouterServicer(flow, limits, name, keys, admission), SERVICE_NAME)
     http = uvicorn.Server(uvicorn.Config(api.build(), host=args.host, port=args.port, log_level="warning",
                                          loop="none", lifespan="off", timeout_graceful_shutdown=2))
     metrics_port = metrics.serve(args.metrics_port, args.host) if args.metrics_port else args.port

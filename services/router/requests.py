@@ -27,6 +27,7 @@ class Limits:
     max_prompts: int = 64
     max_stop: int = 16
     max_stop_len: int = 256
+    max_stop_token_ids: int = 64
 
 
 @dataclass
@@ -74,6 +75,35 @@ def _stop(stop, limits: Limits) -> list[str]:
     return stops
 
 
+def _check_sampling(p: SamplingParams, prompt_len: int, limits: Limits) -> None:
+    """Bounds of the engine's own parameters that depend on this deployment (gRPC and HTTP alike)."""
+    _stop(p.stop, limits)
+    if len(p.stop_token_ids) > limits.max_stop_token_ids:
+        raise BadRequest(f"at most {limits.max_stop_token_ids} stop_token_ids", "stop_token_ids")
+    if any(not 0 <= t < limits.vocab_size for t in p.stop_token_ids):
+        raise BadRequest(f"stop_token_ids must be in [0, {limits.vocab_size})", "stop_token_ids")
+    if prompt_len + p.max_tokens > limits.max_model_len:
+        raise BadRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has "
+                         f"{prompt_len} tokens and max_tokens is {p.max_tokens}", "max_tokens",
+                         code="context_length_exceeded")
+
+
+def prepare_generate(g, tok: Tokenizer, limits: Limits) -> tuple[list[int], SamplingParams]:
+    """gRPC Router.Generate: the same checks as the HTTP API, on a `GenerateRequest`."""
+    from services.common.convert import sampling_from_proto
+
+    if bool(g.prompt) == bool(g.prompt_token_ids):
+        raise BadRequest("give exactly one of prompt and prompt_token_ids", "prompt")
+    ids = tok.encode(g.prompt) if g.prompt else list(g.prompt_token_ids)
+    _check_prompt(ids, limits)
+    try:
+        params = sampling_from_proto(g.sampling_params)
+    except ValueError as e:
+        raise BadRequest(str(e), "sampling_params") from e
+    _check_sampling(params, len(ids), limits)
+    return ids, params
+
+
 def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int, limits: Limits) -> SamplingParams:
     if body.n < 1 or body.n > limits.max_n:
         raise BadRequest(f"n must be between 1 and {limits.max_n}, got {body.n}", "n")
@@ -88,11 +118,12 @@ def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int,
                          code="context_length_exceeded")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    stop = _stop(body.stop, limits)  # outside the try: keeps its own param name
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
-            min_p=body.min_p, seed=body.seed, stop=_stop(body.stop, limits), stop_token_ids=body.stop_token_ids or [],
+            min_p=body.min_p, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -100,6 +131,8 @@ def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int,
             include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as e:
         raise BadRequest(str(e)) from e
+    _check_sampling(params, prompt_len, limits)
+    return params
 
 
 def prepare_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits) -> Prepared:

@@ -75,10 +75,11 @@ class Routing:
             by_role.setdefault(i.role, []).append(i)
         self.view = _View(by_role, loads, time.monotonic())
 
-    def _live(self, role: str) -> list[InstanceInfo]:
+    def _live(self, role: str, exclude: frozenset[str] = frozenset()) -> list[InstanceInfo]:
         now = time.monotonic()
-        found = self.view.by_role.get(role, [])
-        ok = [i for i in found if self._avoid.get(i.instance_id, 0.0) <= now]
+        self._avoid = {k: t for k, t in self._avoid.items() if t > now}  # bounded by the live instances
+        found = [i for i in self.view.by_role.get(role, []) if i.instance_id not in exclude]
+        ok = [i for i in found if i.instance_id not in self._avoid]
         return ok or found  # if every instance failed recently, try them anyway
 
     def avoid(self, instance_id: str) -> None:
@@ -89,11 +90,15 @@ class Routing:
         self._inflight[instance_id] = self._inflight.get(instance_id, 0) + 1
 
     def finished(self, instance_id: str) -> None:
-        self._inflight[instance_id] = max(self._inflight.get(instance_id, 0) - 1, 0)
+        left = self._inflight.get(instance_id, 0) - 1
+        if left > 0:
+            self._inflight[instance_id] = left
+        else:  # drop idle entries: the map never outgrows the instances with requests in flight
+            self._inflight.pop(instance_id, None)
 
-    async def pick_prefill(self, hashes: list[bytes], num_tokens: int) -> Choice:
+    async def pick_prefill(self, hashes: list[bytes], num_tokens: int, exclude: frozenset[str] = frozenset()) -> Choice:
         await self._refresh()
-        cands = self._live("prefill")
+        cands = self._live("prefill", exclude)
         if not cands:
             raise NoInstance("no prefill instance is registered (is `pdserve up` running?)")
         runs: dict[str, int] = {}
@@ -117,9 +122,9 @@ class Routing:
         queued = load.get("queued_tokens", 0.0) + self._inflight.get(inst.instance_id, 0) * num_tokens * 0.5
         return max(num_tokens - cached, 1) + queued
 
-    async def pick_decode(self) -> InstanceInfo:
+    async def pick_decode(self, exclude: frozenset[str] = frozenset()) -> InstanceInfo:
         await self._refresh()
-        cands = self._live("decode")
+        cands = self._live("decode", exclude)
         if not cands:
             raise NoInstance("no decode instance is registered (is `pdserve up` running?)")
 

@@ -84,3 +84,10 @@ def test_flags_match_the_launcher(compose):
         assert ours["--redis-url"] == compose["services"][spec.kind]["environment"]["PDSERVE_REDIS_URL"]
     ranks = compose["services"]["prefill"]["command"][4]
     assert int(ranks) == topo.service("prefill").ranks
+
+
+def test_containers_bind_all_interfaces_explicitly(compose):
+    """Services bind loopback by default; in containers peers dial the container IP, so every
+    service's command must ask for 0.0.0.0 itself."""
+    for kind in ENGINE_KINDS:
+        assert _flag_values(_command(compose, kind)).get("--host") == "0.0.0.0", kind
