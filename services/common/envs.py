@@ -36,3 +36,17 @@ def nixl_progress_thread() -> bool:
 def log_level() -> str:
     """`PDSERVE_LOG_LEVEL`: logging level name of every service (default INFO)."""
     return os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+
+
+# ---- fault injection (tests only; tests/e2e/test_faults.py sets them on real processes) ----------
+
+def fault_nixl_fail_first_n() -> int:
+    """`PDSERVE_FAULT_NIXL_FAIL_FIRST_N`: the decode service's first N KV pull attempts fail as a NIXL
+    transfer error would (0 = off)."""
+    return int(os.environ.get("PDSERVE_FAULT_NIXL_FAIL_FIRST_N", "0"))
+
+
+def fault_pull_delay_s() -> float:
+    """`PDSERVE_FAULT_PULL_DELAY_S`: the decode service waits this long before each KV pull, e.g. so
+    that a short prefill lease expires and its pages are reused before the READ (0 = off)."""
+    return float(os.environ.get("PDSERVE_FAULT_PULL_DELAY_S", "0"))
