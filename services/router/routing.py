@@ -48,9 +48,11 @@ class NoInstance(RuntimeError):
 
 class Routing:
     def __init__(self, state: RedisState, *, refresh_s: float = 0.5, block_size: int = 64,
-                 health_timeout_s: float = 0.5):
+                 health_timeout_s: float = 0.5, republish_grace_s: float = 5.0):
         self.state = state
         self.refresh_s, self.block_size, self.health_timeout_s = refresh_s, block_size, health_timeout_s
+        self.republish_grace_s = republish_grace_s  # the instances' registration TTL: all re-publish within it
+        self._recovered_at = float("-inf")
         self.view = _View()
         self.redis_ok = True
         self.unhealthy: dict[str, InstanceInfo] = {}
@@ -89,7 +91,13 @@ class Routing:
             return
         if not self.redis_ok:
             log.info("Redis answers again: routing on the registry")
+            self._recovered_at = time.monotonic()
         self.redis_ok = True
+        if time.monotonic() - self._recovered_at < self.republish_grace_s:
+            # a restarted Redis is empty until every instance's next heartbeat re-publishes it: keep the
+            # instances we knew (and verified by health while it was down) meanwhile
+            ids = {i.instance_id for i in infos}
+            infos = infos + [i for insts in self.view.by_role.values() for i in insts if i.instance_id not in ids]
         by_role: dict[str, list[InstanceInfo]] = {}
         for i in infos:
             by_role.setdefault(i.role, []).append(i)

@@ -80,143 +80,152 @@ def _expected(offline: LLM, bodies: list[dict]) -> list[str]:
 
 # ---- one deployment: kvstore, prefill (48 blocks), decode (first 3 pulls fail), router ----------------
 
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory):
+    topo = system.topology(tmp_path_factory.mktemp("faults"), router=ROUTER,
+                           prefill={"num-blocks": 48, "kvstore-timeout-s": 1})
+    topo["services"]["decode"]["env"] = {"PDSERVE_FAULT_NIXL_FAIL_FIRST_N": "3"}
+    dep = launcher.up(topo, timeout_s=240, die_with_parent=True)
+    yield dep
+    launcher.down(dep)
+
+
+@pytest.fixture(scope="module")
+def addr(dep) -> dict[str, str]:
+    """instance id -> metrics address, plus 'url' -> the router."""
+    out = {i.instance_id: i.metrics_address for i in _instances(dep).values()}
+    return {**out, "url": dep.url}
+
+
 @pytest.mark.xdist_group("faults")
-class TestFaults:
-    @pytest.fixture(scope="class")
-    def dep(self, tmp_path_factory):
-        topo = system.topology(tmp_path_factory.mktemp("faults"), router=ROUTER,
-                               prefill={"num-blocks": 48, "kvstore-timeout-s": 1})
-        topo["services"]["decode"]["env"] = {"PDSERVE_FAULT_NIXL_FAIL_FIRST_N": "3"}
-        dep = launcher.up(topo, timeout_s=240, die_with_parent=True)
-        yield dep
-        launcher.down(dep)
+def test_nixl_pull_failures_retry_once_then_recompute(dep, addr, offline, corpus):
+    bodies = _bodies(corpus, 3, 12)
+    want = _expected(offline, bodies)
+    for body, text in zip(bodies, want):  # one at a time: pulls 1+2 fail (recompute), 3 fails then succeeds
+        status, out = system.post(addr["url"], "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
+        assert status == 200, out
+        assert out["choices"][0]["text"] == text
+    decode = addr["decode-0"]
+    assert system.metric(decode, "pdserve:kv_pull_failures_total") == 3
+    assert system.metric(decode, "pdserve:kv_pull_recomputes_total") == 1
+    _assert_blocks_freed([addr["prefill-0"], decode])
 
-    @pytest.fixture(scope="class")
-    def addr(self, dep) -> dict[str, str]:
-        """instance id -> metrics address, plus 'url' -> the router."""
-        out = {i.instance_id: i.metrics_address for i in _instances(dep).values()}
-        return {**out, "url": dep.url}
 
-    def test_nixl_pull_failures_retry_once_then_recompute(self, dep, addr, offline, corpus):
-        bodies = _bodies(corpus, 3, 12)
-        want = _expected(offline, bodies)
-        for body, text in zip(bodies, want):  # one at a time: pulls 1+2 fail (recompute), 3 fails then succeeds
-            status, out = system.post(addr["url"], "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
-            assert status == 200, out
-            assert out["choices"][0]["text"] == text
-        decode = addr["decode-0"]
-        assert system.metric(decode, "pdserve:kv_pull_failures_total") == 3
-        assert system.metric(decode, "pdserve:kv_pull_recomputes_total") == 1
-        _assert_blocks_freed([addr["prefill-0"], decode])
+@pytest.mark.xdist_group("faults")
+def test_expired_lease_with_reused_pages_is_never_decoded_from(dep, addr, offline, corpus):
+    """A lease expires before decode pulls; its pages go to other requests; the pull must be refused
+    (recomputed) -- the tokens equal the offline engine's, not garbage with a 200."""
+    infos = _instances(dep)
+    prompt = corpus[5000:5000 + 5 * 64 - 7]
+    (want,) = offline.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    before = system.metric(addr["decode-0"], "pdserve:kv_pull_not_intact_total")
+    got, stale, reused = asyncio.run(_pull_after_reuse(infos["prefill-0"].grpc_address,
+                                                       infos["decode-0"].grpc_address, prompt, corpus))
+    assert set(stale.ranks[0].block_ids) & reused, "the test must reuse the expired lease's pages"
+    assert got == list(want.token_ids)
+    assert system.metric(addr["decode-0"], "pdserve:kv_pull_not_intact_total") == before + 1
+    assert system.metric(addr["prefill-0"], "pdserve:kv_lease_expired_total") >= 1
+    _assert_blocks_freed([addr["prefill-0"], addr["decode-0"]])
 
-    def test_expired_lease_with_reused_pages_is_never_decoded_from(self, dep, addr, offline, corpus):
-        """A lease expires before decode pulls; its pages go to other requests; the pull must be refused
-        (recomputed) -- the tokens equal the offline engine's, not garbage with a 200."""
-        infos = _instances(dep)
-        prompt = corpus[5000:5000 + 5 * 64 - 7]
-        (want,) = offline.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-        before = system.metric(addr["decode-0"], "pdserve:kv_pull_not_intact_total")
-        got, stale, reused = asyncio.run(_pull_after_reuse(infos["prefill-0"].grpc_address,
-                                                           infos["decode-0"].grpc_address, prompt, corpus))
-        assert set(stale.ranks[0].block_ids) & reused, "the test must reuse the expired lease's pages"
-        assert got == list(want.token_ids)
-        assert system.metric(addr["decode-0"], "pdserve:kv_pull_not_intact_total") == before + 1
-        assert system.metric(addr["prefill-0"], "pdserve:kv_lease_expired_total") >= 1
-        _assert_blocks_freed([addr["prefill-0"], addr["decode-0"]])
 
-    def test_decode_killed_mid_stream(self, dep, addr, offline, corpus):
-        load = chaos.Load(addr["url"], _bodies(corpus, 4, 1500), CLIENT_TIMEOUT_S).start()
-        assert load.wait_started(60), "streams did not start"
-        t_kill = time.monotonic()
-        chaos.kill(dep, "decode-0")
+@pytest.mark.xdist_group("faults")
+def test_decode_killed_mid_stream(dep, addr, offline, corpus):
+    load = chaos.Load(addr["url"], _bodies(corpus, 4, 1500), CLIENT_TIMEOUT_S).start()
+    assert load.wait_started(60), "streams did not start"
+    t_kill = time.monotonic()
+    chaos.kill(dep, "decode-0")
+    results = load.join()
+    assert time.monotonic() - t_kill < 10, "streams did not end promptly after decode died"
+    for r in results:
+        assert r.status == 200 and r.text, r
+        assert r.error is not None and r.error["type"] == "upstream_error" and r.done, r
+        assert r.finish_reason is None
+    # the router stopped choosing it at once (its Redis entry is still live): 503 fast, no hang
+    t0 = time.monotonic()
+    status, err = system.post(addr["url"], "/v1/completions", {"prompt": "x = 1", "max_tokens": 4},
+                              timeout=CLIENT_TIMEOUT_S)
+    assert status == 503 and "decode" in err["error"]["message"], err
+    assert time.monotonic() - t0 < 5
+    _assert_blocks_freed([addr["prefill-0"]])  # leases released, not left to expire
+    chaos.restart(dep, "decode-0", env={"PDSERVE_FAULT_NIXL_FAIL_FIRST_N": "0"})
+    bodies = _bodies(corpus, 2, 10, start=9000)
+    want = _expected(offline, bodies)
+    ok = system.wait_for(lambda: system.post(addr["url"], "/v1/completions", bodies[0], timeout=30)[0] == 200,
+                         timeout=90, period=1.0)
+    assert ok, "the router did not route to the restarted decode"
+    for body, text in zip(bodies, want):
+        status, out = system.post(addr["url"], "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
+        assert status == 200 and out["choices"][0]["text"] == text, out
+    _assert_blocks_freed([addr["prefill-0"], addr["decode-0"]])
+
+
+@pytest.mark.xdist_group("faults")
+def test_redis_paused_then_killed_router_keeps_serving_and_state_is_republished(dep, addr, offline,
+                                                                                 corpus):
+    port = urlparse(dep.redis_url).port
+    assert dep.redis_pid and port != 6379, "only the deployment's private Redis may be stopped"
+    bodies = _bodies(corpus, 4, 40, start=12000)
+    want = _expected(offline, bodies)
+    load = chaos.Load(addr["url"], bodies, CLIENT_TIMEOUT_S).start()
+    assert load.wait_started(60)
+    os.kill(dep.redis_pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()  # a new request while Redis hangs: served on the last known instances
+        status, out = system.post(addr["url"], "/v1/completions", bodies[0], timeout=CLIENT_TIMEOUT_S)
+        assert status == 200 and out["choices"][0]["text"] == want[0], out
+        assert time.monotonic() - t0 < 10
         results = load.join()
-        assert time.monotonic() - t_kill < 10, "streams did not end promptly after decode died"
-        for r in results:
-            assert r.status == 200 and r.text, r
-            assert r.error is not None and r.error["type"] == "upstream_error" and r.done, r
-            assert r.finish_reason is None
-        # the router stopped choosing it at once (its Redis entry is still live): 503 fast, no hang
-        t0 = time.monotonic()
-        status, err = system.post(addr["url"], "/v1/completions", {"prompt": "x = 1", "max_tokens": 4},
-                                  timeout=CLIENT_TIMEOUT_S)
-        assert status == 503 and "decode" in err["error"]["message"], err
-        assert time.monotonic() - t0 < 5
-        _assert_blocks_freed([addr["prefill-0"]])  # leases released, not left to expire
-        chaos.restart(dep, "decode-0", env={"PDSERVE_FAULT_NIXL_FAIL_FIRST_N": "0"})
-        bodies = _bodies(corpus, 2, 10, start=9000)
-        want = _expected(offline, bodies)
-        ok = system.wait_for(lambda: system.post(addr["url"], "/v1/completions", bodies[0], timeout=30)[0] == 200,
-                             timeout=90, period=1.0)
-        assert ok, "the router did not route to the restarted decode"
-        for body, text in zip(bodies, want):
-            status, out = system.post(addr["url"], "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
-            assert status == 200 and out["choices"][0]["text"] == text, out
-        _assert_blocks_freed([addr["prefill-0"], addr["decode-0"]])
+    finally:
+        os.kill(dep.redis_pid, signal.SIGCONT)
+    assert [r.text for r in results] == want and all(r.ok for r in results), results
 
-    def test_redis_paused_then_killed_router_keeps_serving_and_state_is_republished(self, dep, addr, offline,
-                                                                                     corpus):
-        port = urlparse(dep.redis_url).port
-        assert dep.redis_pid and port != 6379, "only the deployment's private Redis may be stopped"
-        bodies = _bodies(corpus, 4, 40, start=12000)
-        want = _expected(offline, bodies)
-        load = chaos.Load(addr["url"], bodies, CLIENT_TIMEOUT_S).start()
-        assert load.wait_started(60)
-        os.kill(dep.redis_pid, signal.SIGSTOP)
-        try:
-            t0 = time.monotonic()  # a new request while Redis hangs: served on the last known instances
-            status, out = system.post(addr["url"], "/v1/completions", bodies[0], timeout=CLIENT_TIMEOUT_S)
-            assert status == 200 and out["choices"][0]["text"] == want[0], out
-            assert time.monotonic() - t0 < 10
-            results = load.join()
-        finally:
-            os.kill(dep.redis_pid, signal.SIGCONT)
-        assert [r.text for r in results] == want and all(r.ok for r in results), results
+    chaos_redis_kill(dep)
+    load = chaos.Load(addr["url"], bodies, CLIENT_TIMEOUT_S).start()
+    results = load.join()
+    assert [r.text for r in results] == want and all(r.ok for r in results), results
+    assert all(r.elapsed < 20 for r in results)
+    import json
+    import urllib.request
+    health = json.loads(urllib.request.urlopen(addr["url"] + "/health", timeout=5).read())
+    assert health["redis"] is False
 
-        chaos_redis_kill(dep)
-        load = chaos.Load(addr["url"], bodies, CLIENT_TIMEOUT_S).start()
-        results = load.join()
-        assert [r.text for r in results] == want and all(r.ok for r in results), results
-        assert all(r.elapsed < 20 for r in results)
-        assert system.post(addr["url"], "/v1/completions", bodies[0])[0] == 200
-        import json
-        import urllib.request
-        health = json.loads(urllib.request.urlopen(addr["url"] + "/health", timeout=5).read())
-        assert health["redis"] is False
+    server = RedisServer.start(port, die_with_parent=True)
+    dep.redis_pid, dep.redis_workdir = server.pid, server.workdir
+    want_ids = {"router-0", "prefill-0", "decode-0", "kvstore-0"}
+    assert system.wait_for(lambda: want_ids <= set(_instances(dep)), timeout=15), "state not re-published"
+    assert system.wait_for(
+        lambda: json.loads(urllib.request.urlopen(addr["url"] + "/health", timeout=5).read())["redis"], timeout=10)
+    status, out = system.post(addr["url"], "/v1/completions", bodies[1], timeout=CLIENT_TIMEOUT_S)
+    assert status == 200 and out["choices"][0]["text"] == want[1], out
+    _assert_blocks_freed([addr["prefill-0"], addr["decode-0"]])
 
-        server = RedisServer.start(port, die_with_parent=True)
-        dep.redis_pid, dep.redis_workdir = server.pid, server.workdir
-        want_ids = {"router-0", "prefill-0", "decode-0", "kvstore-0"}
-        assert system.wait_for(lambda: want_ids <= set(_instances(dep)), timeout=15), "state not re-published"
-        assert system.wait_for(
-            lambda: json.loads(urllib.request.urlopen(addr["url"] + "/health", timeout=5).read())["redis"], timeout=10)
-        assert system.post(addr["url"], "/v1/completions", bodies[1], timeout=CLIENT_TIMEOUT_S)[0] == 200
-        _assert_blocks_freed([addr["prefill-0"], addr["decode-0"]])
 
-    def test_kvstore_paused_then_killed_prefill_recomputes(self, dep, addr, offline, corpus):
-        url, prefill = addr["url"], addr["prefill-0"]
-        session = corpus[20000:20000 + 10 * 64 + 5]
-        assert system.post(url, "/v1/completions", {"prompt": session, "max_tokens": 4, **GREEDY})[0] == 200
-        assert system.wait_for(lambda: system.metric(addr["kvstore-0"], "pdserve:kvstore_num_stored_blocks") >= 10)
-        for i in range(4):  # push the session out of prefill's 48 blocks; the kvstore keeps it
-            filler = corpus[30000 + 1000 * i: 30000 + 1000 * i + 15 * 64]
-            assert system.post(url, "/v1/completions", {"prompt": filler, "max_tokens": 2, **GREEDY})[0] == 200
-        failures = system.metric(prefill, "pdserve:kvstore_failures_total")
-        turn = session + corpus[40000:40030]
-        bodies = [{"prompt": turn, "max_tokens": 12, **GREEDY}] + _bodies(corpus, 3, 12, start=41000)
-        want = _expected(offline, bodies[:1]) + _expected(offline, bodies[1:])
-        chaos.pause(dep, "kvstore-0")
-        try:
-            results = chaos.Load(url, bodies, CLIENT_TIMEOUT_S).start().join()
-        finally:
-            chaos.resume(dep, "kvstore-0")
-        assert [r.text for r in results] == want and all(r.ok for r in results), results
-        assert all(r.elapsed < 15 for r in results), [r.elapsed for r in results]
-        assert system.metric(prefill, "pdserve:kvstore_failures_total") > failures, "the load never hit the kvstore"
-
-        chaos.kill(dep, "kvstore-0")
+@pytest.mark.xdist_group("faults")
+def test_kvstore_paused_then_killed_prefill_recomputes(dep, addr, offline, corpus):
+    url, prefill = addr["url"], addr["prefill-0"]
+    session = corpus[20000:20000 + 10 * 64 + 5]
+    assert system.post(url, "/v1/completions", {"prompt": session, "max_tokens": 4, **GREEDY})[0] == 200
+    assert system.wait_for(lambda: system.metric(addr["kvstore-0"], "pdserve:kvstore_num_stored_blocks") >= 10)
+    for i in range(4):  # push the session out of prefill's 48 blocks; the kvstore keeps it
+        filler = corpus[30000 + 1000 * i: 30000 + 1000 * i + 15 * 64]
+        assert system.post(url, "/v1/completions", {"prompt": filler, "max_tokens": 2, **GREEDY})[0] == 200
+    failures = system.metric(prefill, "pdserve:kvstore_failures_total")
+    turn = session + corpus[40000:40030]
+    bodies = [{"prompt": turn, "max_tokens": 12, **GREEDY}] + _bodies(corpus, 3, 12, start=41000)
+    want = _expected(offline, bodies[:1]) + _expected(offline, bodies[1:])
+    chaos.pause(dep, "kvstore-0")
+    try:
         results = chaos.Load(url, bodies, CLIENT_TIMEOUT_S).start().join()
-        assert [r.text for r in results] == want and all(r.ok for r in results), results
-        _assert_blocks_freed([prefill, addr["decode-0"]])
+    finally:
+        chaos.resume(dep, "kvstore-0")
+    assert [r.text for r in results] == want and all(r.ok for r in results), results
+    assert all(r.elapsed < 15 for r in results), [r.elapsed for r in results]
+    assert system.metric(prefill, "pdserve:kvstore_failures_total") > failures, "the load never hit the kvstore"
+
+    chaos.kill(dep, "kvstore-0")
+    results = chaos.Load(url, bodies, CLIENT_TIMEOUT_S).start().join()
+    assert [r.text for r in results] == want and all(r.ok for r in results), results
+    _assert_blocks_freed([prefill, addr["decode-0"]])
 
 
 def chaos_redis_kill(dep) -> None:
