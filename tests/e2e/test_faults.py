@@ -282,13 +282,18 @@ def test_prefill_rank_killed_instance_goes_out_of_service_and_back(tmp_path_fact
 def _prefill_rank_death(dep, offline, corpus) -> None:
     infos = _instances(dep)
     p0, p1, dec = infos["prefill-0"], infos["prefill-1"], infos["decode-0"]
-    bodies = _bodies(corpus, 6, 24, start=3000)
+    # long prompts, so that several are being prefilled on prefill-0 when its rank dies
+    bodies = [{"prompt": corpus[3000 * i: 3000 * i + 1200 + 150 * i], "max_tokens": 16, **GREEDY} for i in range(8)]
     want = _expected(offline, bodies)
     load = chaos.Load(dep.url, bodies, CLIENT_TIMEOUT_S).start()
-    time.sleep(0.3)  # some requests are in prefill, some in decode
+    time.sleep(0.5)
     t_kill = time.monotonic()
     chaos.kill(dep, "prefill-0.rank1")
     results = load.join()
+    print("in flight when prefill-0.rank1 died:", [("ok" if r.ok else "error", round(r.elapsed, 2)) for r in results])
+    router_log = open(chaos.record(dep, "router-0").log).read()
+    retried = router_log.count("trying another")
+    assert retried or not all(r.ok for r in results), "no request was in flight at prefill-0 when its rank died"
     for r, text in zip(results, want):  # each either completed correctly or failed cleanly: never wrong, never hung
         assert r.elapsed < 30, r
         assert (r.ok and r.text == text) or (r.error is not None and r.finish_reason is None), r
@@ -311,7 +316,8 @@ def _prefill_rank_death(dep, offline, corpus) -> None:
 
     def p0_served() -> float:
         return system.metric(p0.metrics_address, "pdserve:time_to_first_token_seconds_count")
-    for body, text in zip(bodies, want):
+    fresh = _bodies(corpus, 6, 8, start=50000)  # no cached prefix anywhere: routed by load alone
+    for body, text in zip(fresh, _expected(offline, fresh)):
         status, out = system.post(dep.url, "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
         assert status == 200 and out["choices"][0]["text"] == text, out
     assert system.wait_for(lambda: p0_served() >= 1, timeout=5), "the router never chose the restarted prefill"
