@@ -50,8 +50,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     @grpc_errors
     async def Generate(self, request, context):
         req = self._request(request)
-        stream, block_ids, n_cached = await self._admit(req, request.kv.num_tokens)
-        ok = await self._pull(request.kv, block_ids, n_cached)
+        # Admission and pull run shielded: a caller that goes away meanwhile must not strand the
+        # reserved blocks, nor free them while a READ may still write them (see _give_up).
+        prepared = asyncio.ensure_future(self._admit_and_pull(req, request.kv))
+        try:
+            stream, ok = await asyncio.shield(prepared)
+        except asyncio.CancelledError:
+            prepared.add_done_callback(lambda t: self._give_up(req.req_id, t))
+            raise
         self.engine.import_done(req.req_id, ok)
         t_first = None
         n_seen = 0
@@ -72,6 +78,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return prefill_pb2.AbortResponse(aborted=True)
 
     # ---- steps ---------------------------------------------------------------------------------
+    async def _admit_and_pull(self, req: Request, kv):
+        stream, block_ids, n_cached = await self._admit(req, kv.num_tokens)
+        try:
+            return stream, await self._pull(kv, block_ids, n_cached)
+        except BaseException:
+            self._drop(req.req_id, stream)
+            raise
+
+    def _give_up(self, req_id: str, prepared: asyncio.Future) -> None:
+        """The caller left during admission/pull; now that no transfer writes our blocks, free them."""
+        if not prepared.cancelled() and prepared.exception() is None:
+            self._drop(req_id, prepared.result()[0])
+
+    def _drop(self, req_id: str, stream) -> None:
+        self.engine.abort(req_id)  # the engine defers the free of an importing request to import_done
+        self.engine.import_done(req_id, False)
+        asyncio.ensure_future(_drain(stream))  # its end unregisters the stream
+
     def _request(self, request) -> Request:
         g, kv = request.request, request.kv
         ids = list(g.prompt_token_ids)
@@ -159,3 +183,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.metrics.spec_decode_num_draft_tokens.inc(max(d - self._last_spec[0], 0))
         self.metrics.spec_decode_num_accepted_tokens.inc(max(a - self._last_spec[1], 0))
         self._last_spec = (d, a)
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass

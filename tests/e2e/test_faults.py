@@ -160,6 +160,33 @@ def test_decode_killed_mid_stream(dep, addr, offline, corpus):
 
 
 @pytest.mark.xdist_group("faults")
+def test_decode_paused_streams_end_at_the_idle_timeout(dep, addr, offline, corpus):
+    load = chaos.Load(addr["url"], _bodies(corpus, 3, 1500, start=15000), CLIENT_TIMEOUT_S).start()
+    assert load.wait_started(60)
+    t_pause = time.monotonic()
+    chaos.pause(dep, "decode-0")
+    try:
+        results = load.join()
+        assert time.monotonic() - t_pause < ROUTER["stream-idle-timeout-s"] + 5, "streams outlived the idle timeout"
+        for r in results:
+            assert r.status == 200 and r.done and r.finish_reason is None, r
+            assert r.error is not None and "sent nothing" in r.error["message"], r
+        t0 = time.monotonic()  # the router stopped choosing the silent decode
+        status, err = system.post(addr["url"], "/v1/completions", {"prompt": "y = 2", "max_tokens": 4},
+                                  timeout=CLIENT_TIMEOUT_S)
+        assert status == 503 and time.monotonic() - t0 < 5, err
+    finally:
+        chaos.resume(dep, "decode-0")
+    bodies = _bodies(corpus, 1, 10, start=18000)
+    (want,) = _expected(offline, bodies)
+    ok = system.wait_for(lambda: system.post(addr["url"], "/v1/completions", bodies[0], timeout=30)[0] == 200,
+                         timeout=30, period=1.0)
+    status, out = system.post(addr["url"], "/v1/completions", bodies[0], timeout=CLIENT_TIMEOUT_S)
+    assert ok and status == 200 and out["choices"][0]["text"] == want, out
+    _assert_blocks_freed([addr["prefill-0"], addr["decode-0"]])
+
+
+@pytest.mark.xdist_group("faults")
 def test_redis_paused_then_killed_router_keeps_serving_and_state_is_republished(dep, addr, offline,
                                                                                  corpus):
     port = urlparse(dep.redis_url).port
