@@ -45,8 +45,3 @@ def fault_nixl_fail_first_n() -> int:
     transfer error would (0 = off)."""
     return int(os.environ.get("PDSERVE_FAULT_NIXL_FAIL_FIRST_N", "0"))
 
-
-def fault_pull_delay_s() -> float:
-    """`PDSERVE_FAULT_PULL_DELAY_S`: the decode service waits this long before each KV pull, e.g. so
-    that a short prefill lease expires and its pages are reused before the READ (0 = off)."""
-    return float(os.environ.get("PDSERVE_FAULT_PULL_DELAY_S", "0"))

@@ -43,7 +43,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.num_pull_failures = 0
         self.num_local_recomputes = 0
         self._faults_left = envs.fault_nixl_fail_first_n()
-        self._fault_delay_s = envs.fault_pull_delay_s()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._last_spec = (0, 0)
 
@@ -127,8 +126,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _pull(self, kv, block_ids: list[int], n_cached: int) -> bool:
         """True when the prompt KV is in our blocks; False: the engine computes the prompt itself."""
-        if self._fault_delay_s:
-            await asyncio.sleep(self._fault_delay_s)
         timed_out = False
         for attempt in range(self.pull_retries + 1):
             try:
