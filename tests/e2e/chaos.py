@@ -7,7 +7,9 @@ recorded command line (never by name)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
+import inspect
 import json
 import os
 import signal
@@ -17,9 +19,14 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+from engine import LLM, SamplingParams
 from services import launcher
 from services.common.procs import tie_to_parent
+from services.common.redis_state import RedisState
 from services.topology import ROOT
+from tests.e2e import system
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 def record(dep: launcher.Deployment, name: str) -> launcher.ProcessRecord:
@@ -63,6 +70,20 @@ def restart(dep: launcher.Deployment, name: str, env: dict[str, str] | None = No
     launcher._children[proc.pid] = proc  # noqa: SLF001 - reaped and stopped by launcher.down
     rec.pid = proc.pid
     return rec
+
+
+def kill_redis(dep: launcher.Deployment) -> None:
+    """SIGKILL the Redis the deployment started (a private one: never a shared server)."""
+    assert dep.redis_pid and urlparse(dep.redis_url).port != 6379, "only the deployment's private Redis"
+    os.kill(dep.redis_pid, signal.SIGKILL)
+
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{dep.redis_pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+    assert system.wait_for(gone, timeout=5)
 
 
 def exit_code(dep: launcher.Deployment, name: str) -> int | None:
@@ -163,3 +184,44 @@ class Load:
             t.join(self.timeout_s + 10)
         assert not any(t.is_alive() for t in self._threads), "a client call outlived its own timeout"
         return [r for r in self.results if r is not None]
+
+
+# ---- checks -------------------------------------------------------------------------------------
+
+def corpus(tok) -> list[int]:
+    import argparse
+    import difflib
+    import typing
+    ids = tok.encode("".join(inspect.getsource(m) for m in (difflib, argparse, typing, inspect)))
+    assert len(ids) > 64_000, "the corpus is too short for the tests' slices"
+    return ids
+
+
+def instances(dep) -> dict[str, object]:
+    async def read():
+        state = RedisState(dep.redis_url)
+        try:
+            return {i.instance_id: i for i in await state.instances()}
+        finally:
+            await state.close()
+    return asyncio.run(read())
+
+
+def _usage(address: str) -> float:
+    return system.metric(address, "pdserve:kv_cache_usage_perc")
+
+
+def assert_blocks_freed(addresses: list[str], timeout: float = 15.0) -> None:
+    for a in addresses:
+        assert system.wait_for(lambda: _usage(a) == 0, timeout=timeout), f"KV blocks still in use at {a}"
+
+
+def bodies(corpus: list[int], n: int, max_tokens: int, start: int = 0) -> list[dict]:
+    return [{"prompt": corpus[start + 400 * i: start + 400 * i + 90 + 23 * i], "max_tokens": max_tokens, **GREEDY}
+            for i in range(n)]
+
+
+def expected(offline: LLM, bodies: list[dict]) -> list[str]:
+    outs = offline.generate([b["prompt"] for b in bodies],
+                            SamplingParams(max_tokens=bodies[0]["max_tokens"], temperature=0.0, ignore_eos=True))
+    return [o.text for o in outs]
