@@ -75,6 +75,7 @@ def _decode_killed_mid_stream(dep, addr, offline, corpus):
     t_kill = time.monotonic()
     chaos.kill(dep, "decode-0")
     results = load.join()
+    print(f"decode killed: {len(results)} streams ended {time.monotonic() - t_kill:.2f}s after the kill")
     assert time.monotonic() - t_kill < 10, "streams did not end promptly after decode died"
     for r in results:
         assert r.status == 200 and r.text, r
@@ -106,6 +107,8 @@ def _decode_paused_streams_end_at_the_idle_timeout(dep, addr, offline, corpus):
     chaos.pause(dep, "decode-0")
     try:
         results = load.join()
+        print(f"decode paused: streams ended {time.monotonic() - t_pause:.2f}s after the pause "
+              f"(idle timeout {ROUTER['stream-idle-timeout-s']}s)")
         assert time.monotonic() - t_pause < ROUTER["stream-idle-timeout-s"] + 5, "streams outlived the idle timeout"
         for r in results:
             assert r.status == 200 and r.done and r.finish_reason is None, r
@@ -138,6 +141,7 @@ def _redis_paused_then_killed_router_keeps_serving_and_state_is_republished(dep,
         t0 = time.monotonic()  # a new request while Redis hangs: served on the last known instances
         status, out = system.post(addr["url"], "/v1/completions", bodies[0], timeout=CLIENT_TIMEOUT_S)
         assert status == 200 and out["choices"][0]["text"] == want[0], out
+        print(f"Redis paused: a new request took {time.monotonic() - t0:.2f}s")
         assert time.monotonic() - t0 < 15
         results = load.join()
     finally:
@@ -181,6 +185,7 @@ def _kvstore_paused_then_killed_prefill_recomputes(dep, addr, offline, corpus):
     finally:
         chaos.resume(dep, "kvstore-0")
     assert [r.text for r in results] == want and all(r.ok for r in results), results
+    print(f"kvstore paused: requests took {max(r.elapsed for r in results):.2f}s at most")
     assert all(r.elapsed < 25 for r in results), [r.elapsed for r in results]
     assert system.metric(prefill, "pdserve:kvstore_failures_total") > failures, "the load never hit the kvstore"
 
