@@ -142,6 +142,8 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(core) between two steps (services use it for KV export/import bookkeeping)."""
+        if self._dead is not None:  # nothing would ever run it: fail now instead of waiting forever
+            raise EngineDeadError(f"engine is dead: {self._dead!r}")
         fut = asyncio.get_running_loop().create_future()
         self._submit(fn, fut)
         return await fut

@@ -43,3 +43,12 @@ def api_keys() -> tuple[str, ...]:
     `--api-key`); empty = no authentication."""
     raw = os.environ.get("PDSERVE_API_KEY", "")
     return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+# ---- fault injection (tests only; tests/e2e/test_faults.py sets them on real processes) ----------
+
+def fault_nixl_fail_first_n() -> int:
+    """`PDSERVE_FAULT_NIXL_FAIL_FIRST_N`: the decode service's first N KV pull attempts fail as a NIXL
+    transfer error would (0 = off)."""
+    return int(os.environ.get("PDSERVE_FAULT_NIXL_FAIL_FIRST_N", "0"))
+

@@ -64,6 +64,13 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvstore_num_blocks", Gauge, "Blocks in the host KV pool.", ("kvstore",)),
     MetricDef("kvstore_num_stored_blocks", Gauge, "Committed (readable) blocks in the pool.", ("kvstore",)),
     MetricDef("kvstore_evictions", Counter, "Blocks evicted (LRU) to make room.", ("kvstore",)),
+    MetricDef("kv_pull_failures", Counter, "KV pull attempts that failed or passed their deadline.", ("decode",)),
+    MetricDef("kv_pull_not_intact", Counter, "KV pulls the prefill could not confirm (lease expired, pages "
+              "reused): never decoded from.", ("decode",)),
+    MetricDef("kvstore_failures", Counter, "kvstore loads/offloads that failed or timed out (recomputed instead).",
+              ("prefill",)),
+    MetricDef("kv_pull_recomputes", Counter, "Requests whose prompt KV was computed locally instead of pulled.",
+              ("decode",)),
 )
 
 

@@ -4,6 +4,8 @@ Token i of the prompt lives on prefill rank (i // I) % N at local index (i // (I
 (DCP over N ranks, interleave I; N = 1 is the plain case). When I is a multiple of the block size,
 whole blocks map to whole blocks and are READ straight into place. Otherwise each rank's blocks are
 READ into a registered staging area, chunk by chunk, and their rows scattered into place.
+The READs carry no notification: the decode service confirms the copy with ReleaseKV afterwards
+(page generations, services/prefill/leases.py), which also frees the prefill's pages.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from services.common.convert import nixl_peer_from_proto
-from services.common.nixl_agent import BlockDescList, NixlAgent, deadline_in, pulled_notif
+from services.common.nixl_agent import BlockDescList, NixlAgent, deadline_in
 
 
 @dataclass
@@ -93,8 +95,7 @@ class KVPuller:
                                {r: list(rp.block_ids) for r, rp in ranks.items()}, local_blocks)
             moved = 0
             for r, (remote_ids, local_ids) in plan.direct.items():
-                xfer = self.agent.read(self.local, local_ids, self._remote_descs(ranks[r].peer), remote_ids,
-                                       notif=pulled_notif(kv.lease_id))
+                xfer = self.agent.read(self.local, local_ids, self._remote_descs(ranks[r].peer), remote_ids)
                 await self.agent.wait(xfer, deadline)
                 moved += xfer.num_bytes
             return moved
@@ -108,8 +109,7 @@ class KVPuller:
             rank_ids = list(rp.block_ids)
             for c0 in range(0, len(rank_ids), self.staging.num_blocks):
                 chunk = rank_ids[c0:c0 + self.staging.num_blocks]
-                xfer = self.agent.read(self.staging_local, list(range(len(chunk))), remote, chunk,
-                                       notif=pulled_notif(kv.lease_id) if c0 + len(chunk) >= len(rank_ids) else b"")
+                xfer = self.agent.read(self.staging_local, list(range(len(chunk))), remote, chunk)
                 await self.agent.wait(xfer, deadline)
                 moved += xfer.num_bytes
                 self._scatter(r, c0, len(chunk), kv.num_tokens, first * bs, dcp, inter, local_blocks)

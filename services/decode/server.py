@@ -3,6 +3,8 @@
     Generate(request + KVHandle + first token)
       -> reserve blocks (waits while the pool is full; RESOURCE_EXHAUSTED after --admit-timeout-s)
       -> NIXL READ from the prefill rank(s) [retry once; then compute the prompt locally instead]
+      -> ReleaseKV(page generations) to the prefill: frees its pages and confirms they still held this
+         request's KV during the READ; if not (lease expired, pages reused), compute locally instead
       -> the engine continues from the first token (HiSparse + MTP), deltas streamed back
 A client that goes away aborts the request; its blocks are freed (after any transfer into them ended).
 """
@@ -14,14 +16,17 @@ import logging
 import time
 import uuid
 
+import grpc
+
 from engine.async_engine import AsyncEngine
 from engine.request import Request
-from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
+from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.common import envs
 from services.common.convert import check_kv_layout, delta_to_proto, sampling_from_proto
 from services.common.admission import Admission
-from services.common.grpc_server import Overloaded, grpc_errors
+from services.common.grpc_server import Overloaded, channel, grpc_errors
 from services.common.metrics import ServiceMetrics
-from services.common.nixl_agent import TransferError
+from services.common.nixl_agent import TransferError, TransferTimeout
 from services.decode.puller import KVPuller
 
 log = logging.getLogger(__name__)
@@ -31,26 +36,34 @@ SERVICE_NAME = "pdserve.v1.Decode"
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: AsyncEngine, puller: KVPuller, metrics: ServiceMetrics, *, admit_timeout_s: float,
-                 pull_retries: int = 1, admission: Admission | None = None):
+                 pull_retries: int = 1, release_timeout_s: float = 2.0, admission: Admission | None = None):
         self.engine, self.puller, self.metrics = engine, puller, metrics
         self.admission = admission or Admission("decode", 1024, 256)
         self.admit_timeout_s = admit_timeout_s
         self.pull_retries = pull_retries
+        self.release_timeout_s = release_timeout_s
         self.num_pull_failures = 0
         self.num_local_recomputes = 0
+        self._faults_left = envs.fault_nixl_fail_first_n()
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._last_spec = (0, 0)
 
     @grpc_errors
     async def Generate(self, request, context):
         req = self._request(request)
         with self.admission.inflight():
-            async for reply in self._generate(req, request):
+            # Admission and pull run shielded: a caller that goes away meanwhile must not strand the
+            # reserved blocks, nor free them while a READ may still write them (see _give_up).
+            prepared = asyncio.ensure_future(self._admit_and_pull(req, request.kv))
+            try:
+                stream, ok = await asyncio.shield(prepared)
+            except asyncio.CancelledError:
+                prepared.add_done_callback(lambda t: self._give_up(req.req_id, t))
+                raise
+            async for reply in self._stream(req, stream, ok):
                 yield reply
 
-    async def _generate(self, req: Request, request):
-        with self.admission.queued():  # bounded: requests waiting for KV room
-            stream, block_ids, n_cached = await self._admit(req, request.kv.num_tokens)
-        ok = await self._pull_or_cancel(req.req_id, request.kv, block_ids, n_cached)
+    async def _stream(self, req: Request, stream, ok: bool):
         self.engine.import_done(req.req_id, ok)
         t_first = None
         n_seen = 0
@@ -71,6 +84,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return prefill_pb2.AbortResponse(aborted=True)
 
     # ---- steps ---------------------------------------------------------------------------------
+    async def _admit_and_pull(self, req: Request, kv):
+        with self.admission.queued():  # bounded: requests waiting for KV room
+            stream, block_ids, n_cached = await self._admit(req, kv.num_tokens)
+        try:
+            return stream, await self._pull(kv, block_ids, n_cached)
+        except BaseException:
+            self._drop(req.req_id, stream)
+            raise
+
+    def _give_up(self, req_id: str, prepared: asyncio.Future) -> None:
+        """The caller left during admission/pull; now that no transfer writes our blocks, free them."""
+        if not prepared.cancelled() and prepared.exception() is None:
+            self._drop(req_id, prepared.result()[0])
+
+    def _drop(self, req_id: str, stream) -> None:
+        self.engine.abort(req_id)  # the engine defers the free of an importing request to import_done
+        self.engine.import_done(req_id, False)
+        asyncio.ensure_future(_drain(stream))  # its end unregisters the stream
+
     def _request(self, request) -> Request:
         g, kv = request.request, request.kv
         ids = list(g.prompt_token_ids)
@@ -100,28 +132,55 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    async def _pull_or_cancel(self, req_id: str, kv, block_ids: list[int], n_cached: int) -> bool:
-        """The pull, run to its end even when the client leaves meanwhile: a READ may still be writing
-        our blocks, so a request given up mid-pull is freed only once the pull ended (never leaked)."""
-        pull = asyncio.ensure_future(self._pull(kv, block_ids, n_cached))
-        try:
-            return await asyncio.shield(pull)
-        except BaseException:
-            self.engine.cancel(req_id)  # the scheduler defers freeing until import_done
-            pull.add_done_callback(lambda _: self.engine.import_done(req_id, False))
-            raise
-
     async def _pull(self, kv, block_ids: list[int], n_cached: int) -> bool:
+        """True when the prompt KV is in our blocks; False: the engine computes the prompt itself."""
+        timed_out = False
         for attempt in range(self.pull_retries + 1):
             try:
+                self._inject_fault()
                 await self.puller.pull(kv, block_ids, n_cached)
-                return True
+                break
             except (TransferError, ValueError) as exc:
+                timed_out |= isinstance(exc, TransferTimeout)
                 self.num_pull_failures += 1
+                self.metrics.kv_pull_failures.inc()
                 log.warning("KV pull from %s failed (attempt %d): %s", kv.prefill_instance_id, attempt + 1, exc)
+        else:
+            # A cancelled (timed-out) READ may still land: keep the source pages until the lease expires
+            # rather than let them be reused under it; a failed one is over, so free them now.
+            if not timed_out:
+                await self._release(kv, ())
+            return self._recompute("the pulls failed")
+        if not await self._release(kv, kv.block_generations):
+            self.metrics.kv_pull_not_intact.inc()
+            return self._recompute("the prefill could not confirm its pages were intact during the READ")
+        return True
+
+    def _recompute(self, why: str) -> bool:
         self.num_local_recomputes += 1
-        log.warning("computing the prompt locally instead")
+        self.metrics.kv_pull_recomputes.inc()
+        log.warning("computing the prompt locally instead: %s", why)
         return False
+
+    async def _release(self, kv, generations) -> bool:
+        """ReleaseKV at the prefill; with `generations`, True only if it confirms the copy is intact."""
+        address = kv.prefill_grpc_address
+        if not address:
+            return False
+        ch = self._channels.get(address) or self._channels.setdefault(address, channel(address))
+        try:
+            reply = await prefill_pb2_grpc.PrefillStub(ch).ReleaseKV(
+                prefill_pb2.ReleaseKVRequest(lease_id=kv.lease_id, block_generations=list(generations)),
+                timeout=self.release_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("ReleaseKV at %s failed: %s", address, exc.code().name)
+            return False
+        return reply.intact
+
+    def _inject_fault(self) -> None:
+        if self._faults_left > 0:
+            self._faults_left -= 1
+            raise TransferError("injected NIXL transfer failure (PDSERVE_FAULT_NIXL_FAIL_FIRST_N)")
 
     def _spec_metrics(self) -> None:
         st = self.engine.stats()
@@ -129,3 +188,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.metrics.spec_decode_num_draft_tokens.inc(max(d - self._last_spec[0], 0))
         self.metrics.spec_decode_num_accepted_tokens.inc(max(a - self._last_spec[1], 0))
         self._last_spec = (d, a)
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass

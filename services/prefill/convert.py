@@ -14,4 +14,4 @@ def kv_handle(instance_id: str, lease, num_tokens: int, exporter, pages, hashes:
         cp_kv_cache_interleave_size=exporter.interleave,
         ranks=[prefill_pb2.RankPages(rank=p.rank, peer=nixl_peer_to_proto(p.agent_name, p.agent_metadata, p.tensors),
                                      block_ids=p.block_ids) for p in pages],
-        block_hashes=hashes, num_cached_tokens=num_cached)
+        block_hashes=hashes, num_cached_tokens=num_cached, block_generations=lease.generations)

@@ -1,5 +1,15 @@
 """Leases on exported KV: a finished prefill's blocks stay pinned until decode pulled them, the lease
-expired, and any offload to the kvstore that reads them has finished (whichever order)."""
+expired, and any offload to the kvstore that reads them has finished (whichever order).
+
+Page generations: every engine block id has a counter that moves on each time a lease gives the block
+back to the engine (after which it may be reused for another request). The KV handle carries the
+generations at export; a puller confirms after its one-sided READ (`confirm`) that the lease was still
+live and every page still had its generation -- otherwise the bytes it copied may belong to another
+request, and it must recompute instead of decoding from them.
+
+    grant ─ export(gens g) ─ decode READ ─ confirm(g) ─▶ intact: release, gens g+1
+                 └─ lease expires ─▶ release, gens g+1 ─ (page reused) ─ confirm(g) ─▶ not intact
+"""
 
 from __future__ import annotations
 
@@ -21,6 +31,22 @@ class Lease:
     pulled: bool = False
     expired: bool = False
     readers: set = field(default_factory=set)  # tasks still reading the blocks (kvstore offload)
+    block_ids: tuple[int, ...] = ()
+    generations: tuple[int, ...] = ()  # of block_ids, at grant
+
+
+class PageGenerations:
+    """block id -> how many times a lease gave it back to the engine (ints only, no tensors)."""
+
+    def __init__(self):
+        self._gen: dict[int, int] = {}
+
+    def of(self, block_ids) -> tuple[int, ...]:
+        return tuple(self._gen.get(b, 0) for b in block_ids)
+
+    def bump(self, block_ids) -> None:
+        for b in block_ids:
+            self._gen[b] = self._gen.get(b, 0) + 1
 
 
 class LeaseTable:
@@ -30,13 +56,25 @@ class LeaseTable:
         self.default_s, self.max_s = default_s, max_s
         self._on_expired = on_expired
         self.leases: dict[str, Lease] = {}
+        self.generations = PageGenerations()
         self._task: asyncio.Task | None = None
 
-    def grant(self, req_id: str, lease_s: float | None = None) -> Lease:
+    def grant(self, req_id: str, lease_s: float | None = None, block_ids=()) -> Lease:
         s = self.default_s if not lease_s else min(lease_s, self.max_s)
-        lease = Lease(lease_id=secrets.token_hex(8), req_id=req_id, expires=time.monotonic() + s)
+        lease = Lease(lease_id=secrets.token_hex(8), req_id=req_id, expires=time.monotonic() + s,
+                      block_ids=tuple(block_ids), generations=self.generations.of(block_ids))
         self.leases[lease.lease_id] = lease
         return lease
+
+    async def confirm(self, lease_id: str, generations) -> bool:
+        """A puller finished its READ: True when what it copied is this lease's KV (lease live, every
+        page at the generation the handle gave). The lease is released either way."""
+        lease = self.leases.get(lease_id)
+        intact = (lease is not None and not lease.expired
+                  and self.generations.of(lease.block_ids) == tuple(generations) == lease.generations)
+        if lease is not None:
+            await self.pulled(lease_id)
+        return intact
 
     def renew(self, lease_id: str, extend_s: float) -> Lease | None:
         lease = self.leases.get(lease_id)
@@ -69,6 +107,7 @@ class LeaseTable:
         if lease.readers or lease.lease_id not in self.leases:
             return
         del self.leases[lease.lease_id]
+        self.generations.bump(lease.block_ids)  # before the engine may hand the pages to anyone else
         await self._release(lease.req_id)
 
     # ---- expiry ----------------------------------------------------------------------------------

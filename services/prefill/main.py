@@ -8,7 +8,9 @@ launcher start them).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import sys
 
 from engine.arg_utils import EngineArgs
 from engine.async_engine import AsyncEngine
@@ -23,6 +25,7 @@ from services.common.redis_state import InstanceInfo, RedisState
 from services.common.service_args import add_service_args
 from services.prefill.exporter import KVExporter
 from services.prefill.kvstore_link import KVStoreLink
+from services.prefill.rank_watch import wait_for_engine_death
 from services.prefill.server import SERVICE_NAME, PrefillServicer
 
 log = logging.getLogger("services.prefill")
@@ -36,10 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--lease-ms", type=int, default=30_000, help="how long exported KV waits for decode")
     g.add_argument("--max-lease-ms", type=int, default=300_000)
     g.add_argument("--kvstore", default="auto", help="'auto' (find one in Redis), 'off', or host:port")
+    g.add_argument("--kvstore-timeout-s", type=float, default=2.0,
+                   help="deadline of each kvstore call/transfer; past it the prefix is recomputed")
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     engine = AsyncEngine(engine_args)
     host = advertise_host(args.advertise_host, args.host)
@@ -51,10 +56,12 @@ async def serve(args: argparse.Namespace) -> None:
     link = None
     if args.kvstore != "off":
         link = KVStoreLink(exporter.agent, exporter.tensors, exporter.spec, state,
-                           static_address=None if args.kvstore == "auto" else args.kvstore)
+                           static_address=None if args.kvstore == "auto" else args.kvstore,
+                           timeout_s=args.kvstore_timeout_s, metrics=metrics)
     servicer = PrefillServicer(instance_id, engine, exporter, metrics, link, args.lease_ms / 1000,
                                args.max_lease_ms / 1000,
-                               Admission("prefill", args.max_inflight_requests, args.max_queued_requests))
+                               Admission("prefill", args.max_inflight_requests, args.max_queued_requests),
+                               grpc_address=f"{host}:{port}")
     server.add_service(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer, SERVICE_NAME)
     metrics_port = metrics.serve(args.metrics_port, args.host)
     cfg = engine.config
@@ -72,7 +79,7 @@ async def serve(args: argparse.Namespace) -> None:
         servicer.start()
         await server.set_serving(True)
         log.info("prefill %s serving %s at %s:%d (metrics :%d)", instance_id, cfg.model_path, host, port, metrics_port)
-        await server.wait_for_shutdown_signal()
+        return await _serve_until_stopped(server, engine, host_obj)
     finally:
         await server.set_serving(False)
         await server.stop(grace=2.0)
@@ -81,6 +88,21 @@ async def serve(args: argparse.Namespace) -> None:
         await engine.shutdown()
         await state.close()
         metrics.close()
+
+
+async def _serve_until_stopped(server: GrpcServer, engine: AsyncEngine, host_obj: EngineHost) -> int:
+    """0 on SIGTERM; 1 when the engine died (rank_watch.py): out of service first, then exit."""
+    stop = asyncio.create_task(server.wait_for_shutdown_signal())
+    death = asyncio.create_task(wait_for_engine_death(engine))
+    done, pending = await asyncio.wait([stop, death], return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        t.cancel()
+    if death not in done:
+        return 0
+    log.error("prefill out of service: %s; exiting for a restart", death.result())
+    await server.set_serving(False)
+    await host_obj.stop()  # deregister now: routers stop choosing us before our TTL would run out
+    return 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
             worker_main()
             return
-    run(lambda: serve(args))
+    sys.exit(run(lambda: serve(args)))
 
 
 def _set_rank_environ(args: argparse.Namespace) -> None:

@@ -27,3 +27,8 @@ def setup(runner, instance_id: str) -> dict | None:
         tensors = _AGENT.register({"mla": runner.kv_cache.mla, "index": runner.kv_cache.index})
         _AGENT._tensors = tensors  # noqa: SLF001 - remembered for later calls
     return {"agent_name": _AGENT.name, "agent_metadata": _AGENT.metadata(), "tensors": _AGENT._tensors}
+
+
+def ping(runner) -> int:
+    """A no-op collective: it fails at once on rank 0 when a worker rank's process is gone."""
+    return runner.comm.rank

@@ -3,7 +3,10 @@
     Prefill(request)  -> [load a cached prefix from a kvstore over NIXL] -> engine computes the rest
                       -> first token; the KV stays pinned under a lease (KVHandle: NIXL peers, block ids)
                       -> [offload the prompt's full blocks to a kvstore over NIXL, in the background]
-    ReleaseKV / "pulled <lease>" notification / lease expiry -> blocks freed (after the offload read them)
+    ReleaseKV (decode confirms its copy against the page generations) / lease expiry
+                      -> blocks freed (after the offload read them)
+An engine that died (a worker rank is gone) fails every call with UNAVAILABLE (services/prefill/main.py
+then takes the instance out of service).
 """
 
 from __future__ import annotations
@@ -14,15 +17,14 @@ import logging
 import time
 import uuid
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.kv.hashing import block_hashes
 from engine.request import Request
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.convert import delta_to_proto, sampling_from_proto, unix_ms
 from services.common.admission import Admission
-from services.common.grpc_server import FailedPrecondition, NotFound, grpc_errors
+from services.common.grpc_server import FailedPrecondition, NotFound, Unavailable, grpc_errors
 from services.common.metrics import ServiceMetrics
-from services.common.nixl_agent import parse_pulled
 from services.prefill import convert
 from services.prefill.exporter import KVExporter
 from services.prefill.kvstore_link import KVStoreLink
@@ -35,30 +37,31 @@ SERVICE_NAME = "pdserve.v1.Prefill"
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, instance_id: str, engine: AsyncEngine, exporter: KVExporter, metrics: ServiceMetrics,
-                 kvstore: KVStoreLink | None, lease_s: float, max_lease_s: float, admission: Admission | None = None):
+                 kvstore: KVStoreLink | None, lease_s: float, max_lease_s: float, admission: Admission | None = None,
+                 grpc_address: str = ""):
         self.instance_id, self.engine, self.exporter, self.metrics = instance_id, engine, exporter, metrics
         self.admission = admission or Admission("prefill", 1024, 256)
+        self.grpc_address = grpc_address
         self.kvstore = kvstore
         self.block_size = engine.config.cache.block_size
         self.leases = LeaseTable(self._release, lease_s, max_lease_s,
                                  on_expired=lambda: metrics.kv_lease_expired.inc())
-        self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
         self.leases.start()
-        self._tasks.append(asyncio.get_running_loop().create_task(self._pulled_notifications()))
 
     async def stop(self) -> None:
         await self.leases.stop()
-        for t in self._tasks:
-            t.cancel()
 
     # ---- RPCs ----------------------------------------------------------------------------------
     @grpc_errors
     async def Prefill(self, request, context):
         self.admission.check_waiting(self.engine.stats().num_waiting)
         with self.admission.inflight():
-            return await self._prefill(request)
+            try:
+                return await self._prefill(request)
+            except EngineDeadError as exc:
+                raise Unavailable(f"prefill {self.instance_id} is out of service: {exc}") from exc
 
     async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
         t0 = time.monotonic()
@@ -98,6 +101,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     @grpc_errors
     async def ReleaseKV(self, request, context):
+        if request.block_generations:
+            intact = await self.leases.confirm(request.lease_id, request.block_generations)
+            return prefill_pb2.ReleaseKVResponse(released=intact, intact=intact)
         return prefill_pb2.ReleaseKVResponse(released=await self.leases.pulled(request.lease_id))
 
     @grpc_errors
@@ -145,21 +151,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _export(self, req_id: str, ids: list[int], hashes: list[bytes], lease_ms: int,
                       num_cached: int) -> prefill_pb2.KVHandle:
         pages = await self.exporter.rank_pages(req_id)
-        lease = self.leases.grant(req_id, lease_ms / 1000.0 if lease_ms else None)
+        lease = self.leases.grant(req_id, lease_ms / 1000.0 if lease_ms else None, pages[0].block_ids)
         if self.kvstore is not None and hashes:
             task = asyncio.get_running_loop().create_task(
                 self.kvstore.offload(hashes, pages[0].block_ids[: len(hashes)] if len(pages) == 1 else None))
             self.leases.add_reader(lease, task)
-        return convert.kv_handle(self.instance_id, lease, len(ids), self.exporter, pages, hashes, num_cached)
+        handle = convert.kv_handle(self.instance_id, lease, len(ids), self.exporter, pages, hashes, num_cached)
+        handle.prefill_grpc_address = self.grpc_address
+        return handle
 
     async def _release(self, req_id: str) -> None:
         await self.engine.call(lambda core: core.release_held(req_id))
-
-    async def _pulled_notifications(self) -> None:
-        """Decode may signal "pulled <lease>" with its NIXL READ instead of (or before) ReleaseKV."""
-        while True:
-            for _, msg in self.exporter.agent.poll_notifs():
-                lease_id = parse_pulled(msg)
-                if lease_id is not None:
-                    await self.leases.pulled(lease_id)
-            await asyncio.sleep(0.01)

@@ -4,8 +4,16 @@
            -> pick decode (load) -> Decode.Generate stream (it pulls the KV over NIXL) -> tokens
 Text is detokenized here (stop strings held back exactly as the engine does). A client that goes
 away cancels the in-flight RPC, which aborts the request on that engine and frees its blocks.
-An instance at capacity (RESOURCE_EXHAUSTED) is skipped for another one of its role; when every
-one is full the request fails with `Overloaded` (HTTP 429 / RESOURCE_EXHAUSTED, with retry-after).
+
+Deadlines: every request has one overall deadline (`request_timeout_s` from arrival); the Prefill call
+is also capped at `prefill_timeout_s`, and the decode stream must deliver something at least every
+`idle_timeout_s`. Past any of them the call is cancelled and the client gets an error (an SSE error
+event when streaming), never a hang. A transport-level failure (see `_TRANSPORT`) marks the instance
+unhealthy in routing at once; a request that ends without finishing releases its prefill lease.
+
+Overload: an instance at capacity (RESOURCE_EXHAUSTED, before doing any work) is skipped for another one
+of its role; when every one is full the request fails with `Overloaded` (HTTP 429 / RESOURCE_EXHAUSTED,
+with retry-after).
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ log = logging.getLogger(__name__)
 
 class UpstreamError(RuntimeError):
     """An engine failed mid-request; the client gets an error event (never a silent hang)."""
+
+
+# Codes that say "this instance is gone, stopped or wedged" rather than "this request was refused".
+_TRANSPORT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.INTERNAL)
 
 
 class _Busy(Exception):
@@ -87,10 +100,12 @@ class RequestStats:
 
 class Flow:
     def __init__(self, routing: Routing, tokenizer: Tokenizer, metrics: ServiceMetrics, *, block_size: int = 64,
-                 prefill_timeout_s: float = 600.0, decode_timeout_s: float = 3600.0, lease_ms: int = 0):
+                 prefill_timeout_s: float = 600.0, request_timeout_s: float = 3600.0, idle_timeout_s: float = 120.0,
+                 lease_ms: int = 0):
         self.routing, self.tokenizer, self.metrics = routing, tokenizer, metrics
         self.block_size = block_size
-        self.prefill_timeout_s, self.decode_timeout_s = prefill_timeout_s, decode_timeout_s
+        self.prefill_timeout_s, self.request_timeout_s = prefill_timeout_s, request_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self.lease_ms = lease_ms
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.num_running = 0
@@ -102,6 +117,7 @@ class Flow:
         return ch
 
     async def close(self) -> None:
+        await self.routing.close()
         for ch in self._channels.values():
             await ch.close()
 
@@ -129,6 +145,21 @@ class Flow:
             yield chunk
 
     async def _prefill(self, g, hashes: list[bytes], stats: RequestStats) -> prefill_pb2.PrefillResponse:
+        """One retry on another instance when the chosen one is unreachable (nothing was sent yet)."""
+        for attempt in (0, 1):
+            try:
+                reply = await self._prefill_once(g, hashes, stats)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if attempt or exc.code() != grpc.StatusCode.UNAVAILABLE or not self.routing.has_live("prefill"):
+                    raise
+                log.warning("prefill %s unavailable (%s); trying another", stats.prefill_instance, exc.details())
+        stats.cached_tokens = reply.usage.cached_tokens
+        self.metrics.prefix_cache_queries.inc(len(g.prompt_token_ids))
+        self.metrics.prefix_cache_hits.inc(reply.usage.cached_tokens)
+        return reply
+
+    async def _prefill_once(self, g, hashes: list[bytes], stats: RequestStats) -> prefill_pb2.PrefillResponse:
         return await _on_any("prefill", lambda skip: self.routing.pick_prefill(hashes, len(g.prompt_token_ids), skip),
                              lambda choice: self._prefill_on(choice, g, hashes, stats))
 
@@ -143,40 +174,39 @@ class Flow:
         stub = prefill_pb2_grpc.PrefillStub(self._channel(inst.grpc_address))
         self.routing.started(inst.instance_id)
         try:
-            reply = await stub.Prefill(req, timeout=self.prefill_timeout_s)
+            return await stub.Prefill(req, timeout=min(self.prefill_timeout_s, self._left(stats)))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise _Busy(inst.instance_id, retry_after_s(exc)) from exc
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
-                self.routing.avoid(inst.instance_id)
+            if exc.code() in _TRANSPORT:
+                self.routing.mark_unhealthy(inst)
             raise
         finally:
             self.routing.finished(inst.instance_id)
-        stats.cached_tokens = reply.usage.cached_tokens
-        self.metrics.prefix_cache_queries.inc(len(g.prompt_token_ids))
-        self.metrics.prefix_cache_hits.inc(reply.usage.cached_tokens)
-        return reply
+
+    def _left(self, stats: RequestStats) -> float:
+        """Seconds left before the request's overall deadline (the gRPC calls' timeouts)."""
+        return max(stats.arrival + self.request_timeout_s - time.monotonic(), 0.001)
 
     async def _decode(self, g, first, stats: RequestStats, detok) -> AsyncIterator[Chunk]:
         try:
-            inst, call, head = await _on_any("decode", self.routing.pick_decode,
-                                             lambda inst: self._open_decode(inst, g, first))
+            inst, call, reply = await _on_any("decode", self.routing.pick_decode,
+                                              lambda inst: self._open_decode(inst, g, first, stats))
         except BaseException:  # no decode took it (all full, failed, or the client left): free the KV now
-            await self._release_lease(stats.prefill_instance, first.kv.lease_id)
+            await self._release_lease(first.kv)
             raise
         stats.decode_instance = inst.instance_id
         finished = False
         try:
-            reply = head
-            while reply is not grpc.aio.EOF:
+            while not finished:
+                if reply is None:
+                    reply = await self._next(call, inst, stats)
+                if reply is grpc.aio.EOF:
+                    raise UpstreamError(f"decode {inst.instance_id} ended the stream without finishing")
                 chunk = self._chunk(reply.delta, detok, stats)
+                reply = None
                 finished = chunk.finish_reason is not None
                 yield chunk
-                if finished:
-                    break
-                reply = await call.read()
-            if not finished:
-                raise UpstreamError(f"decode {inst.instance_id} ended the stream without finishing")
         except grpc.aio.AioRpcError as exc:
             raise self._decode_failed(inst, exc) from exc
         finally:
@@ -184,17 +214,17 @@ class Flow:
             if not call.done():
                 call.cancel()  # client went away, or we stopped early: abort there, free the blocks
             if not finished:
-                await self._release_lease(stats.prefill_instance, first.kv.lease_id)
+                await self._release_lease(first.kv)
 
-    async def _open_decode(self, inst, g, first):
+    async def _open_decode(self, inst, g, first, stats: RequestStats):
         """Start Decode.Generate on `inst` and wait for its first reply: a full instance answers
         RESOURCE_EXHAUSTED before pulling any KV, so the prefill lease stays valid for the next one."""
         stub = decode_pb2_grpc.DecodeStub(self._channel(inst.grpc_address))
         call = stub.Generate(decode_pb2.DecodeRequest(request=g, kv=first.kv, first=first.first),
-                             timeout=self.decode_timeout_s)
+                             timeout=self._left(stats))
         self.routing.started(inst.instance_id)
         try:
-            return inst, call, await call.read()
+            return inst, call, await self._next(call, inst, stats)
         except BaseException as exc:
             self.routing.finished(inst.instance_id)
             call.cancel()
@@ -205,18 +235,28 @@ class Flow:
             raise
 
     def _decode_failed(self, inst, exc: grpc.aio.AioRpcError) -> UpstreamError:
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-            self.routing.avoid(inst.instance_id)
+        if exc.code() in _TRANSPORT:
+            self.routing.mark_unhealthy(inst)
         return UpstreamError(f"decode {inst.instance_id} failed: {exc.code().name}: {exc.details()}")
 
-    async def _release_lease(self, prefill_id: str, lease_id: str) -> None:
+    async def _next(self, call, inst, stats: RequestStats):
+        """The next message, or UpstreamError when the decode stays silent past the idle timeout."""
+        wait = min(self.idle_timeout_s, self._left(stats))
+        try:
+            return await asyncio.wait_for(call.read(), wait)
+        except asyncio.TimeoutError:
+            if wait == self.idle_timeout_s:
+                self.routing.mark_unhealthy(inst)  # a stopped or wedged decode
+                raise UpstreamError(f"decode {inst.instance_id} sent nothing for {wait:.1f}s") from None
+            raise UpstreamError(f"request deadline ({self.request_timeout_s:.0f}s) passed") from None
+
+    async def _release_lease(self, kv) -> None:
         """Best effort: decode may never have pulled; do not leave the KV pinned until the lease expires."""
-        inst = next((i for i in self.routing.view.by_role.get("prefill", []) if i.instance_id == prefill_id), None)
-        if inst is None or not lease_id:
+        if not kv.prefill_grpc_address or not kv.lease_id:
             return
         try:
-            stub = prefill_pb2_grpc.PrefillStub(self._channel(inst.grpc_address))
-            await asyncio.shield(stub.ReleaseKV(prefill_pb2.ReleaseKVRequest(lease_id=lease_id), timeout=2.0))
+            stub = prefill_pb2_grpc.PrefillStub(self._channel(kv.prefill_grpc_address))
+            await asyncio.shield(stub.ReleaseKV(prefill_pb2.ReleaseKVRequest(lease_id=kv.lease_id), timeout=2.0))
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
 

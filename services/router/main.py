@@ -49,8 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=1024, help="requests (choices) in flight before 429 / RESOURCE_EXHAUSTED")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413")
     p.add_argument("--max-n", type=int, default=16)
-    p.add_argument("--prefill-timeout-s", type=float, default=600.0)
-    p.add_argument("--decode-timeout-s", type=float, default=3600.0)
+    p.add_argument("--prefill-timeout-s", type=float, default=600.0, help="deadline of the Prefill call")
+    p.add_argument("--request-timeout-s", type=float, default=3600.0,
+                   help="overall deadline of a request (prefill + every token); past it the client gets an error")
+    p.add_argument("--stream-idle-timeout-s", type=float, default=120.0,
+                   help="longest silence of a decode stream (covers decode's admission wait and KV pull)")
     p.add_argument("--lease-ms", type=int, default=0, help="KV lease asked of prefill (0: its default)")
     return p.parse_args(argv)
 
@@ -67,7 +70,8 @@ async def serve(args: argparse.Namespace) -> None:
     instance_id = args.instance_id or f"router-{host}-{args.port}"
     metrics, state = ServiceMetrics("router", instance_id), RedisState(args.redis_url)
     flow = Flow(Routing(state), tok, metrics, prefill_timeout_s=args.prefill_timeout_s,
-                decode_timeout_s=args.decode_timeout_s, lease_ms=args.lease_ms)
+                request_timeout_s=args.request_timeout_s, idle_timeout_s=args.stream_idle_timeout_s,
+                lease_ms=args.lease_ms)
     api = RouterAPI(flow, limits, name, metrics, keys=keys, admission=admission, max_body_bytes=args.max_body_bytes)
     grpc_server = GrpcServer(args.grpc_port, args.host)
     grpc_server.add_service(router_pb2_grpc.add_RouterServicer_to_server,

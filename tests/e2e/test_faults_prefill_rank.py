@@ -1,0 +1,86 @@
+"""One rank of a PCP=2 prefill instance dies during load (docs/failures.md): the instance goes out of
+service (NOT_SERVING, deregistered, exit 1), the router retries its in-flight prefills on the other
+instance and routes new ones there, and after a restart it is routed to again; no request hangs, no
+block leaks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine import LLM
+from services import launcher
+from services.common.grpc_server import check_health_sync
+from tests.e2e import chaos, system
+from tests.e2e.chaos import GREEDY
+
+CLIENT_TIMEOUT_S = 45.0
+ROUTER = {"stream-idle-timeout-s": 5, "request-timeout-s": 40}
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_code) -> LLM:
+    return LLM(str(tiny_code), kv_cache_dtype="fp8_ds_mla", num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def corpus(offline) -> list[int]:
+    return chaos.corpus(offline.tokenizer)
+
+
+@pytest.mark.xdist_group("faults-pcp")
+def test_prefill_rank_killed_instance_goes_out_of_service_and_back(tmp_path_factory, offline, corpus):
+    topo = system.topology(tmp_path_factory.mktemp("faults-pcp"), router=ROUTER)
+    topo["services"]["prefill"].update(replicas=2, prefill_context_parallel_size=2)
+    del topo["services"]["kvstore"]
+    dep = launcher.up(topo, timeout_s=300, die_with_parent=True)
+    try:
+        _prefill_rank_death(dep, offline, corpus)
+    finally:
+        launcher.down(dep)
+
+
+def _prefill_rank_death(dep, offline, corpus) -> None:
+    infos = chaos.instances(dep)
+    p0, p1, dec = infos["prefill-0"], infos["prefill-1"], infos["decode-0"]
+    # long prompts, so that several are being prefilled on prefill-0 when its rank dies
+    bodies = [{"prompt": corpus[3000 * i: 3000 * i + 900 + 150 * i], "max_tokens": 16, **GREEDY} for i in range(6)]
+    want = chaos.expected(offline, bodies)
+    load = chaos.Load(dep.url, bodies, CLIENT_TIMEOUT_S).start()
+    time.sleep(0.5)
+    t_kill = time.monotonic()
+    chaos.kill(dep, "prefill-0.rank1")
+    results = load.join()
+    print("in flight when prefill-0.rank1 died:", [("ok" if r.ok else "error", round(r.elapsed, 2)) for r in results])
+    router_log = open(chaos.record(dep, "router-0").log).read()
+    retried = router_log.count("trying another")
+    assert retried or not all(r.ok for r in results), "no request was in flight at prefill-0 when its rank died"
+    for r, text in zip(results, want):  # each either completed correctly or failed cleanly: never wrong, never hung
+        assert r.elapsed < ROUTER["request-timeout-s"] + 3, r  # the router's deadline bounds every request
+        assert (r.ok and r.text == text) or (r.error is not None and r.finish_reason is None), r
+    # the instance takes itself out of service: unhealthy, deregistered, rank 0 exits for a restart
+    assert system.wait_for(lambda: not check_health_sync(p0.grpc_address), timeout=15)
+    assert system.wait_for(lambda: "prefill-0" not in chaos.instances(dep), timeout=15), "prefill-0 still registered"
+    assert system.wait_for(lambda: chaos.exit_code(dep, "prefill-0.rank0") is not None, timeout=20)
+    assert chaos.exit_code(dep, "prefill-0.rank0") == 1
+    assert time.monotonic() - t_kill < ROUTER["request-timeout-s"] + 20
+    served_before = system.metric(p1.metrics_address, "pdserve:time_to_first_token_seconds_count")
+    for body, text in zip(bodies[:3], want[:3]):  # new requests go to the other instance
+        status, out = system.post(dep.url, "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
+        assert status == 200 and out["choices"][0]["text"] == text, out
+    assert system.metric(p1.metrics_address, "pdserve:time_to_first_token_seconds_count") == served_before + 3
+
+    chaos.restart(dep, "prefill-0.rank0")
+    chaos.restart(dep, "prefill-0.rank1")
+    assert system.wait_for(lambda: "prefill-0" in chaos.instances(dep) and check_health_sync(p0.grpc_address),
+                           timeout=120, period=1.0), "the restarted prefill did not re-register"
+
+    def p0_served() -> float:
+        return system.metric(p0.metrics_address, "pdserve:time_to_first_token_seconds_count")
+    fresh = chaos.bodies(corpus, 6, 8, start=50000)  # no cached prefix anywhere: routed by load alone
+    for body, text in zip(fresh, chaos.expected(offline, fresh)):
+        status, out = system.post(dep.url, "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
+        assert status == 200 and out["choices"][0]["text"] == text, out
+    assert system.wait_for(lambda: p0_served() >= 1, timeout=5), "the router never chose the restarted prefill"
+    chaos.assert_blocks_freed([p0.metrics_address, p1.metrics_address, dec.metrics_address])

@@ -1,0 +1,84 @@
+"""Prefill KV leases and page generations: a puller's copy is confirmed only while the lease is live and
+every page still has the generation the handle gave; expiry and reuse are caught, releases happen once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.prefill.leases import LeaseTable
+
+
+class _Engine:
+    """Stands in for the engine's `release_held`: records which requests gave their blocks back."""
+
+    def __init__(self):
+        self.released: list[str] = []
+
+    async def release(self, req_id: str) -> None:
+        self.released.append(req_id)
+
+
+def _table(engine: _Engine, default_s: float = 30.0) -> LeaseTable:
+    return LeaseTable(engine.release, default_s=default_s, max_s=60.0)
+
+
+def test_confirm_of_a_live_lease_is_intact_and_releases_once():
+    async def run():
+        engine = _Engine()
+        t = _table(engine)
+        lease = t.grant("r1", block_ids=[4, 5, 6])
+        assert lease.generations == (0, 0, 0)
+        assert await t.confirm(lease.lease_id, lease.generations)
+        assert engine.released == ["r1"]
+        assert t.generations.of([4, 5, 6]) == (1, 1, 1)  # the pages moved on when given back
+        assert not await t.confirm(lease.lease_id, lease.generations)  # a second confirm: gone
+        assert engine.released == ["r1"]
+    asyncio.run(run())
+
+
+def test_expired_lease_whose_pages_were_reused_is_not_intact():
+    async def run():
+        engine = _Engine()
+        t = _table(engine, default_s=0.05)
+        t.start(period_s=0.01)
+        old = t.grant("r1", block_ids=[7, 8])
+        await asyncio.sleep(0.2)  # the lease expires: the blocks go back to the engine
+        assert engine.released == ["r1"] and not t.leases
+        new = t.grant("r2", block_ids=[8, 9])  # block 8 reused by another request
+        assert new.generations == (1, 0)
+        # the slow puller of r1 finishes its READ now: what it copied of block 8 may be r2's
+        assert not await t.confirm(old.lease_id, old.generations)
+        assert await t.confirm(new.lease_id, new.generations)
+        await t.stop()
+    asyncio.run(run())
+
+
+def test_stale_generations_are_refused_even_on_a_live_lease():
+    async def run():
+        engine = _Engine()
+        t = _table(engine)
+        first = t.grant("r1", block_ids=[3])
+        await t.pulled(first.lease_id)
+        second = t.grant("r2", block_ids=[3])
+        assert not await t.confirm(second.lease_id, first.generations)  # a handle from before the reuse
+        assert engine.released == ["r1", "r2"]  # refused, but the lease is still released (no leak)
+    asyncio.run(run())
+
+
+def test_expiry_waits_for_readers_and_confirm_after_expiry_fails():
+    async def run():
+        engine = _Engine()
+        t = _table(engine, default_s=0.05)
+        t.start(period_s=0.01)
+        lease = t.grant("r1", block_ids=[1])
+        gate = asyncio.Event()
+        reader = asyncio.get_running_loop().create_task(gate.wait())  # e.g. the kvstore offload
+        t.add_reader(lease, reader)
+        await asyncio.sleep(0.15)
+        assert lease.expired and engine.released == []  # still read by the offload: not freed yet
+        assert not await t.confirm(lease.lease_id, lease.generations)
+        gate.set()
+        await asyncio.sleep(0.05)
+        assert engine.released == ["r1"]
+        await t.stop()
+    asyncio.run(run())
