@@ -37,3 +37,18 @@ def tiny_ckpt_dense(tmp_path_factory) -> Path:
     from engine.checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tinyd") / "ckpt", preset="tiny", seed=0, index_topk=4096)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep `--dist loadgroup` grouping: pytest-xdist 3.8 tags a grouped test by rewriting `item._nodeid`
+    ("<id>@<group>"), which pytest 9.2 no longer reads (node ids live in `item._id`). Without this every
+    grouped module would start its expensive deployment once per worker."""
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # older pytest reads `_nodeid` itself
+        return
+    for item in items:
+        tagged = item.__dict__.get("_nodeid")
+        if isinstance(tagged, str) and tagged != item.nodeid and hasattr(item, "_id"):
+            item._id = coerce_node_id(tagged)
