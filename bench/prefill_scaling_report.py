@@ -14,7 +14,7 @@ def _ms(s: float) -> str:
 
 
 def check_table(r: dict) -> str:
-    lines = [f"NCCL engine (PCP = DCP = EP = {r['pcp']}) against the one-GPU engine:", "",
+    lines = [f"Multi-rank engine (PCP = DCP = EP = {r['pcp']}) against the one-rank engine:", "",
              "| model / mode | prompts (tokens) | max rel. logit error | min top-1 agreement | min cosine | "
              "greedy sequences equal (tokens agreeing) |", "|---|---|---|---|---|---|"]
     for name, c in r["cases"].items():
