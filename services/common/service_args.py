@@ -1,13 +1,15 @@
-"""Flags every engine-hosting service shares (the launcher passes them; see configs/README.md)."""
+"""Flags the services share (the launcher passes them; see configs/README.md), and their logging set-up."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 from services.common import envs
 
 
-def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
+def add_instance_args(p: argparse.ArgumentParser, default_port: int) -> argparse._ArgumentGroup:
+    """Binding, identity and registration flags of any registered service (kvstore included)."""
     g = p.add_argument_group("service")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind gRPC and /metrics (loopback by default; 0.0.0.0 to serve other hosts)")
@@ -19,6 +21,12 @@ def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--heartbeat-s", type=float, default=1.0)
     g.add_argument("--instance-ttl-s", type=float, default=5.0)
     g.add_argument("--block-ttl-s", type=float, default=600.0)
+    return g
+
+
+def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    """`add_instance_args` plus admission bounds and the rank flags of an engine-hosting service."""
+    g = add_instance_args(p, default_port)
     g.add_argument("--max-inflight-requests", type=int, default=1024,
                    help="RPCs (Prefill / Generate) served at once; beyond: RESOURCE_EXHAUSTED")
     g.add_argument("--max-queued-requests", type=int, default=256,
@@ -28,3 +36,7 @@ def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
     r.add_argument("--world-size", type=int, default=1)
     r.add_argument("--master-addr", default="127.0.0.1")
     r.add_argument("--master-port", type=int, default=0)
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

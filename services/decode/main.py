@@ -13,7 +13,6 @@ import secrets
 from engine.arg_utils import EngineArgs
 from engine.async_engine import AsyncEngine
 from proto.pdserve.v1 import decode_pb2_grpc
-from services.common import envs
 from services.common.admission import Admission
 from services.common.engine_host import EngineHost
 from services.common.grpc_server import GrpcServer, run
@@ -21,7 +20,7 @@ from services.common.metrics import ServiceMetrics
 from services.common.net import advertise_host
 from services.common.nixl_agent import NixlAgent
 from services.common.redis_state import InstanceInfo, RedisState
-from services.common.service_args import add_service_args
+from services.common.service_args import add_service_args, setup_logging
 from services.decode.puller import KVPuller
 from services.decode.server import SERVICE_NAME, DecodeServicer
 
@@ -80,5 +79,5 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     run(lambda: serve(args))

@@ -7,11 +7,11 @@ import logging
 
 from engine.config import ModelConfig
 from engine.kv.cache import KV_CACHE_DTYPES, KVCacheSpec, num_blocks_for_bytes
-from services.common import envs
 from services.common.grpc_server import GrpcServer, run
 from services.common.metrics import ServiceMetrics
 from services.common.net import advertise_host
 from services.common.redis_state import InstanceInfo, InstancePresence, RedisState
+from services.common.service_args import add_instance_args, setup_logging
 from services.kvstore.server import SERVICE_NAME, KVStoreServicer
 from proto.pdserve.v1 import kvstore_pb2_grpc
 
@@ -26,13 +26,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--indexer-precision", default="fp8", choices=("fp8", "fp32"))
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--no-mtp-kv", action="store_true", help="blocks without the MTP layer's caches")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind gRPC and /metrics (loopback by default; 0.0.0.0 to serve other hosts)")
-    p.add_argument("--port", type=int, default=50060)
-    p.add_argument("--metrics-port", type=int, default=0, help="HTTP /metrics port (0 = any free port)")
-    p.add_argument("--redis-url", default=envs.redis_url())
-    p.add_argument("--instance-id", default=None, help="default: kvstore-<advertised host>-<port>")
-    p.add_argument("--advertise-host", default=None, help="address others dial (default: this host's IP)")
     p.add_argument("--reservation-ttl-ms", type=int, default=10_000)
     p.add_argument("--lease-ttl-ms", type=int, default=30_000)
     p.add_argument("--max-ttl-ms", type=int, default=300_000)
@@ -40,9 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra time an expired reservation's blocks stay unused (late WRITEs)")
     p.add_argument("--max-open-transfers", type=int, default=256,
                    help="reservations + leases open at once (NIXL transfers in flight); beyond: RESOURCE_EXHAUSTED")
-    p.add_argument("--heartbeat-s", type=float, default=1.0)
-    p.add_argument("--instance-ttl-s", type=float, default=5.0)
-    p.add_argument("--block-ttl-s", type=float, default=600.0)
+    add_instance_args(p, 50060)
     args = p.parse_args(argv)
     if args.pool_gib <= 0:
         p.error(f"--pool-gib must be positive, got {args.pool_gib}")
@@ -92,5 +83,5 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     run(lambda: serve(args))

@@ -15,14 +15,13 @@ import sys
 from engine.arg_utils import EngineArgs
 from engine.async_engine import AsyncEngine
 from proto.pdserve.v1 import prefill_pb2_grpc
-from services.common import envs
 from services.common.admission import Admission
 from services.common.engine_host import EngineHost
 from services.common.grpc_server import GrpcServer, run
 from services.common.metrics import ServiceMetrics
 from services.common.net import advertise_host
 from services.common.redis_state import InstanceInfo, RedisState
-from services.common.service_args import add_service_args
+from services.common.service_args import add_service_args, setup_logging
 from services.prefill.exporter import KVExporter
 from services.prefill.kvstore_link import KVStoreLink
 from services.prefill.rank_watch import wait_for_engine_death
@@ -107,7 +106,7 @@ async def _serve_until_stopped(server: GrpcServer, engine: AsyncEngine, host_obj
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     if args.world_size > 1:  # started rank by rank (launcher / services.common.ranks): torchrun's contract
         _set_rank_environ(args)
         if args.rank > 0:

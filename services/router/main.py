@@ -15,6 +15,7 @@ from engine.tokenizer import Tokenizer
 from proto.pdserve.v1 import router_pb2_grpc
 from services.common import envs
 from services.common.admission import Admission
+from services.common.service_args import setup_logging
 from services.common.grpc_server import GrpcServer, run
 from services.common.metrics import ServiceMetrics
 from services.common.net import advertise_host
@@ -103,5 +104,5 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     run(lambda: serve(args))
