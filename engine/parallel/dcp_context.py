@@ -15,6 +15,8 @@ l's new rows are written, so it overlaps with layer l's indexer, attention and M
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from engine.attention.metadata import AttnMetadata
@@ -87,48 +89,31 @@ class ContextGather:
                                     for k in range(N)])
         self.recv_slots = torch.cat(slots) if slots else empty
 
-    # The step's index lists are built as tensors: a 16K-row step spent ~13 ms per forward in Python
-    # lists here, most of what DCP added to a step on the GPU.
     def _init_new_rows(self) -> None:
-        bs, dev = self.spec.block_size, self.device
-        pos = [torch.arange(r.start, r.seq_len, dtype=torch.int64, device=dev) for r in self.requests]
-        self.new_rows = _cat([torch.arange(r.row_start, r.row_start + r.num_rows, dtype=torch.int64, device=dev)
-                              for r in self.requests], dev)
-        slots = _cat([off * bs + p for p, off in zip(pos, self.offsets)], dev)
-        self.new_meta = self._meta(_cat(pos, dev), slots, [r.num_rows for r in self.requests])
+        rows, slots, positions = [], [], []
+        bs = self.spec.block_size
+        for r, off in zip(self.requests, self.offsets):
+            rows.extend(range(r.row_start, r.row_start + r.num_rows))
+            positions.extend(range(r.start, r.seq_len))
+            slots.extend(off * bs + p for p in range(r.start, r.seq_len))
+        self.new_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self.new_meta = _meta(positions, slots, [r.num_rows for r in self.requests], self.requests, self.tables,
+                              bs, self.device)
 
     def _init_own_meta(self) -> None:
         """The rank's own rows of prefill requests, addressed through the buffer's block tables."""
         s = self.step
-        own = torch.tensor(s.rows.own_rows, dtype=torch.int64)
-        row_start = torch.tensor([r.row_start for r in s.requests], dtype=torch.int64)
-        start = torch.tensor([r.start for r in s.requests], dtype=torch.int64)
-        prefill = torch.tensor([not r.decode for r in s.requests], dtype=torch.bool)
-        req = torch.searchsorted(row_start, own, right=True) - 1  # step request of each own row
-        keep = prefill[req]
-        own, req = own[keep], req[keep]
-        idx = (torch.cumsum(prefill.long(), 0) - 1)[req]  # its index among the prefill-path requests
-        counts = torch.bincount(idx, minlength=len(self.requests)).tolist()
-        positions = (start[req] + own - row_start[req]).to(self.device)
-        self.own_meta = self._meta(positions, torch.full_like(positions, -1), counts)
-
-    def _meta(self, positions: torch.Tensor, slots: torch.Tensor, counts: list[int]) -> AttnMetadata:
-        """Metadata over the buffer: request b's blocks are [offsets[b], offsets[b] + len(tables[b]))."""
-        dev = self.device
-        qsl = [0]
-        for n in counts:
-            qsl.append(qsl[-1] + n)
-        seq_lens = [r.seq_len for r in self.requests]
-        table = torch.zeros((len(self.tables), max([len(t) for t in self.tables] + [1])), dtype=torch.int32,
-                            device=dev)
-        for b, (off, t) in enumerate(zip(self.offsets, self.tables)):
-            table[b, : len(t)] = torch.arange(off, off + len(t), dtype=torch.int32, device=dev)
-        req_idx = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32, device=dev),
-                                          torch.tensor(counts, dtype=torch.int64, device=dev), output_size=qsl[-1])
-        return AttnMetadata(positions=positions, slot_mapping=slots, query_start_loc=torch.tensor(qsl, dtype=torch.int32,
-                            device=dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                            block_table=table, token_req_idx=req_idx, query_start_loc_cpu=qsl,
-                            seq_lens_cpu=seq_lens, block_size=self.spec.block_size)
+        ids = {r.req_idx: i for i, r in enumerate(self.requests)}
+        starts = [r.row_start for r in s.requests]
+        counts = [0] * len(self.requests)
+        positions = []
+        for row in s.rows.own_rows:
+            r = s.requests[bisect.bisect_right(starts, row) - 1]
+            if r.req_idx in ids:
+                counts[ids[r.req_idx]] += 1
+                positions.append(r.start + row - r.row_start)
+        self.own_meta = _meta(positions, [-1] * len(positions), counts, self.requests, self.tables,
+                              self.spec.block_size, self.device)
 
     # ---- per layer -------------------------------------------------------------------------------
     def _row_bytes(self, layer: int) -> torch.Tensor:
@@ -184,5 +169,10 @@ class ContextGather:
             self.pending.pop(layer)[1].wait()
 
 
-def _cat(parts: list[torch.Tensor], device) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+def _meta(positions: list[int], slots: list[int], counts: list[int], requests, tables, block_size: int,
+          device) -> AttnMetadata:
+    from engine.attention.metadata import build_metadata
+
+    return build_metadata(positions=positions, slot_mapping=slots, query_lens=counts,
+                          seq_lens=[r.seq_len for r in requests], block_tables=tables, block_size=block_size,
+                          device=device)
