@@ -137,6 +137,13 @@ class RankComm:
         _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=self.data)
         return out
 
+    def all_reduce_max(self, value: int, tag: str) -> int:
+        """Max of one int over the ranks, on the data group (CPU/gloo callers only: it syncs)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        self._count(tag, t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.data)
+        return int(t.item())
+
     def all_reduce_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)

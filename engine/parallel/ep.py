@@ -16,7 +16,6 @@ import torch
 
 from engine.parallel.dist import RankComm
 
-_MIN_GEMM_ROWS = 4
 
 
 def expert_shard(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -38,13 +37,15 @@ class AllToAllDispatcher:
     def _run_experts(self, x: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
         """Each received row through its one expert, weight 1 (exact: the weighting happens at home)."""
         n = x.shape[0]
-        if x.device.type == "cpu" and n:
-            # MKL runs GEMMs of fewer than 4 rows through kernels that round differently; one rank
-            # holding every expert batches them at least that tall, so pad the tallest local batch to
-            # 4 rows (zeros, dropped after) to keep EP bit-identical to it
-            counts = torch.bincount(ids - experts.offset, minlength=self.num_local)
-            pad = _MIN_GEMM_ROWS - int(counts.max())
-            if pad > 0:
+        if x.device.type == "cpu":
+            # MKL picks its GEMM kernel, and so the last bit, by the row count of the padded expert batch
+            # (fused_moe_ref: [experts, tallest expert's rows, H]). One rank holding every expert uses the
+            # tallest expert's rows over all ranks: pad the local tallest expert to that many (zero rows,
+            # dropped after) so EP gives that rank's bits. Every rank joins the max, rows or not.
+            counts = torch.bincount(ids - experts.offset, minlength=self.num_local) if n else None
+            local_max = int(counts.max()) if n else 0
+            pad = self.comm.all_reduce_max(local_max, "ep_rows") - local_max
+            if pad > 0 and n:
                 x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
                 ids = torch.cat([ids, ids.new_full((pad,), experts.offset + int(counts.argmax()))])
         ones = torch.ones((x.shape[0], 1), dtype=torch.float32, device=x.device)
