@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from services.common import envs
+from engine import envs
 
 
 def free_port(host: str = "127.0.0.1") -> int:

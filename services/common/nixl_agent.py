@@ -43,7 +43,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from services.common import envs
+from engine import envs
 from services.common.nixl_descs import (BlockDescList, BlockTensor, NixlStats, PeerDisconnected, Transfer,
                                         TransferError, TransferTimeout, deadline_in, parse_pulled,
                                         pulled_notif)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from services.common import envs
+from engine import envs
 
 
 def add_instance_args(p: argparse.ArgumentParser, default_port: int) -> argparse._ArgumentGroup:

@@ -21,7 +21,7 @@ import grpc
 from engine.async_engine import AsyncEngine
 from engine.request import Request
 from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from services.common import envs
+from engine import envs
 from services.common.convert import check_kv_layout, delta_to_proto, sampling_from_proto
 from services.common.admission import Admission
 from services.common.grpc_server import Overloaded, channel, grpc_errors

@@ -13,7 +13,7 @@ import uvicorn
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from proto.pdserve.v1 import router_pb2_grpc
-from services.common import envs
+from engine import envs
 from services.common.admission import Admission
 from services.common.service_args import setup_logging
 from services.common.grpc_server import GrpcServer, run
