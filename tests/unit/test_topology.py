@@ -20,6 +20,20 @@ def test_default_topology_loads():
     assert topo.path(topo.model) == ROOT / "checkpoints" / "tiny-code"
 
 
+def test_comparison_topologies_differ_only_where_they_should():
+    """The CPU-scale pair of the disaggregated comparison: PCP=2 x DCP=2 prefill + HiSparse decode against
+    two DP prefills + offload-only decode (same model, kvstore, router and MTP)."""
+    pcp = topology.load(ROOT / "configs" / "topology.cpu-pcp.yaml")
+    base = topology.load(ROOT / "configs" / "topology.cpu-baseline.yaml")
+    assert pcp.service("prefill").ranks == 2 and pcp.service("prefill").replicas == 1
+    assert base.service("prefill").ranks == 1 and base.service("prefill").replicas == 2
+    hs = [t.service("decode").args["attention-config"]["hisparse_config"] for t in (pcp, base)]
+    assert not hs[0].get("offload_only") and hs[1]["offload_only"] is True
+    for kind in ("kvstore", "router"):
+        assert pcp.service(kind) == base.service(kind)
+    assert all(t.service("decode").args["speculative-config"]["num_speculative_tokens"] == 3 for t in (pcp, base))
+
+
 def test_prefill_ranks_and_flags():
     topo = topology.load({"model": "/m", "services": {"router": {"grpc_port": 7}, "prefill": {
         "prefill_context_parallel_size": 8, "decode_context_parallel_size": 8,
