@@ -72,12 +72,21 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 
+# Details travel in the grpc-message trailer; past gRPC's metadata limit (8 KiB) the client would see
+# RESOURCE_EXHAUSTED instead of the real status (a handler that quotes a huge bad argument back).
+MAX_DETAILS_CHARS = 1024
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status code and details for an exception raised by a handler."""
-    for cls, code in _CODES:
+    """The gRPC status code and details (at most MAX_DETAILS_CHARS) for an exception raised by a handler."""
+    code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    for cls, c in _CODES:
         if isinstance(exc, cls):
-            return code, str(exc) or cls.__name__
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+            code, details = c, str(exc) or cls.__name__
+            break
+    if len(details) > MAX_DETAILS_CHARS:
+        details = details[: MAX_DETAILS_CHARS - 15] + " ...[truncated]"
+    return code, details
 
 
 def grpc_errors(fn: Callable) -> Callable:

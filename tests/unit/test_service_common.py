@@ -29,6 +29,9 @@ def test_status_codes():
     assert status_for(FailedPrecondition("x"))[0] == grpc.StatusCode.FAILED_PRECONDITION
     assert status_for(TimeoutError())[0] == grpc.StatusCode.DEADLINE_EXCEEDED
     assert status_for(KeyError("bug")) == (grpc.StatusCode.INTERNAL, "KeyError: 'bug'")
+    # a huge quoted argument must not push the trailer past gRPC's metadata limit (-> RESOURCE_EXHAUSTED)
+    code, details = status_for(NotFound(f"no lease {'x' * 20000!r}"))
+    assert code == grpc.StatusCode.NOT_FOUND and len(details) <= 1024 and details.endswith("[truncated]")
 
 
 def test_block_tensor_descriptors():
