@@ -35,7 +35,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.prefill_stack import _ids, _sync, stack_dir  # noqa: E402
+from bench.prefill_stack import _ids, _time_prefill, stack_dir  # noqa: E402
 
 TAGS = ("pcp_kv", "pcp_index", "dcp_ctx", "hidden", "ep_dispatch", "ep_combine", "ep_counts")
 EXACT = dict(dtype="float32", kv_cache_dtype="float32", indexer_precision="fp32", attention_backend="torch")
@@ -114,20 +114,10 @@ def check(a) -> dict:
     return out
 
 
-def _time_generate(llm, ids: list[int], max_tokens: int = 1) -> float:
-    from engine import SamplingParams
-
-    _sync()
-    t = time.perf_counter()
-    llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    _sync()
-    return time.perf_counter() - t
-
-
 def _cached_step(llm, ids: list[int], cached: int) -> tuple[float, int]:
     """Time ids with ids[:cached] already primed; returns (seconds, prefix tokens the engine found cached)."""
     before = llm.get_stats().prefix_hits
-    t = _time_generate(llm, ids)
+    t = _time_prefill(llm, ids)
     return t, llm.get_stats().prefix_hits - before
 
 
@@ -137,7 +127,7 @@ def _comm_per_layer(llm, ids: list[int]) -> dict:
     mc = llm.config.model
     attn, moe = mc.num_hidden_layers + 1, mc.mlp_layer_types.count("sparse") + 1
     llm.core.collective_rpc("reset_comm_counters")
-    _time_generate(llm, ids)
+    _time_prefill(llm, ids)
     s = llm.core.rank_stats()[0]["comm_bytes"]
     per = {t: s[t] / (moe if t.startswith("ep_") else 1 if t == "hidden" else attn) for t in TAGS if s.get(t)}
     return {"prompt": len(ids), "attn_layers": attn, "moe_layers": moe, "total": sum(s.values()), **per}
@@ -149,10 +139,10 @@ def _ttft_rows(llm, a, vocab: int) -> dict:
         times = []
         for _ in range(a.reps):
             seed += 1
-            times.append(_time_generate(llm, _ids(L, seed, vocab)))
+            times.append(_time_prefill(llm, _ids(L, seed, vocab)))
         new = min(1024, L // 4)
         ids = _ids(L, seed + 1000, vocab)
-        _time_generate(llm, ids[:L - new], 2)
+        _time_prefill(llm, ids[:L - new], 2)
         turn2, hit = _cached_step(llm, ids, L - new)
         rows[L] = {"ttft_s": statistics.median(times), "all_s": times, "second_turn_s": turn2, "second_turn_hit": hit}
         print(json.dumps({"ttft": {L: rows[L]}}), flush=True)
@@ -162,7 +152,7 @@ def _ttft_rows(llm, a, vocab: int) -> dict:
 def _context_sweep(llm, a, vocab: int, multi: bool) -> dict:
     """A step of a.new tokens after P cached tokens, prefetch on / off, for P in a.contexts."""
     base = _ids(max(a.contexts), 7, vocab)
-    _time_generate(llm, base, 2)
+    _time_prefill(llm, base, 2)
     rows, seed = {}, 100
     for P in a.contexts:
         row = {}
@@ -198,7 +188,7 @@ def timings(a) -> dict:
            "torch": torch.__version__, "build_s": time.perf_counter() - t0,
            "kv_blocks_per_rank": kv.num_blocks, "kv_capacity_tokens": kv.num_blocks * kv.tokens_per_block}
     for n in (min(4096, max(a.lengths)), min(16384, max(a.lengths))):  # compile + warm up every shape class
-        _time_generate(llm, _ids(n, 10_000 + n, vocab))
+        _time_prefill(llm, _ids(n, 10_000 + n, vocab))
     out["ttft"] = _ttft_rows(llm, a, vocab)
     if multi:
         L = 32768 if 32768 <= max_len - 2048 else min(a.lengths)
@@ -225,7 +215,7 @@ def profile(a) -> dict:
                num_blocks=a.num_blocks, num_speculative_tokens=None, **SERVING)
     vocab = llm.config.model.vocab_size
     base = _ids(P, 7, vocab)
-    _time_generate(llm, base, 2)
+    _time_prefill(llm, base, 2)
     _cached_step(llm, base + _ids(a.new, 1, vocab), P)  # warm up this shape
     if a.cprofile:  # where rank 0's host time goes, by Python function
         import cProfile

@@ -44,12 +44,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _time_prefill(llm, ids: list[int]) -> float:
+def _time_prefill(llm, ids: list[int], max_tokens: int = 1) -> float:
+    """Seconds of `llm.generate` (greedy, `max_tokens`), device work included."""
     from engine import SamplingParams
 
     _sync()
     t = time.perf_counter()
-    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     _sync()
     return time.perf_counter() - t
 

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+import pytest
+
 from engine import LLM, SamplingParams
 from services import launcher
 from services.common.procs import tie_to_parent
@@ -188,7 +190,24 @@ class Load:
 
 # ---- checks -------------------------------------------------------------------------------------
 
-def corpus(tok) -> list[int]:
+CLIENT_TIMEOUT_S = 45.0  # every client call is bounded by this; the router's deadlines are far shorter
+ROUTER = {"stream-idle-timeout-s": 5, "request-timeout-s": 40}  # router flags of the fault deployments
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_code):
+    """The offline engine the fault tests compare outputs with (import it into a test module)."""
+    from engine import LLM
+
+    return LLM(str(tiny_code), kv_cache_dtype="fp8_ds_mla", num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def corpus(offline) -> list[int]:
+    return corpus_ids(offline.tokenizer)
+
+
+def corpus_ids(tok) -> list[int]:
     import argparse
     import difflib
     import typing

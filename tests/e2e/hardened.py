@@ -9,6 +9,8 @@ import json
 import urllib.error
 import urllib.request
 
+import pytest
+
 from services.common.redis_state import RedisState
 from tests.e2e import system
 from tests.e2e.conftest import HARDENED_KEYS
@@ -48,3 +50,14 @@ def engines_idle(insts: dict, timeout: float = 20.0) -> bool:
     """Every engine's KV blocks back to zero (nothing leaked, nothing pinned) within `timeout`."""
     return bool(system.wait_for(lambda: all(blocks_in_use(insts[r]) == 0 for r in ("prefill", "decode")),
                                 timeout=timeout))
+
+
+# fixtures of the modules on the `hardened` deployment (import them into a test module)
+@pytest.fixture(scope="module")
+def url(hardened) -> str:
+    return hardened.url
+
+
+@pytest.fixture(scope="module")
+def insts(hardened) -> dict:
+    return instances(hardened)

@@ -16,26 +16,14 @@ from urllib.parse import urlparse
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services import launcher
 from services.common.convert import sampling_to_proto
 from services.common.redis_server import RedisServer
 from tests.e2e import chaos, system
-from tests.e2e.chaos import GREEDY
+from tests.e2e.chaos import CLIENT_TIMEOUT_S, GREEDY, ROUTER, corpus, offline  # noqa: F401 (fixtures)
 
-CLIENT_TIMEOUT_S = 45.0  # every client call is bounded by this; the router's deadlines are far shorter
-ROUTER = {"stream-idle-timeout-s": 5, "request-timeout-s": 40}
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_code) -> LLM:
-    return LLM(str(tiny_code), kv_cache_dtype="fp8_ds_mla", num_blocks=256)
-
-
-@pytest.fixture(scope="module")
-def corpus(offline) -> list[int]:
-    return chaos.corpus(offline.tokenizer)
 
 
 # ---- phases on one deployment: kvstore, prefill (48 blocks), decode (first 3 pulls fail), router -----

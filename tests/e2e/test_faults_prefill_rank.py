@@ -9,24 +9,11 @@ import time
 
 import pytest
 
-from engine import LLM
 from services import launcher
 from services.common.grpc_server import check_health_sync
 from tests.e2e import chaos, system
-from tests.e2e.chaos import GREEDY
+from tests.e2e.chaos import CLIENT_TIMEOUT_S, GREEDY, ROUTER, corpus, offline  # noqa: F401 (fixtures)
 
-CLIENT_TIMEOUT_S = 45.0
-ROUTER = {"stream-idle-timeout-s": 5, "request-timeout-s": 40}
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_code) -> LLM:
-    return LLM(str(tiny_code), kv_cache_dtype="fp8_ds_mla", num_blocks=256)
-
-
-@pytest.fixture(scope="module")
-def corpus(offline) -> list[int]:
-    return chaos.corpus(offline.tokenizer)
 
 
 @pytest.mark.xdist_group("faults-pcp")

@@ -24,20 +24,11 @@ from services.common.convert import sampling_to_proto
 from services.common.grpc_server import RETRY_AFTER_KEY, GrpcServer, Overloaded, grpc_errors
 from services.common.redis_state import InstanceInfo, InstancePresence, RedisState
 from tests.e2e import hardened as h
+from tests.e2e.hardened import insts, url  # noqa: F401 (fixtures)
 from tests.e2e import system
 from tests.e2e.conftest import HARDENED_LIMITS as LIM
 
 pytestmark = pytest.mark.xdist_group("hardened")
-
-
-@pytest.fixture(scope="module")
-def url(hardened) -> str:
-    return hardened.url
-
-
-@pytest.fixture(scope="module")
-def insts(hardened) -> dict:
-    return h.instances(hardened)
 
 
 def _open_stream(url: str, prompt: list[int]):

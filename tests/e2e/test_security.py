@@ -16,19 +16,10 @@ from services.common.convert import sampling_to_proto
 from services.common.net import split_address
 from engine import SamplingParams
 from tests.e2e import hardened as h
+from tests.e2e.hardened import insts, url  # noqa: F401 (fixtures)
 from tests.e2e.conftest import HARDENED_LIMITS as LIM
 
 pytestmark = pytest.mark.xdist_group("hardened")
-
-
-@pytest.fixture(scope="module")
-def url(hardened) -> str:
-    return hardened.url
-
-
-@pytest.fixture(scope="module")
-def insts(hardened) -> dict:
-    return h.instances(hardened)
 
 
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer sk-wrong"}, {"authorization": "sk-alpha-1"},
