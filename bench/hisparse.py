@@ -277,8 +277,14 @@ def _profiled(args, mode, context, batch, device, churn) -> dict:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    nsteps = (args.offload_steps + 1) if mode == "offload" else (args.steps + args.warmup)
+    kernels = [e for e in tp.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.device_time_total for e in kernels) / 1e3 / nsteps
+    ops = sum(1 for e in tp.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")
+              and e.cpu_parent is None)
     with open(args.profile, "a") as f:
-        f.write(f"==== {mode} context {context} batch {batch}: {row.get('step_ms')} ms/step\n")
+        f.write(f"==== {mode} context {context} batch {batch}: {row.get('step_ms')} ms/step; per step: "
+                f"{len(kernels) / nsteps:.0f} kernels, {busy_ms:.3f} ms of kernel time, {ops / nsteps:.0f} top-level ops\n")
         f.write(out.getvalue())
         f.write(tp.key_averages().table(sort_by=sort, row_limit=25))
         f.write("\n")

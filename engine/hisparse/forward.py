@@ -56,6 +56,7 @@ class HotBatch:
     ws_base: torch.Tensor  # [B] first workspace block (assembled mode)
     pool_rows: torch.Tensor | None = None  # virtual mode: rows of the pool part holding hot rows ...
     entry_ids: torch.Tensor | None = None  # ... and which of the [B * M] entry rows they are
+    dst_row: torch.Tensor | None = None  # virtual mode: [B, M] the pool row of each entry row, -1 padded
 
 
 @dataclass
@@ -155,8 +156,14 @@ def _hot_batch(mgr, meta, reqs, hot: list[int], starts, num_pages, pool: list[in
             where_in_pool[b] = at
             at += qsl[b + 1] - qsl[b]
         pairs = [(where_in_pool[b] + i, j * M + i) for j, b in enumerate(hot) for i in range(qsl[b + 1] - qsl[b])]
-        hb.pool_rows = to_dev([p for p, _ in pairs], dev)
-        hb.entry_ids = to_dev([e for _, e in pairs], dev)
+        if mgr.fused_plan:
+            dst = [-1] * (len(hot) * M)
+            for p, e in pairs:
+                dst[e] = p
+            hb.dst_row = to_dev(dst, dev).view(len(hot), M)
+        else:
+            hb.pool_rows = to_dev([p for p, _ in pairs], dev)
+            hb.entry_ids = to_dev([e for _, e in pairs], dev)
     return hb
 
 

@@ -68,6 +68,8 @@ class HiSparseManager:
         self.hot = HotBuffers(self.layout, self.groups.num_groups, self.residency.max_hot, device)
         self.mover = RowMover(torch.device(device))
         self.assemble = assemble
+        # the plan as one kernel (kernels.hisparse_plan) on GPUs; the torch ops elsewhere (tests may switch)
+        self.fused_plan = torch.device(device).type == "cuda"
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
         self.row_bytes = spec.mla_row * spec.mla_torch_dtype.itemsize
 

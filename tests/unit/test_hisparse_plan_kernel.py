@@ -1,0 +1,103 @@
+"""The fused plan kernel (kernels.hisparse_plan) against the torch plan (HotBuffers.resolve plus the
+backend's slot arithmetic), entry for entry, over random multi-step streams: same hot-buffer state, same
+virtual selections, same miss copies in the same order, same counters. On CPU the kernel runs in Triton's
+interpreter."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.hisparse.hot_buffer import HotBuffers
+from engine.hisparse.layout import HotLayout
+from kernels.hisparse_plan import plan_hot
+
+BS = 4
+
+
+def reference(hot: HotBuffers, group, topk, entry_rows, start, hot_slot, table_slot, hot_base, page_table,
+              host_table, dst_row, sel):
+    """What engine.hisparse.backend computes with torch ops (virtual layout)."""
+    B, M = entry_rows.shape
+    K = topk.shape[1]
+    s = topk.long()[entry_rows.clamp(min=0)]
+    pos = torch.where(entry_rows[..., None] >= 0, s, torch.full_like(s, -1)).reshape(B, M * K)
+    page = page_table[table_slot[:, None], pos.clamp(min=0) // BS].long()
+    on_dev = (pos >= 0) & (page >= 0)
+    p = hot.resolve(group, pos, on_dev, start, hot_slot)
+    none = torch.full_like(pos, -1)
+    vpos = torch.where(on_dev, pos, torch.where(p.hot_row >= 0, hot_base[:, None] + p.hot_row, none))
+    out = sel.clone()
+    for b in range(B):
+        for m in range(M):
+            if dst_row[b, m] >= 0:
+                out[dst_row[b, m]] = vpos[b, m * K:(m + 1) * K].to(out.dtype)
+    mp, mr = p.miss_pos, p.miss_row
+    src = torch.where(mp >= 0, host_table[torch.arange(B)[:, None], mp.clamp(min=0) // BS] * BS + mp % BS, mp)
+    dst = torch.where(mr >= 0, hot.blocks[hot_slot[:, None], mr.clamp(min=0) // BS].long() * BS + mr % BS, mr)
+    pairs = [[(int(a), int(c)) for a, c in zip(src[b], dst[b]) if a >= 0] for b in range(B)]
+    return out, pairs, int(p.num_hits), int(p.num_misses)
+
+
+@pytest.mark.parametrize("spec,buffer", [(0, 12), (2, 12), (0, 16)])
+def test_fused_plan_equals_the_torch_plan(spec, buffer):
+    rng = random.Random(spec * 100 + buffer)
+    K, groups, slots = 6, 2, 4
+    layout = HotLayout.create(K, buffer, spec, block_size=BS)
+    M, R = layout.max_new_rows, layout.lru_rows
+    ref = HotBuffers(layout, groups, slots, torch.device("cpu"))
+    fused = HotBuffers(layout, groups, slots, torch.device("cpu"))
+    for hb in (ref, fused):
+        for s in range(slots):
+            hb.assign(s, [100 + s * layout.num_blocks + i for i in range(layout.num_blocks)])
+    W = 40
+    page_table = torch.full((6, W), -1, dtype=torch.int32)
+    page_table[1, :3] = torch.tensor([7, 8, 9], dtype=torch.int32)  # request in table row 1: pages 0-2 on device
+    counters = torch.zeros(4, dtype=torch.int64)
+    for step in range(24):
+        B = rng.randint(1, 3)
+        hs = rng.sample(range(slots), B)
+        n_rows = [rng.randint(1, M) for _ in range(B)]
+        T = sum(n_rows) + 1  # one extra batch row (a resident request) that no entry uses
+        starts = [rng.randint(30, 60) for _ in range(B)]
+        topk = torch.full((T, K), -1, dtype=torch.int32)
+        entry_rows = torch.full((B, M), -1, dtype=torch.long)
+        dst_row = torch.full((B, M), -1, dtype=torch.long)
+        at = 1
+        for b in range(B):
+            for i in range(n_rows[b]):
+                cand = list(range(starts[b] + i + 1)) + [starts[b]] * 3  # duplicates of the newest row too
+                chosen = [rng.choice(cand) for _ in range(K - rng.randint(0, 2))]
+                topk[at, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+                entry_rows[b, i] = at
+                dst_row[b, i] = at
+                at += 1
+        start = torch.tensor(starts)
+        hot_slot = torch.tensor(hs)
+        table_slot = torch.tensor([rng.choice([0, 1, 2]) for _ in range(B)])
+        hot_base = torch.tensor([1000 * (b + 1) for b in range(B)])
+        host_table = torch.randint(0, 500, (B, W))
+        sel = torch.randint(-1, 50, (T, K), dtype=torch.int32)
+        group = step % groups
+        want_sel, want_pairs, hits, misses = reference(ref, group, topk, entry_rows, start, hot_slot, table_slot,
+                                                       hot_base, page_table, host_table, dst_row, sel)
+        fused.clock += 1
+        got_sel = sel.clone()
+        before = counters.clone()
+        src, dst = plan_hot(topk, entry_rows, start, hot_slot, table_slot, hot_base, page_table, host_table,
+                            fused.blocks, fused.row_pos, fused.stamp, group, fused.clock, dst_row, got_sel,
+                            counters, bytes_per_miss=10, block_size=BS)
+        assert torch.equal(got_sel, want_sel), f"step {step}: virtual selections differ"
+        n_pad = src.numel() // B
+        got_pairs = [[(int(a), int(c)) for a, c in zip(src[b * n_pad:(b + 1) * n_pad], dst[b * n_pad:(b + 1) * n_pad])
+                      if a >= 0] for b in range(B)]
+        assert got_pairs == want_pairs, f"step {step}: miss copies differ"
+        for b in range(B):  # compact: the misses first, then -1
+            n = len(got_pairs[b])
+            assert bool((src[b * n_pad + n:(b + 1) * n_pad] == -1).all())
+        assert (counters - before).tolist() == [hits, misses, 10 * misses, 10 * misses]
+        assert torch.equal(fused.row_pos, ref.row_pos) and torch.equal(fused.stamp, ref.stamp), f"step {step}"
+    assert int(counters[1]) > 0 and int(counters[0]) > 0
+    assert R == layout.lru_rows
