@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 
@@ -53,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="profile every case (host: cProfile top functions; device: torch.profiler top kernels) "
                         "into FILE")
+    p.add_argument("--sync-debug", action="store_true", help="warn, with the stack, at every host synchronisation "
+                   "inside a timed step (CUDA)")
     p.add_argument("--plans-only", action="store_true", help="hit rates of the LRU plans alone (any device): "
                    "real top-k and buffer, no attention")
     if "--cpu-smoke" in (argv if argv is not None else sys.argv[1:]):  # toy defaults; explicit flags still win
@@ -85,8 +88,9 @@ def run_case(args, mode: str, context: int, batch: int, device: torch.device, ch
         assert states["resident"] == 0, f"{mode}: every request must decode from the host pool, got {states}"
     times, h2d, hits, misses = _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn)
     n = hits + misses
-    ms = sum(times) / len(times) * 1e3
-    return {**row, "backend": inner.name, "step_ms": round(ms, 3), "ms_per_layer": round(ms / args.layers, 4),
+    ms = statistics.median(times) * 1e3
+    return {**row, "backend": inner.name, "step_ms": round(ms, 3), "mean_step_ms": round(sum(times) / len(times) * 1e3, 3),
+            "ms_per_layer": round(ms / args.layers, 4),
             "hit_rate": round(hits / n, 4) if n else None, "h2d_bytes_per_step": int(sum(h2d) / len(h2d)),
             "h2d_gb_per_s": round(sum(h2d) / sum(times) / 1e9, 2),
             "copy_path": mgr.mover.path if mgr else None}
@@ -110,6 +114,8 @@ def _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn):
         before = mgr.counters.tolist() if mgr is not None else None  # synchronises too
         _sync(device)
         t0 = time.perf_counter()
+        if args.sync_debug and device.type == "cuda" and step >= warmup:
+            torch.cuda.set_sync_debug_mode("warn")
         if mgr is not None:
             place(mgr, ctx, seq_len)  # the runner's per-step placement is part of the step
         meta = decode_meta(table, seq_len, req_ids)
@@ -125,6 +131,8 @@ def _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn):
             out, _ = backend.sparse_mla(cache, layer, q, sel, meta, scale)
             if dense is not None:
                 dense.finish(x, out)
+        if args.sync_debug and device.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
         _sync(device)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
@@ -232,8 +240,17 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _warn_with_stack(message, category, filename, lineno, file=None, line=None):
+    import traceback
+    print(f"SYNC {category.__name__}: {message}\n" + "".join(traceback.format_stack(limit=8)[:-2]), file=sys.stderr)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.sync_debug:
+        import warnings
+        warnings.simplefilter("always")
+        warnings.showwarning = _warn_with_stack
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu":
         torch.set_num_threads(1)  # toy sizes: thread wake-ups cost more than the work

@@ -26,9 +26,11 @@ import triton.language as tl  # noqa: E402
 @triton.jit
 def _copy_rows_kernel(src_ptr, dst_ptr, src_slot_ptr, dst_slot_ptr, num_rows, num_words,
                       src_block_size, s_blk, s_tok, dst_block_size, d_blk, d_tok,
-                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Program r copies rows [r*BLOCK_R, +BLOCK_R) of the slot lists; a slot < 0 on either side skips the row.
-    Strides are in words; offsets are 64-bit (host pools exceed 2^31 words)."""
+                      dst2_ptr, dst2_slot_ptr, dst2_block_size, d2_blk, d2_tok,
+                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, HAS_DST2: tl.constexpr):
+    """Program r copies rows [r*BLOCK_R, +BLOCK_R) of the slot lists; a slot < 0 skips the row (for that
+    destination). With HAS_DST2 each row read goes to two destinations. Strides are in words; offsets are
+    64-bit (host pools exceed 2^31 words)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < num_rows
     src = tl.load(src_slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)
@@ -36,11 +38,19 @@ def _copy_rows_kernel(src_ptr, dst_ptr, src_slot_ptr, dst_slot_ptr, num_rows, nu
     ok = (src >= 0) & (dst >= 0)
     src_base = (src // src_block_size) * s_blk + (src % src_block_size) * s_tok
     dst_base = (dst // dst_block_size) * d_blk + (dst % dst_block_size) * d_tok
+    if HAS_DST2:
+        dst2 = tl.load(dst2_slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+        ok2 = (src >= 0) & (dst2 >= 0)
+        dst2_base = (dst2 // dst2_block_size) * d2_blk + (dst2 % dst2_block_size) * d2_tok
     for w0 in range(0, num_words, BLOCK_W):
         cols = w0 + tl.arange(0, BLOCK_W)
-        mask = ok[:, None] & (cols[None, :] < num_words)
-        vals = tl.load(src_ptr + src_base[:, None] + cols[None, :], mask=mask, other=0)
-        tl.store(dst_ptr + dst_base[:, None] + cols[None, :], vals, mask=mask)
+        in_row = cols[None, :] < num_words
+        if HAS_DST2:
+            vals = tl.load(src_ptr + src_base[:, None] + cols[None, :], mask=(ok | ok2)[:, None] & in_row, other=0)
+            tl.store(dst2_ptr + dst2_base[:, None] + cols[None, :], vals, mask=ok2[:, None] & in_row)
+        else:
+            vals = tl.load(src_ptr + src_base[:, None] + cols[None, :], mask=ok[:, None] & in_row, other=0)
+        tl.store(dst_ptr + dst_base[:, None] + cols[None, :], vals, mask=ok[:, None] & in_row)
 
 
 def _as_words(view: torch.Tensor) -> torch.Tensor:
@@ -66,27 +76,34 @@ def _check(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_sl
         raise ValueError("slot lists must be int32 or int64")
 
 
-def copy_rows(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """dst[dst_slots[i]] = src[src_slots[i]] for every i with both slots >= 0 (the Triton kernel).
+def copy_rows(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor,
+              dst2: torch.Tensor | None = None, dst2_slots: torch.Tensor | None = None) -> None:
+    """dst[dst_slots[i]] = src[src_slots[i]] for every i with both slots >= 0 (the Triton kernel), and the
+    same into dst2[dst2_slots[i]] when a second destination is given (one read, two writes).
 
     src / dst: paged views [NB, bs, row] of the same row size in bytes (dtypes may differ: bytes move).
     On CUDA the slot lists must be on the GPU; src or dst may be pinned host memory. Rows written twice
     in one call must carry the same bytes (the order between programs is undefined).
     """
     _check(src, src_slots, dst, dst_slots)
+    if dst2 is not None:
+        _check(src, src_slots, dst2, dst2_slots)
     n = src_slots.shape[0]
     if n == 0:
         return
-    sw, dw = _as_words(src), _as_words(dst)
-    if sw.dtype != dw.dtype:  # one side could not be read as words: move bytes on both
-        sw, dw = src.view(torch.uint8), dst.view(torch.uint8)
+    views = [_as_words(t) for t in (src, dst) + ((dst2,) if dst2 is not None else ())]
+    if len({v.dtype for v in views}) > 1:  # one side could not be read as words: move bytes everywhere
+        views = [t.view(torch.uint8) for t in (src, dst) + ((dst2,) if dst2 is not None else ())]
+    sw, dw = views[0], views[1]
+    d2w, d2_slots = (views[2], dst2_slots.contiguous()) if dst2 is not None else (dw, dst_slots)
     words = sw.shape[-1]
     block_r = 16
     block_w = min(256, triton.next_power_of_2(words))
     _copy_rows_kernel[(triton.cdiv(n, block_r),)](
         sw, dw, src_slots.contiguous(), dst_slots.contiguous(), n, words,
         sw.shape[1], sw.stride(0), sw.stride(1), dw.shape[1], dw.stride(0), dw.stride(1),
-        BLOCK_R=block_r, BLOCK_W=block_w)
+        d2w, d2_slots, d2w.shape[1], d2w.stride(0), d2w.stride(1),
+        BLOCK_R=block_r, BLOCK_W=block_w, HAS_DST2=dst2 is not None)
 
 
 def copy_rows_ref(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:

@@ -39,7 +39,7 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bytes_per_miss", "clock"])  # the clock changes every call: no recompiles
 def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slot_ptr, hot_base_ptr,
                  page_ptr, s_page, host_ptr, s_host, hblk_ptr, s_hblk,
                  rowpos_ptr, stamp_ptr, state_off, s_state,

@@ -61,13 +61,16 @@ class HiSparseBackend:
         fw = self.state(meta)
         T = latent.shape[0]
         spec = self.spec
-        if fw.scratch is None:
+        if fw.scratch is None:  # made once per forward, used by every layer
             fw.scratch = torch.empty((-(-T // spec.block_size), spec.block_size, spec.mla_row),
                                      dtype=spec.mla_torch_dtype, device=latent.device)
-        rows = torch.arange(T, device=latent.device)
-        self.inner.store_kv(_OneLayer(fw.scratch), layer, latent, k_rope, dataclasses.replace(meta, slot_mapping=rows))
-        self.mgr.mover.copy(fw.scratch, rows, cache.pool.mla_layer(layer), fw.dev_slots)
-        self.mgr.mover.copy(fw.scratch, rows, cache.mla_layer(layer), meta.slot_mapping)  # write-through
+            rows = torch.arange(T, device=latent.device)
+            fw.scratch_meta = dataclasses.replace(meta, slot_mapping=rows)
+        rows = fw.scratch_meta.slot_mapping
+        self.inner.store_kv(_OneLayer(fw.scratch), layer, latent, k_rope, fw.scratch_meta)
+        # the device slot (page or reserved hot row) and the host pool (write-through), one read
+        self.mgr.mover.copy2(fw.scratch, rows, cache.pool.mla_layer(layer), fw.dev_slots,
+                             cache.mla_layer(layer), meta.slot_mapping)
 
     def store_index_k(self, cache, layer: int, k: torch.Tensor, meta: AttnMetadata) -> None:
         self.inner.store_index_k(cache, layer, k, meta)

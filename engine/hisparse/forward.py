@@ -34,6 +34,25 @@ def to_dev(x, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tens
     if dev.type != "cuda":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)
+class IntMemo:
+    """Small host int lists -> device tensors, kept while they repeat: a decode batch repeats most of its
+    routing lists step after step, so in steady state they cost a dictionary lookup, not a transfer.
+    The tensors are shared: callers never write into them."""
+
+    def __init__(self, limit: int = 256):
+        self.limit = limit
+        self.memo: dict = {}
+
+    def __call__(self, values, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        key = (tuple(values), dtype)
+        t = self.memo.get(key)
+        if t is None:
+            if len(self.memo) >= self.limit:
+                self.memo.clear()
+            t = self.memo[key] = to_dev(list(values), dev, dtype)
+        return t
+
+
 MAX_STAGE_PAGES = 1 << 14  # one staged workspace holds at most this many pages per layer (1M tokens)
 
 
@@ -81,6 +100,7 @@ class ForwardState:
     plans: dict = field(default_factory=dict)  # group -> GroupPlan
     events: dict = field(default_factory=dict)  # layer -> CUDA event of its miss copies
     scratch: torch.Tensor | None = None  # [ceil(T/64), 64, row] where the inner backend quantises rows
+    scratch_meta: AttnMetadata | None = None  # the batch's metadata with slots 0..T-1 (into `scratch`)
     stage_buf: torch.Tensor | None = None  # shared by the staged workspaces (one layer at a time)
 
 
@@ -102,54 +122,60 @@ def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
             paths.append(HOT if n <= mgr.layout.max_new_rows else STAGED)
     starts = [lens[b] - (qsl[b + 1] - qsl[b]) for b in range(len(reqs))]
     num_pages = [-(-s // meta.block_size) for s in lens]
-    fw = ForwardState(paths=paths, dev_slots=_dev_slots(mgr, meta, reqs, paths, starts))
+    starts_t = None  # first position written this step, per request (computed on the device: no transfer)
+    if HOT in paths:
+        starts_t = meta.seq_lens.long() - torch.diff(meta.query_start_loc.long())
+    fw = ForwardState(paths=paths, dev_slots=_dev_slots(mgr, meta, reqs, paths, starts_t))
     hot = [b for b, p in enumerate(paths) if p == HOT]
     resident = [b for b, p in enumerate(paths) if p == RESIDENT]
     pool = sorted(resident + ([] if mgr.assemble else hot))
     if hot:
-        fw.hot = _hot_batch(mgr, meta, reqs, hot, starts, num_pages, pool)
+        fw.hot = _hot_batch(mgr, meta, reqs, hot, starts_t, num_pages, pool)
         if mgr.assemble:
             fw.assembled = _workspace(meta, hot, num_pages)
     if pool:
         table = _pool_table(mgr, reqs, pool, num_pages, paths)
         vlens = [num_pages[b] * meta.block_size + mgr.layout.rows if paths[b] == HOT else lens[b] for b in pool]
-        fw.pool = sub_batch(meta, pool, table, vlens)
+        fw.pool = sub_batch(meta, pool, table, vlens, mgr.ints)
     fw.staged = _staged(mgr, meta, reqs, [b for b, p in enumerate(paths) if p == STAGED], num_pages)
     return fw
 
 
-def _dev_slots(mgr, meta: AttnMetadata, reqs, paths: list[str], starts: list[int]) -> torch.Tensor:
+def _dev_slots(mgr, meta: AttnMetadata, reqs, paths: list[str], starts: torch.Tensor | None) -> torch.Tensor:
     dev = meta.positions.device
     tok = meta.token_req_idx.long()
     pos = meta.positions.long()
     bs = meta.block_size
-    slot_of = to_dev([r.slot for r in reqs], dev)[tok]
+    slot_of = mgr.ints([r.slot for r in reqs], dev)[tok]
     page = mgr.page_table[slot_of, pos // bs].long()
     out = torch.where(page >= 0, page * bs + pos % bs, torch.full_like(pos, -1))
     if HOT in paths:
-        hs = to_dev([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)], dev)[tok]
-        row = (mgr.layout.lru_rows + pos - to_dev(starts, dev)[tok]).clamp(0, mgr.layout.rows - 1)
+        hs = mgr.ints([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)], dev)[tok]
+        row = (mgr.layout.lru_rows + pos - starts[tok]).clamp(0, mgr.layout.rows - 1)
         hot_slot = mgr.hot.blocks[hs.clamp(min=0), row // bs].long() * bs + row % bs
         out = torch.where((page < 0) & (hs >= 0), hot_slot, out)
     return out
 
 
-def _hot_batch(mgr, meta, reqs, hot: list[int], starts, num_pages, pool: list[int]) -> HotBatch:
+def _hot_batch(mgr, meta, reqs, hot: list[int], starts: torch.Tensor, num_pages, pool: list[int]) -> HotBatch:
     dev = meta.positions.device
     qsl = meta.query_start_loc_cpu
     M = mgr.layout.max_new_rows
-    rows = [[qsl[b] + i for i in range(qsl[b + 1] - qsl[b])] + [-1] * (M - qsl[b + 1] + qsl[b]) for b in hot]
+    ints = mgr.ints
+    rows = [r for b in hot for r in [qsl[b] + i for i in range(qsl[b + 1] - qsl[b])] + [-1] * (M - qsl[b + 1] + qsl[b])]
     ws_base, at = [], 0
     for b in hot:
         ws_base.append(at)
         at += num_pages[b]
-    hb = HotBatch(req_idx=hot, entry_rows=to_dev(rows, dev),
-                  start=to_dev([starts[b] for b in hot], dev),
-                  hot_slot=to_dev([reqs[b].hot_slot for b in hot], dev),
-                  table_slot=to_dev([reqs[b].slot for b in hot], dev),
-                  host_table=meta.block_table[to_dev(hot, dev)].long(),
-                  hot_base=to_dev([num_pages[b] * meta.block_size for b in hot], dev),
-                  ws_base=to_dev(ws_base, dev))
+    every = len(hot) == len(reqs)
+    hot_t = None if every else ints(hot, dev)
+    hb = HotBatch(req_idx=hot, entry_rows=ints(rows, dev).view(len(hot), M),
+                  start=starts if every else starts[hot_t],
+                  hot_slot=ints([reqs[b].hot_slot for b in hot], dev),
+                  table_slot=ints([reqs[b].slot for b in hot], dev),
+                  host_table=(meta.block_table if every else meta.block_table[hot_t]).long(),
+                  hot_base=ints([num_pages[b] * meta.block_size for b in hot], dev),
+                  ws_base=ints(ws_base, dev))
     if not mgr.assemble:  # where each hot request's rows sit inside the pool part
         at, where_in_pool = 0, {}
         for b in pool:
@@ -160,15 +186,25 @@ def _hot_batch(mgr, meta, reqs, hot: list[int], starts, num_pages, pool: list[in
             dst = [-1] * (len(hot) * M)
             for p, e in pairs:
                 dst[e] = p
-            hb.dst_row = to_dev(dst, dev).view(len(hot), M)
+            hb.dst_row = ints(dst, dev).view(len(hot), M)
         else:
-            hb.pool_rows = to_dev([p for p, _ in pairs], dev)
-            hb.entry_ids = to_dev([e for _, e in pairs], dev)
+            hb.pool_rows = ints([p for p, _ in pairs], dev)
+            hb.entry_ids = ints([e for _, e in pairs], dev)
     return hb
 
 
 def _pool_table(mgr, reqs, pool: list[int], num_pages: list[int], paths: list[str]) -> torch.Tensor:
-    """[len(pool), W] device blocks: each request's pages (spilled -> 0), then its hot blocks if hot."""
+    """[len(pool), W] device blocks: each request's pages (spilled -> 0), then its hot blocks if hot.
+    Kept while the placement (mgr.version), the requests and their page counts stay the same."""
+    key = (mgr.version, tuple((reqs[b].slot, reqs[b].hot_slot, num_pages[b], paths[b]) for b in pool))
+    if mgr.pool_table_memo is not None and mgr.pool_table_memo[0] == key:
+        return mgr.pool_table_memo[1]
+    table = _build_pool_table(mgr, reqs, pool, num_pages, paths)
+    mgr.pool_table_memo = (key, table)
+    return table
+
+
+def _build_pool_table(mgr, reqs, pool: list[int], num_pages: list[int], paths: list[str]) -> torch.Tensor:
     dev = mgr.page_table.device
     H = mgr.layout.num_blocks
     widths = [num_pages[b] + (H if paths[b] == HOT else 0) for b in pool]
@@ -220,9 +256,12 @@ def _staged(mgr, meta: AttnMetadata, reqs, staged: list[int], num_pages: list[in
     return out
 
 
-def sub_batch(meta: AttnMetadata, req_idx: list[int], block_table: torch.Tensor, seq_lens: list[int]) -> SubBatch:
-    """Metadata over the rows of some requests of the batch, with their own block table and lengths."""
+def sub_batch(meta: AttnMetadata, req_idx: list[int], block_table: torch.Tensor, seq_lens: list[int],
+              ints: IntMemo | None = None) -> SubBatch:
+    """Metadata over the rows of some requests of the batch, with their own block table and lengths
+    (`ints`: keep the small lists on the device while they repeat)."""
     dev = meta.positions.device
+    ints = ints or (lambda v, d, t=torch.int64: to_dev(v, d, t))
     qsl = meta.query_start_loc_cpu
     counts = [qsl[b + 1] - qsl[b] for b in req_idx]
     new_qsl = [0]
@@ -236,8 +275,8 @@ def sub_batch(meta: AttnMetadata, req_idx: list[int], block_table: torch.Tensor,
         tok = to_dev(torch.repeat_interleave(torch.arange(len(req_idx), dtype=torch.int32),
                                              torch.tensor(counts, dtype=torch.int64)), dev)
     sub = AttnMetadata(positions=positions, slot_mapping=slot_mapping,
-                       query_start_loc=to_dev(new_qsl, dev, torch.int32),
-                       seq_lens=to_dev(seq_lens, dev, torch.int32), block_table=block_table,
+                       query_start_loc=ints(new_qsl, dev, torch.int32),
+                       seq_lens=ints(seq_lens, dev, torch.int32), block_table=block_table,
                        token_req_idx=tok, query_start_loc_cpu=new_qsl, seq_lens_cpu=list(seq_lens),
                        block_size=meta.block_size)
     return SubBatch(req_idx=list(req_idx), rows=rows, meta=sub)

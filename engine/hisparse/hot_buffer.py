@@ -47,8 +47,8 @@ class HotBuffers:
     def assign(self, hot_slot: int, blocks: list[int]) -> None:
         """A request takes hot slot `hot_slot` with these device blocks: its LRU starts empty."""
         self.blocks[hot_slot] = to_dev(blocks, self.blocks.device, torch.int32)
-        self.row_pos[:, hot_slot] = -1
-        self.stamp[:, hot_slot] = -1
+        self.row_pos[:, hot_slot].fill_(-1)
+        self.stamp[:, hot_slot].fill_(-1)
 
     def resolve(self, group: int, pos: torch.Tensor, on_device: torch.Tensor, start: torch.Tensor,
                 hot_slot: torch.Tensor) -> HotPlan:

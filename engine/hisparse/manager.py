@@ -9,7 +9,7 @@ import torch
 
 from engine.engine_config import EngineConfig
 from engine.hisparse.backend import HiSparseBackend
-from engine.hisparse.forward import to_dev
+from engine.hisparse.forward import IntMemo, to_dev
 from engine.hisparse.host_pool import HiSparseKVCache, host_blocks_for
 from engine.hisparse.hot_buffer import HotBuffers
 from engine.hisparse.layout import HotLayout, LayerGroups
@@ -71,6 +71,9 @@ class HiSparseManager:
         # the plan as one kernel (kernels.hisparse_plan) on GPUs; the torch ops elsewhere (tests may switch)
         self.fused_plan = torch.device(device).type == "cuda"
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
+        self.ints = IntMemo()  # per-forward routing lists kept on the device while they repeat
+        self.version = 0  # bumped whenever placement changes (page table, hot buffers): invalidates memos
+        self.pool_table_memo = None
         self.row_bytes = spec.mla_row * spec.mla_torch_dtype.itemsize
 
     def wrap(self, backend) -> HiSparseBackend:
@@ -93,7 +96,9 @@ class HiSparseManager:
     def place(self, dropped: list[str], synced: list[tuple[str, list[int], int]]) -> None:
         """Drop requests; register / grow (req_id, host block ids, tokens already written); rebalance; apply.
         The margin keeps one spare block per request for next step's growth before anything is restored."""
-        self.counters[_STEP_H2D] = 0
+        self.counters[_STEP_H2D:].zero_()  # on the device: `counters[i] = 0` would copy a host scalar in
+        if dropped:
+            self.version += 1
         for rid in dropped:
             self.residency.drop(rid)
         for rid, blocks, num_written in synced:
@@ -102,8 +107,10 @@ class HiSparseManager:
 
     def apply(self, a: StepActions) -> None:
         dev = self.page_table.device
+        if a.reset_slots or a.page_updates or a.hot_assigned or a.restores:
+            self.version += 1
         for slot in a.reset_slots:
-            self.page_table[slot] = -1
+            self.page_table[slot].fill_(-1)
         if a.page_updates:
             last = {(s, p): v for s, p, v in a.page_updates}  # a page can move twice in one step
             s, p = zip(*last)

@@ -40,6 +40,21 @@ class RowMover:
                 self.path = "sync"
         copy_rows_ref(src, src_slots, dst, dst_slots)
 
+    def copy2(self, src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor,
+              dst2: torch.Tensor, dst2_slots: torch.Tensor) -> None:
+        """`copy` into two destinations: one kernel on CUDA (rows read once)."""
+        if self.cuda and self.path == "triton":
+            try:
+                copy_rows(src, src_slots, dst, dst_slots, dst2, dst2_slots)
+                return
+            except (ValueError, RuntimeError) as e:
+                if src.is_cuda and dst.is_cuda and dst2.is_cuda:
+                    raise
+                log.warning("hisparse: Triton cannot reach pinned host memory (%s); copies now synchronise", e)
+                self.path = "sync"
+        self.copy(src, src_slots, dst, dst_slots)
+        self.copy(src, src_slots, dst2, dst2_slots)
+
     def copy_layers(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor,
                     dst_slots: torch.Tensor, layers: list[int] | tuple[int, ...]) -> dict:
         """The same rows for several layers (src view, dst view) -> {layer: event} to wait for (CUDA)."""

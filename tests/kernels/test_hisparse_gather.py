@@ -86,3 +86,32 @@ def test_copy_rows_gpu_pinned_host(direction):
     copy_rows(src_full[:, 1], ss, dst_full[:, 3], ds)
     torch.cuda.synchronize()
     assert torch.equal(dst_full.cpu(), want)
+
+
+def _two_destinations(device: str, host_second: bool):
+    """One read, two writes (the write-through of new rows): each destination skips its own -1 slots."""
+    gen = torch.Generator().manual_seed(3)
+    src = _cache(4, 656, torch.uint8, gen, device=device, layers=2)
+    d1 = _cache(6, 656, torch.uint8, gen, device=device, layers=2)
+    d2 = _cache(8, 656, torch.uint8, gen, device="cpu" if host_second else device, pin=host_second, layers=2)
+    ss = _slots(100, 4 * 64, gen, skip_every=9).to(device)
+    s1 = _slots(100, 6 * 64, gen, skip_every=5).to(device)
+    s2 = _slots(100, 8 * 64, gen, skip_every=3).to(device)
+    w1, w2 = d1.cpu().clone(), d2.cpu().clone()
+    copy_rows_ref(src[:, 0].cpu(), ss.cpu(), w1[:, 1], s1.cpu())
+    copy_rows_ref(src[:, 0].cpu(), ss.cpu(), w2[:, 1], s2.cpu())
+    copy_rows(src[:, 0], ss, d1[:, 1], s1, d2[:, 1], s2)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(d1.cpu(), w1) and torch.equal(d2.cpu(), w2)
+
+
+@interp
+def test_copy_rows_two_destinations_interp():
+    _two_destinations("cpu", host_second=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_rows_two_destinations_gpu_pinned_host():
+    _two_destinations("cuda", host_second=True)

@@ -1,7 +1,8 @@
 """The fused plan kernel (kernels.hisparse_plan) against the torch plan (HotBuffers.resolve plus the
 backend's slot arithmetic), entry for entry, over random multi-step streams: same hot-buffer state, same
 virtual selections, same miss copies in the same order, same counters. On CPU the kernel runs in Triton's
-interpreter."""
+interpreter;
+on a GPU it is compiled and runs on device tensors."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from engine.hisparse.layout import HotLayout
 from kernels.hisparse_plan import plan_hot
 
 BS = 4
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def reference(hot: HotBuffers, group, topk, entry_rows, start, hot_slot, table_slot, hot_base, page_table,
@@ -48,7 +50,7 @@ def test_fused_plan_equals_the_torch_plan(spec, buffer):
     layout = HotLayout.create(K, buffer, spec, block_size=BS)
     M, R = layout.max_new_rows, layout.lru_rows
     ref = HotBuffers(layout, groups, slots, torch.device("cpu"))
-    fused = HotBuffers(layout, groups, slots, torch.device("cpu"))
+    fused = HotBuffers(layout, groups, slots, DEV)
     for hb in (ref, fused):
         for s in range(slots):
             hb.assign(s, [100 + s * layout.num_blocks + i for i in range(layout.num_blocks)])
@@ -86,9 +88,11 @@ def test_fused_plan_equals_the_torch_plan(spec, buffer):
         fused.clock += 1
         got_sel = sel.clone()
         before = counters.clone()
-        src, dst = plan_hot(topk, entry_rows, start, hot_slot, table_slot, hot_base, page_table, host_table,
-                            fused.blocks, fused.row_pos, fused.stamp, group, fused.clock, dst_row, got_sel,
-                            counters, bytes_per_miss=10, block_size=BS)
+        d = [t.to(DEV) for t in (topk, entry_rows, start, hot_slot, table_slot, hot_base, page_table, host_table,
+                                 dst_row, got_sel, counters)]
+        src, dst = plan_hot(*d[:8], fused.blocks, fused.row_pos, fused.stamp, group, fused.clock, d[8], d[9],
+                            d[10], bytes_per_miss=10, block_size=BS)
+        got_sel, counters, src, dst = d[9].cpu(), d[10].cpu(), src.cpu(), dst.cpu()
         assert torch.equal(got_sel, want_sel), f"step {step}: virtual selections differ"
         n_pad = src.numel() // B
         got_pairs = [[(int(a), int(c)) for a, c in zip(src[b * n_pad:(b + 1) * n_pad], dst[b * n_pad:(b + 1) * n_pad])
@@ -98,6 +102,6 @@ def test_fused_plan_equals_the_torch_plan(spec, buffer):
             n = len(got_pairs[b])
             assert bool((src[b * n_pad + n:(b + 1) * n_pad] == -1).all())
         assert (counters - before).tolist() == [hits, misses, 10 * misses, 10 * misses]
-        assert torch.equal(fused.row_pos, ref.row_pos) and torch.equal(fused.stamp, ref.stamp), f"step {step}"
+        assert torch.equal(fused.row_pos.cpu(), ref.row_pos) and torch.equal(fused.stamp.cpu(), ref.stamp), f"step {step}"
     assert int(counters[1]) > 0 and int(counters[0]) > 0
     assert R == layout.lru_rows
