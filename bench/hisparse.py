@@ -19,6 +19,7 @@ reported. The indexer's own cost is excluded: it is the same in all three modes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -47,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "runs hisparse once per value")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=1, help="run every case this many times, interleaved, and "
+                   "report the median run (offload runs once)")
     p.add_argument("--offload-steps", type=int, default=2, help="measured steps of the (slow) offload mode")
     p.add_argument("--mlp-width", type=int, default=12288, help="dense MLP width per layer (0: none)")
     p.add_argument("--attention-only", action="store_true", help="no projections or MLP: KV path only")
@@ -86,10 +89,11 @@ def run_case(args, mode: str, context: int, batch: int, device: torch.device, ch
         place(mgr, ctx, context)
         states = mgr.residency.count_states()
         assert states["resident"] == 0, f"{mode}: every request must decode from the host pool, got {states}"
-    times, h2d, hits, misses = _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn)
+    times, host, h2d, hits, misses = _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn)
     n = hits + misses
     ms = statistics.median(times) * 1e3
     return {**row, "backend": inner.name, "step_ms": round(ms, 3), "mean_step_ms": round(sum(times) / len(times) * 1e3, 3),
+            "host_issue_ms": round(statistics.median(host) * 1e3, 3),
             "ms_per_layer": round(ms / args.layers, 4),
             "hit_rate": round(hits / n, 4) if n else None, "h2d_bytes_per_step": int(sum(h2d) / len(h2d)),
             "h2d_gb_per_s": round(sum(h2d) / sum(times) / 1e9, 2),
@@ -108,11 +112,27 @@ def _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn):
     streams = [TopkStream(B, cfg.index_topk, churn, device, seed=i) for i in range(groups.num_groups)]
     table, req_ids = ctx.table(device), [f"r{b}" for b in range(B)]
     scale = cfg.softmax_scale
-    times, h2d, hits, misses = [], [], 0, 0
+    gc.collect()
+    gc.disable()  # a collection inside a timed step is noise (the serving engine's loop allocates little)
+    try:
+        return _loop(args, ctx, spec, groups, streams, table, req_ids, scale, backend, cache, mgr, device, warmup,
+                     dense, x, q_fixed, kv_fixed)
+    finally:
+        gc.enable()
+
+
+def _loop(args, ctx, spec, groups, streams, table, req_ids, scale, backend, cache, mgr, device, warmup, dense,
+          x, q_fixed, kv_fixed):
+    """The decode steps: (step seconds, host seconds to issue the step, H2D bytes per step, hits, misses) of
+    the measured ones."""
+    times, host, h2d, hits, misses = [], [], [], 0, 0
     for step in range(ctx.steps):
         seq_len = ctx.context + step
         before = mgr.counters.tolist() if mgr is not None else None  # synchronises too
         _sync(device)
+        prof = getattr(args, "step_profiler", None) if step >= warmup else None
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         if args.sync_debug and device.type == "cuda" and step >= warmup:
             torch.cuda.set_sync_debug_mode("warn")
@@ -133,16 +153,20 @@ def _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn):
                 dense.finish(x, out)
         if args.sync_debug and device.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
+        enqueued = time.perf_counter()
         _sync(device)
+        if prof is not None:
+            prof.disable()
         if step >= warmup:
             times.append(time.perf_counter() - t0)
+            host.append(enqueued - t0)
             if mgr is not None:
                 after = mgr.counters.tolist()
                 hits, misses = hits + after[0] - before[0], misses + after[1] - before[1]
                 h2d.append(after[3])
             else:
                 h2d.append(0)
-    return times, h2d, hits, misses
+    return times, host, h2d, hits, misses
 
 
 def plans_only(args, device: torch.device) -> list[dict]:
@@ -259,15 +283,20 @@ def main(argv=None) -> dict:
         with open(args.out, "w") as f:
             json.dump({"command": "python -m bench.hisparse " + " ".join(argv or []), "rows": rows}, f, indent=1)
         return {"rows": rows}
-    rows = []
-    for context in [int(c) for c in args.contexts.split(",")]:
-        for batch in [int(b) for b in args.batches.split(",")]:
-            for mode in args.modes.split(","):
-                for churn in [float(c) for c in args.churn.split(",")] if mode == "hisparse" else [None]:
-                    rows.append(_profiled(args, mode, context, batch, device, churn))
-                    print(json.dumps(rows[-1]), flush=True)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+    runs: dict[tuple, list[dict]] = {}
+    for rep in range(args.repeat):  # the modes of one case run back to back, every repetition
+        for context in [int(c) for c in args.contexts.split(",")]:
+            for batch in [int(b) for b in args.batches.split(",")]:
+                for mode in args.modes.split(","):
+                    if mode == "offload" and rep > 0:
+                        continue  # seconds per step: one run is enough to see it
+                    for churn in [float(c) for c in args.churn.split(",")] if mode == "hisparse" else [None]:
+                        row = _profiled(args, mode, context, batch, device, churn)
+                        runs.setdefault((context, batch, mode, churn), []).append(row)
+                        print(json.dumps(row), flush=True)
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+    rows = [_median_run(r) for r in runs.values()]
     result = {"command": "python -m bench.hisparse " + " ".join(argv or []), "device": _device_name(device),
               "torch": torch.__version__, "python": platform.python_version(), "ceilings": microbench(device),
               "rows": rows}
@@ -275,6 +304,15 @@ def main(argv=None) -> dict:
         json.dump(result, f, indent=1)
     print(_table(rows))
     return result
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The repetition with the median step time, with every repetition's time beside it."""
+    if "skipped" in runs[0]:
+        return runs[0]
+    row = dict(sorted(runs, key=lambda r: r["step_ms"])[(len(runs) - 1) // 2])
+    row["step_ms_runs"] = [r["step_ms"] for r in runs]
+    return row
 
 
 def _profiled(args, mode, context, batch, device, churn) -> dict:
@@ -286,13 +324,13 @@ def _profiled(args, mode, context, batch, device, churn) -> dict:
     import pstats
 
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    prof = cProfile.Profile()
+    prof = args.step_profiler = cProfile.Profile()  # enabled by _steps inside the measured steps only
     with torch.profiler.profile(activities=acts) as tp:
-        prof.enable()
         row = run_case(args, mode, context, batch, device, churn)
-        prof.disable()
+    args.step_profiler = None
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     nsteps = (args.offload_steps + 1) if mode == "offload" else (args.steps + args.warmup)
     kernels = [e for e in tp.events() if e.device_type == torch.autograd.DeviceType.CUDA]

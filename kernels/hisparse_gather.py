@@ -26,11 +26,15 @@ import triton.language as tl  # noqa: E402
 @triton.jit
 def _copy_rows_kernel(src_ptr, dst_ptr, src_slot_ptr, dst_slot_ptr, num_rows, num_words,
                       src_block_size, s_blk, s_tok, dst_block_size, d_blk, d_tok,
-                      dst2_ptr, dst2_slot_ptr, dst2_block_size, d2_blk, d2_tok,
+                      dst2_ptr, dst2_slot_ptr, dst2_block_size, d2_blk, d2_tok, s_layer, d_layer,
                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, HAS_DST2: tl.constexpr):
-    """Program r copies rows [r*BLOCK_R, +BLOCK_R) of the slot lists; a slot < 0 skips the row (for that
-    destination). With HAS_DST2 each row read goes to two destinations. Strides are in words; offsets are
-    64-bit (host pools exceed 2^31 words)."""
+    """Program (r, l) copies rows [r*BLOCK_R, +BLOCK_R) of the slot lists in layer l (layer l's views start
+    l * s_layer / d_layer words after layer 0's); a slot < 0 skips the row (for that destination). With
+    HAS_DST2 each row read goes to two destinations. Strides are in words; offsets are 64-bit (host pools
+    exceed 2^31 words)."""
+    layer = tl.program_id(1).to(tl.int64)
+    src_ptr += layer * s_layer
+    dst_ptr += layer * d_layer
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < num_rows
     src = tl.load(src_slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)
@@ -102,8 +106,51 @@ def copy_rows(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst
     _copy_rows_kernel[(triton.cdiv(n, block_r),)](
         sw, dw, src_slots.contiguous(), dst_slots.contiguous(), n, words,
         sw.shape[1], sw.stride(0), sw.stride(1), dw.shape[1], dw.stride(0), dw.stride(1),
-        d2w, d2_slots, d2w.shape[1], d2w.stride(0), d2w.stride(1),
+        d2w, d2_slots, d2w.shape[1], d2w.stride(0), d2w.stride(1), 0, 0,
         BLOCK_R=block_r, BLOCK_W=block_w, HAS_DST2=dst2 is not None)
+
+
+def _layer_step(views: list[torch.Tensor]) -> int | None:
+    """Bytes from each view to the next when they are equally spaced, equally shaped and strided views of
+    one tensor (the layers of a block-major cache), else None."""
+    v0 = views[0]
+    if any(v.shape != v0.shape or v.stride() != v0.stride() or v.dtype != v0.dtype
+           or v.untyped_storage().data_ptr() != v0.untyped_storage().data_ptr() for v in views):
+        return None
+    if len(views) == 1:
+        return 0
+    step = views[1].data_ptr() - v0.data_ptr()
+    if any(views[i].data_ptr() - v0.data_ptr() != i * step for i in range(len(views))):
+        return None
+    return step
+
+
+def copy_rows_layers(srcs: list[torch.Tensor], src_slots: torch.Tensor, dsts: list[torch.Tensor],
+                     dst_slots: torch.Tensor) -> None:
+    """`copy_rows(srcs[i], src_slots, dsts[i], dst_slots)` for every layer i in one launch, when the layer
+    views are equally spaced views of one tensor on each side (else one launch per layer)."""
+    if len(srcs) != len(dsts) or not srcs:
+        raise ValueError(f"need as many source as destination layers (got {len(srcs)} and {len(dsts)})")
+    for s, d in zip(srcs, dsts):
+        _check(s, src_slots, d, dst_slots)
+    s_step, d_step = _layer_step(srcs), _layer_step(dsts)
+    sw, dw = _as_words(srcs[0]), _as_words(dsts[0])
+    unit = sw.element_size()
+    if (s_step is None or d_step is None or sw.dtype != dw.dtype or s_step % unit or d_step % unit
+            or (len(srcs) > 1 and (s_step == 0 or d_step == 0))):
+        for s, d in zip(srcs, dsts):
+            copy_rows(s, src_slots, d, dst_slots)
+        return
+    n = src_slots.shape[0]
+    if n == 0:
+        return
+    words = sw.shape[-1]
+    block_r = 16
+    _copy_rows_kernel[(triton.cdiv(n, block_r), len(srcs))](
+        sw, dw, src_slots.contiguous(), dst_slots.contiguous(), n, words,
+        sw.shape[1], sw.stride(0), sw.stride(1), dw.shape[1], dw.stride(0), dw.stride(1),
+        dw, dst_slots, dw.shape[1], dw.stride(0), dw.stride(1), s_step // unit, d_step // unit,
+        BLOCK_R=block_r, BLOCK_W=min(256, triton.next_power_of_2(words)), HAS_DST2=False)
 
 
 def copy_rows_ref(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:

@@ -190,3 +190,42 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
         bytes_per_miss, clock, R, K, M, block_size,
         N_PAD=n_pad, R_PAD=r_pad, LOG_R=r_pad.bit_length() - 1, num_warps=8)
     return msrc.view(-1), mdst.view(-1)
+
+
+@triton.jit
+def _dev_slots_kernel(pos_ptr, tok_ptr, slot_ptr, hs_ptr, start_ptr, page_ptr, s_page, hblk_ptr, s_hblk, out_ptr,
+                      T, BS, LRU, ROWS, HAS_HOT: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = t < T
+    pos = tl.load(pos_ptr + t, mask=m, other=0).to(tl.int64)
+    req = tl.load(tok_ptr + t, mask=m, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + req, mask=m, other=0)
+    page = tl.load(page_ptr + slot * s_page + pos // BS, mask=m, other=-1).to(tl.int64)
+    out = tl.where(page >= 0, page * BS + pos % BS, -1)
+    if HAS_HOT:
+        hs = tl.load(hs_ptr + req, mask=m, other=-1)
+        row = tl.minimum(tl.maximum(LRU + pos - tl.load(start_ptr + req, mask=m, other=0), 0), ROWS - 1)
+        blk = tl.load(hblk_ptr + tl.maximum(hs, 0) * s_hblk + row // BS, mask=m & (hs >= 0), other=0).to(tl.int64)
+        out = tl.where((page < 0) & (hs >= 0), blk * BS + row % BS, out)
+    tl.store(out_ptr + t, out, mask=m)
+
+
+def dev_slots(positions: torch.Tensor, token_req: torch.Tensor, slot_of_req: torch.Tensor,
+              hot_slot_of_req: torch.Tensor | None, start_of_req: torch.Tensor | None, page_table: torch.Tensor,
+              hot_blocks: torch.Tensor, block_size: int, lru_rows: int, hot_rows: int) -> torch.Tensor:
+    """Where each new row of a step is written on the device (one kernel): its page's device copy when
+    there is one (page_table[slot, pos // bs]), else the reserved newest row lru_rows + pos - start of its
+    request's hot buffer (hot_slot >= 0), else -1 (host only). Per-request tensors are int64; the result
+    is int64 [T]."""
+    T = positions.shape[0]
+    out = torch.empty(T, dtype=torch.int64, device=positions.device)
+    if T == 0:
+        return out
+    has_hot = hot_slot_of_req is not None
+    hs = hot_slot_of_req if has_hot else slot_of_req
+    st = start_of_req if has_hot else slot_of_req
+    block = 128
+    _dev_slots_kernel[(triton.cdiv(T, block),)](
+        positions, token_req, slot_of_req, hs, st, page_table, page_table.stride(0), hot_blocks,
+        hot_blocks.stride(0), out, T, block_size, lru_rows, hot_rows, HAS_HOT=has_hot, BLOCK=block)
+    return out

@@ -18,11 +18,13 @@ reference computes exactly what it computes for a resident request (bit-identica
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention.metadata import AttnMetadata
+from kernels.hisparse_plan import dev_slots
 
 RESIDENT, HOT, STAGED = "resident", "hot", "staged"
 
@@ -67,15 +69,16 @@ class SubBatch:
 class HotBatch:
     req_idx: list[int]
     entry_rows: torch.Tensor  # [B, M] rows of each request in the full batch, -1 padded
-    start: torch.Tensor  # [B] first position written this step
+    start: torch.Tensor | None  # [B] first position written this step
     hot_slot: torch.Tensor  # [B]
     table_slot: torch.Tensor  # [B] page-table rows
-    host_table: torch.Tensor  # [B, W] host block ids
+    host_table: torch.Tensor | None  # [B, W] host block ids
     hot_base: torch.Tensor  # [B] virtual position of hot row 0 (virtual mode)
     ws_base: torch.Tensor  # [B] first workspace block (assembled mode)
     pool_rows: torch.Tensor | None = None  # virtual mode: rows of the pool part holding hot rows ...
     entry_ids: torch.Tensor | None = None  # ... and which of the [B * M] entry rows they are
     dst_row: torch.Tensor | None = None  # virtual mode: [B, M] the pool row of each entry row, -1 padded
+    idx: torch.Tensor | None = None  # the hot requests' rows in the batch's request order (None: every request)
 
 
 @dataclass
@@ -129,8 +132,16 @@ def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
     hot = [b for b, p in enumerate(paths) if p == HOT]
     resident = [b for b, p in enumerate(paths) if p == RESIDENT]
     pool = sorted(resident + ([] if mgr.assemble else hot))
-    if hot:
-        fw.hot = _hot_batch(mgr, meta, reqs, hot, starts_t, num_pages, pool)
+    if hot:  # the routing lists repeat while the batch and the placement do: only starts and blocks change
+        key = (tuple(req_ids), tuple(qsl), tuple(num_pages), mgr.version, mgr.assemble, mgr.fused_plan)
+        if mgr.hot_batch_memo is not None and mgr.hot_batch_memo[0] == key:
+            fw.hot = mgr.hot_batch_memo[1]
+        else:
+            fw.hot = _hot_batch(mgr, meta, reqs, hot, num_pages, pool)
+            mgr.hot_batch_memo = (key, fw.hot)
+        every = fw.hot.idx is None
+        fw.hot = dataclasses.replace(fw.hot, start=starts_t if every else starts_t[fw.hot.idx],
+                                     host_table=(meta.block_table if every else meta.block_table[fw.hot.idx]).long())
         if mgr.assemble:
             fw.assembled = _workspace(meta, hot, num_pages)
     if pool:
@@ -143,9 +154,13 @@ def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
 
 def _dev_slots(mgr, meta: AttnMetadata, reqs, paths: list[str], starts: torch.Tensor | None) -> torch.Tensor:
     dev = meta.positions.device
+    bs = meta.block_size
+    if mgr.fused_plan:  # the same in one kernel
+        hs = mgr.ints([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)], dev) if HOT in paths else None
+        return dev_slots(meta.positions, meta.token_req_idx, mgr.ints([r.slot for r in reqs], dev), hs, starts,
+                         mgr.page_table, mgr.hot.blocks, bs, mgr.layout.lru_rows, mgr.layout.rows)
     tok = meta.token_req_idx.long()
     pos = meta.positions.long()
-    bs = meta.block_size
     slot_of = mgr.ints([r.slot for r in reqs], dev)[tok]
     page = mgr.page_table[slot_of, pos // bs].long()
     out = torch.where(page >= 0, page * bs + pos % bs, torch.full_like(pos, -1))
@@ -157,7 +172,8 @@ def _dev_slots(mgr, meta: AttnMetadata, reqs, paths: list[str], starts: torch.Te
     return out
 
 
-def _hot_batch(mgr, meta, reqs, hot: list[int], starts: torch.Tensor, num_pages, pool: list[int]) -> HotBatch:
+def _hot_batch(mgr, meta, reqs, hot: list[int], num_pages, pool: list[int]) -> HotBatch:
+    """The hot requests' routing (start and host_table are filled per step by plan_forward)."""
     dev = meta.positions.device
     qsl = meta.query_start_loc_cpu
     M = mgr.layout.max_new_rows
@@ -167,15 +183,11 @@ def _hot_batch(mgr, meta, reqs, hot: list[int], starts: torch.Tensor, num_pages,
     for b in hot:
         ws_base.append(at)
         at += num_pages[b]
-    every = len(hot) == len(reqs)
-    hot_t = None if every else ints(hot, dev)
-    hb = HotBatch(req_idx=hot, entry_rows=ints(rows, dev).view(len(hot), M),
-                  start=starts if every else starts[hot_t],
+    hb = HotBatch(req_idx=hot, entry_rows=ints(rows, dev).view(len(hot), M), start=None,
                   hot_slot=ints([reqs[b].hot_slot for b in hot], dev),
-                  table_slot=ints([reqs[b].slot for b in hot], dev),
-                  host_table=(meta.block_table if every else meta.block_table[hot_t]).long(),
+                  table_slot=ints([reqs[b].slot for b in hot], dev), host_table=None,
                   hot_base=ints([num_pages[b] * meta.block_size for b in hot], dev),
-                  ws_base=ints(ws_base, dev))
+                  ws_base=ints(ws_base, dev), idx=None if len(hot) == len(reqs) else ints(hot, dev))
     if not mgr.assemble:  # where each hot request's rows sit inside the pool part
         at, where_in_pool = 0, {}
         for b in pool:

@@ -74,6 +74,7 @@ class HiSparseManager:
         self.ints = IntMemo()  # per-forward routing lists kept on the device while they repeat
         self.version = 0  # bumped whenever placement changes (page table, hot buffers): invalidates memos
         self.pool_table_memo = None
+        self.hot_batch_memo = None
         self.row_bytes = spec.mla_row * spec.mla_torch_dtype.itemsize
 
     def wrap(self, backend) -> HiSparseBackend:

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from kernels.hisparse_gather import copy_rows, copy_rows_ref
+from kernels.hisparse_gather import copy_rows, copy_rows_layers, copy_rows_ref
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +64,22 @@ class RowMover:
             return {}
         ready = torch.cuda.Event()
         ready.record()
-        events = {}
         src_slots.record_stream(self.side)  # freed on the main stream while the side stream may still read them
         dst_slots.record_stream(self.side)
         with torch.cuda.stream(self.side):
             self.side.wait_event(ready)
-            for layer, (s, d) in zip(layers, pairs):
-                self.copy(s, src_slots, d, dst_slots)
-                done = torch.cuda.Event()
-                done.record(self.side)
-                events[layer] = done
-        return events
+            if self.path == "triton":  # every layer in one launch: more rows in flight over PCIe
+                try:
+                    copy_rows_layers([s for s, _ in pairs], src_slots, [d for _, d in pairs], dst_slots)
+                except (ValueError, RuntimeError) as e:
+                    log.warning("hisparse: Triton cannot reach pinned host memory (%s); copies now synchronise", e)
+                    self.path = "sync"
+            if self.path != "triton":
+                for s, d in pairs:
+                    self.copy(s, src_slots, d, dst_slots)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        return {layer: done for layer in layers}
 
     def wait(self, event) -> None:
         if event is not None:

@@ -115,3 +115,34 @@ def test_copy_rows_two_destinations_interp():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_copy_rows_two_destinations_gpu_pinned_host():
     _two_destinations("cuda", host_second=True)
+
+
+def _layers(device: str, pin_src: bool):
+    """Every layer of a group in one launch (equally spaced layer views), and the fallback for views that
+    are not (one launch per layer): the same bytes as the reference, other layers untouched."""
+    from kernels.hisparse_gather import copy_rows_layers
+
+    gen = torch.Generator().manual_seed(5)
+    src = _cache(5, 656, torch.uint8, gen, device="cpu" if pin_src else device, pin=pin_src, layers=5)
+    dst = _cache(3, 656, torch.uint8, gen, device=device, layers=5)
+    ss = _slots(120, 5 * 64, gen).to(device)
+    ds = _slots(120, 3 * 64, gen, skip_every=7).to(device)
+    for layers in ([1, 2, 3], [0, 2, 3]):  # equally spaced; not (fallback)
+        want = dst.cpu().clone()
+        for l in layers:
+            copy_rows_ref(src[:, l].cpu(), ss.cpu(), want[:, l], ds.cpu())
+        copy_rows_layers([src[:, l] for l in layers], ss, [dst[:, l] for l in layers], ds)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), want), layers
+
+
+@interp
+def test_copy_rows_layers_interp():
+    _layers("cpu", pin_src=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_rows_layers_gpu_pinned_host():
+    _layers("cuda", pin_src=True)

@@ -105,3 +105,39 @@ def test_fused_plan_equals_the_torch_plan(spec, buffer):
         assert torch.equal(fused.row_pos.cpu(), ref.row_pos) and torch.equal(fused.stamp.cpu(), ref.stamp), f"step {step}"
     assert int(counters[1]) > 0 and int(counters[0]) > 0
     assert R == layout.lru_rows
+
+
+@pytest.mark.parametrize("with_hot", [False, True])
+def test_dev_slots_kernel_equals_torch(with_hot):
+    """Where new rows are written: device page, reserved hot row, or host only (-1)."""
+    from engine.hisparse.forward import HOT, RESIDENT, _dev_slots
+    from engine.hisparse.residency import ReqPages
+    from kernels.hisparse_plan import dev_slots
+
+    class Mgr:
+        ints = staticmethod(lambda v, d, t=torch.int64: torch.tensor(list(v), dtype=t, device=d))
+        fused_plan = False
+
+    g = torch.Generator().manual_seed(int(with_hot))
+    mgr = Mgr()
+    mgr.layout = HotLayout.create(8, 16, 2, block_size=BS)
+    mgr.page_table = torch.randint(-1, 30, (5, 12), generator=g, dtype=torch.int32)
+    mgr.page_table[3] = -1  # request 0 has no device page: its rows go to its hot buffer
+    mgr.page_table[4, 10] = -1  # request 2: row 40 too; 44 is on a device page
+    mgr.page_table[4, 11] = 7
+    mgr.hot = HotBuffers(mgr.layout, 1, 3, torch.device("cpu"))
+    mgr.hot.blocks = torch.randint(40, 90, mgr.hot.blocks.shape, generator=g, dtype=torch.int32)
+    reqs = [ReqPages(slot=s, hot_slot=h) for s, h in ((3, 1), (0, -1), (4, 2))]
+    paths = [HOT, RESIDENT, HOT] if with_hot else [RESIDENT] * 3
+    tok = torch.tensor([0, 0, 0, 1, 2, 2], dtype=torch.int32)
+    pos = torch.tensor([30, 31, 32, 5, 40, 44])
+    starts = torch.tensor([30, 5, 40])
+    meta = type("M", (), dict(positions=pos, token_req_idx=tok, block_size=BS))()
+    want = _dev_slots(mgr, meta, reqs, paths, starts if with_hot else None)
+    hs = torch.tensor([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)]) if with_hot else None
+    got = dev_slots(pos.to(DEV), tok.to(DEV), torch.tensor([r.slot for r in reqs], device=DEV),
+                    None if hs is None else hs.to(DEV), starts.to(DEV) if with_hot else None, mgr.page_table.to(DEV),
+                    mgr.hot.blocks.to(DEV), BS, mgr.layout.lru_rows, mgr.layout.rows)
+    assert torch.equal(got.cpu(), want)
+    assert with_hot == bool((want >= 40 * BS).any()), "hot rows are used exactly when requests are hot"
+    assert int(want[5]) == 7 * BS + 44 % BS, "a device page wins over the hot row"
