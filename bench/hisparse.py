@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "into FILE")
     p.add_argument("--sync-debug", action="store_true", help="warn, with the stack, at every host synchronisation "
                    "inside a timed step (CUDA)")
+    p.add_argument("--pair-contexts", default=None, metavar="A,B", help="paired mode: resident at context A and "
+                   "HiSparse at context B stepped alternately per batch (the ratio target, host drift cancelled)")
     p.add_argument("--plans-only", action="store_true", help="hit rates of the LRU plans alone (any device): "
                    "real top-k and buffer, no attention")
     if "--cpu-smoke" in (argv if argv is not None else sys.argv[1:]):  # toy defaults; explicit flags still win
@@ -67,6 +69,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_case(args, mode: str, context: int, batch: int, device: torch.device, churn: float | None = None) -> dict:
+    case = setup_case(args, mode, context, batch, device, churn)
+    if "skipped" in case["row"]:
+        return case["row"]
+    return finish_case(case, *_steps(args, **case["run"]))
+
+
+def setup_case(args, mode: str, context: int, batch: int, device: torch.device, churn: float | None = None) -> dict:
+    """Everything a case's steps need: {"row": its identity, "run": _steps' arguments, "mgr", "inner"}."""
     cfg = stack_config("tiny" if args.cpu_smoke else "glm-5.3", args.layers)
     spec = KVCacheSpec.from_model(cfg, kv_cache_dtype="fp8_ds_mla", indexer_precision="fp8", with_mtp=False)
     steps = args.offload_steps if mode == "offload" else args.steps
@@ -76,7 +86,7 @@ def run_case(args, mode: str, context: int, batch: int, device: torch.device, ch
     row = {"mode": mode, "context": context, "batch": batch, "layers": args.layers, "churn": churn,
            "kv_gib_distinct_glm": round(batch * context * GLM_KV_BYTES_PER_TOKEN / 2 ** 30, 1)}
     if mode == "resident" and ctx.num_blocks * spec.block_bytes / 2 ** 30 > args.max_resident_gib:
-        return {**row, "skipped": "resident cache above --max-resident-gib"}
+        return {"row": {**row, "skipped": "resident cache above --max-resident-gib"}}
     inner = inner_backend(spec, device)
     mgr = None
     if mode == "resident":
@@ -89,18 +99,24 @@ def run_case(args, mode: str, context: int, batch: int, device: torch.device, ch
         place(mgr, ctx, context)
         states = mgr.residency.count_states()
         assert states["resident"] == 0, f"{mode}: every request must decode from the host pool, got {states}"
-    times, host, h2d, hits, misses = _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn)
+    return {"row": row, "mgr": mgr, "inner": inner, "layers": args.layers,
+            "run": dict(cfg=cfg, spec=spec, ctx=ctx, backend=backend, cache=cache, mgr=mgr, device=device,
+                        warmup=warmup, churn=churn)}
+
+
+def finish_case(case: dict, times, host, h2d, hits, misses) -> dict:
+    row, inner, mgr, layers = case["row"], case["inner"], case["mgr"], case["layers"]
     n = hits + misses
     ms = statistics.median(times) * 1e3
     return {**row, "backend": inner.name, "step_ms": round(ms, 3), "mean_step_ms": round(sum(times) / len(times) * 1e3, 3),
             "host_issue_ms": round(statistics.median(host) * 1e3, 3),
-            "ms_per_layer": round(ms / args.layers, 4),
+            "ms_per_layer": round(ms / layers, 4),
             "hit_rate": round(hits / n, 4) if n else None, "h2d_bytes_per_step": int(sum(h2d) / len(h2d)),
             "h2d_gb_per_s": round(sum(h2d) / sum(times) / 1e9, 2),
             "copy_path": mgr.mover.path if mgr else None}
 
 
-def _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn):
+def _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn, as_iter=False):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator().manual_seed(0)
     B, H = ctx.batch, cfg.num_attention_heads
@@ -112,20 +128,33 @@ def _steps(args, cfg, spec, ctx, backend, cache, mgr, device, warmup, churn):
     streams = [TopkStream(B, cfg.index_topk, churn, device, seed=i) for i in range(groups.num_groups)]
     table, req_ids = ctx.table(device), [f"r{b}" for b in range(B)]
     scale = cfg.softmax_scale
-    gc.collect()
-    gc.disable()  # a collection inside a timed step is noise (the serving engine's loop allocates little)
-    try:
-        return _loop(args, ctx, spec, groups, streams, table, req_ids, scale, backend, cache, mgr, device, warmup,
+    gen = _step_iter(args, ctx, spec, groups, streams, table, req_ids, scale, backend, cache, mgr, device, warmup,
                      dense, x, q_fixed, kv_fixed)
-    finally:
-        gc.enable()
+    if not as_iter:
+        gc.collect()
+        gc.disable()  # a collection inside a timed step is noise (the serving engine's loop allocates little)
+        try:
+            return _collect(gen)
+        finally:
+            gc.enable()
+    return gen
 
 
-def _loop(args, ctx, spec, groups, streams, table, req_ids, scale, backend, cache, mgr, device, warmup, dense,
-          x, q_fixed, kv_fixed):
-    """The decode steps: (step seconds, host seconds to issue the step, H2D bytes per step, hits, misses) of
-    the measured ones."""
+def _collect(gen):
+    """(step seconds, host seconds to issue the step, H2D bytes per step, hits, misses) of the measured steps."""
     times, host, h2d, hits, misses = [], [], [], 0, 0
+    for t, issue, nbytes, dh, dm in gen:
+        if t is not None:
+            times.append(t)
+            host.append(issue)
+            h2d.append(nbytes)
+            hits, misses = hits + dh, misses + dm
+    return times, host, h2d, hits, misses
+
+
+def _step_iter(args, ctx, spec, groups, streams, table, req_ids, scale, backend, cache, mgr, device, warmup, dense,
+               x, q_fixed, kv_fixed):
+    """One decode step per next(): yields (seconds, issue seconds, H2D bytes, hits, misses), None for warm-up."""
     for step in range(ctx.steps):
         seq_len = ctx.context + step
         before = mgr.counters.tolist() if mgr is not None else None  # synchronises too
@@ -157,16 +186,49 @@ def _loop(args, ctx, spec, groups, streams, table, req_ids, scale, backend, cach
         _sync(device)
         if prof is not None:
             prof.disable()
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
-            host.append(enqueued - t0)
-            if mgr is not None:
-                after = mgr.counters.tolist()
-                hits, misses = hits + after[0] - before[0], misses + after[1] - before[1]
-                h2d.append(after[3])
-            else:
-                h2d.append(0)
-    return times, host, h2d, hits, misses
+        if step < warmup:
+            yield None, None, None, 0, 0
+            continue
+        elapsed = time.perf_counter() - t0
+        if mgr is None:
+            yield elapsed, enqueued - t0, 0, 0, 0
+            continue
+        after = mgr.counters.tolist()
+        yield elapsed, enqueued - t0, after[3], after[0] - before[0], after[1] - before[1]
+
+
+def paired(args, device: torch.device) -> list[dict]:
+    """The target comparison with the host's drift cancelled: for each batch, resident at --pair-contexts' first
+    context and HiSparse at its second are set up side by side and stepped alternately (A, B, A, B, ...);
+    each measured pair gives a ratio B / A, reported as its median next to both medians."""
+    ctx_a, ctx_b = (int(c) for c in args.pair_contexts.split(","))
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        a = setup_case(args, "resident", ctx_a, batch, device)
+        b = setup_case(args, "hisparse", ctx_b, batch, device)
+        gens = [_steps(args, **c["run"], as_iter=True) for c in (a, b)]
+        ta, tb = [], []
+        gc.collect()
+        gc.disable()
+        try:
+            for sa, sb in zip(*gens):
+                if sa[0] is not None and sb[0] is not None:
+                    ta.append(sa[0])
+                    tb.append(sb[0])
+        finally:
+            gc.enable()
+        ratios = [y / x for x, y in zip(ta, tb)]
+        row = {"mode": "paired", "batch": batch, "layers": args.layers, "resident_context": ctx_a,
+               "hisparse_context": ctx_b, "pairs": len(ratios),
+               "resident_ms": round(statistics.median(ta) * 1e3, 3), "hisparse_ms": round(statistics.median(tb) * 1e3, 3),
+               "ratio_median": round(statistics.median(ratios), 3),
+               "ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)] if len(ratios) > 1 else None}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del a, b, gens
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 def plans_only(args, device: torch.device) -> list[dict]:
@@ -278,8 +340,8 @@ def main(argv=None) -> dict:
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu":
         torch.set_num_threads(1)  # toy sizes: thread wake-ups cost more than the work
-    if args.plans_only:
-        rows = plans_only(args, device)
+    if args.plans_only or args.pair_contexts:
+        rows = plans_only(args, device) if args.plans_only else paired(args, device)
         with open(args.out, "w") as f:
             json.dump({"command": "python -m bench.hisparse " + " ".join(argv or []), "rows": rows}, f, indent=1)
         return {"rows": rows}

@@ -20,3 +20,13 @@ def test_cpu_smoke_runs_all_modes(tmp_path):
     ctx_bytes = 2 * 700 * 4 * 164  # two requests' whole contexts, 4 layers of 164-byte rows
     assert offload["h2d_bytes_per_step"] >= ctx_bytes > 10 * high["h2d_bytes_per_step"]
     assert rows[("resident", 0.1)]["h2d_bytes_per_step"] == 0 and all(r["step_ms"] > 0 for r in res["rows"])
+
+
+def test_cpu_smoke_paired_mode(tmp_path):
+    """Resident and HiSparse stepped alternately: one row per batch with both medians and the pair ratio."""
+    res = main(["--cpu-smoke", "--pair-contexts", "300,700", "--batches", "1,2", "--steps", "4",
+                "--out", str(tmp_path / "pair.json")])
+    assert [r["batch"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert r["pairs"] == 4 and r["resident_ms"] > 0 and r["hisparse_ms"] > 0 and r["ratio_median"] > 0
+        assert (r["resident_context"], r["hisparse_context"]) == (300, 700)
