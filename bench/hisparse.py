@@ -343,7 +343,8 @@ def main(argv=None) -> dict:
     if args.plans_only or args.pair_contexts:
         rows = plans_only(args, device) if args.plans_only else paired(args, device)
         with open(args.out, "w") as f:
-            json.dump({"command": "python -m bench.hisparse " + " ".join(argv or []), "rows": rows}, f, indent=1)
+            json.dump({"command": "python -m bench.hisparse " + " ".join(argv or []), "device": _device_name(device),
+                       "torch": torch.__version__, "python": platform.python_version(), "rows": rows}, f, indent=1)
         return {"rows": rows}
     runs: dict[tuple, list[dict]] = {}
     for rep in range(args.repeat):  # the modes of one case run back to back, every repetition
