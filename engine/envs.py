@@ -74,6 +74,20 @@ def cp_check_outputs() -> bool:
     return _int("PDSERVE_CP_CHECK_OUTPUTS", 0) != 0
 
 
+def rank_hang_timeout_s() -> float:
+    """`PDSERVE_RANK_HANG_TIMEOUT_S`: a multi-rank prefill whose ranks complete no collective for this long
+    (a worker hung, not dead) goes out of service and exits for a restart (default 120; 0 = never). A step
+    is bounded by the chunked-prefill token budget, so a healthy engine completes one far sooner."""
+    raw = os.environ.get("PDSERVE_RANK_HANG_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw else 120.0
+    except ValueError as e:
+        raise ValueError(f"environment variable PDSERVE_RANK_HANG_TIMEOUT_S must be a number, got {raw!r}") from e
+    if value < 0:
+        raise ValueError(f"PDSERVE_RANK_HANG_TIMEOUT_S must be >= 0, got {value}")
+    return value
+
+
 def parent_pid() -> int | None:
     """Set by our launcher: a spawned rank exits when this process is gone (no orphans)."""
     return _int("PDSERVE_PARENT_PID", -1) if os.environ.get("PDSERVE_PARENT_PID") else None

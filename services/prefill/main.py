@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from engine.arg_utils import EngineArgs
@@ -98,9 +99,13 @@ async def _serve_until_stopped(server: GrpcServer, engine: AsyncEngine, host_obj
         t.cancel()
     if death not in done:
         return 0
-    log.error("prefill out of service: %s; exiting for a restart", death.result())
+    dead = death.result()
+    log.error("prefill out of service: %s; exiting for a restart", dead.reason)
     await server.set_serving(False)
     await host_obj.stop()  # deregister now: routers stop choosing us before our TTL would run out
+    if dead.hung:  # the engine thread is blocked in a collective: a clean shutdown would wait for it forever
+        logging.shutdown()
+        os._exit(1)
     return 1
 
 

@@ -1,7 +1,8 @@
 """One rank of a PCP=2 prefill instance dies during load (docs/failures.md): the instance goes out of
 service (NOT_SERVING, deregistered, exit 1), the router retries its in-flight prefills on the other
 instance and routes new ones there, and after a restart it is routed to again; no request hangs, no
-block leaks."""
+block leaks. Then a rank of the other instance hangs (stopped, alive): that instance leaves the same way
+once no collective has completed for PDSERVE_RANK_HANG_TIMEOUT_S."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ from tests.e2e.chaos import CLIENT_TIMEOUT_S, GREEDY, ROUTER, corpus, offline  #
 
 
 
+HANG_S = 8.0  # the instances' hang timeout (a restarted one keeps the default)
+
+
 @pytest.mark.xdist_group("faults-pcp")
 def test_prefill_rank_killed_instance_goes_out_of_service_and_back(tmp_path_factory, offline, corpus):
     topo = system.topology(tmp_path_factory.mktemp("faults-pcp"), router=ROUTER)
-    topo["services"]["prefill"].update(replicas=2, prefill_context_parallel_size=2)
+    topo["services"]["prefill"].update(replicas=2, prefill_context_parallel_size=2,
+                                       env={"PDSERVE_RANK_HANG_TIMEOUT_S": str(HANG_S)})
     del topo["services"]["kvstore"]
     dep = launcher.up(topo, timeout_s=300, die_with_parent=True)
     try:
@@ -71,3 +76,33 @@ def _prefill_rank_death(dep, offline, corpus) -> None:
         assert status == 200 and out["choices"][0]["text"] == text, out
     assert system.wait_for(lambda: p0_served() >= 1, timeout=5), "the router never chose the restarted prefill"
     chaos.assert_blocks_freed([p0.metrics_address, p1.metrics_address, dec.metrics_address])
+    _prefill_rank_hang(dep, offline, corpus, p0, p1, dec)
+
+
+def _prefill_rank_hang(dep, offline, corpus, p0, p1, dec) -> None:
+    """prefill-1's worker rank stops (SIGSTOP): alive, so no collective fails; the hang timeout takes the
+    instance out of service, its rank 0 exits 1 at once (its engine thread is stuck), clients never hang."""
+    bodies = [{"prompt": corpus[70000 + 2500 * i: 70000 + 2500 * i + 900 + 150 * i], "max_tokens": 16, **GREEDY}
+              for i in range(4)]
+    want = chaos.expected(offline, bodies)
+    load = chaos.Load(dep.url, bodies, CLIENT_TIMEOUT_S).start()
+    time.sleep(0.5)
+    t_stop = time.monotonic()
+    chaos.pause(dep, "prefill-1.rank1")
+    try:
+        assert system.wait_for(lambda: not check_health_sync(p1.grpc_address), timeout=HANG_S + 15)
+        assert system.wait_for(lambda: "prefill-1" not in chaos.instances(dep), timeout=15)
+        assert system.wait_for(lambda: chaos.exit_code(dep, "prefill-1.rank0") is not None, timeout=15)
+        print(f"prefill-1 out of service {time.monotonic() - t_stop:.1f} s after its rank stopped")
+        assert chaos.exit_code(dep, "prefill-1.rank0") == 1
+        assert time.monotonic() - t_stop >= HANG_S - 1, "left before the hang timeout: a false alarm"
+        results = load.join()
+        for r, text in zip(results, want):
+            assert r.elapsed < ROUTER["request-timeout-s"] + 3, r
+            assert (r.ok and r.text == text) or (r.error is not None and r.finish_reason is None), r
+        for body, text in zip(bodies[:2], want[:2]):  # the other instance serves what comes next
+            status, out = system.post(dep.url, "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
+            assert status == 200 and out["choices"][0]["text"] == text, out
+    finally:
+        chaos.kill(dep, "prefill-1.rank1")  # a stopped process still takes SIGKILL
+    chaos.assert_blocks_freed([p0.metrics_address, dec.metrics_address])

@@ -1,0 +1,70 @@
+"""The prefill's rank watch: a dead rank (the ping fails), a hung rank (no ping completes within the hang
+timeout) and a healthy busy engine (pings complete, if late) are told apart."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from services.prefill.rank_watch import wait_for_engine_death
+
+
+class FakeEngine:
+    def __init__(self, ping):
+        self.config = SimpleNamespace(parallel=SimpleNamespace(world_size=2))
+        self.is_running = True
+        self.ping = ping
+
+    async def call(self, fn):
+        return await self.ping()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_hung_rank_is_reported_after_the_hang_timeout():
+    async def never():
+        await asyncio.sleep(3600)
+
+    async def go():
+        t0 = asyncio.get_running_loop().time()
+        death = await wait_for_engine_death(FakeEngine(never), period_s=0.01, hang_timeout_s=0.3)
+        return death, asyncio.get_running_loop().time() - t0
+    death, waited = run(go())
+    assert death.hung and "hangs" in death.reason and 0.3 <= waited < 1.5
+
+
+def test_a_dead_rank_is_reported_at_once():
+    async def fail():
+        raise RuntimeError("Connection closed by peer")
+    death = run(wait_for_engine_death(FakeEngine(fail), period_s=0.01, hang_timeout_s=5))
+    assert not death.hung and "gone" in death.reason and "Connection closed" in death.reason
+
+
+def test_slow_but_completing_pings_are_healthy():
+    async def slow():
+        await asyncio.sleep(0.1)  # a step in progress delays the ping, within the hang timeout
+
+    async def go():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(wait_for_engine_death(FakeEngine(slow), period_s=0.01, hang_timeout_s=0.5), 1.5)
+    run(go())
+
+
+def test_a_stopped_loop_is_reported():
+    eng = FakeEngine(None)
+    eng.is_running = False
+    death = run(wait_for_engine_death(eng, period_s=0.01, hang_timeout_s=0))
+    assert not death.hung and death.reason == "the engine loop stopped"
+
+
+def test_the_hang_timeout_comes_from_the_environment(monkeypatch):
+    from engine import envs
+    monkeypatch.setenv("PDSERVE_RANK_HANG_TIMEOUT_S", "7.5")
+    assert envs.rank_hang_timeout_s() == 7.5
+    monkeypatch.setenv("PDSERVE_RANK_HANG_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="must be a number"):
+        envs.rank_hang_timeout_s()
