@@ -107,12 +107,54 @@ class ForwardState:
     stage_buf: torch.Tensor | None = None  # shared by the staged workspaces (one layer at a time)
 
 
+@dataclass
+class Routing:
+    """The part of a forward's routing that repeats while the batch (requests, rows, pages) and the placement
+    do: built once, reused step after step of a decode batch (mgr.routing_memo)."""
+
+    key: tuple
+    reqs: list
+    paths: list[str]
+    hot: list[int]
+    pool: list[int]
+    hot_batch: HotBatch | None  # start and host_table are filled per step
+    table: torch.Tensor | None  # the pool's block table
+    slot_of_req: torch.Tensor  # page-table row of each request
+    hot_slot_of_req: torch.Tensor | None  # hot slot of each HOT request, -1 for the others
+
+
 def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
     req_ids = meta.scratch.get("req_ids")
     if req_ids is None or len(req_ids) != meta.num_reqs:
         raise RuntimeError("hisparse needs the batch's request ids in meta.scratch['req_ids'] "
                            "(set by engine.runner.inputs.build_batch)")
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    num_pages = [-(-s // meta.block_size) for s in lens]
+    key = (tuple(req_ids), tuple(qsl), tuple(num_pages), mgr.placement_version, mgr.assemble, mgr.fused_plan)
+    rt = mgr.routing_memo
+    if rt is None or rt.key != key:
+        rt = mgr.routing_memo = _routing(mgr, meta, key, req_ids, num_pages)
+    paths = rt.paths
+    starts_t = None  # first position written this step, per request (computed on the device: no transfer)
+    if rt.hot:
+        starts_t = meta.seq_lens.long() - torch.diff(meta.query_start_loc.long())
+    fw = ForwardState(paths=paths, dev_slots=_dev_slots(mgr, meta, rt, starts_t))
+    if rt.hot:
+        every = rt.hot_batch.idx is None
+        fw.hot = dataclasses.replace(rt.hot_batch, start=starts_t if every else starts_t[rt.hot_batch.idx],
+                                     host_table=(meta.block_table if every else meta.block_table[rt.hot_batch.idx]).long())
+        if mgr.assemble:
+            fw.assembled = _workspace(meta, rt.hot, num_pages)
+    if rt.pool:
+        vlens = [num_pages[b] * meta.block_size + mgr.layout.rows if paths[b] == HOT else lens[b] for b in rt.pool]
+        fw.pool = sub_batch(meta, rt.pool, rt.table, vlens, mgr.ints)
+    fw.staged = _staged(mgr, meta, rt.reqs, [b for b, p in enumerate(paths) if p == STAGED], num_pages)
+    return fw
+
+
+def _routing(mgr, meta: AttnMetadata, key: tuple, req_ids: list[str], num_pages: list[int]) -> Routing:
+    qsl = meta.query_start_loc_cpu
+    dev = meta.positions.device
     reqs = [mgr.residency.reqs[rid] for rid in req_ids]
     paths = []
     for b, r in enumerate(reqs):
@@ -123,49 +165,29 @@ def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
             paths.append(RESIDENT)
         else:
             paths.append(HOT if n <= mgr.layout.max_new_rows else STAGED)
-    starts = [lens[b] - (qsl[b + 1] - qsl[b]) for b in range(len(reqs))]
-    num_pages = [-(-s // meta.block_size) for s in lens]
-    starts_t = None  # first position written this step, per request (computed on the device: no transfer)
-    if HOT in paths:
-        starts_t = meta.seq_lens.long() - torch.diff(meta.query_start_loc.long())
-    fw = ForwardState(paths=paths, dev_slots=_dev_slots(mgr, meta, reqs, paths, starts_t))
     hot = [b for b, p in enumerate(paths) if p == HOT]
     resident = [b for b, p in enumerate(paths) if p == RESIDENT]
     pool = sorted(resident + ([] if mgr.assemble else hot))
-    if hot:  # the routing lists repeat while the batch and the placement do: only starts and blocks change
-        key = (tuple(req_ids), tuple(qsl), tuple(num_pages), mgr.version, mgr.assemble, mgr.fused_plan)
-        if mgr.hot_batch_memo is not None and mgr.hot_batch_memo[0] == key:
-            fw.hot = mgr.hot_batch_memo[1]
-        else:
-            fw.hot = _hot_batch(mgr, meta, reqs, hot, num_pages, pool)
-            mgr.hot_batch_memo = (key, fw.hot)
-        every = fw.hot.idx is None
-        fw.hot = dataclasses.replace(fw.hot, start=starts_t if every else starts_t[fw.hot.idx],
-                                     host_table=(meta.block_table if every else meta.block_table[fw.hot.idx]).long())
-        if mgr.assemble:
-            fw.assembled = _workspace(meta, hot, num_pages)
-    if pool:
-        table = _pool_table(mgr, reqs, pool, num_pages, paths)
-        vlens = [num_pages[b] * meta.block_size + mgr.layout.rows if paths[b] == HOT else lens[b] for b in pool]
-        fw.pool = sub_batch(meta, pool, table, vlens, mgr.ints)
-    fw.staged = _staged(mgr, meta, reqs, [b for b, p in enumerate(paths) if p == STAGED], num_pages)
-    return fw
+    return Routing(key=key, reqs=reqs, paths=paths, hot=hot, pool=pool,
+                   hot_batch=_hot_batch(mgr, meta, reqs, hot, num_pages, pool) if hot else None,
+                   table=_pool_table(mgr, reqs, pool, num_pages, paths) if pool else None,
+                   slot_of_req=mgr.ints([r.slot for r in reqs], dev),
+                   hot_slot_of_req=mgr.ints([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)], dev)
+                   if hot else None)
 
 
-def _dev_slots(mgr, meta: AttnMetadata, reqs, paths: list[str], starts: torch.Tensor | None) -> torch.Tensor:
-    dev = meta.positions.device
+def _dev_slots(mgr, meta: AttnMetadata, rt: Routing, starts: torch.Tensor | None) -> torch.Tensor:
     bs = meta.block_size
     if mgr.fused_plan:  # the same in one kernel
-        hs = mgr.ints([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)], dev) if HOT in paths else None
-        return dev_slots(meta.positions, meta.token_req_idx, mgr.ints([r.slot for r in reqs], dev), hs, starts,
+        return dev_slots(meta.positions, meta.token_req_idx, rt.slot_of_req, rt.hot_slot_of_req, starts,
                          mgr.page_table, mgr.hot.blocks, bs, mgr.layout.lru_rows, mgr.layout.rows)
     tok = meta.token_req_idx.long()
     pos = meta.positions.long()
-    slot_of = mgr.ints([r.slot for r in reqs], dev)[tok]
+    slot_of = rt.slot_of_req[tok]
     page = mgr.page_table[slot_of, pos // bs].long()
     out = torch.where(page >= 0, page * bs + pos % bs, torch.full_like(pos, -1))
-    if HOT in paths:
-        hs = mgr.ints([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)], dev)[tok]
+    if rt.hot_slot_of_req is not None:
+        hs = rt.hot_slot_of_req[tok]
         row = (mgr.layout.lru_rows + pos - starts[tok]).clamp(0, mgr.layout.rows - 1)
         hot_slot = mgr.hot.blocks[hs.clamp(min=0), row // bs].long() * bs + row % bs
         out = torch.where((page < 0) & (hs >= 0), hot_slot, out)
@@ -206,17 +228,7 @@ def _hot_batch(mgr, meta, reqs, hot: list[int], num_pages, pool: list[int]) -> H
 
 
 def _pool_table(mgr, reqs, pool: list[int], num_pages: list[int], paths: list[str]) -> torch.Tensor:
-    """[len(pool), W] device blocks: each request's pages (spilled -> 0), then its hot blocks if hot.
-    Kept while the placement (mgr.version), the requests and their page counts stay the same."""
-    key = (mgr.version, tuple((reqs[b].slot, reqs[b].hot_slot, num_pages[b], paths[b]) for b in pool))
-    if mgr.pool_table_memo is not None and mgr.pool_table_memo[0] == key:
-        return mgr.pool_table_memo[1]
-    table = _build_pool_table(mgr, reqs, pool, num_pages, paths)
-    mgr.pool_table_memo = (key, table)
-    return table
-
-
-def _build_pool_table(mgr, reqs, pool: list[int], num_pages: list[int], paths: list[str]) -> torch.Tensor:
+    """[len(pool), W] device blocks: each request's pages (spilled -> 0), then its hot blocks if hot."""
     dev = mgr.page_table.device
     H = mgr.layout.num_blocks
     widths = [num_pages[b] + (H if paths[b] == HOT else 0) for b in pool]

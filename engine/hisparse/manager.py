@@ -73,9 +73,13 @@ class HiSparseManager:
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
         self.ints = IntMemo()  # per-forward routing lists kept on the device while they repeat
         self.version = 0  # bumped whenever placement changes (page table, hot buffers): invalidates memos
-        self.pool_table_memo = None
-        self.hot_batch_memo = None
+        self.routing_memo = None  # engine.hisparse.forward.Routing of the last forward
         self.row_bytes = spec.mla_row * spec.mla_torch_dtype.itemsize
+
+    @property
+    def placement_version(self) -> tuple[int, int]:
+        """Changes whenever any placement does (page table, hot buffers, residency): routing memos' key."""
+        return self.version, self.residency.version
 
     def wrap(self, backend) -> HiSparseBackend:
         if self.assemble is None:  # bit-exact reads for the reference backend, the virtual layout otherwise

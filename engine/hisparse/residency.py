@@ -84,6 +84,7 @@ class Residency:
         self.actions = StepActions()
         self.num_spilled_pages = 0  # pages dropped from the device, ever
         self.num_restored_pages = 0  # pages copied back, ever
+        self.version = 0  # bumped by every change of placement (routing memos are keyed by it)
 
     # ---- requests --------------------------------------------------------------------------------
     def sync(self, req_id: str, host_blocks: list[int], num_filled_tokens: int, block_size: int = 64) -> ReqPages:
@@ -97,6 +98,8 @@ class Residency:
         n = len(r.host_blocks)  # block lists only grow (checked on the last known block: O(1) per step)
         assert len(host_blocks) >= n and (n == 0 or host_blocks[n - 1] == r.host_blocks[-1]), \
             f"{req_id}: host blocks may only be appended"
+        if len(host_blocks) > n:
+            self.version += 1
         for hb in host_blocks[len(r.host_blocks):]:
             r.host_blocks.append(hb)
             r.dev.append(-1)
@@ -109,6 +112,7 @@ class Residency:
         r = self.reqs.pop(req_id, None)
         if r is None:
             return
+        self.version += 1
         self.free.extend(d for d in r.dev if d >= 0)
         self._release_hot(r)
         self.free_slots.append(r.slot)
@@ -152,6 +156,7 @@ class Residency:
                    for o in self.reqs.values() if o is not r)
 
     def _place(self, r: ReqPages, page: int, block: int) -> None:
+        self.version += 1
         r.dev[page] = block
         r.num_dev_pages += 1
         r.spill_from = min(r.spill_from, page)
@@ -192,6 +197,7 @@ class Residency:
         assert self.free_hot, "no hot-buffer slot left: the device footprint admitted too many requests"
         blocks = [self._spill(r, self._next_spill(r)) for _ in range(min(self.hot_blocks, r.num_dev_pages))]
         r.hot_slot = self.free_hot.pop()
+        self.version += 1
         while len(blocks) < self.hot_blocks:
             if not self.free and not self._make_room(1):
                 raise RuntimeError("device pool cannot hold a hot buffer: the device footprint check was bypassed")
@@ -211,6 +217,7 @@ class Residency:
         return next(p for p in range(tail, len(r.dev)) if r.dev[p] >= 0)
 
     def _spill(self, r: ReqPages, page: int) -> int:
+        self.version += 1
         block = r.dev[page]
         r.dev[page] = -1
         r.num_dev_pages -= 1
@@ -240,6 +247,7 @@ class Residency:
 
     def _release_hot(self, r: ReqPages) -> None:
         if r.hot_slot >= 0:
+            self.version += 1
             self.free.extend(r.hot_blocks)
             self.free_hot.append(r.hot_slot)
         r.hot_slot, r.hot_blocks = -1, []

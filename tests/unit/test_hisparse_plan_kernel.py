@@ -110,7 +110,7 @@ def test_fused_plan_equals_the_torch_plan(spec, buffer):
 @pytest.mark.parametrize("with_hot", [False, True])
 def test_dev_slots_kernel_equals_torch(with_hot):
     """Where new rows are written: device page, reserved hot row, or host only (-1)."""
-    from engine.hisparse.forward import HOT, RESIDENT, _dev_slots
+    from engine.hisparse.forward import HOT, RESIDENT, Routing, _dev_slots
     from engine.hisparse.residency import ReqPages
     from kernels.hisparse_plan import dev_slots
 
@@ -133,8 +133,10 @@ def test_dev_slots_kernel_equals_torch(with_hot):
     pos = torch.tensor([30, 31, 32, 5, 40, 44])
     starts = torch.tensor([30, 5, 40])
     meta = type("M", (), dict(positions=pos, token_req_idx=tok, block_size=BS))()
-    want = _dev_slots(mgr, meta, reqs, paths, starts if with_hot else None)
     hs = torch.tensor([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)]) if with_hot else None
+    rt = Routing(key=(), reqs=reqs, paths=paths, hot=[b for b, p in enumerate(paths) if p == HOT], pool=[],
+                 hot_batch=None, table=None, slot_of_req=torch.tensor([r.slot for r in reqs]), hot_slot_of_req=hs)
+    want = _dev_slots(mgr, meta, rt, starts if with_hot else None)
     got = dev_slots(pos.to(DEV), tok.to(DEV), torch.tensor([r.slot for r in reqs], device=DEV),
                     None if hs is None else hs.to(DEV), starts.to(DEV) if with_hot else None, mgr.page_table.to(DEV),
                     mgr.hot.blocks.to(DEV), BS, mgr.layout.lru_rows, mgr.layout.rows)
