@@ -137,6 +137,12 @@ class RankComm:
         _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=self.data)
         return out
 
+    def broadcast(self, x: torch.Tensor, tag: str) -> torch.Tensor:
+        """Rank 0's x into x on every rank (same shape and dtype everywhere), in place."""
+        self._count(tag, x)
+        dist.broadcast(x, src=0, group=self.data)
+        return x
+
     def all_reduce_max(self, value: int, tag: str) -> int:
         """Max of one int over the ranks, on the data group (CPU/gloo callers only: it syncs)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -135,6 +135,20 @@ class CPModelRunner(ModelRunner):
         pages["index"] = self.kv_cache.index[s // bs, :, s % bs].cpu()
         return pages
 
+    def replicate_blocks(self, block_ids: list[int]) -> int:
+        """Rank 0's rows of these cache blocks -> the same blocks on every rank: KV that was written into rank
+        0's cache alone (a prefix loaded from a kvstore over NIXL) becomes the full replica every rank holds
+        with DCP = 1. With DCP > 1 a block is sharded across ranks, so rank 0's block is not whole."""
+        if self.dcp_size > 1:
+            raise RuntimeError(f"DCP {self.dcp_size} shards every block across ranks: rank 0's blocks cannot be "
+                               "replicated (load sharded KV rank by rank instead)")
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
+        for cache in (self.kv_cache.mla, self.kv_cache.index):
+            rows = cache[idx].contiguous()
+            self.comm.broadcast(rows.view(torch.uint8), "kv_replicate")  # bytes: any cache dtype, any backend
+            cache[idx] = rows
+        return len(block_ids)
+
     def rank_stats(self) -> dict:
         return {"rank": self.rank, "indexer_rows_scored": self.backend.indexer_rows_scored,
                 "dcp_rows_scored": self.backend.dcp_rows_scored, "comm_bytes": dict(self.comm.bytes),

@@ -126,9 +126,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _admit(self, req: Request, hashes: list[bytes], hint):
         """Add the request; first load the prefix a kvstore holds beyond our own cache, if any."""
         n_hint = min(hint.num_blocks if hint.grpc_address else 0, len(hashes), (len(req.prompt_token_ids) - 1) // self.block_size)
-        # a kvstore block is one unsharded copy: it can land in a single-rank engine's cache only
-        single_rank = self.engine.config.parallel.world_size == 1
-        if self.kvstore is None or n_hint == 0 or not single_rank:
+        # a kvstore block is one unsharded copy: it lands in rank 0's cache, and ranks holding full replicas
+        # (DCP = 1) copy it from there; DCP shards blocks across ranks, which a whole block cannot fill
+        pc = self.engine.config.parallel
+        if self.kvstore is None or n_hint == 0 or pc.decode_context_parallel_size > 1:
             return self.engine.add_request(req.prompt_token_ids, req.sampling_params, req.req_id,
                                            cache_salt=req.cache_salt, hold_kv_on_finish=req.hold_kv_on_finish)
         admitted = await self.engine.add_import_request(req, n_hint * self.block_size)
@@ -145,6 +146,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.engine.cancel(req.req_id)
             load.add_done_callback(lambda _: self.engine.import_done(req.req_id, ok=False))
             raise
+        if loaded > 0 and pc.world_size > 1:
+            landed = list(block_ids[first:first + loaded])
+            try:
+                await self.engine.call(lambda core: core.collective_rpc("replicate_blocks", landed))
+            except BaseException:
+                self.engine.cancel(req.req_id)
+                self.engine.import_done(req.req_id, ok=False)
+                raise
         self.engine.import_done(req.req_id, ok=loaded > 0, num_tokens=(first + loaded) * self.block_size)
         return stream
 

@@ -1,6 +1,6 @@
 """Other topologies end to end: a PCP=DCP=2 prefill engine feeding decode over NIXL (token re-layout of
-DCP shards), and two prefill instances + a kvstore (prefix-aware routing; the kvstore tier after the
-prefill instances evicted a session's prefix)."""
+DCP shards), and two prefill instances (single-rank, or PCP=2) + a kvstore (prefix-aware routing; the
+kvstore tier after the prefill instances evicted a session's prefix)."""
 
 from __future__ import annotations
 
@@ -61,9 +61,14 @@ def _instances(dep) -> dict[str, list]:
     return asyncio.run(read())
 
 
-def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline):
+@pytest.mark.parametrize("pcp", [1, 2], ids=["single-rank", "pcp2"])
+def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline, pcp):
+    """pcp2: the prefill instances are PCP=2 engines; a prefix loaded from the kvstore lands in rank 0's
+    cache and is replicated to rank 1 before the prompt's remainder is computed."""
     topo = system.topology(tmp_path_factory.mktemp("cache"), prefill={"num-blocks": 24})
     topo["services"]["prefill"]["replicas"] = 2
+    if pcp > 1:
+        topo["services"]["prefill"]["prefill_context_parallel_size"] = pcp
     dep = launcher.up(topo, timeout_s=300, die_with_parent=True)
     try:
         url = dep.endpoints()["router"][0]
@@ -86,10 +91,13 @@ def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline):
         for i in range(8):
             filler = _text(offline.tokenizer, 20000 + 900 * i, 15 * 64)
             assert system.post(url, "/v1/completions", {**body, "prompt": filler})[0] == 200
+        store = _instances(dep)["kvstore"][0].metrics_address
+        served = system.metric(store, "pdserve:prefix_cache_hits_total")
         turn3 = session + _text(offline.tokenizer, 9000, 30)
         status, again = system.post(url, "/v1/completions", {**body, "prompt": turn3})
         assert status == 200
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 10 * 64, "not loaded from the kvstore"
+        assert system.metric(store, "pdserve:prefix_cache_hits_total") - served >= 10 * 64, "the kvstore served nothing"
         (cold,) = offline.generate([turn3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         assert again["choices"][0]["text"] == cold.text
     finally:

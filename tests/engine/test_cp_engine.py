@@ -220,3 +220,37 @@ def test_torchrun_launch_matches_single_rank(tiny_ckpt, refs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(out.read_text()) == [
         o.token_ids for o in refs[0].generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
+
+
+def test_kv_written_on_rank0_replicates_to_every_rank(cp):
+    """The prefill service's kvstore load: a prefix's KV lands in rank 0's cache alone (one NIXL READ), then
+    `replicate_blocks` copies it to every rank's replica (DCP = 1); the request then decodes exactly like
+    the single-rank engine computing everything. With DCP > 1 blocks are sharded: replication refuses."""
+    c, llm, ref = cp
+    core = llm.core
+    if c["dcp"] > 1:
+        with pytest.raises(RuntimeError, match="shards every block"):
+            core.collective_rpc("replicate_blocks", [0])
+        return
+    prefix, tail = _ids(3 * 64, seed=91), _ids(37, seed=92)
+    _prefill_held(ref.core, prefix, "kv-src")  # the KV a kvstore would hold, computed by one rank
+    blocks = ref.core.kv.block_ids("kv-src")[:3]
+    mla, index = ref.core.runner.kv_cache.mla[blocks].clone(), ref.core.runner.kv_cache.index[blocks].clone()
+    ref.core.release_held("kv-src")
+    req = Request("kv-imp", prefix + tail, dataclasses.replace(GREEDY, max_tokens=6))
+    block_ids, n_cached = core.reserve_import(req, 3 * 64)
+    assert n_cached == 0
+    cache = core.runner.kv_cache  # rank 0 is this process
+    cache.mla[block_ids[:3]], cache.index[block_ids[:3]] = mla, index
+    before = core.collective_rpc("read_kv_rows", block_ids[:3], 3 * 64)
+    assert not torch.equal(before[1]["mla"], before[0]["mla"]), "rank 1 must not hold the prefix before"
+    assert core.collective_rpc("replicate_blocks", block_ids[:3]) == [3] * c["pcp"]
+    after = core.collective_rpc("read_kv_rows", block_ids[:3], 3 * 64)
+    for r in after[1:]:
+        assert torch.equal(r["mla"], after[0]["mla"]) and torch.equal(r["index"], after[0]["index"])
+    core.import_done("kv-imp", ok=True, num_tokens=3 * 64)
+    got = []
+    while core.has_unfinished():
+        got += [t for o in core.step() if o.req_id == "kv-imp" for t in o.new_token_ids]
+    (want,) = ref.generate([prefix + tail], dataclasses.replace(GREEDY, max_tokens=6))
+    assert got == list(want.token_ids)
