@@ -1,9 +1,9 @@
 """HiSparse's per-step plan in one kernel: selections -> hits, misses and LRU victims, the hot buffer's state
 updated, the virtual selections for the attention kernel and compact miss-copy slot lists written.
 
-It computes exactly what `engine.hisparse.hot_buffer.HotBuffers.resolve` plus the backend's slot arithmetic
-compute with about seventy small torch ops (the reference; `tests/unit/test_hisparse_plan_kernel.py`
-checks the two agree entry for entry). One program per request:
+`plan_hot_ref` computes the same with about seventy small torch ops (`resolve_ref` is the LRU plan itself,
+which `engine.hisparse.hot_buffer` runs on CPUs); `tests/unit/test_hisparse_plan_kernel.py` checks the two
+agree entry for entry. One program per request:
 
     1. gather the request's selected positions (its 1 or 1 + drafts rows of the top-k) and sort them
        (key = position * N_PAD + entry, so duplicates sit together and the entry is recovered)
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -228,4 +229,105 @@ def dev_slots(positions: torch.Tensor, token_req: torch.Tensor, slot_of_req: tor
     _dev_slots_kernel[(triton.cdiv(T, block),)](
         positions, token_req, slot_of_req, hs, st, page_table, page_table.stride(0), hot_blocks,
         hot_blocks.stride(0), out, T, block_size, lru_rows, hot_rows, HAS_HOT=has_hot, BLOCK=block)
+    return out
+
+
+# ---- references (plain torch) ------------------------------------------------------------------------
+
+class Resolved(NamedTuple):
+    hot_row: torch.Tensor  # [B, N] hot-buffer row of each entry; -1: invalid or on a device page
+    miss_pos: torch.Tensor  # [B, N] position to copy from the host (-1: none), one per distinct miss (sorted)
+    miss_row: torch.Tensor  # [B, N] its destination LRU row (-1: none)
+    num_hits: torch.Tensor  # [] int64
+    num_misses: torch.Tensor  # [] int64
+    row_pos: torch.Tensor  # [B, R] the requests' LRU state after the plan
+    stamp: torch.Tensor  # [B, R]
+
+
+def resolve_ref(row_pos: torch.Tensor, stamp: torch.Tensor, pos: torch.Tensor, on_device: torch.Tensor,
+                start: torch.Tensor, clock: int) -> Resolved:
+    """The LRU plan of B requests (steps 1-5 of the kernel) in torch ops, on copies of their state.
+
+    row_pos / stamp [B, R] int64: position cached in each LRU row and the clock when it was last selected
+    (-1: empty); pos [B, N] int64 selected positions (-1 none); on_device [B, N] bool; start [B] int64 (first
+    position written this step). Works on each request's entries sorted by position, so duplicates sit next
+    to each other and the LRU lookup is a searchsorted against the sorted rows."""
+    R = row_pos.shape[1]
+    sorted_pos, order = torch.where(pos >= 0, pos, torch.full_like(pos, _BIG)).sort(dim=1)
+    first = torch.ones_like(sorted_pos, dtype=torch.bool)
+    first[:, 1:] = sorted_pos[:, 1:] != sorted_pos[:, :-1]
+    valid = sorted_pos != _BIG
+    hot = valid & ~on_device.gather(1, order)  # served by the hot buffer (LRU or newest rows)
+    newest = hot & (sorted_pos >= start[:, None])
+    lru = first & hot & ~newest
+    void = row_pos >= start[:, None]  # rows of positions rewritten this step: never reused
+    row_pos = torch.where(void, torch.full_like(row_pos, -1), row_pos)
+    stamp = torch.where(void, torch.full_like(stamp, -1), stamp)
+    rp_sorted, rp_order = row_pos.sort(dim=1)
+    idx = torch.searchsorted(rp_sorted, sorted_pos).clamp(max=R - 1)
+    found = lru & (rp_sorted.gather(1, idx) == sorted_pos)
+    hit_row = rp_order.gather(1, idx)
+    miss = lru & ~found
+    # the i-th miss takes the i-th least recently used row that no entry hits (empty rows first, ties by row)
+    sink = torch.full_like(hit_row[:, :1], R)
+    is_hit = torch.zeros((stamp.shape[0], R + 1), dtype=torch.bool, device=stamp.device)
+    is_hit.scatter_(1, torch.where(found, hit_row, sink), True)
+    age = torch.where(is_hit[:, :R], torch.full_like(stamp, _BIG), stamp)
+    rank = (miss.long().cumsum(dim=1) - 1).clamp(0, R - 1)
+    victim_row = age.argsort(dim=1, stable=True).gather(1, rank)
+    row = torch.where(found, hit_row, torch.where(miss, victim_row, torch.full_like(hit_row, -1)))
+    idx = torch.where(found | miss, row, sink)  # hit and victim rows now hold their positions, stamped
+    row_pos = torch.cat([row_pos, sink], 1).scatter(1, idx, sorted_pos)[:, :R]
+    stamp = torch.cat([stamp, sink], 1).scatter(1, idx, clock)[:, :R]
+    row = row.gather(1, torch.searchsorted(sorted_pos, sorted_pos))  # duplicates: their first's row
+    row = torch.where(newest, R + sorted_pos - start[:, None], row)
+    row = torch.where(hot, row, torch.full_like(row, -1))
+    none = torch.full_like(row, -1)
+    num_misses = miss.sum()
+    return Resolved(hot_row=torch.empty_like(row).scatter_(1, order, row),
+                    miss_pos=torch.where(miss, sorted_pos, none), miss_row=torch.where(miss, victim_row, none),
+                    num_hits=(first & valid).sum() - num_misses, num_misses=num_misses, row_pos=row_pos, stamp=stamp)
+
+
+def plan_hot_ref(topk_pos, entry_rows, start, hot_slot, table_slot, hot_base, page_table, host_table, hot_blocks,
+                 row_pos, stamp, group: int, clock: int, dst_row, sel, counters, bytes_per_miss: int,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`plan_hot` in torch ops: the same state update, selections, counters and compact miss lists."""
+    B, M = entry_rows.shape
+    K, bs = topk_pos.shape[1], block_size
+    s = topk_pos.long()[entry_rows.clamp(min=0)]
+    pos = torch.where(entry_rows[..., None] >= 0, s, torch.full_like(s, -1)).reshape(B, M * K)
+    page = page_table[table_slot[:, None], pos.clamp(min=0) // bs].long()
+    on_dev = (pos >= 0) & (page >= 0)
+    r = resolve_ref(row_pos[group, hot_slot], stamp[group, hot_slot], pos, on_dev, start, clock)
+    row_pos[group, hot_slot], stamp[group, hot_slot] = r.row_pos, r.stamp
+    none = torch.full_like(pos, -1)
+    vpos = torch.where(on_dev, pos, torch.where(r.hot_row >= 0, hot_base[:, None] + r.hot_row, none))
+    rows = dst_row.reshape(-1)
+    keep = rows >= 0
+    sel[rows[keep]] = vpos.view(B * M, K)[keep].to(sel.dtype)
+    counters += torch.stack([r.num_hits, r.num_misses, r.num_misses * bytes_per_miss, r.num_misses * bytes_per_miss])
+    mp, mr = r.miss_pos, r.miss_row  # sorted by position; compact them (misses first, in that order)
+    first = (mp < 0).to(torch.int8).argsort(dim=1, stable=True)
+    mp, mr = mp.gather(1, first), mr.gather(1, first)
+    b_idx = torch.arange(B, device=mp.device)[:, None]
+    src = torch.where(mp >= 0, host_table[b_idx, mp.clamp(min=0) // bs].long() * bs + mp % bs, mp)
+    dst = torch.where(mr >= 0, hot_blocks[hot_slot[:, None], mr.clamp(min=0) // bs].long() * bs + mr % bs, mr)
+    n_pad = triton.next_power_of_2(max(M * K, 2))
+    pad = torch.full((B, n_pad - M * K), -1, dtype=torch.int64, device=mp.device)
+    return torch.cat([src, pad], 1).view(-1), torch.cat([dst, pad], 1).view(-1)
+
+
+def dev_slots_ref(positions, token_req, slot_of_req, hot_slot_of_req, start_of_req, page_table, hot_blocks,
+                  block_size: int, lru_rows: int, hot_rows: int) -> torch.Tensor:
+    """`dev_slots` in torch ops."""
+    bs = block_size
+    tok, pos = token_req.long(), positions.long()
+    page = page_table[slot_of_req[tok], pos // bs].long()
+    out = torch.where(page >= 0, page * bs + pos % bs, torch.full_like(pos, -1))
+    if hot_slot_of_req is not None:
+        hs = hot_slot_of_req[tok]
+        row = (lru_rows + pos - start_of_req[tok]).clamp(0, hot_rows - 1)
+        hot = hot_blocks[hs.clamp(min=0), row // bs].long() * bs + row % bs
+        out = torch.where((page < 0) & (hs >= 0), hot, out)
     return out

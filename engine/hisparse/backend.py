@@ -19,7 +19,7 @@ import torch
 
 from engine.attention.metadata import AttnMetadata
 from engine.hisparse.forward import ForwardState, Workspace, plan_forward
-from kernels.hisparse_plan import plan_hot
+from kernels.hisparse_plan import plan_hot, plan_hot_ref
 
 
 @dataclass
@@ -110,8 +110,8 @@ class HiSparseBackend:
         hb, mgr = fw.hot, self.mgr
         if hb is None:
             return GroupPlan(None, None, None)
-        if hb.dst_row is not None:
-            return self._resolve_fused(fw, cache, group, topk_pos)
+        if not mgr.assemble:
+            return self._resolve_virtual(fw, cache, group, topk_pos)
         bs = meta.block_size
         B, M = hb.entry_rows.shape
         sel = topk_pos.long()[hb.entry_rows.clamp(min=0)]  # [B, M, K]
@@ -125,32 +125,29 @@ class HiSparseBackend:
         hot_dev = mgr.hot.blocks[hb.hot_slot[:, None], hr // bs].long() * bs + hr % bs
         none = torch.full_like(pos, -1)
         dev_slot = torch.where(on_dev, page * bs + pos % bs, torch.where(p.hot_row >= 0, hot_dev, none))
-        if mgr.assemble:
-            dst = torch.where(pos >= 0, hb.ws_base[:, None] * bs + pos, none)
-            return GroupPlan(None, dev_slot.flatten(), dst.flatten())
-        vpos = torch.where(on_dev, pos, torch.where(p.hot_row >= 0, hb.hot_base[:, None] + p.hot_row, none))
-        pool_sel = _rows(topk_pos, fw.pool.rows).clone()  # index lists from the host: no mask, no sync
-        pool_sel[hb.pool_rows] = vpos.view(B * M, K)[hb.entry_ids].to(pool_sel.dtype)
-        return GroupPlan(pool_sel, None, None)
+        dst = torch.where(pos >= 0, hb.ws_base[:, None] * bs + pos, none)
+        return GroupPlan(None, dev_slot.flatten(), dst.flatten())
 
-    def _resolve_fused(self, fw: ForwardState, cache, group: int, topk_pos: torch.Tensor) -> GroupPlan:
-        """The same plan in one kernel (kernels.hisparse_plan): state, selections, counters and compact
-        miss lists, then the group's copies."""
+    def _resolve_virtual(self, fw: ForwardState, cache, group: int, topk_pos: torch.Tensor) -> GroupPlan:
+        """The plan (kernels.hisparse_plan: one kernel on GPUs, its torch reference elsewhere): state,
+        remapped selections, counters and compact miss lists, then the group's copies."""
         hb, mgr = fw.hot, self.mgr
         topk_pos = topk_pos if topk_pos.dtype == torch.int32 else topk_pos.to(torch.int32)
         pool_sel = _rows(topk_pos, fw.pool.rows).contiguous().clone()
         layers = mgr.groups.layers[group]
         mgr.hot.clock += 1
-        src, dst = plan_hot(topk_pos.contiguous(), hb.entry_rows, hb.start, hb.hot_slot, hb.table_slot, hb.hot_base,
-                            mgr.page_table, hb.host_table, mgr.hot.blocks, mgr.hot.row_pos, mgr.hot.stamp, group,
-                            mgr.hot.clock, hb.dst_row, pool_sel, mgr.counters, mgr.row_bytes * len(layers),
-                            self.spec.block_size)
+        plan = plan_hot if mgr.fused_plan else plan_hot_ref
+        src, dst = plan(topk_pos.contiguous(), hb.entry_rows, hb.start, hb.hot_slot, hb.table_slot, hb.hot_base,
+                        mgr.page_table, hb.host_table, mgr.hot.blocks, mgr.hot.row_pos, mgr.hot.stamp, group,
+                        mgr.hot.clock, hb.dst_row, pool_sel, mgr.counters, mgr.row_bytes * len(layers),
+                        self.spec.block_size)
         fw.events.update(mgr.mover.copy_layers(
             [(cache.mla_layer(l), cache.pool.mla_layer(l)) for l in layers], src, dst, layers))
         return GroupPlan(pool_sel, None, None)
 
     def _start_copies(self, fw: ForwardState, cache, group: int, hb, p) -> None:
-        """Misses host -> LRU victims, for every layer of the group (replayed plan), counted once per row."""
+        """Assembled mode: misses host -> LRU victims, for every layer of the group (replayed plan), counted
+        once per row."""
         mgr, bs = self.mgr, self.spec.block_size
         mp, mr = p.miss_pos, p.miss_row
         b_idx = torch.arange(mp.shape[0], device=mp.device)[:, None]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.metadata import AttnMetadata
-from kernels.hisparse_plan import dev_slots
+from kernels.hisparse_plan import dev_slots, dev_slots_ref
 
 RESIDENT, HOT, STAGED = "resident", "hot", "staged"
 
@@ -75,8 +75,6 @@ class HotBatch:
     host_table: torch.Tensor | None  # [B, W] host block ids
     hot_base: torch.Tensor  # [B] virtual position of hot row 0 (virtual mode)
     ws_base: torch.Tensor  # [B] first workspace block (assembled mode)
-    pool_rows: torch.Tensor | None = None  # virtual mode: rows of the pool part holding hot rows ...
-    entry_ids: torch.Tensor | None = None  # ... and which of the [B * M] entry rows they are
     dst_row: torch.Tensor | None = None  # virtual mode: [B, M] the pool row of each entry row, -1 padded
     idx: torch.Tensor | None = None  # the hot requests' rows in the batch's request order (None: every request)
 
@@ -177,21 +175,10 @@ def _routing(mgr, meta: AttnMetadata, key: tuple, req_ids: list[str], num_pages:
 
 
 def _dev_slots(mgr, meta: AttnMetadata, rt: Routing, starts: torch.Tensor | None) -> torch.Tensor:
-    bs = meta.block_size
-    if mgr.fused_plan:  # the same in one kernel
-        return dev_slots(meta.positions, meta.token_req_idx, rt.slot_of_req, rt.hot_slot_of_req, starts,
-                         mgr.page_table, mgr.hot.blocks, bs, mgr.layout.lru_rows, mgr.layout.rows)
-    tok = meta.token_req_idx.long()
-    pos = meta.positions.long()
-    slot_of = rt.slot_of_req[tok]
-    page = mgr.page_table[slot_of, pos // bs].long()
-    out = torch.where(page >= 0, page * bs + pos % bs, torch.full_like(pos, -1))
-    if rt.hot_slot_of_req is not None:
-        hs = rt.hot_slot_of_req[tok]
-        row = (mgr.layout.lru_rows + pos - starts[tok]).clamp(0, mgr.layout.rows - 1)
-        hot_slot = mgr.hot.blocks[hs.clamp(min=0), row // bs].long() * bs + row % bs
-        out = torch.where((page < 0) & (hs >= 0), hot_slot, out)
-    return out
+    """Device slot of each new row (kernels.hisparse_plan.dev_slots: a kernel on GPUs, its reference elsewhere)."""
+    fn = dev_slots if mgr.fused_plan else dev_slots_ref
+    return fn(meta.positions, meta.token_req_idx, rt.slot_of_req, rt.hot_slot_of_req, starts, mgr.page_table,
+              mgr.hot.blocks, meta.block_size, mgr.layout.lru_rows, mgr.layout.rows)
 
 
 def _hot_batch(mgr, meta, reqs, hot: list[int], num_pages, pool: list[int]) -> HotBatch:
@@ -215,15 +202,11 @@ def _hot_batch(mgr, meta, reqs, hot: list[int], num_pages, pool: list[int]) -> H
         for b in pool:
             where_in_pool[b] = at
             at += qsl[b + 1] - qsl[b]
-        pairs = [(where_in_pool[b] + i, j * M + i) for j, b in enumerate(hot) for i in range(qsl[b + 1] - qsl[b])]
-        if mgr.fused_plan:
-            dst = [-1] * (len(hot) * M)
-            for p, e in pairs:
-                dst[e] = p
-            hb.dst_row = ints(dst, dev).view(len(hot), M)
-        else:
-            hb.pool_rows = ints([p for p, _ in pairs], dev)
-            hb.entry_ids = ints([e for _, e in pairs], dev)
+        dst = [-1] * (len(hot) * M)
+        for j, b in enumerate(hot):
+            for i in range(qsl[b + 1] - qsl[b]):
+                dst[j * M + i] = where_in_pool[b] + i
+        hb.dst_row = ints(dst, dev).view(len(hot), M)
     return hb
 
 

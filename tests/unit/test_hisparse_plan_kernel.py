@@ -1,5 +1,5 @@
-"""The fused plan kernel (kernels.hisparse_plan) against the torch plan (HotBuffers.resolve plus the
-backend's slot arithmetic), entry for entry, over random multi-step streams: same hot-buffer state, same
+"""The fused plan kernel (kernels.hisparse_plan) and its torch reference against the torch plan
+(HotBuffers.resolve plus slot arithmetic written out here), entry for entry, over random multi-step streams: same hot-buffer state, same
 virtual selections, same miss copies in the same order, same counters. On CPU the kernel runs in Triton's
 interpreter;
 on a GPU it is compiled and runs on device tensors."""
@@ -13,7 +13,7 @@ import torch
 
 from engine.hisparse.hot_buffer import HotBuffers
 from engine.hisparse.layout import HotLayout
-from kernels.hisparse_plan import plan_hot
+from kernels.hisparse_plan import plan_hot, plan_hot_ref
 
 BS = 4
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,7 +51,8 @@ def test_fused_plan_equals_the_torch_plan(spec, buffer):
     M, R = layout.max_new_rows, layout.lru_rows
     ref = HotBuffers(layout, groups, slots, torch.device("cpu"))
     fused = HotBuffers(layout, groups, slots, DEV)
-    for hb in (ref, fused):
+    torch_plan = HotBuffers(layout, groups, slots, torch.device("cpu"))  # plan_hot_ref's state
+    for hb in (ref, fused, torch_plan):
         for s in range(slots):
             hb.assign(s, [100 + s * layout.num_blocks + i for i in range(layout.num_blocks)])
     W = 40
@@ -102,6 +103,14 @@ def test_fused_plan_equals_the_torch_plan(spec, buffer):
             n = len(got_pairs[b])
             assert bool((src[b * n_pad + n:(b + 1) * n_pad] == -1).all())
         assert (counters - before).tolist() == [hits, misses, 10 * misses, 10 * misses]
+        torch_plan.clock += 1
+        ref_sel, ref_counters = sel.clone(), torch.zeros(4, dtype=torch.int64)
+        rsrc, rdst = plan_hot_ref(topk, entry_rows, start, hot_slot, table_slot, hot_base, page_table, host_table,
+                                  torch_plan.blocks, torch_plan.row_pos, torch_plan.stamp, group, torch_plan.clock,
+                                  dst_row, ref_sel, ref_counters, bytes_per_miss=10, block_size=BS)
+        assert torch.equal(ref_sel, got_sel) and torch.equal(rsrc, src) and torch.equal(rdst, dst)
+        assert ref_counters.tolist() == [hits, misses, 10 * misses, 10 * misses]
+        assert torch.equal(torch_plan.row_pos, ref.row_pos) and torch.equal(torch_plan.stamp, ref.stamp)
         assert torch.equal(fused.row_pos.cpu(), ref.row_pos) and torch.equal(fused.stamp.cpu(), ref.stamp), f"step {step}"
     assert int(counters[1]) > 0 and int(counters[0]) > 0
     assert R == layout.lru_rows
