@@ -1,7 +1,9 @@
 """The attention backend the model sees under HiSparse: it wraps the real one (torch or Triton).
 
-    store_kv       the inner backend quantises the rows into a scratch page; they are copied to their device
-                   slot (page or reserved hot row) and to the host pool (write-through, in stream order)
+    store_kv       every new row has a device slot (page or reserved hot row) unless a request is staged: the
+                   inner backend writes it there, and once a group's last layer is stored one copy backs the
+                   group's rows up to the host pool; with staged requests (rows of host-only pages) the rows
+                   are quantised into a scratch page and copied to both (write-through, in stream order)
     store_index_k  \\ unchanged: the index cache is addressed by host blocks, exactly like the block tables
     indexer_topk   /
     sparse_mla     full layer: resolve this step's plan for the hot requests (hits / misses / victims) and
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttnMetadata
-from engine.hisparse.forward import ForwardState, Workspace, plan_forward
+from engine.hisparse.forward import STAGED, ForwardState, Workspace, plan_forward
 from kernels.hisparse_plan import plan_hot, plan_hot_ref
 
 
@@ -59,6 +61,9 @@ class HiSparseBackend:
     # ---- writes -------------------------------------------------------------------------------
     def store_kv(self, cache, layer: int, latent: torch.Tensor, k_rope: torch.Tensor, meta: AttnMetadata) -> None:
         fw = self.state(meta)
+        if STAGED not in fw.paths:  # every new row has a device slot: write it there, back it up per group
+            self._store_direct(fw, cache, layer, latent, k_rope, meta)
+            return
         T = latent.shape[0]
         spec = self.spec
         if fw.scratch is None:  # made once per forward, used by every layer
@@ -71,6 +76,18 @@ class HiSparseBackend:
         # the device slot (page or reserved hot row) and the host pool (write-through), one read
         self.mgr.mover.copy2(fw.scratch, rows, cache.pool.mla_layer(layer), fw.dev_slots,
                              cache.mla_layer(layer), meta.slot_mapping)
+
+    def _store_direct(self, fw: ForwardState, cache, layer: int, latent, k_rope, meta: AttnMetadata) -> None:
+        """The rows go to their device slot (page or reserved hot row) like a resident cache's; once the last
+        layer of the group stored its rows, one copy backs the group's rows up to the host pool (nothing
+        reads this step's host rows before: they are served from the device until the next step)."""
+        if fw.dev_meta is None:
+            fw.dev_meta = dataclasses.replace(meta, slot_mapping=fw.dev_slots)
+        self.inner.store_kv(cache.pool, layer, latent, k_rope, fw.dev_meta)
+        layers = self.mgr.groups.layers[self.mgr.groups.group_of[layer]]
+        if layer == layers[-1]:
+            self.mgr.mover.copy_group([(cache.pool.mla_layer(l), cache.mla_layer(l)) for l in layers],
+                                      fw.dev_slots, meta.slot_mapping)
 
     def store_index_k(self, cache, layer: int, k: torch.Tensor, meta: AttnMetadata) -> None:
         self.inner.store_index_k(cache, layer, k, meta)

@@ -102,6 +102,7 @@ class ForwardState:
     events: dict = field(default_factory=dict)  # layer -> CUDA event of its miss copies
     scratch: torch.Tensor | None = None  # [ceil(T/64), 64, row] where the inner backend quantises rows
     scratch_meta: AttnMetadata | None = None  # the batch's metadata with slots 0..T-1 (into `scratch`)
+    dev_meta: AttnMetadata | None = None  # the batch's metadata with the rows' device slots
     stage_buf: torch.Tensor | None = None  # shared by the staged workspaces (one layer at a time)
 
 

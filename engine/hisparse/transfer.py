@@ -55,6 +55,21 @@ class RowMover:
         self.copy(src, src_slots, dst, dst_slots)
         self.copy(src, src_slots, dst2, dst2_slots)
 
+    def copy_group(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor,
+                   dst_slots: torch.Tensor) -> None:
+        """The same rows for several layers (src view, dst view), in stream order (one launch on CUDA)."""
+        if self.cuda and self.path == "triton":
+            try:
+                copy_rows_layers([s for s, _ in pairs], src_slots, [d for _, d in pairs], dst_slots)
+                return
+            except (ValueError, RuntimeError) as e:
+                if all(s.is_cuda and d.is_cuda for s, d in pairs):
+                    raise
+                log.warning("hisparse: Triton cannot reach pinned host memory (%s); copies now synchronise", e)
+                self.path = "sync"
+        for s, d in pairs:
+            self.copy(s, src_slots, d, dst_slots)
+
     def copy_layers(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor,
                     dst_slots: torch.Tensor, layers: list[int] | tuple[int, ...]) -> dict:
         """The same rows for several layers (src view, dst view) -> {layer: event} to wait for (CUDA)."""
