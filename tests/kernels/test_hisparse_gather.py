@@ -88,12 +88,18 @@ def test_copy_rows_gpu_pinned_host(direction):
     assert torch.equal(dst_full.cpu(), want)
 
 
-def _two_destinations(device: str, host_second: bool):
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+ON_EVERY_DEVICE = [pytest.param("cpu", False, marks=interp, id="interp"),
+                   pytest.param("cuda", True, marks=[pytest.mark.gpu, needs_cuda], id="gpu-pinned-host")]
+
+
+@pytest.mark.parametrize("device,pinned", ON_EVERY_DEVICE)
+def test_copy_rows_two_destinations(device, pinned):
     """One read, two writes (the write-through of new rows): each destination skips its own -1 slots."""
     gen = torch.Generator().manual_seed(3)
     src = _cache(4, 656, torch.uint8, gen, device=device, layers=2)
     d1 = _cache(6, 656, torch.uint8, gen, device=device, layers=2)
-    d2 = _cache(8, 656, torch.uint8, gen, device="cpu" if host_second else device, pin=host_second, layers=2)
+    d2 = _cache(8, 656, torch.uint8, gen, device="cpu" if pinned else device, pin=pinned, layers=2)
     ss = _slots(100, 4 * 64, gen, skip_every=9).to(device)
     s1 = _slots(100, 6 * 64, gen, skip_every=5).to(device)
     s2 = _slots(100, 8 * 64, gen, skip_every=3).to(device)
@@ -106,25 +112,18 @@ def _two_destinations(device: str, host_second: bool):
     assert torch.equal(d1.cpu(), w1) and torch.equal(d2.cpu(), w2)
 
 
-@interp
-def test_copy_rows_two_destinations_interp():
-    _two_destinations("cpu", host_second=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_copy_rows_two_destinations_gpu_pinned_host():
-    _two_destinations("cuda", host_second=True)
-
-
-def _layers(device: str, pin_src: bool):
+@pytest.mark.parametrize("device,pinned", ON_EVERY_DEVICE)
+@pytest.mark.parametrize("pinned_side", ["src", "dst"])
+def test_copy_rows_layers(device, pinned, pinned_side):
     """Every layer of a group in one launch (equally spaced layer views), and the fallback for views that
-    are not (one launch per layer): the same bytes as the reference, other layers untouched."""
+    are not (one launch per layer): the same bytes as the reference, other layers untouched. On the GPU
+    one side is pinned host memory: the miss copies (host -> device) and the write-through (device -> host)."""
     from kernels.hisparse_gather import copy_rows_layers
 
     gen = torch.Generator().manual_seed(5)
-    src = _cache(5, 656, torch.uint8, gen, device="cpu" if pin_src else device, pin=pin_src, layers=5)
-    dst = _cache(3, 656, torch.uint8, gen, device=device, layers=5)
+    host_src, host_dst = pinned and pinned_side == "src", pinned and pinned_side == "dst"
+    src = _cache(5, 656, torch.uint8, gen, device="cpu" if host_src else device, pin=host_src, layers=5)
+    dst = _cache(3, 656, torch.uint8, gen, device="cpu" if host_dst else device, pin=host_dst, layers=5)
     ss = _slots(120, 5 * 64, gen).to(device)
     ds = _slots(120, 3 * 64, gen, skip_every=7).to(device)
     for layers in ([1, 2, 3], [0, 2, 3]):  # equally spaced; not (fallback)
@@ -135,14 +134,3 @@ def _layers(device: str, pin_src: bool):
         if device == "cuda":
             torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), want), layers
-
-
-@interp
-def test_copy_rows_layers_interp():
-    _layers("cpu", pin_src=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_copy_rows_layers_gpu_pinned_host():
-    _layers("cuda", pin_src=True)
