@@ -36,6 +36,8 @@ def to_dev(x, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tens
     if dev.type != "cuda":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)
+
+
 class IntMemo:
     """Small host int lists -> device tensors, kept while they repeat: a decode batch repeats most of its
     routing lists step after step, so in steady state they cost a dictionary lookup, not a transfer.
