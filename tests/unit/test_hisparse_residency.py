@@ -24,6 +24,12 @@ def _check_invariants(res: Residency) -> None:
             assert len(r.hot_blocks) == res.hot_blocks
 
 
+def _placement(res: Residency) -> dict:
+    """Everything a forward's routing is built from."""
+    return {rid: (r.slot, r.hot_slot, tuple(r.dev), tuple(r.hot_blocks), len(r.host_blocks))
+            for rid, r in res.reqs.items()}
+
+
 def _grow(res: Residency, rid: str, pages: int, filled: int, next_block: list[int]) -> None:
     r = res.reqs.get(rid)
     have = list(r.host_blocks) if r else []
@@ -130,8 +136,11 @@ def test_random_traffic_within_the_footprint_always_places(seed):
                 fp.update(pages[rid], pages[rid] + 1)
                 pages[rid] += 1
                 _grow(res, rid, pages[rid], (pages[rid] - 1) * 64, nb)
+        before, version = _placement(res), res.version
         res.rebalance(margin=rng.randint(0, 3))
         _check_invariants(res)
+        assert _placement(res) == before or res.version != version, \
+            "placement changed without a version bump: the per-forward routing memo would go stale"
     for rid in list(pages):
         res.drop(rid)
     assert res.num_free_blocks == N
