@@ -222,6 +222,59 @@ def test_torchrun_launch_matches_single_rank(tiny_ckpt, refs, tmp_path):
         o.token_ids for o in refs[0].generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
 
 
+def _whole_blocks(ref_core, ids: list[int], n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The single-rank engine's cache blocks of a prompt: what a kvstore holds for it."""
+    _prefill_held(ref_core, ids, "kv-src")
+    blocks = ref_core.kv.block_ids("kv-src")[:n_blocks]
+    cache = ref_core.runner.kv_cache
+    out = cache.mla[blocks].clone(), cache.index[blocks].clone()
+    ref_core.release_held("kv-src")
+    return out
+
+
+def _decode_imported(core, ref, ids: list[int], n_tokens: int, write) -> None:
+    """Admit `ids` with its first n_tokens' KV written by `write(block_ids)`; it must decode like `ref`."""
+    req = Request("kv-imp", ids, dataclasses.replace(GREEDY, max_tokens=6))
+    block_ids, n_cached = core.reserve_import(req, n_tokens)
+    assert n_cached == 0
+    write(block_ids)
+    core.import_done("kv-imp", ok=True, num_tokens=n_tokens)
+    got = []
+    while core.has_unfinished():
+        got += [t for o in core.step() if o.req_id == "kv-imp" for t in o.new_token_ids]
+    (want,) = ref.generate([ids], dataclasses.replace(GREEDY, max_tokens=6))
+    assert got == list(want.token_ids)
+
+
+def test_kv_staged_through_rank0_for_dcp(cp):
+    """DCP > 1, the prefill service's kvstore path: `kv_staging.gather` assembles a held request's whole
+    blocks on rank 0 (what is offloaded), and `scatter` hands whole blocks (what is loaded) to the ranks that
+    hold their tokens; the request then decodes like the single-rank engine."""
+    c, llm, ref = cp
+    core = llm.core
+    if c["dcp"] == 1:
+        pytest.skip("DCP = 1 ranks hold full replicas (test_kv_written_on_rank0_replicates_to_every_rank)")
+    prefix, tail = _ids(3 * 64, seed=93), _ids(29, seed=94)
+    mla, index = _whole_blocks(ref.core, prefix, 3)
+    assert core.collective_rpc("engine.parallel.kv_staging:ensure", 4) == [4] * c["pcp"]
+    staging = core.runner.kv_staging
+    _prefill_held(core, prefix, "kv-held")
+    core.collective_rpc("engine.parallel.kv_staging:gather", core.kv.block_ids("kv-held"), 0, 3 * 64)
+    core.release_held("kv-held")
+    _close(staging.mla[:3], mla, "gathered mla blocks")
+    _close(staging.index[:3], index, "gathered index blocks")
+
+    other = _ids(3 * 64, seed=95)  # not in the prefix cache now
+    mla, index = _whole_blocks(ref.core, other, 3)
+
+    def write(block_ids):
+        staging.mla.zero_()
+        staging.index.zero_()
+        staging.mla[:3], staging.index[:3] = mla, index
+        core.collective_rpc("engine.parallel.kv_staging:scatter", block_ids, 0, 3 * 64)
+    _decode_imported(core, ref, other + tail, 3 * 64, write)
+
+
 def test_kv_written_on_rank0_replicates_to_every_rank(cp):
     """The prefill service's kvstore load: a prefix's KV lands in rank 0's cache alone (one NIXL READ), then
     `replicate_blocks` copies it to every rank's replica (DCP = 1); the request then decodes exactly like
@@ -233,24 +286,15 @@ def test_kv_written_on_rank0_replicates_to_every_rank(cp):
             core.collective_rpc("replicate_blocks", [0])
         return
     prefix, tail = _ids(3 * 64, seed=91), _ids(37, seed=92)
-    _prefill_held(ref.core, prefix, "kv-src")  # the KV a kvstore would hold, computed by one rank
-    blocks = ref.core.kv.block_ids("kv-src")[:3]
-    mla, index = ref.core.runner.kv_cache.mla[blocks].clone(), ref.core.runner.kv_cache.index[blocks].clone()
-    ref.core.release_held("kv-src")
-    req = Request("kv-imp", prefix + tail, dataclasses.replace(GREEDY, max_tokens=6))
-    block_ids, n_cached = core.reserve_import(req, 3 * 64)
-    assert n_cached == 0
-    cache = core.runner.kv_cache  # rank 0 is this process
-    cache.mla[block_ids[:3]], cache.index[block_ids[:3]] = mla, index
-    before = core.collective_rpc("read_kv_rows", block_ids[:3], 3 * 64)
-    assert not torch.equal(before[1]["mla"], before[0]["mla"]), "rank 1 must not hold the prefix before"
-    assert core.collective_rpc("replicate_blocks", block_ids[:3]) == [3] * c["pcp"]
-    after = core.collective_rpc("read_kv_rows", block_ids[:3], 3 * 64)
-    for r in after[1:]:
-        assert torch.equal(r["mla"], after[0]["mla"]) and torch.equal(r["index"], after[0]["index"])
-    core.import_done("kv-imp", ok=True, num_tokens=3 * 64)
-    got = []
-    while core.has_unfinished():
-        got += [t for o in core.step() if o.req_id == "kv-imp" for t in o.new_token_ids]
-    (want,) = ref.generate([prefix + tail], dataclasses.replace(GREEDY, max_tokens=6))
-    assert got == list(want.token_ids)
+    mla, index = _whole_blocks(ref.core, prefix, 3)
+
+    def write(block_ids):
+        cache = core.runner.kv_cache  # rank 0 is this process
+        cache.mla[block_ids[:3]], cache.index[block_ids[:3]] = mla, index
+        before = core.collective_rpc("read_kv_rows", block_ids[:3], 3 * 64)
+        assert not torch.equal(before[1]["mla"], before[0]["mla"]), "rank 1 must not hold the prefix before"
+        assert core.collective_rpc("replicate_blocks", block_ids[:3]) == [3] * c["pcp"]
+        after = core.collective_rpc("read_kv_rows", block_ids[:3], 3 * 64)
+        for r in after[1:]:
+            assert torch.equal(r["mla"], after[0]["mla"]) and torch.equal(r["index"], after[0]["index"])
+    _decode_imported(core, ref, prefix + tail, 3 * 64, write)
