@@ -1,5 +1,9 @@
 """The prefill engine's side of the host KV tier: load cached prefixes, offload computed blocks.
 
+A kvstore block is one 64-token block, whole. Single-rank and DCP = 1 engines move it to / from their
+cache directly (ranks > 0 then copy rank 0's blocks); DCP engines go through rank 0's staging cache
+(`engine.parallel.kv_staging`), which these calls address with `staged=True`.
+
 Any failure (kvstore gone, transfer error, timeout) degrades to recomputation: a load that fails
 reports 0 blocks, an offload that fails is dropped (the blocks are simply not in the tier). Every call
 is bounded by `timeout_s`, and a kvstore that failed is skipped for `backoff_s` (a paused kvstore
@@ -7,6 +11,7 @@ would otherwise cost every request the full deadline)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Sequence
@@ -28,17 +33,25 @@ class KVStoreLink:
         self.timeout_s, self.backoff_s = timeout_s, backoff_s
         self.metrics = metrics
         self._down_until: dict[str, float] = {}
-        self.clients: dict[str, KVStoreClient] = {}
+        self.clients: dict[tuple[str, bool], KVStoreClient] = {}
         self.num_loaded_blocks = 0
         self.num_offloaded_blocks = 0
         self.num_failures = 0
+        self.staging = None  # DCP engines: rank 0's staging cache of whole blocks (engine.parallel.kv_staging)
+        self.staging_blocks = 0
+        self.staging_lock = asyncio.Lock()  # one load or offload uses the staging cache at a time
 
-    async def _client(self, address: str) -> KVStoreClient:
-        c = self.clients.get(address)
+    def set_staging(self, staging_tensors, num_blocks: int) -> None:
+        self.staging = self.agent.prep_local(staging_tensors)
+        self.staging_blocks = num_blocks
+
+    async def _client(self, address: str, staged: bool = False) -> KVStoreClient:
+        c = self.clients.get((address, staged))
         if c is None:
-            c = KVStoreClient(address, self.agent, self.local, self.spec, timeout_s=self.timeout_s)
+            local = self.staging if staged else self.local
+            c = KVStoreClient(address, self.agent, local, self.spec, timeout_s=self.timeout_s)
             await c.connect()
-            self.clients[address] = c
+            self.clients[(address, staged)] = c
         return c
 
     async def _target(self) -> str | None:
@@ -49,18 +62,32 @@ class KVStoreLink:
         stores = await self.state.instances("kvstore")
         return stores[0].grpc_address if stores else None
 
-    async def load(self, address: str, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
+    async def load(self, address: str, hashes: Sequence[bytes], block_ids: Sequence[int], staged: bool = False) -> int:
+        """The leading stored blocks of `hashes` into `block_ids` (of the staging cache if `staged`)."""
         if not hashes or self._skipped(address):
             return 0
         try:
-            n = await (await self._client(address)).load(list(hashes), list(block_ids))
+            n = await (await self._client(address, staged)).load(list(hashes), list(block_ids))
         except Exception as exc:  # noqa: BLE001 - any failure means: compute these tokens instead
             self._forget(address, exc, "load")
             return 0
         self.num_loaded_blocks += n
         return n
 
-    async def offload(self, hashes: Sequence[bytes], block_ids: Sequence[int] | None) -> int:
+    async def stored_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `hashes` the kvstore holds already (0 when it cannot be asked)."""
+        address = None
+        try:
+            address = await self._target()
+            if address is None or self._skipped(address) or not hashes:
+                return 0
+            return await (await self._client(address)).lookup(list(hashes))
+        except Exception as exc:  # noqa: BLE001 - the tier is an optimisation
+            self._forget(address, exc, "lookup")
+            return 0
+
+    async def offload(self, hashes: Sequence[bytes], block_ids: Sequence[int] | None, staged: bool = False) -> int:
+        """Blocks the kvstore lacks, from `block_ids` (of the staging cache if `staged`)."""
         if not hashes or block_ids is None:
             return 0
         address = None
@@ -68,7 +95,7 @@ class KVStoreLink:
             address = await self._target()
             if address is None or self._skipped(address):
                 return 0
-            n = await (await self._client(address)).store(list(hashes), list(block_ids))
+            n = await (await self._client(address, staged)).store(list(hashes), list(block_ids))
         except Exception as exc:  # noqa: BLE001 - the tier is an optimisation; never fail a request for it
             self._forget(address, exc, "offload")
             return 0

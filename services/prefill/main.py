@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--kvstore", default="auto", help="'auto' (find one in Redis), 'off', or host:port")
     g.add_argument("--kvstore-timeout-s", type=float, default=2.0,
                    help="deadline of each kvstore call/transfer; past it the prefix is recomputed")
+    g.add_argument("--kvstore-staging-blocks", type=int, default=64,
+                   help="DCP > 1: whole blocks staged on rank 0 per kvstore transfer (its GPU memory)")
     return p.parse_args(argv)
 
 
@@ -74,6 +76,8 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         engine.start()
         await exporter.start()
+        if link is not None:
+            await _setup_staging(engine, exporter, link, args.kvstore_staging_blocks)
         await server.start()
         await host_obj.start()
         servicer.start()
@@ -88,6 +92,19 @@ async def serve(args: argparse.Namespace) -> int:
         await engine.shutdown()
         await state.close()
         metrics.close()
+
+
+async def _setup_staging(engine: AsyncEngine, exporter: KVExporter, link: KVStoreLink, num_blocks: int) -> None:
+    """DCP engines move kvstore blocks through a staging cache on rank 0 (engine.parallel.kv_staging),
+    registered here with rank 0's NIXL agent. Engines whose ranks are not all DCP ranks compute instead."""
+    pc = engine.config.parallel
+    if pc.decode_context_parallel_size == 1 or pc.world_size != pc.decode_context_parallel_size:
+        return
+    if num_blocks < 1:
+        raise ValueError(f"--kvstore-staging-blocks must be >= 1, got {num_blocks}")
+    await engine.call(lambda core: core.collective_rpc("engine.parallel.kv_staging:ensure", num_blocks))
+    staging = engine.core.runner.kv_staging
+    link.set_staging(exporter.agent.register({"mla": staging.mla, "index": staging.index}), num_blocks)
 
 
 async def _serve_until_stopped(server: GrpcServer, engine: AsyncEngine, host_obj: EngineHost) -> int:

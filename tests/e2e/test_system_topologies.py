@@ -61,14 +61,15 @@ def _instances(dep) -> dict[str, list]:
     return asyncio.run(read())
 
 
-@pytest.mark.parametrize("pcp", [1, 2], ids=["single-rank", "pcp2"])
-def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline, pcp):
+@pytest.mark.parametrize("pcp,dcp", [(1, 1), (2, 1), (2, 2)], ids=["single-rank", "pcp2", "pcp2-dcp2"])
+def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline, pcp, dcp):
     """pcp2: the prefill instances are PCP=2 engines; a prefix loaded from the kvstore lands in rank 0's
-    cache and is replicated to rank 1 before the prompt's remainder is computed."""
+    cache and is replicated to rank 1 before the prompt's remainder is computed. pcp2-dcp2: blocks are
+    sharded; offload and load go through rank 0's staging cache (gathered / scattered over the ranks)."""
     topo = system.topology(tmp_path_factory.mktemp("cache"), prefill={"num-blocks": 24})
     topo["services"]["prefill"]["replicas"] = 2
     if pcp > 1:
-        topo["services"]["prefill"]["prefill_context_parallel_size"] = pcp
+        topo["services"]["prefill"].update(prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp)
     dep = launcher.up(topo, timeout_s=300, die_with_parent=True)
     try:
         url = dep.endpoints()["router"][0]
@@ -84,8 +85,11 @@ def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline, pc
         turn2 = session + _text(offline.tokenizer, 5000, 40)
         status, warm = system.post(url, "/v1/completions", {**body, "prompt": turn2})
         assert status == 200 and warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 10 * 64
-        gained = system.wait_for(lambda: [h - b for h, b in zip(hits(), before)] if max(hits()) > max(before) else None)
-        assert sorted(gained)[0] == 0 and sorted(gained)[1] >= 10 * 64, "turn 2 must go to the instance with the prefix"
+        if dcp == 1:  # a DCP engine indexes its cache by 64·N-token blocks, which the router's 64-token
+            # lookups do not match yet: turn 2 lands by load, and the kvstore serves it there
+            gained = system.wait_for(lambda: [h - b for h, b in zip(hits(), before)] if max(hits()) > max(before)
+                                     else None)
+            assert sorted(gained)[0] == 0 and sorted(gained)[1] >= 10 * 64, "turn 2 must go to the instance with the prefix"
 
         # push the session out of both prefill instances (24 blocks each); the kvstore keeps it
         for i in range(8):
