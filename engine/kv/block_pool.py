@@ -62,6 +62,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.events: list[tuple[str, bytes]] = []  # ("stored" | "removed", hash), drained by services
+        self.index_keys: dict[bytes, tuple[bytes, ...]] = {}  # cached hash -> the keys its events carry
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,21 +102,26 @@ class BlockPool:
                     self._evict(b)
                 self.free_queue.append(b)
 
-    def cache(self, b: KVBlock, block_hash: bytes) -> None:
-        """Publish a full, computed block under its hash (first writer wins for duplicates)."""
+    def cache(self, b: KVBlock, block_hash: bytes, index_keys: tuple[bytes, ...] | None = None) -> None:
+        """Publish a full, computed block under its hash (first writer wins for duplicates). `index_keys`:
+        the hashes its stored / removed events carry instead (a DCP virtual block announces each of its
+        64-token sub-blocks, which is what the router's prefix index looks up)."""
         if not self.enable_caching or b.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # an identical block is already cached; this copy stays private and is evicted on free
         b.block_hash = block_hash
         self.cached[block_hash] = b
-        self.events.append(("stored", block_hash))
+        if index_keys:
+            self.index_keys[block_hash] = index_keys
+        self.events.extend(("stored", k) for k in index_keys or (block_hash,))
 
     def _evict(self, b: KVBlock) -> None:
         if b.block_hash is not None:
             if self.cached.get(b.block_hash) is b:
                 del self.cached[b.block_hash]
-                self.events.append(("removed", b.block_hash))
+                keys = self.index_keys.pop(b.block_hash, None) or (b.block_hash,)
+                self.events.extend(("removed", k) for k in keys)
             b.block_hash = None
 
     def drain_events(self) -> list[tuple[str, bytes]]:

@@ -2,8 +2,8 @@
 
 With decode context parallelism over N ranks a block id names one *virtual* block of 64·N tokens:
 the same local block id on every rank, each rank holding its 1/N of the tokens (DESIGN §5). The
-prefix hash of a virtual block is the 64-token chained hash of its last sub-block, so the router's
-64-token hashes still identify it.
+prefix hash of a virtual block is the 64-token chained hash of its last sub-block, and its index
+events carry every sub-block's 64-token hash, so the router's 64-token prefix lookups find it.
 """
 
 from __future__ import annotations
@@ -89,8 +89,10 @@ class KVCacheManager:
         if n_full <= start:
             return
         hashes = self._virtual_hashes(req)
+        subs = req.block_hashes(self.block_size) if self.dcp_size > 1 else None
+        n = self.dcp_size
         for i in range(start, min(n_full, len(hashes))):
-            self.pool.cache(blocks[i], hashes[i])
+            self.pool.cache(blocks[i], hashes[i], tuple(subs[i * n:(i + 1) * n]) if subs is not None else None)
         self._num_cached[req.req_id] = min(n_full, len(hashes))
 
     def free(self, req_id: str) -> None:

@@ -10,6 +10,7 @@ import inspect
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.kv.hashing import block_hashes
 from services import launcher
 from services.common.redis_state import RedisState
 from tests.e2e import system
@@ -61,6 +62,17 @@ def _instances(dep) -> dict[str, list]:
     return asyncio.run(read())
 
 
+def _indexed(dep, ids: list[int]) -> int:
+    """Blocks of `ids`' longest prefix that some prefill instance holds, per the Redis block index."""
+    async def read():
+        state = RedisState(dep.redis_url)
+        try:
+            return max((await state.lookup_prefix(block_hashes(ids), role="prefill")).values(), default=0)
+        finally:
+            await state.close()
+    return asyncio.run(read())
+
+
 @pytest.mark.parametrize("pcp,dcp", [(1, 1), (2, 1), (2, 2)], ids=["single-rank", "pcp2", "pcp2-dcp2"])
 def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline, pcp, dcp):
     """pcp2: the prefill instances are PCP=2 engines; a prefix loaded from the kvstore lands in rank 0's
@@ -82,17 +94,16 @@ def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline, pc
             return [system.metric(p.metrics_address, "pdserve:prefix_cache_hits_total") for p in prefills]
 
         before = hits()
+        # the prefill publishes its blocks to the index a moment after answering: route turn 2 once it has
+        assert system.wait_for(lambda: _indexed(dep, session) >= 10, timeout=10), "the prefix never reached the index"
         turn2 = session + _text(offline.tokenizer, 5000, 40)
         status, warm = system.post(url, "/v1/completions", {**body, "prompt": turn2})
         assert status == 200 and warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 10 * 64
-        if dcp == 1:  # a DCP engine indexes its cache by 64·N-token blocks, which the router's 64-token
-            # lookups do not match yet: turn 2 lands by load, and the kvstore serves it there
-            gained = system.wait_for(lambda: [h - b for h, b in zip(hits(), before)] if max(hits()) > max(before)
-                                     else None)
-            assert sorted(gained)[0] == 0 and sorted(gained)[1] >= 10 * 64, "turn 2 must go to the instance with the prefix"
+        gained = system.wait_for(lambda: [h - b for h, b in zip(hits(), before)] if max(hits()) > max(before) else None)
+        assert sorted(gained)[0] == 0 and sorted(gained)[1] >= 10 * 64, "turn 2 must go to the instance with the prefix"
 
-        # push the session out of both prefill instances (24 blocks each); the kvstore keeps it
-        for i in range(8):
+        # push the session out of both prefill instances (24 blocks each, of 64·DCP tokens); the kvstore keeps it
+        for i in range(8 * dcp):
             filler = _text(offline.tokenizer, 20000 + 900 * i, 15 * 64)
             assert system.post(url, "/v1/completions", {**body, "prompt": filler})[0] == 200
         store = _instances(dep)["kvstore"][0].metrics_address

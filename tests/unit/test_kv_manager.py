@@ -80,3 +80,9 @@ def test_dcp_virtual_blocks_hash_their_last_sub_block():
     full = block_hashes(r.all_token_ids)
     assert kv.pool.lookup(full[1]) is not None and kv.pool.lookup(full[3]) is not None
     assert kv.pool.lookup(full[0]) is None
+    # the prefix index (Redis) is keyed by 64-token hashes: a virtual block announces every sub-block
+    assert kv.pool.drain_events() == [("stored", h) for h in full[:4]]
+    kv.free("r")
+    assert kv.pool.reset_prefix_cache()
+    assert sorted(kv.pool.drain_events()) == sorted(("removed", h) for h in full[:4])
+    assert not kv.pool.index_keys
