@@ -7,7 +7,6 @@ recorded command line (never by name)."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import inspect
 import json
@@ -24,7 +23,6 @@ import pytest
 from engine import LLM, SamplingParams
 from services import launcher
 from services.common.procs import tie_to_parent
-from services.common.redis_state import RedisState
 from services.topology import ROOT
 from tests.e2e import system
 
@@ -217,13 +215,7 @@ def corpus_ids(tok) -> list[int]:
 
 
 def instances(dep) -> dict[str, object]:
-    async def read():
-        state = RedisState(dep.redis_url)
-        try:
-            return {i.instance_id: i for i in await state.instances()}
-        finally:
-            await state.close()
-    return asyncio.run(read())
+    return {i.instance_id: i for i in system.with_state(dep.redis_url, lambda s: s.instances())}
 
 
 def _usage(address: str) -> float:

@@ -3,7 +3,6 @@ with headers, instance addresses, block counters."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 import json
 import urllib.error
@@ -11,7 +10,6 @@ import urllib.request
 
 import pytest
 
-from services.common.redis_state import RedisState
 from tests.e2e import system
 from tests.e2e.conftest import HARDENED_KEYS
 
@@ -33,13 +31,7 @@ def request(url: str, path: str, body: dict | bytes | None = None, headers: dict
 
 
 def instances(dep) -> dict:
-    async def read():
-        state = RedisState(dep.redis_url)
-        try:
-            return {i.role: i for i in await state.instances()}
-        finally:
-            await state.close()
-    return asyncio.run(read())
+    return {i.role: i for i in system.with_state(dep.redis_url, lambda s: s.instances())}
 
 
 def blocks_in_use(inst) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -12,6 +13,7 @@ import yaml
 
 from services import launcher
 from services.common.net import free_port
+from services.common.redis_state import RedisState
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "configs" / "topology.cpu.yaml"
@@ -58,3 +60,14 @@ def wait_for(fn, timeout: float = 15.0, period: float = 0.2):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(period)
+
+
+def with_state(redis_url: str, fn):
+    """`await fn(state)` on a RedisState of its own (closed after), from synchronous test code."""
+    async def run():
+        state = RedisState(redis_url)
+        try:
+            return await fn(state)
+        finally:
+            await state.close()
+    return asyncio.run(run())

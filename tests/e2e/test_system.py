@@ -12,7 +12,6 @@ import pytest
 
 from engine import LLM, SamplingParams
 from services import launcher
-from services.common.redis_state import RedisState
 from tests.e2e import system
 
 pytestmark = pytest.mark.xdist_group("system")
@@ -32,13 +31,7 @@ def url(deployment) -> str:
 
 @pytest.fixture(scope="module")
 def instances(deployment) -> dict:
-    async def read():
-        state = RedisState(deployment.redis_url)
-        try:
-            return {i.role: i for i in await state.instances()}
-        finally:
-            await state.close()
-    return asyncio.run(read())
+    return {i.role: i for i in system.with_state(deployment.redis_url, lambda s: s.instances())}
 
 
 @pytest.fixture(scope="module")

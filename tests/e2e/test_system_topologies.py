@@ -4,7 +4,6 @@ kvstore tier after the prefill instances evicted a session's prefix)."""
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 
 import pytest
@@ -12,7 +11,6 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.kv.hashing import block_hashes
 from services import launcher
-from services.common.redis_state import RedisState
 from tests.e2e import system
 
 pytestmark = pytest.mark.xdist_group("system")
@@ -50,27 +48,16 @@ def test_pcp2_dcp2_prefill_to_decode_equals_offline(tmp_path_factory, offline):
 
 
 def _instances(dep) -> dict[str, list]:
-    async def read():
-        state = RedisState(dep.redis_url)
-        try:
-            out: dict[str, list] = {}
-            for i in await state.instances():
-                out.setdefault(i.role, []).append(i)
-            return out
-        finally:
-            await state.close()
-    return asyncio.run(read())
+    out: dict[str, list] = {}
+    for i in system.with_state(dep.redis_url, lambda s: s.instances()):
+        out.setdefault(i.role, []).append(i)
+    return out
 
 
 def _indexed(dep, ids: list[int]) -> int:
     """Blocks of `ids`' longest prefix that some prefill instance holds, per the Redis block index."""
-    async def read():
-        state = RedisState(dep.redis_url)
-        try:
-            return max((await state.lookup_prefix(block_hashes(ids), role="prefill")).values(), default=0)
-        finally:
-            await state.close()
-    return asyncio.run(read())
+    held = system.with_state(dep.redis_url, lambda s: s.lookup_prefix(block_hashes(ids), role="prefill"))
+    return max(held.values(), default=0)
 
 
 @pytest.mark.parametrize("pcp,dcp", [(1, 1), (2, 1), (2, 2)], ids=["single-rank", "pcp2", "pcp2-dcp2"])
