@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "inside a timed step (CUDA)")
     p.add_argument("--pair-contexts", default=None, metavar="A,B", help="paired mode: resident at context A and "
                    "HiSparse at context B stepped alternately per batch (the ratio target, host drift cancelled)")
+    p.add_argument("--pair-modes", default="resident,hisparse", metavar="MA,MB", help="the two modes of paired mode "
+                   "(hisparse,offload at one context: the speed-up over offload-only, drift cancelled)")
     p.add_argument("--plans-only", action="store_true", help="hit rates of the LRU plans alone (any device): "
                    "real top-k and buffer, no attention")
     if "--cpu-smoke" in (argv if argv is not None else sys.argv[1:]):  # toy defaults; explicit flags still win
@@ -65,14 +67,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def paired(args, device: torch.device) -> list[dict]:
-    """The target comparison with the host's drift cancelled: for each batch, resident at --pair-contexts' first
-    context and HiSparse at its second are set up side by side and stepped alternately (A, B, A, B, ...);
-    each measured pair gives a ratio B / A, reported as its median next to both medians."""
+    """A comparison with the host's drift cancelled: for each batch, mode A (--pair-modes, resident by default)
+    at --pair-contexts' first context and mode B (hisparse) at its second are set up side by side and stepped
+    alternately (A, B, A, B, ...), both with --warmup and --steps; each measured pair gives a ratio B / A,
+    reported as its median next to both medians."""
     ctx_a, ctx_b = (int(c) for c in args.pair_contexts.split(","))
+    mode_a, mode_b = args.pair_modes.split(",")
+    if mode_a == mode_b:
+        raise SystemExit(f"--pair-modes needs two different modes, got {args.pair_modes}")
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        a = setup_case(args, "resident", ctx_a, batch, device)
-        b = setup_case(args, "hisparse", ctx_b, batch, device)
+        a = setup_case(args, mode_a, ctx_a, batch, device, same_steps=True)
+        b = setup_case(args, mode_b, ctx_b, batch, device, same_steps=True)
         gens = [_steps(args, **c["run"], as_iter=True) for c in (a, b)]
         ta, tb = [], []
         gc.collect()
@@ -85,10 +91,11 @@ def paired(args, device: torch.device) -> list[dict]:
         finally:
             gc.enable()
         ratios = [y / x for x, y in zip(ta, tb)]
-        row = {"mode": "paired", "batch": batch, "layers": args.layers, "resident_context": ctx_a,
-               "hisparse_context": ctx_b, "pairs": len(ratios),
-               "resident_ms": round(statistics.median(ta) * 1e3, 3), "hisparse_ms": round(statistics.median(tb) * 1e3, 3),
-               "ratio_median": round(statistics.median(ratios), 3),
+        row = {"mode": "paired", "batch": batch, "layers": args.layers, f"{mode_a}_context": ctx_a,
+               f"{mode_b}_context": ctx_b, "pairs": len(ratios),
+               f"{mode_a}_ms": round(statistics.median(ta) * 1e3, 3),
+               f"{mode_b}_ms": round(statistics.median(tb) * 1e3, 3),
+               "ratio": f"{mode_b} / {mode_a}", "ratio_median": round(statistics.median(ratios), 3),
                "ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)] if len(ratios) > 1 else None}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -238,14 +245,14 @@ def _profiled(args, mode, context, batch, device, churn) -> dict:
 
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prof = args.step_profiler = cProfile.Profile()  # enabled by _steps inside the measured steps only
-    with torch.profiler.profile(activities=acts) as tp:
-        row = run_case(args, mode, context, batch, device, churn)
-    args.step_profiler = None
+    nsteps = args.offload_steps if mode == "offload" else args.steps
+    tp = args.torch_profiler = torch.profiler.profile(activities=acts)  # _steps starts and stops it around the
+    row = run_case(args, mode, context, batch, device, churn)           # measured steps (setup excluded)
+    args.step_profiler = args.torch_profiler = None
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    nsteps = (args.offload_steps + 1) if mode == "offload" else (args.steps + args.warmup)
     kernels = [e for e in tp.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_ms = sum(e.device_time_total for e in kernels) / 1e3 / nsteps
     ops = sum(1 for e in tp.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")
@@ -255,6 +262,13 @@ def _profiled(args, mode, context, batch, device, churn) -> dict:
                 f"{len(kernels) / nsteps:.0f} kernels, {busy_ms:.3f} ms of kernel time, {ops / nsteps:.0f} top-level ops\n")
         f.write(out.getvalue())
         f.write(tp.key_averages().table(sort_by=sort, row_limit=25))
+        f.write("\ntop-level ops per step, by name:\n")
+        by_name: dict = {}
+        for e in tp.events():
+            if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None:
+                by_name[e.name] = by_name.get(e.name, 0) + 1
+        for name, n in sorted(by_name.items(), key=lambda kv: -kv[1])[:60]:
+            f.write(f"  {n / nsteps:7.1f}  {name}\n")
         f.write("\n")
     return row
 

@@ -29,12 +29,15 @@ def run_case(args, mode: str, context: int, batch: int, device: torch.device, ch
     return finish_case(case, *_steps(args, **case["run"]))
 
 
-def setup_case(args, mode: str, context: int, batch: int, device: torch.device, churn: float | None = None) -> dict:
-    """Everything a case's steps need: {"row": its identity, "run": _steps' arguments, "mgr", "inner"}."""
+def setup_case(args, mode: str, context: int, batch: int, device: torch.device, churn: float | None = None,
+               same_steps: bool = False) -> dict:
+    """Everything a case's steps need: {"row": its identity, "run": _steps' arguments, "mgr", "inner"}.
+    The slow offload mode runs --offload-steps after one warm-up step unless `same_steps` (paired mode)."""
     cfg = stack_config("tiny" if args.cpu_smoke else "glm-5.3", args.layers)
     spec = KVCacheSpec.from_model(cfg, kv_cache_dtype="fp8_ds_mla", indexer_precision="fp8", with_mtp=False)
-    steps = args.offload_steps if mode == "offload" else args.steps
-    warmup = 1 if mode == "offload" else args.warmup
+    short = mode == "offload" and not same_steps
+    steps = args.offload_steps if short else args.steps
+    warmup = 1 if short else args.warmup
     ctx = Contexts(context, batch, warmup + steps)
     churn = float(args.churn.split(",")[0]) if churn is None else churn
     row = {"mode": mode, "context": context, "batch": batch, "layers": args.layers, "churn": churn,
@@ -109,8 +112,11 @@ def _collect(gen):
 def _step_iter(args, ctx, spec, groups, streams, table, req_ids, scale, backend, cache, mgr, device, warmup, dense,
                x, q_fixed, kv_fixed):
     """One decode step per next(): yields (seconds, issue seconds, H2D bytes, hits, misses), None for warm-up."""
+    tprof = getattr(args, "torch_profiler", None)
     for step in range(ctx.steps):
         seq_len = ctx.context + step
+        if tprof is not None and step == warmup:
+            tprof.start()
         before = mgr.counters.tolist() if mgr is not None else None  # synchronises too
         _sync(device)
         prof = getattr(args, "step_profiler", None) if step >= warmup else None
@@ -149,6 +155,8 @@ def _step_iter(args, ctx, spec, groups, streams, table, req_ids, scale, backend,
             continue
         after = mgr.counters.tolist()
         yield elapsed, enqueued - t0, after[3], after[0] - before[0], after[1] - before[1]
+    if tprof is not None:
+        tprof.stop()
 
 
 _DENSE: dict = {}

@@ -65,7 +65,7 @@ def _as_words(view: torch.Tensor) -> torch.Tensor:
     return b
 
 
-def _check(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
+def _check_views(src: torch.Tensor, dst: torch.Tensor) -> None:
     for name, t in (("src", src), ("dst", dst)):
         if t.dim() != 3 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be a paged view [num_blocks, block_size, row] with contiguous rows, "
@@ -73,11 +73,19 @@ def _check(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_sl
     if src.shape[-1] * src.element_size() != dst.shape[-1] * dst.element_size():
         raise ValueError(f"row sizes differ: src {src.shape[-1] * src.element_size()} B, "
                          f"dst {dst.shape[-1] * dst.element_size()} B")
+
+
+def _check_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     if src_slots.dim() != 1 or src_slots.shape != dst_slots.shape:
         raise ValueError(f"slot lists must be 1-D and equally long, got {tuple(src_slots.shape)} and "
                          f"{tuple(dst_slots.shape)}")
     if src_slots.dtype not in (torch.int32, torch.int64) or dst_slots.dtype not in (torch.int32, torch.int64):
         raise ValueError("slot lists must be int32 or int64")
+
+
+def _check(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    _check_views(src, dst)
+    _check_slots(src_slots, dst_slots)
 
 
 def copy_rows(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor,
@@ -125,32 +133,52 @@ def _layer_step(views: list[torch.Tensor]) -> int | None:
     return step
 
 
+class LayerCopy:
+    """`copy_rows(srcs[i], src_slots, dsts[i], dst_slots)` for every layer i of a fixed list of layer views,
+    checked and laid out once, so that a call is one launch: HiSparse copies the same layer groups every
+    step. One launch covers every layer when the views are equally spaced views of one tensor on each side
+    (a block-major cache), else there is one launch per layer."""
+
+    def __init__(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor]):
+        if len(srcs) != len(dsts) or not srcs:
+            raise ValueError(f"need as many source as destination layers (got {len(srcs)} and {len(dsts)})")
+        for s, d in zip(srcs, dsts):
+            _check_views(s, d)
+        self.srcs, self.dsts = list(srcs), list(dsts)
+        s_step, d_step = _layer_step(srcs), _layer_step(dsts)
+        sw, dw = _as_words(srcs[0]), _as_words(dsts[0])
+        unit = sw.element_size()
+        self.fused = not (s_step is None or d_step is None or sw.dtype != dw.dtype or s_step % unit
+                          or d_step % unit or (len(srcs) > 1 and (s_step == 0 or d_step == 0)))
+        if self.fused:
+            words = sw.shape[-1]
+            self.sw, self.dw = sw, dw
+            self.layout = (words, sw.shape[1], sw.stride(0), sw.stride(1), dw.shape[1], dw.stride(0), dw.stride(1))
+            self.steps = (s_step // unit, d_step // unit)
+            self.block_w = min(256, triton.next_power_of_2(words))
+
+    def __call__(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        _check_slots(src_slots, dst_slots)
+        if not self.fused:
+            for s, d in zip(self.srcs, self.dsts):
+                copy_rows(s, src_slots, d, dst_slots)
+            return
+        n = src_slots.shape[0]
+        if n == 0:
+            return
+        words, sbs, sb, st, dbs, db, dt = self.layout
+        block_r = 16
+        dst_slots = dst_slots.contiguous()
+        _copy_rows_kernel[(triton.cdiv(n, block_r), len(self.srcs))](
+            self.sw, self.dw, src_slots.contiguous(), dst_slots, n, words, sbs, sb, st, dbs, db, dt,
+            self.dw, dst_slots, dbs, db, dt, *self.steps,
+            BLOCK_R=block_r, BLOCK_W=self.block_w, HAS_DST2=False)
+
+
 def copy_rows_layers(srcs: list[torch.Tensor], src_slots: torch.Tensor, dsts: list[torch.Tensor],
                      dst_slots: torch.Tensor) -> None:
-    """`copy_rows(srcs[i], src_slots, dsts[i], dst_slots)` for every layer i in one launch, when the layer
-    views are equally spaced views of one tensor on each side (else one launch per layer)."""
-    if len(srcs) != len(dsts) or not srcs:
-        raise ValueError(f"need as many source as destination layers (got {len(srcs)} and {len(dsts)})")
-    for s, d in zip(srcs, dsts):
-        _check(s, src_slots, d, dst_slots)
-    s_step, d_step = _layer_step(srcs), _layer_step(dsts)
-    sw, dw = _as_words(srcs[0]), _as_words(dsts[0])
-    unit = sw.element_size()
-    if (s_step is None or d_step is None or sw.dtype != dw.dtype or s_step % unit or d_step % unit
-            or (len(srcs) > 1 and (s_step == 0 or d_step == 0))):
-        for s, d in zip(srcs, dsts):
-            copy_rows(s, src_slots, d, dst_slots)
-        return
-    n = src_slots.shape[0]
-    if n == 0:
-        return
-    words = sw.shape[-1]
-    block_r = 16
-    _copy_rows_kernel[(triton.cdiv(n, block_r), len(srcs))](
-        sw, dw, src_slots.contiguous(), dst_slots.contiguous(), n, words,
-        sw.shape[1], sw.stride(0), sw.stride(1), dw.shape[1], dw.stride(0), dw.stride(1),
-        dw, dst_slots, dw.shape[1], dw.stride(0), dw.stride(1), s_step // unit, d_step // unit,
-        BLOCK_R=block_r, BLOCK_W=min(256, triton.next_power_of_2(words)), HAS_DST2=False)
+    """`copy_rows(srcs[i], src_slots, dsts[i], dst_slots)` for every layer i (see LayerCopy)."""
+    LayerCopy(srcs, dsts)(src_slots, dst_slots)
 
 
 def copy_rows_ref(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:

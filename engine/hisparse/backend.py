@@ -84,10 +84,11 @@ class HiSparseBackend:
         if fw.dev_meta is None:
             fw.dev_meta = dataclasses.replace(meta, slot_mapping=fw.dev_slots)
         self.inner.store_kv(cache.pool, layer, latent, k_rope, fw.dev_meta)
-        layers = self.mgr.groups.layers[self.mgr.groups.group_of[layer]]
+        group = self.mgr.groups.group_of[layer]
+        layers = self.mgr.groups.layers[group]
         if layer == layers[-1]:
-            self.mgr.mover.copy_group([(cache.pool.mla_layer(l), cache.mla_layer(l)) for l in layers],
-                                      fw.dev_slots, meta.slot_mapping)
+            self.mgr.mover.copy_group(("back", id(cache), group), _back_pairs(cache, layers), fw.dev_slots,
+                                      meta.slot_mapping)
 
     def store_index_k(self, cache, layer: int, k: torch.Tensor, meta: AttnMetadata) -> None:
         self.inner.store_index_k(cache, layer, k, meta)
@@ -158,8 +159,8 @@ class HiSparseBackend:
                         mgr.page_table, hb.host_table, mgr.hot.blocks, mgr.hot.row_pos, mgr.hot.stamp, group,
                         mgr.hot.clock, hb.dst_row, pool_sel, mgr.counters, mgr.row_bytes * len(layers),
                         self.spec.block_size)
-        fw.events.update(mgr.mover.copy_layers(
-            [(cache.mla_layer(l), cache.pool.mla_layer(l)) for l in layers], src, dst, layers))
+        fw.events.update(mgr.mover.copy_layers(("miss", id(cache), group), _miss_pairs(cache, layers), src, dst,
+                                               layers))
         return GroupPlan(pool_sel, None, None)
 
     def _start_copies(self, fw: ForwardState, cache, group: int, hb, p) -> None:
@@ -173,8 +174,8 @@ class HiSparseBackend:
         dst = torch.where(mr >= 0, mgr.hot.blocks[hb.hot_slot[:, None], mrc // bs].long() * bs + mrc % bs, mr)
         layers = mgr.groups.layers[group]
         mgr.count_plan(p.num_hits, p.num_misses, len(layers))
-        fw.events.update(mgr.mover.copy_layers(
-            [(cache.mla_layer(l), cache.pool.mla_layer(l)) for l in layers], src.flatten(), dst.flatten(), layers))
+        fw.events.update(mgr.mover.copy_layers(("miss", id(cache), group), _miss_pairs(cache, layers), src.flatten(),
+                                               dst.flatten(), layers))
 
     def _assemble(self, ws: Workspace, pool_layer: torch.Tensor, plan: GroupPlan) -> None:
         """Selected rows (device pages or hot rows) -> their positions in a zeroed workspace."""
@@ -194,6 +195,16 @@ class HiSparseBackend:
         self.mgr.mover.copy(_pages(cache.pool.mla_layer(layer)), ws.src_dev, dst, ws.dst)
         self.mgr.mover.copy(_pages(cache.mla_layer(layer)), ws.src_host, dst, ws.dst)
         self.mgr.count_h2d(ws.num_host_pages * spec.block_size * spec.mla_row * spec.mla_torch_dtype.itemsize)
+
+
+def _miss_pairs(cache, layers):
+    """(host view, device view) of each layer of a group: where its misses are copied from and to."""
+    return lambda: [(cache.mla_layer(l), cache.pool.mla_layer(l)) for l in layers]
+
+
+def _back_pairs(cache, layers):
+    """(device view, host view) of each layer of a group: where its new rows are backed up."""
+    return lambda: [(cache.pool.mla_layer(l), cache.mla_layer(l)) for l in layers]
 
 
 def _pages(view: torch.Tensor) -> torch.Tensor:

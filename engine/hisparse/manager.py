@@ -71,6 +71,7 @@ class HiSparseManager:
         # the plan as one kernel (kernels.hisparse_plan) on GPUs; the torch ops elsewhere (tests may switch)
         self.fused_plan = torch.device(device).type == "cuda"
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
+        self.step_counters = self.counters[_STEP_H2D:]  # the per-step ones, zeroed by place()
         self.ints = IntMemo()  # per-forward routing lists kept on the device while they repeat
         self.version = 0  # bumped whenever placement changes (page table, hot buffers): invalidates memos
         self.routing_memo = None  # engine.hisparse.forward.Routing of the last forward
@@ -101,7 +102,7 @@ class HiSparseManager:
     def place(self, dropped: list[str], synced: list[tuple[str, list[int], int]]) -> None:
         """Drop requests; register / grow (req_id, host block ids, tokens already written); rebalance; apply.
         The margin keeps one spare block per request for next step's growth before anything is restored."""
-        self.counters[_STEP_H2D:].zero_()  # on the device: `counters[i] = 0` would copy a host scalar in
+        self.step_counters.zero_()  # on the device: `counters[i] = 0` would copy a host scalar in
         if dropped:
             self.version += 1
         for rid in dropped:

@@ -85,6 +85,9 @@ class Residency:
         self.num_spilled_pages = 0  # pages dropped from the device, ever
         self.num_restored_pages = 0  # pages copied back, ever
         self.version = 0  # bumped by every change of placement (routing memos are keyed by it)
+        # (version, margin) after the last full rebalance, None while something it reads has changed since
+        # (pages, fill, requests): placement is a fixed point of rebalance, so a settled one is skipped
+        self.settled: tuple[int, int] | None = None
 
     # ---- requests --------------------------------------------------------------------------------
     def sync(self, req_id: str, host_blocks: list[int], num_filled_tokens: int, block_size: int = 64) -> ReqPages:
@@ -95,6 +98,7 @@ class Residency:
                 raise RuntimeError("more running requests than hisparse page-table rows: raise max_num_seqs")
             r = self.reqs[req_id] = ReqPages(slot=self.free_slots.pop())
             self.actions.reset_slots.append(r.slot)
+            self.settled = None
         n = len(r.host_blocks)  # block lists only grow (checked on the last known block: O(1) per step)
         assert len(host_blocks) >= n and (n == 0 or host_blocks[n - 1] == r.host_blocks[-1]), \
             f"{req_id}: host blocks may only be appended"
@@ -103,7 +107,10 @@ class Residency:
         for hb in host_blocks[len(r.host_blocks):]:
             r.host_blocks.append(hb)
             r.dev.append(-1)
-        r.num_filled_pages = max(r.num_filled_pages, -(-num_filled_tokens // block_size))
+        filled = max(r.num_filled_pages, -(-num_filled_tokens // block_size))
+        if filled != r.num_filled_pages:
+            r.num_filled_pages = filled
+            self.settled = None
         if self.offload_only and r.hot_slot < 0:
             r.hot_slot = -2  # never resident, no hot buffer: every step stages the whole context
         return r
@@ -121,8 +128,9 @@ class Residency:
     def rebalance(self, margin: int) -> StepActions:
         """Give every RESIDENT request all its pages (making room, or making it non-resident when it is
         the longest), then bring back whole requests while `margin` free blocks stay spare for next
-        step's growth. Restores are emitted for the final placement only. Returns and clears the actions."""
-        if not self.offload_only:
+        step's growth. Restores are emitted for the final placement only. Returns and clears the actions.
+        Skipped while settled: nothing it reads changed since the last one (most decode steps)."""
+        if not self.offload_only and self.settled != (self.version, margin):
             self._placed: list[tuple[ReqPages, int, int]] = []
             for r in sorted(self.reqs.values(), key=lambda r: r.slot):
                 if r.hot_slot == -1:
@@ -132,6 +140,7 @@ class Residency:
             self._emit_restores()
             for r in self.reqs.values():
                 assert r.hot_slot >= 0 or r.num_dev_pages == len(r.dev), "a resident request lacks a device page"
+            self.settled = (self.version, margin)
         actions, self.actions = self.actions, StepActions()
         return actions
 

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from kernels.hisparse_gather import copy_rows, copy_rows_layers, copy_rows_ref
+from kernels.hisparse_gather import LayerCopy, copy_rows, copy_rows_ref
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,8 @@ class RowMover:
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device=device) if self.cuda else None
         self.path = "triton" if self.cuda else "torch"
+        self._groups: dict = {}  # key -> (layer view pairs, prepared LayerCopy or None)
+        self._events: dict = {}  # key -> (ready, done) CUDA events of a group's side-stream copies
 
     def copy(self, src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """dst[dst_slots] = src[src_slots] over paged views, skipping -1 on either side."""
@@ -55,44 +57,47 @@ class RowMover:
         self.copy(src, src_slots, dst, dst_slots)
         self.copy(src, src_slots, dst2, dst2_slots)
 
-    def copy_group(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor,
-                   dst_slots: torch.Tensor) -> None:
-        """The same rows for several layers (src view, dst view), in stream order (one launch on CUDA)."""
-        if self.cuda and self.path == "triton":
+    def layers(self, key, pairs) -> tuple[list, LayerCopy | None]:
+        """The (src view, dst view) pairs of a layer group under `key`, built by `pairs()` on first use and
+        kept with their prepared copy (Triton path): the caches never move, so this is done once."""
+        got = self._groups.get(key)
+        if got is None:
+            ps = pairs()
+            got = self._groups[key] = (ps, LayerCopy([s for s, _ in ps], [d for _, d in ps]) if self.cuda else None)
+        return got
+
+    def _copy_pairs(self, key, pairs, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        ps, fused = self.layers(key, pairs)
+        if fused is not None and self.path == "triton":
             try:
-                copy_rows_layers([s for s, _ in pairs], src_slots, [d for _, d in pairs], dst_slots)
+                fused(src_slots, dst_slots)
                 return
-            except (ValueError, RuntimeError) as e:
-                if all(s.is_cuda and d.is_cuda for s, d in pairs):
+            except (ValueError, RuntimeError) as e:  # e.g. "Pointer argument cannot be accessed from Triton"
+                if all(s.is_cuda and d.is_cuda for s, d in ps):
                     raise
                 log.warning("hisparse: Triton cannot reach pinned host memory (%s); copies now synchronise", e)
                 self.path = "sync"
-        for s, d in pairs:
+        for s, d in ps:
             self.copy(s, src_slots, d, dst_slots)
 
-    def copy_layers(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor,
-                    dst_slots: torch.Tensor, layers: list[int] | tuple[int, ...]) -> dict:
-        """The same rows for several layers (src view, dst view) -> {layer: event} to wait for (CUDA)."""
+    def copy_group(self, key, pairs, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """The same rows for several layers (`layers(key, pairs)`), in stream order (one launch on CUDA)."""
+        self._copy_pairs(key, pairs, src_slots, dst_slots)
+
+    def copy_layers(self, key, pairs, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                    layers: list[int] | tuple[int, ...]) -> dict:
+        """The same rows for several layers (`layers(key, pairs)`) on the side stream -> {layer: event} to wait
+        for (CUDA; in stream order elsewhere)."""
         if not self.cuda:
-            for s, d in pairs:
-                self.copy(s, src_slots, d, dst_slots)
+            self._copy_pairs(key, pairs, src_slots, dst_slots)
             return {}
-        ready = torch.cuda.Event()
-        ready.record()
+        ready, done = self._events.get(key) or self._events.setdefault(key, (torch.cuda.Event(), torch.cuda.Event()))
+        ready.record()  # kept per group: a wait binds to the record before it, so re-recording next step is safe
         src_slots.record_stream(self.side)  # freed on the main stream while the side stream may still read them
         dst_slots.record_stream(self.side)
         with torch.cuda.stream(self.side):
             self.side.wait_event(ready)
-            if self.path == "triton":  # every layer in one launch: more rows in flight over PCIe
-                try:
-                    copy_rows_layers([s for s, _ in pairs], src_slots, [d for _, d in pairs], dst_slots)
-                except (ValueError, RuntimeError) as e:
-                    log.warning("hisparse: Triton cannot reach pinned host memory (%s); copies now synchronise", e)
-                    self.path = "sync"
-            if self.path != "triton":
-                for s, d in pairs:
-                    self.copy(s, src_slots, d, dst_slots)
-            done = torch.cuda.Event()
+            self._copy_pairs(key, pairs, src_slots, dst_slots)  # every layer in one launch: more rows in flight
             done.record(self.side)
         return {layer: done for layer in layers}
 

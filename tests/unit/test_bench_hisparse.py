@@ -30,3 +30,12 @@ def test_cpu_smoke_paired_mode(tmp_path):
     for r in res["rows"]:
         assert r["pairs"] == 4 and r["resident_ms"] > 0 and r["hisparse_ms"] > 0 and r["ratio_median"] > 0
         assert (r["resident_context"], r["hisparse_context"]) == (300, 700)
+
+
+def test_cpu_smoke_paired_modes_offload(tmp_path):
+    """Any two modes can be paired: HiSparse against offload-only at one context, the same steps for both."""
+    res = main(["--cpu-smoke", "--pair-contexts", "700,700", "--pair-modes", "hisparse,offload", "--batches", "2",
+                "--steps", "3", "--out", str(tmp_path / "pair.json")])
+    (r,) = res["rows"]
+    assert r["pairs"] == 3 and r["hisparse_ms"] > 0 and r["offload_ms"] > 0 and r["ratio"] == "offload / hisparse"
+    assert (r["hisparse_context"], r["offload_context"]) == (700, 700)

@@ -130,6 +130,10 @@ def test_random_traffic_within_the_footprint_always_places(seed):
             rid = rng.choice(sorted(pages))
             fp.update(pages.pop(rid), 0)
             res.drop(rid)
+        elif op < 0.55 and pages:  # more rows written into pages it already has (decode inside a page)
+            rid = rng.choice(sorted(pages))
+            r = res.reqs[rid]
+            res.sync(rid, list(r.host_blocks), rng.randint(r.num_filled_pages * 64, len(r.host_blocks) * 64))
         elif pages:
             rid = rng.choice(sorted(pages))
             if fp.fits(pages[rid], pages[rid] + 1):
@@ -137,10 +141,33 @@ def test_random_traffic_within_the_footprint_always_places(seed):
                 pages[rid] += 1
                 _grow(res, rid, pages[rid], (pages[rid] - 1) * 64, nb)
         before, version = _placement(res), res.version
-        res.rebalance(margin=rng.randint(0, 3))
+        margin = rng.randint(0, 3)
+        res.rebalance(margin=margin)
         _check_invariants(res)
         assert _placement(res) == before or res.version != version, \
             "placement changed without a version bump: the per-forward routing memo would go stale"
+        # rebalance is a fixed point, which is what lets a settled placement skip it: a forced second
+        # pass changes nothing, and an unforced one is skipped
+        settled, after = res.settled, _placement(res)
+        assert settled == (res.version, margin)
+        res.settled = None
+        a = res.rebalance(margin=margin)
+        assert not (a.page_updates or a.restores or a.hot_assigned or a.reset_slots) and _placement(res) == after
+        assert res.settled == settled
     for rid in list(pages):
         res.drop(rid)
     assert res.num_free_blocks == N
+
+
+def test_a_settled_placement_skips_rebalance(monkeypatch):
+    res = Residency(num_device_blocks=6, hot_blocks=2, max_reqs=2)
+    res.sync("a", [0, 1, 2, 3, 4], 300)  # longer than the pool allows next to b: goes to its hot buffer
+    res.sync("b", [5, 6, 7], 150)
+    res.rebalance(margin=2)
+    monkeypatch.setattr(res, "_restore", lambda margin: pytest.fail("a settled placement was rebalanced"))
+    res.sync("a", [0, 1, 2, 3, 4], 301)  # a decode step inside the same page: nothing to place
+    res.sync("b", [5, 6, 7], 151)
+    assert not res.rebalance(margin=2).page_updates
+    res.sync("b", [5, 6, 7], 193)  # the fill reaches a new page: placement must be looked at again
+    with pytest.raises(pytest.fail.Exception):
+        res.rebalance(margin=2)
