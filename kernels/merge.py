@@ -38,11 +38,13 @@ def _merge_kernel(out_ptr, lse_ptr, parts_ptr, part_lse_ptr, num_parts, num_rows
         tl.store(lse_ptr + row, tl.where(total > 0, tl.log(total) + m_safe, float("-inf")))
 
 
-def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor,
-                      out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype | None = None,
+                      out: torch.Tensor | None = None,
+                      lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `merge_attn_states_ref`: outs [N, ..., D], lses [N, ...] -> (out [..., D], lse [...] fp32).
 
-    Shards whose lse is -inf are never read (their rows may hold garbage, even NaN).
+    Shards whose lse is -inf are never read (their rows may hold garbage, even NaN). `out` / `lse` (both
+    or neither, contiguous, shaped like the results) receive the results in place.
     """
     if outs.shape[:-1] != lses.shape or outs.dim() < 2:
         raise ValueError(f"outs {tuple(outs.shape)} must be [N, ..., D] with lses {tuple(lses.shape)} = [N, ...]")
@@ -54,8 +56,18 @@ def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor,
         parts = parts.contiguous()
     part_lse = lses.reshape(N, -1).float().contiguous()
     rows = parts.shape[1]
-    out = torch.empty((rows, D), dtype=out_dtype or outs.dtype, device=outs.device)
-    lse = torch.empty((rows,), dtype=torch.float32, device=outs.device)
+    if (out is None) != (lse is None):
+        raise ValueError("give both out and lse, or neither")
+    if out is None:
+        out = torch.empty((rows, D), dtype=out_dtype or outs.dtype, device=outs.device)
+        lse = torch.empty((rows,), dtype=torch.float32, device=outs.device)
+    else:
+        if out.shape != (*lead, D) or lse.shape != lead or lse.dtype != torch.float32 \
+                or not (out.is_contiguous() and lse.is_contiguous()):
+            raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} {lse.dtype} must be contiguous "
+                             f"{(*lead, D)} / {tuple(lead)} float32")
+        check_device(outs, out, lse)
+        out, lse = out.view(rows, D), lse.view(rows)
     if rows and D:
         block_d = min(next_pow2(D), max(16, 8192 // next_pow2(N)))
         _merge_kernel[(rows, triton.cdiv(D, block_d))](

@@ -22,16 +22,30 @@ LOG2E = 1.4426950408889634
 
 
 @jit
+def _slots(idx_row, offs, hi, tab, POSITIONS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Indices [offs] of a row -> cache slots (int64, -1 = skip): as they are, or, with POSITIONS, request
+    positions through the row's block table `tab`."""
+    ix = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
+    if POSITIONS:
+        page = tl.load(tab + ix // BLOCK_SIZE, mask=ix >= 0, other=-1).to(tl.int64)
+        ix = tl.where(ix >= 0, page * BLOCK_SIZE + ix % BLOCK_SIZE, -1)
+    return ix
+
+
+@jit
 def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_ptr, lse_ptr,
                        num_heads, num_idx, split_len, sq_len,
                        sq_b, sq_s, sq_h, si_b, si_s, skv_blk, skv_tok,
-                       so_split, so_row, so_h, sl_split, sl_row, sm_scale_log2,
+                       so_split, so_row, so_h, sl_split, sl_row, sm_scale_log2, table_ptr, s_table, req_ptr,
                        R: tl.constexpr, P: tl.constexpr, TILE: tl.constexpr, KV_FP8: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       IDX_AHEAD: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr):
+                       IDX_AHEAD: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                       POSITIONS: tl.constexpr):
     """Program (query row, head block, split): online softmax over indices [split*split_len, +split_len).
 
     Rows of q/indices are (b, s) pairs, row = b * sq_len + s (strides per level, so any q view works).
+    With POSITIONS the indices are positions of the row's request (req_ptr[row]), mapped to slots through
+    its block-table row (table_ptr + req * s_table) as they are loaded.
     fp8 rows are dequantised to bf16 exactly (fp8 times a power of two), so the QK dot sees the cached
     values bit for bit; P is rounded to bf16 for the PV dot. Scores are kept in log2 units. BLOCK_SIZE
     (tokens per page; 1 for a workspace) is a constant so slot -> page is a shift, not a 64-bit divide.
@@ -48,6 +62,9 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     q_lat = tl.load(q_row + tl.arange(0, R)[None, :], mask=hmask[:, None], other=0.0).to(DOT)
     q_rope = tl.load(q_row + R + tl.arange(0, P)[None, :], mask=hmask[:, None], other=0.0).to(DOT)
     idx_row = idx_ptr + b * si_b + s * si_s
+    tab = table_ptr
+    if POSITIONS:
+        tab = table_ptr + tl.load(req_ptr + row).to(tl.int64) * s_table
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -55,15 +72,15 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     lo = split * split_len
     hi = tl.minimum(lo + split_len, num_idx)
     offs = lo + tl.arange(0, BLOCK_N)
-    slot_next = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
+    slot_next = _slots(idx_row, offs, hi, tab, POSITIONS, BLOCK_SIZE)
     for n0 in range(lo, hi, BLOCK_N):
         if IDX_AHEAD:  # the next block's indices load while this block computes: no index -> row chain
             slot = slot_next
             offs = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
-            slot_next = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
+            slot_next = _slots(idx_row, offs, hi, tab, POSITIONS, BLOCK_SIZE)
         else:
             offs = n0 + tl.arange(0, BLOCK_N)
-            slot = tl.load(idx_row + offs, mask=offs < hi, other=-1).to(tl.int64)
+            slot = _slots(idx_row, offs, hi, tab, POSITIONS, BLOCK_SIZE)
         valid = slot >= 0
         base = (slot // BLOCK_SIZE) * skv_blk + (slot % BLOCK_SIZE) * skv_tok
         if KV_FP8:
@@ -134,11 +151,14 @@ def _row_strides(t: torch.Tensor, lead: int) -> tuple[int, int, int]:
 
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-               latent_dim: int = 512, *, num_splits: int | None = None,
-               config: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               latent_dim: int = 512, *, num_splits: int | None = None, config: tuple | None = None,
+               block_table: torch.Tensor | None = None,
+               token_req_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `sparse_mla_ref`. q [T, H, R+P] or [B, Sq, H, R+P] (bf16/fp32, any strides with the last
     dim contiguous); kv a paged layer view [num_blocks, block_size, row] (fp8_ds_mla uint8, bf16, fp32;
     indices are global slots) or a workspace [S, R+P] (indices are rows); indices [..., K] int, -1 = skip.
+    With `block_table` [B, W] and `token_req_idx` [T] (q [T, H, D], paged kv) the indices are positions of
+    each row's request, mapped to slots inside the kernel (what `rows_to_slots` computes, without its ops).
     Returns (out [..., H, R] in q's dtype, lse [..., H] fp32); a row with no valid index gives 0 / -inf.
     `num_splits` / `config` (BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD) override the heuristics.
     """
@@ -146,6 +166,15 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     if lead not in (1, 2) or indices.shape[:-1] != q.shape[:-2]:
         raise ValueError(f"q {tuple(q.shape)} must be [T, H, D] or [B, Sq, H, D] with indices "
                          f"{tuple(indices.shape)} = [..., K] over the same rows")
+    positions = block_table is not None
+    if positions:
+        if lead != 1 or kv.dim() != 3 or token_req_idx is None or token_req_idx.shape != q.shape[:1]:
+            raise ValueError("positions through a block table need q [T, H, D], a paged kv view and "
+                             f"token_req_idx [T]; got q {tuple(q.shape)}, kv {tuple(kv.shape)}, token_req_idx "
+                             f"{None if token_req_idx is None else tuple(token_req_idx.shape)}")
+        if block_table.dim() != 2 or block_table.stride(-1) != 1:
+            raise ValueError(f"block_table must be [B, W] with contiguous rows, got {tuple(block_table.shape)}")
+        check_device(q, block_table, token_req_idx)
     if q.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"q must be bfloat16 or float32, got {q.dtype}")
     if indices.dtype not in (torch.int32, torch.int64):
@@ -188,13 +217,13 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
         q, kv8, kv32, kv16, indices, dst, dst_lse, H, K, split_len, sq_len,
         qb, qs, q.stride(-2), ib, is_, s_blk, s_tok,
         d_split, dst.stride(-3), dst.stride(-2), l_split, dst_lse.stride(-2), sm_scale * LOG2E,
+        block_table if positions else indices, block_table.stride(0) if positions else 0,
+        token_req_idx if positions else indices,
         R=R, P=P, TILE=tile, KV_FP8=kv.dtype == torch.uint8, BLOCK_SIZE=paged.shape[1], BLOCK_H=block_h,
-        BLOCK_N=block_n, IDX_AHEAD=idx_ahead, DOT_F32=dot_f32, ROUND_FIRST=interpreting(), num_warps=warps,
-        num_stages=stages)
+        BLOCK_N=block_n, IDX_AHEAD=idx_ahead, DOT_F32=dot_f32, ROUND_FIRST=interpreting(), POSITIONS=positions,
+        num_warps=warps, num_stages=stages)
     if splits > 1:
-        merged, merged_lse = merge_attn_states(dst, dst_lse, out_dtype=q.dtype)
-        out.view(rows, H, R).copy_(merged)
-        lse.view(rows, H).copy_(merged_lse)
+        merge_attn_states(dst, dst_lse, out=out.view(rows, H, R), lse=lse.view(rows, H))
     return out, lse
 
 

@@ -2,9 +2,9 @@
 `kernels/` (CUDA; on CPU they run in Triton's interpreter, which the tests use).
 
 Selections cross the backend boundary as request-local positions [T, K] (int32, -1 padded), like the
-torch backend's; the sparse kernel wants global slots, so `sparse_mla` translates them with the block
-table first (`torch_backend.rows_to_slots`, a batched `metadata.positions_to_slots`). No method
-synchronises with the host: everything host-side comes from the metadata's `*_cpu` lists.
+torch backend's; the sparse kernel maps them to global slots through the block table as it loads them
+(what `torch_backend.rows_to_slots` computes, with no ops of its own). No method synchronises with the
+host: everything host-side comes from the metadata's `*_cpu` lists.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttnMetadata
-from engine.attention.torch_backend import rows_to_slots
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from kernels.indexer import indexer_topk, store_index_k
 from kernels.sparse_mla import sparse_mla
@@ -51,6 +50,6 @@ class TritonAttentionBackend:
     def sparse_mla(self, cache: PagedKVCache, layer: int, q: torch.Tensor, topk_pos: torch.Tensor,
                    meta: AttnMetadata, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, R+P] -> (out [T, H, R] in q's dtype, lse [T, H] fp32)."""
-        slots = rows_to_slots(meta, topk_pos).to(torch.int32)
-        return sparse_mla(q, cache.mla_layer(layer), slots, sm_scale, self.spec.latent_dim, num_splits=None)
+        return sparse_mla(q, cache.mla_layer(layer), topk_pos, sm_scale, self.spec.latent_dim,
+                          block_table=meta.block_table, token_req_idx=meta.token_req_idx)
 

@@ -169,7 +169,7 @@ class HiSparseBackend:
         mgr, bs = self.mgr, self.spec.block_size
         mp, mr = p.miss_pos, p.miss_row
         b_idx = torch.arange(mp.shape[0], device=mp.device)[:, None]
-        src = torch.where(mp >= 0, hb.host_table[b_idx, mp.clamp(min=0) // bs] * bs + mp % bs, mp)
+        src = torch.where(mp >= 0, hb.host_table[b_idx, mp.clamp(min=0) // bs].long() * bs + mp % bs, mp)
         mrc = mr.clamp(min=0)
         dst = torch.where(mr >= 0, mgr.hot.blocks[hb.hot_slot[:, None], mrc // bs].long() * bs + mrc % bs, mr)
         layers = mgr.groups.layers[group]

@@ -143,7 +143,7 @@ def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
     if rt.hot:
         every = rt.hot_batch.idx is None
         fw.hot = dataclasses.replace(rt.hot_batch, start=starts_t if every else starts_t[rt.hot_batch.idx],
-                                     host_table=(meta.block_table if every else meta.block_table[rt.hot_batch.idx]).long())
+                                     host_table=meta.block_table if every else meta.block_table[rt.hot_batch.idx])
         if mgr.assemble:
             fw.assembled = _workspace(meta, rt.hot, num_pages)
     if rt.pool:

@@ -23,6 +23,9 @@ def check_merge(N: int, lead: tuple, D: int, dtype, device):
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
     assert torch.all(out.view(-1, D)[1] == 0) and lse.view(-1)[1] == float("-inf")
+    into, into_lse = torch.empty_like(out), torch.empty_like(lse)  # results written in place: the same
+    got = merge_attn_states(outs, lses, out=into, lse=into_lse)
+    assert got[0].data_ptr() == into.data_ptr() and torch.equal(into, out) and torch.equal(into_lse, lse)
     # an empty shard is never read: garbage (even NaN) there changes nothing
     outs.view(N, -1, D)[0, ::3] = float("nan")
     out2, lse2 = merge_attn_states(outs, lses)

@@ -73,6 +73,43 @@ def check_prefill(kind: str, T: int, H: int, K: int, R: int, P: int, device, q_d
     assert_attention_close(out, lse, ref_out, ref_lse)
 
 
+def check_positions(B: int, H: int, K: int, R: int, P: int, block_size: int, device, num_splits=None):
+    """Request positions mapped through the block table inside the kernel == the same rows given as slots."""
+    gen = torch.Generator().manual_seed(B * 7 + K)
+    seq_lens = [K + 5 * b for b in range(B)]
+    cache, table = make_cache("fp8", seq_lens, R, P, block_size, device, gen)
+    req = torch.tensor([b for b in range(B) for _ in range(1 + b % 2)], dtype=torch.int32, device=device)
+    pos = torch.stack([pick(gen, seq_lens[b], K, device) for b in req.tolist()])
+    pos[-1] = -1  # a row with nothing selected
+    slots = torch.where(pos >= 0, torch.stack([slots_of(table[b], pos[t].clamp(min=0), block_size)
+                                               for t, b in enumerate(req.tolist())]), -1)
+    q = randn(gen, len(req), H, R + P, dtype=torch.bfloat16, device=device)
+    out, lse = sparse_mla(q, cache, pos.to(torch.int32), 0.1, R, num_splits=num_splits,
+                          block_table=table.to(torch.int32), token_req_idx=req)
+    ref_out, ref_lse = sparse_mla_ref(q.float(), cache, slots, 0.1, R, P)
+    assert_attention_close(out, lse, ref_out, ref_lse)
+
+
+@interp
+@pytest.mark.parametrize("splits", [1, 3])
+def test_positions_through_the_block_table_interp(splits):
+    check_positions(B=3, H=4, K=40, R=128, P=16, block_size=16, device="cpu", num_splits=splits)
+
+
+@interp
+def test_positions_need_a_paged_cache_and_request_rows_interp():
+    _, cache = poisoned_cache(2, 16, mla_row_bytes(128, 16), torch.uint8, "cpu")
+    q = torch.randn(2, 4, 144).bfloat16()
+    idx = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="token_req_idx"):
+        sparse_mla(q, cache, idx, 0.1, 128, block_table=torch.zeros(1, 2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_positions_through_the_block_table_gpu(mark):
+    check_positions(B=33, H=64, K=2048, R=512, P=64, block_size=64, device="cuda")
+
+
 @interp
 @pytest.mark.parametrize("Sq,H,splits", [(1, 5, 1), (2, 3, None), (4, 16, 3)])
 def test_decode_fp8_interp(Sq, H, splits):
