@@ -2,9 +2,9 @@
 
 CPU: plain indexing (`kernels.hisparse_gather.copy_rows_ref`). CUDA: the Triton copy kernel, which reads or
 writes pinned host memory in place (unified addressing), so slot lists computed on the GPU need no host
-round trip; a group's miss copies run on a side stream with one event per layer, which the layer's
-attention waits for. If this Triton cannot address pinned host memory, copies fall back to a synchronous
-gather (`path` says which one ran; the benchmark reports it).
+round trip; a group's miss copies run on a side stream (the leader layer's alone, then the others' in one
+launch), each part with an event that its layers' attention waits for. If this Triton cannot address pinned
+host memory, copies fall back to a synchronous gather (`path` says which one ran; the benchmark reports it).
 """
 
 from __future__ import annotations
@@ -57,17 +57,20 @@ class RowMover:
         self.copy(src, src_slots, dst, dst_slots)
         self.copy(src, src_slots, dst2, dst2_slots)
 
-    def layers(self, key, pairs) -> tuple[list, LayerCopy | None]:
-        """The (src view, dst view) pairs of a layer group under `key`, built by `pairs()` on first use and
-        kept with their prepared copy (Triton path): the caches never move, so this is done once."""
+    def layers(self, key, pairs, split: bool = False) -> tuple[list, list]:
+        """The (src view, dst view) pairs of a layer group under `key`, built by `pairs()` on first use, and the
+        parts they are copied in: [(pairs, prepared LayerCopy or None)], one part, or with `split` the first
+        layer alone and the others together. Kept: the caches never move, so this is done once."""
         got = self._groups.get(key)
         if got is None:
             ps = pairs()
-            got = self._groups[key] = (ps, LayerCopy([s for s, _ in ps], [d for _, d in ps]) if self.cuda else None)
+            cut = [ps[:1], ps[1:]] if split and len(ps) > 1 else [ps]
+            got = self._groups[key] = (ps, [(c, LayerCopy([s for s, _ in c], [d for _, d in c]) if self.cuda else None)
+                                            for c in cut])
         return got
 
-    def _copy_pairs(self, key, pairs, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        ps, fused = self.layers(key, pairs)
+    def _copy_part(self, part, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        ps, fused = part
         if fused is not None and self.path == "triton":
             try:
                 fused(src_slots, dst_slots)
@@ -82,24 +85,36 @@ class RowMover:
 
     def copy_group(self, key, pairs, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """The same rows for several layers (`layers(key, pairs)`), in stream order (one launch on CUDA)."""
-        self._copy_pairs(key, pairs, src_slots, dst_slots)
+        for part in self.layers(key, pairs)[1]:
+            self._copy_part(part, src_slots, dst_slots)
 
     def copy_layers(self, key, pairs, src_slots: torch.Tensor, dst_slots: torch.Tensor,
                     layers: list[int] | tuple[int, ...]) -> dict:
-        """The same rows for several layers (`layers(key, pairs)`) on the side stream -> {layer: event} to wait
-        for (CUDA; in stream order elsewhere)."""
+        """The same rows for several layers (`layers(key, pairs)`, in the order of `layers`) on the side stream
+        -> {layer: event} to wait for (CUDA; in stream order elsewhere). The first layer is copied alone, so
+        its attention waits for its own rows only; the others' copies (one launch: more rows in flight) run
+        while it computes."""
+        _, parts = self.layers(key, pairs, split=True)
         if not self.cuda:
-            self._copy_pairs(key, pairs, src_slots, dst_slots)
+            for part in parts:
+                self._copy_part(part, src_slots, dst_slots)
             return {}
-        ready, done = self._events.get(key) or self._events.setdefault(key, (torch.cuda.Event(), torch.cuda.Event()))
-        ready.record()  # kept per group: a wait binds to the record before it, so re-recording next step is safe
+        events = self._events.get(key)
+        if events is None:  # kept per group: a wait binds to the record before it, so re-recording next step is safe
+            events = self._events[key] = [torch.cuda.Event() for _ in range(len(parts) + 1)]
+        events[0].record()
         src_slots.record_stream(self.side)  # freed on the main stream while the side stream may still read them
         dst_slots.record_stream(self.side)
+        out, at = {}, 0
         with torch.cuda.stream(self.side):
-            self.side.wait_event(ready)
-            self._copy_pairs(key, pairs, src_slots, dst_slots)  # every layer in one launch: more rows in flight
-            done.record(self.side)
-        return {layer: done for layer in layers}
+            self.side.wait_event(events[0])
+            for part, done in zip(parts, events[1:]):
+                self._copy_part(part, src_slots, dst_slots)
+                done.record(self.side)
+                for layer in layers[at: at + len(part[0])]:
+                    out[layer] = done
+                at += len(part[0])
+        return out
 
     def wait(self, event) -> None:
         if event is not None:
