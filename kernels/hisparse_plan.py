@@ -171,17 +171,18 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
     n_pad = triton.next_power_of_2(max(M * K, 2))
     r_pad = triton.next_power_of_2(max(R, 2))
     dev = topk_pos.device
-    msrc = torch.empty((B, n_pad), dtype=torch.int64, device=dev)
-    mdst = torch.empty((B, n_pad), dtype=torch.int64, device=dev)
+    # one allocation: the two miss lists, then the programs' scratch
+    buf = torch.empty(B * (4 * n_pad + 3 * r_pad), dtype=torch.int64, device=dev)
+    msrc, mdst = buf[: B * n_pad], buf[B * n_pad: 2 * B * n_pad]
     if B == 0:
-        return msrc.view(-1), mdst.view(-1)
+        return msrc, mdst
     for name, t in (("topk_pos", topk_pos), ("page_table", page_table), ("host_table", host_table),
                     ("hot_blocks", hot_blocks), ("sel", sel)):
         if t.dim() != 2 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be 2-D with contiguous rows, got {tuple(t.shape)} {t.stride()}")
     if not (row_pos.is_contiguous() and stamp.is_contiguous() and row_pos.shape == stamp.shape):
         raise ValueError("row_pos and stamp must be contiguous [G, S, R] tensors of one shape")
-    scratch = torch.empty((B, 2 * n_pad + 3 * r_pad), dtype=torch.int64, device=dev)
+    scratch = buf[2 * B * n_pad:]
     _plan_kernel[(B,)](
         topk_pos, topk_pos.stride(0), entry_rows.contiguous(), start.contiguous(), hot_slot.contiguous(),
         table_slot.contiguous(), hot_base.contiguous(), page_table, page_table.stride(0),
@@ -190,7 +191,7 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
         dst_row.contiguous(), sel, sel.stride(0), msrc, mdst, scratch, counters,
         bytes_per_miss, clock, R, K, M, block_size,
         N_PAD=n_pad, R_PAD=r_pad, LOG_R=r_pad.bit_length() - 1, num_warps=8)
-    return msrc.view(-1), mdst.view(-1)
+    return msrc, mdst
 
 
 @triton.jit

@@ -122,6 +122,8 @@ class Routing:
     table: torch.Tensor | None  # the pool's block table
     slot_of_req: torch.Tensor  # page-table row of each request
     hot_slot_of_req: torch.Tensor | None  # hot slot of each HOT request, -1 for the others
+    q_lens: torch.Tensor | None  # rows of each request this step (int64): start = seq_len - rows
+    pool_lens: tuple[list[int], torch.Tensor] | None  # the pool's lengths when all its requests are HOT (constant)
 
 
 def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
@@ -138,7 +140,7 @@ def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
     paths = rt.paths
     starts_t = None  # first position written this step, per request (computed on the device: no transfer)
     if rt.hot:
-        starts_t = meta.seq_lens.long() - torch.diff(meta.query_start_loc.long())
+        starts_t = meta.seq_lens - rt.q_lens  # int32 - int64 -> int64
     fw = ForwardState(paths=paths, dev_slots=_dev_slots(mgr, meta, rt, starts_t))
     if rt.hot:
         every = rt.hot_batch.idx is None
@@ -147,8 +149,11 @@ def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
         if mgr.assemble:
             fw.assembled = _workspace(meta, rt.hot, num_pages)
     if rt.pool:
-        vlens = [num_pages[b] * meta.block_size + mgr.layout.rows if paths[b] == HOT else lens[b] for b in rt.pool]
-        fw.pool = sub_batch(meta, rt.pool, rt.table, vlens, mgr.ints)
+        if rt.pool_lens is not None:  # every pool request is HOT: virtual lengths fixed by the routing
+            fw.pool = sub_batch(meta, rt.pool, rt.table, *rt.pool_lens, ints=mgr.ints)
+        else:
+            vlens = [_virtual_len(mgr, meta, b, num_pages) if paths[b] == HOT else lens[b] for b in rt.pool]
+            fw.pool = sub_batch(meta, rt.pool, rt.table, vlens, ints=mgr.ints)
     fw.staged = _staged(mgr, meta, rt.reqs, [b for b, p in enumerate(paths) if p == STAGED], num_pages)
     return fw
 
@@ -169,12 +174,23 @@ def _routing(mgr, meta: AttnMetadata, key: tuple, req_ids: list[str], num_pages:
     hot = [b for b, p in enumerate(paths) if p == HOT]
     resident = [b for b, p in enumerate(paths) if p == RESIDENT]
     pool = sorted(resident + ([] if mgr.assemble else hot))
+    pool_lens = None
+    if pool and not resident:
+        vlens = [_virtual_len(mgr, meta, b, num_pages) for b in pool]
+        pool_lens = (vlens, to_dev(vlens, dev, torch.int32))
     return Routing(key=key, reqs=reqs, paths=paths, hot=hot, pool=pool,
                    hot_batch=_hot_batch(mgr, meta, reqs, hot, num_pages, pool) if hot else None,
                    table=_pool_table(mgr, reqs, pool, num_pages, paths) if pool else None,
                    slot_of_req=mgr.ints([r.slot for r in reqs], dev),
                    hot_slot_of_req=mgr.ints([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)], dev)
-                   if hot else None)
+                   if hot else None,
+                   q_lens=to_dev([qsl[b + 1] - qsl[b] for b in range(len(reqs))], dev) if hot else None,
+                   pool_lens=pool_lens)
+
+
+def _virtual_len(mgr, meta: AttnMetadata, b: int, num_pages: list[int]) -> int:
+    """A HOT request's length in the pool's virtual layout: its pages, then its hot buffer."""
+    return num_pages[b] * meta.block_size + mgr.layout.rows
 
 
 def _dev_slots(mgr, meta: AttnMetadata, rt: Routing, starts: torch.Tensor | None) -> torch.Tensor:
@@ -267,9 +283,10 @@ def _staged(mgr, meta: AttnMetadata, reqs, staged: list[int], num_pages: list[in
 
 
 def sub_batch(meta: AttnMetadata, req_idx: list[int], block_table: torch.Tensor, seq_lens: list[int],
-              ints: IntMemo | None = None) -> SubBatch:
+              seq_lens_t: torch.Tensor | None = None, ints: IntMemo | None = None) -> SubBatch:
     """Metadata over the rows of some requests of the batch, with their own block table and lengths
-    (`ints`: keep the small lists on the device while they repeat)."""
+    (`seq_lens_t`: those lengths on the device already; `ints`: keep the small lists on the device while
+    they repeat)."""
     dev = meta.positions.device
     ints = ints or (lambda v, d, t=torch.int64: to_dev(v, d, t))
     qsl = meta.query_start_loc_cpu
@@ -286,7 +303,8 @@ def sub_batch(meta: AttnMetadata, req_idx: list[int], block_table: torch.Tensor,
                                              torch.tensor(counts, dtype=torch.int64)), dev)
     sub = AttnMetadata(positions=positions, slot_mapping=slot_mapping,
                        query_start_loc=ints(new_qsl, dev, torch.int32),
-                       seq_lens=ints(seq_lens, dev, torch.int32), block_table=block_table,
+                       seq_lens=ints(seq_lens, dev, torch.int32) if seq_lens_t is None else seq_lens_t,
+                       block_table=block_table,
                        token_req_idx=tok, query_start_loc_cpu=new_qsl, seq_lens_cpu=list(seq_lens),
                        block_size=meta.block_size)
     return SubBatch(req_idx=list(req_idx), rows=rows, meta=sub)

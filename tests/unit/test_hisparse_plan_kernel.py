@@ -144,7 +144,8 @@ def test_dev_slots_kernel_equals_torch(with_hot):
     meta = type("M", (), dict(positions=pos, token_req_idx=tok, block_size=BS))()
     hs = torch.tensor([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)]) if with_hot else None
     rt = Routing(key=(), reqs=reqs, paths=paths, hot=[b for b, p in enumerate(paths) if p == HOT], pool=[],
-                 hot_batch=None, table=None, slot_of_req=torch.tensor([r.slot for r in reqs]), hot_slot_of_req=hs)
+                 hot_batch=None, table=None, slot_of_req=torch.tensor([r.slot for r in reqs]), hot_slot_of_req=hs,
+                 q_lens=None, pool_lens=None)
     want = _dev_slots(mgr, meta, rt, starts if with_hot else None)
     got = dev_slots(pos.to(DEV), tok.to(DEV), torch.tensor([r.slot for r in reqs], device=DEV),
                     None if hs is None else hs.to(DEV), starts.to(DEV) if with_hot else None, mgr.page_table.to(DEV),
