@@ -107,14 +107,8 @@ class HiSparseManager:
             self.version += 1
         for rid in dropped:
             self.residency.drop(rid)
-        reqs, bs = self.residency.reqs, self.spec.block_size
-        for rid, blocks, num_written in synced:
-            r = reqs.get(rid)
-            if (r is not None and len(blocks) == len(r.host_blocks) and -(-num_written // bs) <= r.num_filled_pages
-                    and (not blocks or blocks[-1] == r.host_blocks[-1])):
-                continue  # no new page, none newly filled: what most decode steps bring (Residency.sync's no-op)
-            self.residency.sync(rid, blocks, num_written, bs)
-        self.apply(self.residency.rebalance(margin=len(reqs)))
+        self.residency.sync_all(synced, self.spec.block_size)
+        self.apply(self.residency.rebalance(margin=len(self.residency.reqs)))
 
     def apply(self, a: StepActions) -> None:
         dev = self.page_table.device

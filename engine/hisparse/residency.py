@@ -115,6 +115,18 @@ class Residency:
             r.hot_slot = -2  # never resident, no hot buffer: every step stages the whole context
         return r
 
+    def sync_all(self, synced: list[tuple[str, list[int], int]], block_size: int = 64) -> None:
+        """`sync` each (req_id, host block ids, tokens written), skipping without a call the requests that bring
+        no new page and fill none: what most decode steps bring."""
+        reqs = self.reqs
+        for rid, blocks, num_written in synced:
+            r = reqs.get(rid)
+            if (r is not None and len(blocks) == len(r.host_blocks)
+                    and -(-num_written // block_size) <= r.num_filled_pages
+                    and (not blocks or blocks[-1] == r.host_blocks[-1])):
+                continue
+            self.sync(rid, blocks, num_written, block_size)
+
     def drop(self, req_id: str) -> None:
         r = self.reqs.pop(req_id, None)
         if r is None:

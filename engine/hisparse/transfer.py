@@ -23,8 +23,8 @@ class RowMover:
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device=device) if self.cuda else None
         self.path = "triton" if self.cuda else "torch"
-        self._groups: dict = {}  # key -> (layer view pairs, prepared LayerCopy or None)
-        self._events: dict = {}  # key -> (ready, done) CUDA events of a group's side-stream copies
+        self._parts: dict = {}  # (key, split) -> the parts a layer group is copied in (RowMover.parts)
+        self._events: dict = {}  # key -> CUDA events of a group's side-stream copies: ready, then one per part
 
     def copy(self, src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """dst[dst_slots] = src[src_slots] over paged views, skipping -1 on either side."""
@@ -57,16 +57,16 @@ class RowMover:
         self.copy(src, src_slots, dst, dst_slots)
         self.copy(src, src_slots, dst2, dst2_slots)
 
-    def layers(self, key, pairs, split: bool = False) -> tuple[list, list]:
-        """The (src view, dst view) pairs of a layer group under `key`, built by `pairs()` on first use, and the
-        parts they are copied in: [(pairs, prepared LayerCopy or None)], one part, or with `split` the first
-        layer alone and the others together. Kept: the caches never move, so this is done once."""
-        got = self._groups.get(key)
+    def parts(self, key, pairs, split: bool = False) -> list:
+        """The parts a layer group under `key` is copied in, [(its (src view, dst view) pairs, prepared LayerCopy
+        or None)]: one part, or with `split` the first layer alone and the others together. Built from `pairs()`
+        on first use and kept: the caches never move."""
+        got = self._parts.get((key, split))
         if got is None:
             ps = pairs()
             cut = [ps[:1], ps[1:]] if split and len(ps) > 1 else [ps]
-            got = self._groups[key] = (ps, [(c, LayerCopy([s for s, _ in c], [d for _, d in c]) if self.cuda else None)
-                                            for c in cut])
+            got = self._parts[key, split] = [(c, LayerCopy([s for s, _ in c], [d for _, d in c]) if self.cuda else None)
+                                             for c in cut]
         return got
 
     def _copy_part(self, part, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -84,17 +84,17 @@ class RowMover:
             self.copy(s, src_slots, d, dst_slots)
 
     def copy_group(self, key, pairs, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """The same rows for several layers (`layers(key, pairs)`), in stream order (one launch on CUDA)."""
-        for part in self.layers(key, pairs)[1]:
+        """The same rows for several layers (`parts(key, pairs)`), in stream order (one launch on CUDA)."""
+        for part in self.parts(key, pairs):
             self._copy_part(part, src_slots, dst_slots)
 
     def copy_layers(self, key, pairs, src_slots: torch.Tensor, dst_slots: torch.Tensor,
                     layers: list[int] | tuple[int, ...]) -> dict:
-        """The same rows for several layers (`layers(key, pairs)`, in the order of `layers`) on the side stream
+        """The same rows for several layers (`parts(key, pairs)`, in the order of `layers`) on the side stream
         -> {layer: event} to wait for (CUDA; in stream order elsewhere). The first layer is copied alone, so
         its attention waits for its own rows only; the others' copies (one launch: more rows in flight) run
         while it computes."""
-        _, parts = self.layers(key, pairs, split=True)
+        parts = self.parts(key, pairs, split=True)
         if not self.cuda:
             for part in parts:
                 self._copy_part(part, src_slots, dst_slots)

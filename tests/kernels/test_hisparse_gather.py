@@ -134,3 +134,39 @@ def test_copy_rows_layers(device, pinned, pinned_side):
         if device == "cuda":
             torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), want), layers
+
+
+@pytest.mark.parametrize("device,pinned", ON_EVERY_DEVICE)
+def test_row_mover_group_copies(device, pinned):
+    """RowMover's group copies: the parts a group is copied in are built once (the leader layer alone for
+    miss copies), every layer gets the reference's bytes, and on CUDA each layer gets the event of its part."""
+    from engine.hisparse.transfer import RowMover
+
+    gen = torch.Generator().manual_seed(9)
+    host = _cache(5, 656, torch.uint8, gen, device="cpu", pin=pinned, layers=4)
+    dev = _cache(3, 656, torch.uint8, gen, device=device, layers=4)
+    ss, ds = _slots(100, 5 * 64, gen).to(device), _slots(100, 3 * 64, gen, skip_every=7).to(device)
+    mover, built = RowMover(torch.device(device)), []
+
+    def pairs():
+        built.append(1)
+        return [(host[:, l], dev[:, l]) for l in range(4)]
+
+    want = dev.cpu().clone()
+    for l in range(4):
+        copy_rows_ref(host[:, l], ss.cpu(), want[:, l], ds.cpu())
+    events = mover.copy_layers(("miss", 0), pairs, ss, ds, [4, 5, 6, 7])
+    for layer in (4, 5, 6, 7):
+        mover.wait(events.get(layer))
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert events[4] is not events[5] and events[5] is events[6] is events[7]
+    assert torch.equal(dev.cpu(), want)
+    assert [len(ps) for ps, _ in mover.parts(("miss", 0), pairs, split=True)] == [1, 3] and built == [1]
+    back = host.clone()
+    for l in range(4):
+        copy_rows_ref(dev[:, l].cpu(), ds.cpu(), back[:, l], ss.cpu())
+    mover.copy_group(("back", 0), lambda: [(dev[:, l], host[:, l]) for l in range(4)], ds, ss)  # one part
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(host, back) and len(mover.parts(("back", 0), pairs)) == 1

@@ -133,7 +133,7 @@ def test_random_traffic_within_the_footprint_always_places(seed):
         elif op < 0.55 and pages:  # more rows written into pages it already has (decode inside a page)
             rid = rng.choice(sorted(pages))
             r = res.reqs[rid]
-            res.sync(rid, list(r.host_blocks), rng.randint(r.num_filled_pages * 64, len(r.host_blocks) * 64))
+            res.sync_all([(rid, list(r.host_blocks), rng.randint(r.num_filled_pages * 64, len(r.host_blocks) * 64))])
         elif pages:
             rid = rng.choice(sorted(pages))
             if fp.fits(pages[rid], pages[rid] + 1):
@@ -165,9 +165,8 @@ def test_a_settled_placement_skips_rebalance(monkeypatch):
     res.sync("b", [5, 6, 7], 150)
     res.rebalance(margin=2)
     monkeypatch.setattr(res, "_restore", lambda margin: pytest.fail("a settled placement was rebalanced"))
-    res.sync("a", [0, 1, 2, 3, 4], 301)  # a decode step inside the same page: nothing to place
-    res.sync("b", [5, 6, 7], 151)
+    res.sync_all([("a", [0, 1, 2, 3, 4], 301), ("b", [5, 6, 7], 151)])  # decode inside the same pages
     assert not res.rebalance(margin=2).page_updates
-    res.sync("b", [5, 6, 7], 193)  # the fill reaches a new page: placement must be looked at again
+    res.sync_all([("b", [5, 6, 7], 193)])  # the fill reaches a new page: placement must be looked at again
     with pytest.raises(pytest.fail.Exception):
         res.rebalance(margin=2)
