@@ -137,6 +137,8 @@ class Flow:
         g = common_pb2.GenerateRequest(request_id=stats.req_id, prompt_token_ids=ids,
                                        sampling_params=sampling_to_proto(params), cache_salt=cache_salt or "")
         hashes = block_hashes(ids, self.block_size, cache_salt)
+        if params.max_tokens > 1:  # it will need a decode: none healthy -> 503 before any prefill work is done
+            await self.routing.require("decode")
         first = await self._prefill(g, hashes, stats)
         yield self._chunk(first.first, detok, stats)
         if finish_from_proto(first.first.finish_reason) is not None or not first.HasField("kv"):

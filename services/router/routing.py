@@ -128,6 +128,13 @@ class Routing:
     def has_live(self, role: str) -> bool:
         return bool(self._live(role))
 
+    async def require(self, role: str) -> None:
+        """NoInstance now when no healthy instance of `role` is left: checked before work that would be lost
+        without one (a prefill whose request needs a decode)."""
+        await self._ready()
+        if not self._live(role):
+            raise NoInstance(self._none_why(role))
+
     def _live(self, role: str, exclude: frozenset[str] = frozenset()) -> list[InstanceInfo]:
         return [i for i in self.view.by_role.get(role, [])
                 if i.instance_id not in self.unhealthy and i.instance_id not in exclude]

@@ -227,6 +227,18 @@ def assert_blocks_freed(addresses: list[str], timeout: float = 15.0) -> None:
         assert system.wait_for(lambda: _usage(a) == 0, timeout=timeout), f"KV blocks still in use at {a}"
 
 
+def complete_when_served(url: str, body: dict, timeout_s: float = CLIENT_TIMEOUT_S, wait_s: float = 30.0):
+    """POST /v1/completions as a client told to "retry shortly" would: a 503 (no healthy instance of a role
+    yet: e.g. a decode that a fault left busy past the stream-idle timeout, until its health check passes
+    again) is retried for up to `wait_s`; any other answer is returned as it is."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        status, out = system.post(url, "/v1/completions", body, timeout=timeout_s)
+        if status != 503 or time.monotonic() > deadline:
+            return status, out
+        time.sleep(0.5)
+
+
 def bodies(corpus: list[int], n: int, max_tokens: int, start: int = 0) -> list[dict]:
     return [{"prompt": corpus[start + 400 * i: start + 400 * i + 90 + 23 * i], "max_tokens": max_tokens, **GREEDY}
             for i in range(n)]

@@ -60,7 +60,7 @@ def _prefill_rank_death(dep, offline, corpus) -> None:
     assert time.monotonic() - t_kill < ROUTER["request-timeout-s"] + 20
     served_before = system.metric(p1.metrics_address, "pdserve:time_to_first_token_seconds_count")
     for body, text in zip(bodies[:3], want[:3]):  # new requests go to the other instance
-        status, out = system.post(dep.url, "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
+        status, out = chaos.complete_when_served(dep.url, body)
         assert status == 200 and out["choices"][0]["text"] == text, out
     assert system.metric(p1.metrics_address, "pdserve:time_to_first_token_seconds_count") == served_before + 3
 
@@ -73,7 +73,7 @@ def _prefill_rank_death(dep, offline, corpus) -> None:
         return system.metric(p0.metrics_address, "pdserve:time_to_first_token_seconds_count")
     fresh = chaos.bodies(corpus, 6, 8, start=50000)  # no cached prefix anywhere: routed by load alone
     for body, text in zip(fresh, chaos.expected(offline, fresh)):
-        status, out = system.post(dep.url, "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
+        status, out = chaos.complete_when_served(dep.url, body)
         assert status == 200 and out["choices"][0]["text"] == text, out
     assert system.wait_for(lambda: p0_served() >= 1, timeout=5), "the router never chose the restarted prefill"
     chaos.assert_blocks_freed([p0.metrics_address, p1.metrics_address, dec.metrics_address])
@@ -102,7 +102,7 @@ def _prefill_rank_hang(dep, offline, corpus, p0, p1, dec) -> None:
             assert r.elapsed < ROUTER["request-timeout-s"] + 3, r
             assert (r.ok and r.text == text) or (r.error is not None and r.finish_reason is None), r
         for body, text in zip(bodies[:2], want[:2]):  # the other instance serves what comes next
-            status, out = system.post(dep.url, "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
+            status, out = chaos.complete_when_served(dep.url, body)
             assert status == 200 and out["choices"][0]["text"] == text, out
     finally:
         chaos.kill(dep, "prefill-1.rank1")  # a stopped process still takes SIGKILL

@@ -53,9 +53,12 @@ def test_failed_instance_is_skipped_until_its_health_passes():
         routing = Routing(_State([dec]), refresh_s=0.05)
         try:
             assert (await routing.pick_decode()).instance_id == "decode-0"
+            await routing.require("decode")
             routing.mark_unhealthy(dec)  # a call to it just failed at the transport level
             with pytest.raises(NoInstance, match="unhealthy"):
                 await routing.pick_decode()
+            with pytest.raises(NoInstance, match="unhealthy"):  # what the flow checks before any prefill work
+                await routing.require("decode")
             await asyncio.sleep(0.3)
             assert "decode-0" in routing.unhealthy, "re-admitted while its health says NOT_SERVING"
             await server.set_serving(True)
