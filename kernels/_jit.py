@@ -9,6 +9,7 @@ interpreter set TRITON_INTERPRET=1 themselves.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -77,3 +78,57 @@ def to_e4m3(v, ROUND_FIRST: tl.constexpr):
         r = (tl.abs(v) + magic) - magic
         v = (r.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
     return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+# ---- launching -----------------------------------------------------------------------------------------
+
+class Launcher:
+    """A Triton kernel launched through the handle its first launch compiled, for the per-step kernels of a
+    decode loop: a launch through `kernel[grid](...)` costs about 30 us of host time on an H200 host (its
+    argument binding, cache key, hooks and global checks), the compiled launcher alone about 10 us
+    (BENCHMARKS.md, HiSparse launch cost). Compiled handles are kept by what Triton specialises a kernel on:
+    per argument, a tensor's dtype and 16-byte alignment, an int's being 1, a multiple of 16 or beyond 32 bits,
+    any other value as it is; plus the constexprs and warps. A first launch of a key, the interpreter, or a
+    launch hook (a profiler) goes through the JIT."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled: dict = {}
+        self.use_jit = interpreting()  # the interpreter is decided at import (interpreting() reads the env)
+
+    def __call__(self, grid: tuple, args: tuple, consts: dict, num_warps: int) -> None:
+        if self.use_jit or not _no_launch_hooks():
+            self.fn[grid](*args, **consts, num_warps=num_warps)
+            return
+        device = torch._C._cuda_getDevice()  # the JIT launches on the current device too
+        key = (device, num_warps, *consts.values(), *map(_spec, args))
+        k = self.compiled.get(key)
+        if k is None:
+            names = list(self.fn.arg_names)
+            if names[len(args):] != list(consts):  # the launcher takes every parameter in signature order
+                raise ValueError(f"{self.fn.__name__}: pass positional arguments, then {names[len(args):]} as constexprs")
+            self.compiled[key] = self.fn[grid](*args, **consts, num_warps=num_warps)
+            return
+        g = (*grid, 1, 1)
+        try:
+            k.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), k.function, k.packed_metadata, None,
+                  None, None, *args, *consts.values())
+        except (TypeError, AttributeError, RuntimeError) as e:  # a Triton whose launcher differs: use the JIT
+            logging.getLogger(__name__).warning("%s: direct launch failed (%s); launching through the JIT",
+                                                self.fn.__name__, e)
+            self.use_jit = True
+            self.fn[grid](*args, **consts, num_warps=num_warps)
+
+
+def _no_launch_hooks() -> bool:
+    """No launch hook is installed (None in some Triton releases, an empty HookChain in others)."""
+    hook = triton.knobs.runtime.launch_enter_hook
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+def _spec(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, int) and not isinstance(a, bool):
+        return a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31)
+    return a

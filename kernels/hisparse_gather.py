@@ -22,39 +22,44 @@ if torch.version.cuda is None and getattr(torch.version, "hip", None) is None an
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels._jit import Launcher  # noqa: E402
+
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, src_slot_ptr, dst_slot_ptr, num_rows, num_words,
+def _copy_rows_kernel(src_ptr, dst_ptr, src_slot_ptr, dst_slot_ptr, num_rows,
                       src_block_size, s_blk, s_tok, dst_block_size, d_blk, d_tok,
                       dst2_ptr, dst2_slot_ptr, dst2_block_size, d2_blk, d2_tok, s_layer, d_layer,
-                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, HAS_DST2: tl.constexpr):
+                      NUM_WORDS: tl.constexpr, VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                      HAS_DST2: tl.constexpr):
     """Program (r, l) copies rows [r*BLOCK_R, +BLOCK_R) of the slot lists in layer l (layer l's views start
     l * s_layer / d_layer words after layer 0's); a slot < 0 skips the row (for that destination). With
     HAS_DST2 each row read goes to two destinations. Strides are in words; offsets are 64-bit (host pools
-    exceed 2^31 words)."""
+    exceed 2^31 words). Every row starts at a multiple of VEC words (the caller checks the strides), and the
+    row length is a constant: together they let loads and stores move VEC words at once."""
     layer = tl.program_id(1).to(tl.int64)
-    src_ptr += layer * s_layer
-    dst_ptr += layer * d_layer
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < num_rows
     src = tl.load(src_slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)
     dst = tl.load(dst_slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)
     ok = (src >= 0) & (dst >= 0)
-    src_base = (src // src_block_size) * s_blk + (src % src_block_size) * s_tok
-    dst_base = (dst // dst_block_size) * d_blk + (dst % dst_block_size) * d_tok
+    src_base = tl.multiple_of(layer * s_layer + (src // src_block_size) * s_blk + (src % src_block_size) * s_tok, VEC)
+    dst_base = tl.multiple_of(layer * d_layer + (dst // dst_block_size) * d_blk + (dst % dst_block_size) * d_tok, VEC)
     if HAS_DST2:
         dst2 = tl.load(dst2_slot_ptr + rows, mask=in_range, other=-1).to(tl.int64)
         ok2 = (src >= 0) & (dst2 >= 0)
-        dst2_base = (dst2 // dst2_block_size) * d2_blk + (dst2 % dst2_block_size) * d2_tok
-    for w0 in range(0, num_words, BLOCK_W):
+        dst2_base = tl.multiple_of((dst2 // dst2_block_size) * d2_blk + (dst2 % dst2_block_size) * d2_tok, VEC)
+    for w0 in tl.static_range(0, NUM_WORDS, BLOCK_W):
         cols = w0 + tl.arange(0, BLOCK_W)
-        in_row = cols[None, :] < num_words
+        in_row = cols[None, :] < NUM_WORDS
         if HAS_DST2:
             vals = tl.load(src_ptr + src_base[:, None] + cols[None, :], mask=(ok | ok2)[:, None] & in_row, other=0)
             tl.store(dst2_ptr + dst2_base[:, None] + cols[None, :], vals, mask=ok2[:, None] & in_row)
         else:
             vals = tl.load(src_ptr + src_base[:, None] + cols[None, :], mask=ok[:, None] & in_row, other=0)
         tl.store(dst_ptr + dst_base[:, None] + cols[None, :], vals, mask=ok[:, None] & in_row)
+
+
+_COPY = Launcher(_copy_rows_kernel)  # LayerCopy's per-step launches skip the JIT's argument binding
 
 
 def _as_words(view: torch.Tensor) -> torch.Tensor:
@@ -109,13 +114,31 @@ def copy_rows(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst
     sw, dw = views[0], views[1]
     d2w, d2_slots = (views[2], dst2_slots.contiguous()) if dst2 is not None else (dw, dst_slots)
     words = sw.shape[-1]
-    block_r = 16
-    block_w = min(256, triton.next_power_of_2(words))
+    block_r, block_w, warps = _tile(words)
+    vec = _vec(words, sw.stride(0), sw.stride(1), dw.stride(0), dw.stride(1), d2w.stride(0), d2w.stride(1))
     _copy_rows_kernel[(triton.cdiv(n, block_r),)](
-        sw, dw, src_slots.contiguous(), dst_slots.contiguous(), n, words,
+        sw, dw, src_slots.contiguous(), dst_slots.contiguous(), n,
         sw.shape[1], sw.stride(0), sw.stride(1), dw.shape[1], dw.stride(0), dw.stride(1),
         d2w, d2_slots, d2w.shape[1], d2w.stride(0), d2w.stride(1), 0, 0,
-        BLOCK_R=block_r, BLOCK_W=block_w, HAS_DST2=dst2 is not None)
+        NUM_WORDS=words, VEC=vec, BLOCK_R=block_r, BLOCK_W=block_w, HAS_DST2=dst2 is not None, num_warps=warps)
+
+
+# Rows per program and warps of the row copy (its tile is [rows, next_power_of_2(words)] words); the defaults
+# were measured on random 656-B rows read from pinned host memory (BENCHMARKS.md, HiSparse copy kernel).
+COPY_TILE = {"rows": 16, "warps": 8, "max_vec": 4}
+
+
+def _tile(words: int) -> tuple[int, int, int]:
+    return COPY_TILE["rows"], min(256, triton.next_power_of_2(words)), COPY_TILE["warps"]
+
+
+def _vec(*ints: int) -> int:
+    """The most words (4, 2 or 1) every row start is a multiple of: it divides the row length, every stride
+    and every layer step."""
+    for v in (4, 2):
+        if v <= COPY_TILE["max_vec"] and all(x % v == 0 for x in ints):
+            return v
+    return 1
 
 
 def _layer_step(views: list[torch.Tensor]) -> int | None:
@@ -155,7 +178,7 @@ class LayerCopy:
             self.sw, self.dw = sw, dw
             self.layout = (words, sw.shape[1], sw.stride(0), sw.stride(1), dw.shape[1], dw.stride(0), dw.stride(1))
             self.steps = (s_step // unit, d_step // unit)
-            self.block_w = min(256, triton.next_power_of_2(words))
+            self.vec = _vec(*self.layout[:1], *self.layout[2:4], *self.layout[5:], *self.steps)
 
     def __call__(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         _check_slots(src_slots, dst_slots)
@@ -167,12 +190,12 @@ class LayerCopy:
         if n == 0:
             return
         words, sbs, sb, st, dbs, db, dt = self.layout
-        block_r = 16
+        block_r, block_w, warps = _tile(words)
         dst_slots = dst_slots.contiguous()
-        _copy_rows_kernel[(triton.cdiv(n, block_r), len(self.srcs))](
-            self.sw, self.dw, src_slots.contiguous(), dst_slots, n, words, sbs, sb, st, dbs, db, dt,
-            self.dw, dst_slots, dbs, db, dt, *self.steps,
-            BLOCK_R=block_r, BLOCK_W=self.block_w, HAS_DST2=False)
+        _COPY((triton.cdiv(n, block_r), len(self.srcs)),
+              (self.sw, self.dw, src_slots.contiguous(), dst_slots, n, sbs, sb, st, dbs, db, dt,
+               self.dw, dst_slots, dbs, db, dt, *self.steps),
+              dict(NUM_WORDS=words, VEC=self.vec, BLOCK_R=block_r, BLOCK_W=block_w, HAS_DST2=False), warps)
 
 
 def copy_rows_layers(srcs: list[torch.Tensor], src_slots: torch.Tensor, dsts: list[torch.Tensor],

@@ -32,6 +32,8 @@ if torch.version.cuda is None and getattr(torch.version, "hip", None) is None an
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels._jit import Launcher  # noqa: E402
+
 _BIG = 1 << 40  # sorts after every position (positions are int32) and every plan clock
 
 
@@ -150,11 +152,15 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
     tl.atomic_add(counters_ptr + 3, num_miss * bytes_per_miss)
 
 
+_PLAN = Launcher(_plan_kernel)  # launched every decode step: skip the JIT's argument binding
+PLAN_WARPS = 8  # warps of the one program per request (BENCHMARKS.md, HiSparse plan kernel: measured)
+
+
 def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tensor, hot_slot: torch.Tensor,
              table_slot: torch.Tensor, hot_base: torch.Tensor, page_table: torch.Tensor, host_table: torch.Tensor,
              hot_blocks: torch.Tensor, row_pos: torch.Tensor, stamp: torch.Tensor, group: int, clock: int,
              dst_row: torch.Tensor, sel: torch.Tensor, counters: torch.Tensor, bytes_per_miss: int,
-             block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+             block_size: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One plan for B requests. Updates `row_pos` / `stamp` (the hot buffers' state [G, S, R] int64), writes
     each entry's virtual position into `sel[dst_row[b, m], k]` and adds hits, misses and H2D bytes to
     `counters` [4] int64. Returns the miss copies (host slot, hot-buffer device slot) as two flat int64
@@ -183,14 +189,13 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
     if not (row_pos.is_contiguous() and stamp.is_contiguous() and row_pos.shape == stamp.shape):
         raise ValueError("row_pos and stamp must be contiguous [G, S, R] tensors of one shape")
     scratch = buf[2 * B * n_pad:]
-    _plan_kernel[(B,)](
-        topk_pos, topk_pos.stride(0), entry_rows.contiguous(), start.contiguous(), hot_slot.contiguous(),
-        table_slot.contiguous(), hot_base.contiguous(), page_table, page_table.stride(0),
-        host_table, host_table.stride(0), hot_blocks, hot_blocks.stride(0),
-        row_pos, stamp, group * row_pos.stride(0), row_pos.stride(1),
-        dst_row.contiguous(), sel, sel.stride(0), msrc, mdst, scratch, counters,
-        bytes_per_miss, clock, R, K, M, block_size,
-        N_PAD=n_pad, R_PAD=r_pad, LOG_R=r_pad.bit_length() - 1, num_warps=8)
+    _PLAN((B,), (topk_pos, topk_pos.stride(0), entry_rows.contiguous(), start.contiguous(), hot_slot.contiguous(),
+                 table_slot.contiguous(), hot_base.contiguous(), page_table, page_table.stride(0),
+                 host_table, host_table.stride(0), hot_blocks, hot_blocks.stride(0),
+                 row_pos, stamp, group * row_pos.stride(0), row_pos.stride(1),
+                 dst_row.contiguous(), sel, sel.stride(0), msrc, mdst, scratch, counters,
+                 bytes_per_miss, clock, R, K, M, block_size),
+          dict(N_PAD=n_pad, R_PAD=r_pad, LOG_R=r_pad.bit_length() - 1), num_warps or PLAN_WARPS)
     return msrc, mdst
 
 

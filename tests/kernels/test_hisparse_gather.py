@@ -9,6 +9,9 @@ import torch
 from kernels.hisparse_gather import copy_rows, copy_rows_ref
 
 interp = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run (CPU-only torch)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+ON_EVERY_DEVICE = [pytest.param("cpu", False, marks=interp, id="interp"),
+                   pytest.param("cuda", True, marks=[pytest.mark.gpu, needs_cuda], id="gpu-pinned-host")]
 
 
 def _cache(num_blocks: int, row: int, dtype: torch.dtype, gen: torch.Generator, device="cpu", layers: int = 3,
@@ -28,19 +31,21 @@ def _slots(n: int, hi: int, gen: torch.Generator, skip_every: int = 5) -> torch.
     return s
 
 
-@interp
+@pytest.mark.parametrize("device,pinned", ON_EVERY_DEVICE)
 @pytest.mark.parametrize("dtype,row", [(torch.uint8, 40), (torch.uint8, 42), (torch.float32, 24),
-                                       (torch.bfloat16, 36)])
-def test_copy_rows_interp_bitwise(dtype, row):
+                                       (torch.bfloat16, 36), (torch.uint8, 656), (torch.bfloat16, 17)])
+def test_copy_rows_bitwise(device, pinned, dtype, row):
+    """Rows of 4, 2 and 1 words' alignment (the kernel's VEC) and of bytes; on CUDA from pinned host memory."""
     gen = torch.Generator().manual_seed(row)
-    src_full = _cache(5, row, dtype, gen)
-    dst_full = _cache(4, row, dtype, gen)
-    before = dst_full.clone()
+    src_full = _cache(5, row, dtype, gen, pin=pinned)
+    dst_full = _cache(4, row, dtype, gen, device=device)
+    before = dst_full.cpu().clone()
     ss = _slots(150, 5 * 64, gen)
     ds = _slots(150, 4 * 64, gen, skip_every=7)
-    want = dst_full.clone()
+    want = before.clone()
     copy_rows_ref(src_full[:, 1], ss, want[:, 2], ds)
-    copy_rows(src_full[:, 1], ss, dst_full[:, 2], ds)
+    copy_rows(src_full[:, 1], ss.to(device), dst_full[:, 2], ds.to(device))
+    dst_full = dst_full.cpu()
     assert torch.equal(dst_full.view(torch.uint8), want.view(torch.uint8))
     assert not torch.equal(dst_full.view(torch.uint8), before.view(torch.uint8))
     assert torch.equal(dst_full[:, [0, 1]].view(torch.uint8), before[:, [0, 1]].view(torch.uint8)), \
@@ -88,11 +93,6 @@ def test_copy_rows_gpu_pinned_host(direction):
     assert torch.equal(dst_full.cpu(), want)
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-ON_EVERY_DEVICE = [pytest.param("cpu", False, marks=interp, id="interp"),
-                   pytest.param("cuda", True, marks=[pytest.mark.gpu, needs_cuda], id="gpu-pinned-host")]
-
-
 @pytest.mark.parametrize("device,pinned", ON_EVERY_DEVICE)
 def test_copy_rows_two_destinations(device, pinned):
     """One read, two writes (the write-through of new rows): each destination skips its own -1 slots."""
@@ -134,6 +134,32 @@ def test_copy_rows_layers(device, pinned, pinned_side):
         if device == "cuda":
             torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), want), layers
+
+
+@pytest.mark.parametrize("device,pinned", ON_EVERY_DEVICE)
+def test_layer_copy_launches_again_by_specialisation(device, pinned):
+    """One LayerCopy launched many times (the per-step path: after a key's first launch, the compiled handle
+    is launched directly): row counts of 1, multiples of 16 and others, int32 and int64 slot lists, slot lists
+    that are not 16-byte aligned; each launch copies exactly the reference's rows."""
+    from kernels.hisparse_gather import LayerCopy
+
+    gen = torch.Generator().manual_seed(11)
+    src = _cache(6, 656, torch.uint8, gen, device="cpu", pin=pinned, layers=3)
+    dst = _cache(4, 656, torch.uint8, gen, device=device, layers=3)
+    copy = LayerCopy([src[:, l] for l in range(3)], [dst[:, l] for l in range(3)])
+    for i, (n, dtype, offset) in enumerate([(37, torch.int64, 0), (1, torch.int64, 0), (48, torch.int64, 0),
+                                            (37, torch.int64, 0), (37, torch.int32, 1), (16, torch.int32, 3),
+                                            (1, torch.int64, 0), (37, torch.int32, 1), (48, torch.int64, 1)]):
+        ss = torch.cat([torch.zeros(offset, dtype=torch.long), _slots(n, 6 * 64, gen)]).to(dtype).to(device)[offset:]
+        ds = torch.cat([torch.zeros(offset, dtype=torch.long), _slots(n, 4 * 64, gen, skip_every=3)])
+        ds = ds.to(dtype).to(device)[offset:]
+        want = dst.cpu().clone()
+        for l in range(3):
+            copy_rows_ref(src[:, l], ss.cpu(), want[:, l], ds.cpu())
+        copy(ss, ds)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), want), (i, n, dtype, offset)
 
 
 @pytest.mark.parametrize("device,pinned", ON_EVERY_DEVICE)
