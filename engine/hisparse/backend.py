@@ -105,7 +105,10 @@ class HiSparseBackend:
         plan = fw.plans.get(group)
         if plan is None:
             plan = fw.plans[group] = self._resolve(fw, cache, group, topk_pos, meta)
-        self.mgr.mover.wait(fw.events.pop(layer, None))
+        waiter = fw.events.pop(layer, None)
+        if waiter is not None and waiter is not fw.waited:  # layers copied together share one wait
+            self.mgr.mover.wait(waiter)
+            fw.waited = waiter
         parts = []
         if fw.pool is not None:
             sel = plan.pool_sel if plan.pool_sel is not None else _rows(topk_pos, fw.pool.rows)

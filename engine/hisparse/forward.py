@@ -101,7 +101,8 @@ class ForwardState:
     assembled: Workspace | None = None
     staged: list[Workspace] = field(default_factory=list)
     plans: dict = field(default_factory=dict)  # group -> GroupPlan
-    events: dict = field(default_factory=dict)  # layer -> CUDA event of its miss copies
+    events: dict = field(default_factory=dict)  # layer -> (stream, CUDA event) of its miss copies
+    waited: tuple | None = None  # the last of those waited for (the layers copied together share one)
     scratch: torch.Tensor | None = None  # [ceil(T/64), 64, row] where the inner backend quantises rows
     scratch_meta: AttnMetadata | None = None  # the batch's metadata with slots 0..T-1 (into `scratch`)
     dev_meta: AttnMetadata | None = None  # the batch's metadata with the rows' device slots
@@ -124,6 +125,8 @@ class Routing:
     hot_slot_of_req: torch.Tensor | None  # hot slot of each HOT request, -1 for the others
     q_lens: torch.Tensor | None  # rows of each request this step (int64): start = seq_len - rows
     pool_lens: tuple[list[int], torch.Tensor] | None  # the pool's lengths when all its requests are HOT (constant)
+    fixed_slots: bool = False  # every new row goes to its request's reserved hot rows: dev_slots repeat
+    dev_slots: torch.Tensor | None = None  # ... and are kept here once computed
 
 
 def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
@@ -185,7 +188,8 @@ def _routing(mgr, meta: AttnMetadata, key: tuple, req_ids: list[str], num_pages:
                    hot_slot_of_req=mgr.ints([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)], dev)
                    if hot else None,
                    q_lens=to_dev([qsl[b + 1] - qsl[b] for b in range(len(reqs))], dev) if hot else None,
-                   pool_lens=pool_lens)
+                   pool_lens=pool_lens,
+                   fixed_slots=len(hot) == len(reqs) and all(r.num_dev_pages == 0 for r in reqs))
 
 
 def _virtual_len(mgr, meta: AttnMetadata, b: int, num_pages: list[int]) -> int:
@@ -194,10 +198,17 @@ def _virtual_len(mgr, meta: AttnMetadata, b: int, num_pages: list[int]) -> int:
 
 
 def _dev_slots(mgr, meta: AttnMetadata, rt: Routing, starts: torch.Tensor | None) -> torch.Tensor:
-    """Device slot of each new row (kernels.hisparse_plan.dev_slots: a kernel on GPUs, its reference elsewhere)."""
+    """Device slot of each new row (kernels.hisparse_plan.dev_slots: a kernel on GPUs, its reference elsewhere).
+    When every request is HOT with no device page (`rt.fixed_slots`), row i of a request goes to its reserved
+    hot row lru_rows + i whatever the position, so the slots of the routing's first step are reused."""
+    if rt.dev_slots is not None:
+        return rt.dev_slots
     fn = dev_slots if mgr.fused_plan else dev_slots_ref
-    return fn(meta.positions, meta.token_req_idx, rt.slot_of_req, rt.hot_slot_of_req, starts, mgr.page_table,
-              mgr.hot.blocks, meta.block_size, mgr.layout.lru_rows, mgr.layout.rows)
+    out = fn(meta.positions, meta.token_req_idx, rt.slot_of_req, rt.hot_slot_of_req, starts, mgr.page_table,
+             mgr.hot.blocks, meta.block_size, mgr.layout.lru_rows, mgr.layout.rows)
+    if rt.fixed_slots:
+        rt.dev_slots = out
+    return out
 
 
 def _hot_batch(mgr, meta, reqs, hot: list[int], num_pages, pool: list[int]) -> HotBatch:

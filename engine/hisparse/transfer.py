@@ -25,6 +25,7 @@ class RowMover:
         self.path = "triton" if self.cuda else "torch"
         self._parts: dict = {}  # (key, split) -> the parts a layer group is copied in (RowMover.parts)
         self._events: dict = {}  # key -> CUDA events of a group's side-stream copies: ready, then one per part
+        self._held: dict = {}  # key -> the slot lists of its last side-stream copy (alive until the next one)
 
     def copy(self, src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """dst[dst_slots] = src[src_slots] over paged views, skipping -1 on either side."""
@@ -91,9 +92,10 @@ class RowMover:
     def copy_layers(self, key, pairs, src_slots: torch.Tensor, dst_slots: torch.Tensor,
                     layers: list[int] | tuple[int, ...]) -> dict:
         """The same rows for several layers (`parts(key, pairs)`, in the order of `layers`) on the side stream
-        -> {layer: event} to wait for (CUDA; in stream order elsewhere). The first layer is copied alone, so
-        its attention waits for its own rows only; the others' copies (one launch: more rows in flight) run
-        while it computes."""
+        -> {layer: (stream, event)} to `wait` for (CUDA; in stream order elsewhere). The first layer is copied
+        alone, so its attention waits for its own rows only; the others' copies (one launch: more rows in
+        flight) run while it computes. The slot lists are kept until this key's next copy, after which the main
+        stream waits for this one, so their memory is reused only once it is done (no record_stream)."""
         parts = self.parts(key, pairs, split=True)
         if not self.cuda:
             for part in parts:
@@ -102,20 +104,26 @@ class RowMover:
         events = self._events.get(key)
         if events is None:  # kept per group: a wait binds to the record before it, so re-recording next step is safe
             events = self._events[key] = [torch.cuda.Event() for _ in range(len(parts) + 1)]
-        events[0].record()
-        src_slots.record_stream(self.side)  # freed on the main stream while the side stream may still read them
-        dst_slots.record_stream(self.side)
+        main = torch.cuda.current_stream()
+        main.wait_event(events[-1])  # the last copy of this key is done (already, unless a forward broke off)...
+        self._held[key] = (src_slots, dst_slots)  # ... before its slot lists can be freed
+        events[0].record(main)
         out, at = {}, 0
-        with torch.cuda.stream(self.side):
+        torch.cuda.set_stream(self.side)  # the launches below go to the side stream
+        try:
             self.side.wait_event(events[0])
             for part, done in zip(parts, events[1:]):
                 self._copy_part(part, src_slots, dst_slots)
                 done.record(self.side)
+                waiter = (main, done)  # one object per part: the backend waits once for its layers
                 for layer in layers[at: at + len(part[0])]:
-                    out[layer] = done
+                    out[layer] = waiter
                 at += len(part[0])
+        finally:
+            torch.cuda.set_stream(main)
         return out
 
-    def wait(self, event) -> None:
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+    def wait(self, waiter) -> None:
+        """Make the stream that asked for a copy (`copy_layers`) wait for it."""
+        if waiter is not None:
+            waiter[0].wait_event(waiter[1])

@@ -6,6 +6,7 @@ on a GPU it is compiled and runs on device tensors."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -153,3 +154,36 @@ def test_dev_slots_kernel_equals_torch(with_hot):
     assert torch.equal(got.cpu(), want)
     assert with_hot == bool((want >= 40 * BS).any()), "hot rows are used exactly when requests are hot"
     assert int(want[5]) == 7 * BS + 44 % BS, "a device page wins over the hot row"
+
+
+def test_fixed_dev_slots_repeat_while_every_request_writes_its_reserved_rows():
+    """Every request HOT with no device page: row i of a request goes to its reserved hot row lru_rows + i
+    whatever the position, so a routing keeps its first step's device slots (`Routing.fixed_slots`); they equal
+    a fresh computation at the later steps' positions, with MTP rows (three per request) too."""
+    from engine.hisparse.forward import HOT, Routing, _dev_slots
+    from engine.hisparse.residency import ReqPages
+
+    class Mgr:
+        fused_plan = False
+
+    mgr = Mgr()
+    mgr.layout = HotLayout.create(8, 16, 2, block_size=BS)
+    mgr.page_table = torch.full((4, 30), -1, dtype=torch.int32)
+    mgr.hot = HotBuffers(mgr.layout, 1, 2, torch.device("cpu"))
+    mgr.hot.blocks = torch.arange(40, 40 + mgr.hot.blocks.numel(), dtype=torch.int32).view(mgr.hot.blocks.shape)
+    reqs = [ReqPages(slot=2, hot_slot=1), ReqPages(slot=0, hot_slot=0)]
+    tok = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32)
+    rt = Routing(key=(), reqs=reqs, paths=[HOT, HOT], hot=[0, 1], pool=[], hot_batch=None, table=None,
+                 slot_of_req=torch.tensor([2, 0]), hot_slot_of_req=torch.tensor([1, 0]), q_lens=None, pool_lens=None,
+                 fixed_slots=True)
+    fresh = dataclasses.replace(rt, fixed_slots=False)
+    first = None
+    for start in ([30, 50], [31, 53], [45, 60]):  # later steps of the same routing (pages differ, slots do not)
+        pos = torch.tensor([start[0] + i for i in range(3)] + [start[1] + i for i in range(3)])
+        meta = type("M", (), dict(positions=pos, token_req_idx=tok, block_size=BS))()
+        got = _dev_slots(mgr, meta, rt, torch.tensor(start))
+        first = got if first is None else first
+        assert got is first, "the routing's first slots are reused"
+        assert torch.equal(got, _dev_slots(mgr, meta, fresh, torch.tensor(start)))
+    lru = mgr.layout.lru_rows
+    assert int(first[0]) == int(mgr.hot.blocks[1, lru // BS]) * BS + lru % BS
