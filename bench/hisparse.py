@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="profile every case (host: cProfile top functions; device: torch.profiler top kernels) "
                         "into FILE")
+    p.add_argument("--host-breakdown", action="store_true", help="per case, the host microseconds per step of the "
+                   "step's parts and HiSparse's functions (bench.host_timer: inclusive wall clock, no profiler)")
     p.add_argument("--sync-debug", action="store_true", help="warn, with the stack, at every host synchronisation "
                    "inside a timed step (CUDA)")
     p.add_argument("--pair-contexts", default=None, metavar="A,B", help="paired mode: resident at context A and "
@@ -236,7 +238,21 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def _profiled(args, mode, context, batch, device, churn) -> dict:
-    """run_case, under cProfile and torch.profiler when --profile is given (the report is appended)."""
+    """run_case, under cProfile and torch.profiler when --profile is given (the report is appended), with the
+    host breakdown when --host-breakdown is."""
+    if args.host_breakdown:
+        from bench.host_timer import STEP_PARTS, HostTimer
+
+        timer = args.host_timer = HostTimer()
+        for target in STEP_PARTS:
+            timer.wrap(target)
+        try:
+            row = run_case(args, mode, context, batch, device, churn)
+        finally:
+            timer.restore()
+            args.host_timer = None
+        nsteps = args.offload_steps if mode == "offload" else args.steps
+        return {**row, "host_breakdown_us": timer.per_step(nsteps)}
     if not args.profile:
         return run_case(args, mode, context, batch, device, churn)
     import cProfile

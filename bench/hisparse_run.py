@@ -122,6 +122,9 @@ def _step_iter(args, ctx, spec, groups, streams, table, req_ids, scale, backend,
         prof = getattr(args, "step_profiler", None) if step >= warmup else None
         if prof is not None:
             prof.enable()
+        timer = getattr(args, "host_timer", None)
+        if timer is not None:
+            timer.on = step >= warmup
         t0 = time.perf_counter()
         if args.sync_debug and device.type == "cuda" and step >= warmup:
             torch.cuda.set_sync_debug_mode("warn")
@@ -143,6 +146,8 @@ def _step_iter(args, ctx, spec, groups, streams, table, req_ids, scale, backend,
         if args.sync_debug and device.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
         enqueued = time.perf_counter()
+        if timer is not None:
+            timer.on = False
         _sync(device)
         if prof is not None:
             prof.disable()

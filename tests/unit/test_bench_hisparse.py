@@ -39,3 +39,18 @@ def test_cpu_smoke_paired_modes_offload(tmp_path):
     (r,) = res["rows"]
     assert r["pairs"] == 3 and r["hisparse_ms"] > 0 and r["offload_ms"] > 0 and r["ratio"] == "offload / hisparse"
     assert (r["hisparse_context"], r["offload_context"]) == (700, 700)
+
+
+def test_cpu_smoke_host_breakdown(tmp_path):
+    """--host-breakdown: per case, host microseconds and calls per step of the step's parts (bench.host_timer),
+    counted over the measured steps only; the wrapped functions are restored afterwards."""
+    import engine.hisparse.backend as backend
+
+    before = backend.HiSparseBackend.sparse_mla
+    res = main(["--cpu-smoke", "--contexts", "300", "--batches", "2", "--modes", "resident,hisparse", "--steps", "3",
+                "--host-breakdown", "--out", str(tmp_path / "hb.json")])
+    rows = {r["mode"]: r["host_breakdown_us"] for r in res["rows"]}
+    assert rows["hisparse"]["HiSparseBackend.sparse_mla"]["calls"] == 4.0, "4 layers per step"
+    assert rows["hisparse"]["plan_forward"]["calls"] == 1.0
+    assert "HiSparseBackend.sparse_mla" not in rows["resident"] and rows["resident"]["decode_meta"]["us"] > 0
+    assert backend.HiSparseBackend.sparse_mla is before
