@@ -127,7 +127,7 @@ def bench_launch(dev, n: int = 16, reps: int = 2000) -> list[dict]:
     args = (sw, dw, slots, slots, n, BS, sw.stride(0), sw.stride(1), BS, dw.stride(0), dw.stride(1),
             dw, slots, BS, dw.stride(0), dw.stride(1), 0, 0)
     consts = dict(NUM_WORDS=words, VEC=4, BLOCK_R=16, BLOCK_W=256, HAS_DST2=False)
-    grid = (triton_cdiv(n, 16),)
+    grid = (-(-n // 16),)
     kernel = hisparse_gather._copy_rows_kernel[grid](*args, **consts, num_warps=8)
     stream = torch.cuda.current_stream().cuda_stream
     every = args + tuple(consts.values())
@@ -160,10 +160,6 @@ def bench_launch(dev, n: int = 16, reps: int = 2000) -> list[dict]:
             out.append({"kernel": "launch", "way": name, "failed": f"{type(e).__name__}: {e}"})
         print(json.dumps(out[-1]), flush=True)
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def main(argv=None) -> None:
