@@ -1,5 +1,6 @@
 """Every environment variable pdserve reads — the engine's and the services' — typed, in one place
-(STYLE §7). Service flags win over these; they exist for containers (docker-compose.yml) and tests.
+(docs/conventions.md, "Architecture"). Service flags win over these; they exist for containers (docker-compose.yml)
+and tests.
 NIXL/UCX read their own variables (`UCX_TLS`, `UCX_NET_DEVICES`, ...) directly; we only pass them through.
 """
 

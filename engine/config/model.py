@@ -14,7 +14,7 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 
-# Bytes per cached token row, per layer, by format (DESIGN §3).
+# Bytes per cached token row, per layer, by format (docs/kv-formats.md).
 FP8_DS_MLA_ROW_BYTES = 656  # 512 fp8 latent + 4 fp32 tile scales + 64 bf16 rope values
 INDEX_FP8_ROW_BYTES = 132  # 128 fp8 key values + one fp32 scale
 
