@@ -196,3 +196,21 @@ def test_no_template_is_400(tmp_path):
     api = RouterAPI(ScriptedFlow(tok), Limits(4096, tok.vocab_size), "m", ServiceMetrics("router", "t2"))
     r = TestClient(api.build()).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+def test_auto_tool_choice_needs_the_flag():
+    from fastapi.testclient import TestClient
+
+    tok = Tokenizer(TINY)
+    flow = ScriptedFlow(tok)
+    chat = ChatSettings(ChatTemplate.load(TINY), tool_parser("glm47"), reasoning_parser("glm45"), False)
+    client = TestClient(RouterAPI(flow, Limits(4096, tok.vocab_size), "m", ServiceMetrics("router", "t3"),
+                                  chat=chat).build())
+    for choice in ("auto", None):  # None: the default with tools is auto
+        body = {"tools": [WEATHER]} if choice is None else {"tools": [WEATHER], "tool_choice": choice}
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    flow.script = "ok"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                                                  "tool_choice": "required", "max_tokens": 8})
+    assert r.status_code == 200 and flow.calls[-1][1].structured_outputs is not None
