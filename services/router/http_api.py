@@ -16,18 +16,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common.admission import Admission
-from services.common.grpc_server import Overloaded, retry_after_s
 from services.router.api_fields import check_extra_fields
 from services.router.chat_output import ChoiceParser, OutputOptions, openai_delta, openai_message
 from services.router.chat_request import ChatSettings, prepare_chat_request
 from services.router.extra_api import ExtraEndpoints, RequestIdHeader, apply_generation_defaults, new_api_request_id
 from services.router.flow import Flow, RequestStats, UpstreamError
+from services.router.guard import ApiKeys, Guard, tenant_cache_salt
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, error_body
 from services.router.requests import BadRequest, Limits, Prepared, prepare_chat, prepare_completion
-from services.router.guard import ApiKeys, Guard, tenant_cache_salt
 from services.router.responses import Formatter, sse, usage
 from services.router.routing import NoInstance
+from services.rpc.admission import Admission
+from services.rpc.grpc_server import Overloaded, retry_after_s
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
-from services.common.metrics import ServiceMetrics
+from engine.frontend.detokenizer import IncrementalDetokenizer
+from engine.frontend.tokenizer import Tokenizer
 from services.router.chat_request import ChatSettings
 from services.router.chat_template import ChatTemplate
 from services.router.flow import Chunk
@@ -18,6 +17,7 @@ from services.router.http_api import RouterAPI
 from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
 from services.router.tool_parsers import tool_parser
+from services.rpc.metrics import ServiceMetrics
 
 TINY = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-code"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -8,7 +8,7 @@ import json
 import grpc
 import pytest
 
-from engine.tokenizer import Tokenizer
+from engine.frontend.tokenizer import Tokenizer
 from proto.pdserve.v1 import common_pb2
 from services.router.chat_request import ChatSettings
 from services.router.chat_template import ChatTemplate

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.structured import StructuredOutputSpec as Spec
-from services.common.convert import sampling_from_proto, sampling_to_proto
+from services.transfer.wire import sampling_from_proto, sampling_to_proto
 
 
 @pytest.mark.parametrize("spec", [

@@ -35,12 +35,12 @@ def _accepts(ebnf: str, text: str) -> bool:
     (CALL, True), (NOOP, False),  # named: only get_weather
     ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>x</arg_value></tool_call>", True),
     ("<tool_call>get_weather<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>", False),  # city missing
-    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>x</arg_value><arg_key>days</arg_key>"
-     "<arg_value>0</arg_value></tool_call>", False),  # below minimum
-    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>x</arg_value><arg_key>units</arg_key>"
-     "<arg_value>k</arg_value></tool_call>", False),  # not in the enum
-    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>x</arg_value><arg_key>zip</arg_key>"
-     "<arg_value>1</arg_value></tool_call>", False),  # no such parameter
+    (("<tool_call>get_weather<arg_key>city</arg_key><arg_value>x</arg_value><arg_key>days</arg_key>"
+     "<arg_value>0</arg_value></tool_call>"), False),  # below minimum
+    (("<tool_call>get_weather<arg_key>city</arg_key><arg_value>x</arg_value><arg_key>units</arg_key>"
+     "<arg_value>k</arg_value></tool_call>"), False),  # not in the enum
+    (("<tool_call>get_weather<arg_key>city</arg_key><arg_value>x</arg_value><arg_key>zip</arg_key>"
+     "<arg_value>1</arg_value></tool_call>"), False),  # no such parameter
     ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>a</b</arg_value></tool_call>", False),
     (CALL + CALL, False),  # one call only
     ("Sure! " + CALL, False),
@@ -59,8 +59,8 @@ def test_required_parallel_and_glm45_layout():
 
 
 def test_accepted_calls_parse_to_arguments_that_validate():
-    for text in (CALL, "<tool_call>get_weather<arg_key>city</arg_key><arg_value>12</arg_value>"
-                       "<arg_key>units</arg_key><arg_value>f</arg_value></tool_call>"):
+    for text in (CALL, ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>12</arg_value>"
+                       "<arg_key>units</arg_key><arg_value>f</arg_value></tool_call>")):
         assert _accepts(tool_call_grammar(TOOLS, ["get_weather"], False), text)
         p = tool_parser("glm47")(TOOLS)
         content, (call,) = collect(p.feed(text) + p.finish())
