@@ -54,7 +54,7 @@ class StructuredOutputSpec:
     # ---- constructors for each API spelling ------------------------------------------------------
     @classmethod
     def json_schema(cls, schema: dict | bool | str, reasoning_end: str = "") -> "StructuredOutputSpec":
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))  # key order kept: it orders the output
         return cls("json", text, reasoning_end)
 
     @classmethod
