@@ -49,7 +49,8 @@ class StructuredOutputs:
         if g.replay(state.output_token_ids):
             state.grammar = g
 
-    def mask(self, todo: list[ScheduledChunk], states: dict[str, RunnerRequest], logits: torch.Tensor) -> dict[str, int]:
+    def mask(self, todo: list[ScheduledChunk], states: dict[str, RunnerRequest],
+             logits: torch.Tensor) -> dict[str, int]:
         """Mask the step's logits rows in place (rows laid out as in the sampler: per sampled chunk, its
         drafts + 1). Returns, per constrained request, how many of its drafts the grammar accepts."""
         entries, ids, r = [], [], 0

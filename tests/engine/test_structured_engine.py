@@ -15,14 +15,15 @@ from engine.structured import StructuredOutputSpec as Spec
 from tests.engine.test_disagg_engine import _copy_blocks
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "count": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
+                                           "count": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "ok": {"type": "boolean"}},
           "required": ["name", "count", "ok"], "additionalProperties": False}
 PROMPTS = ["import os\n", "def main():\n    ", "class Parser:\n"]
 
 
 @pytest.fixture(scope="module", params=[None, 3], ids=["plain", "mtp3"])
 def llm(request, tiny_code):
-    kw = dict(num_speculative_tokens=request.param) if request.param else {}
+    kw = {"num_speculative_tokens": request.param} if request.param else {}
     return LLM(str(tiny_code), num_blocks=96, **kw)
 
 
@@ -75,7 +76,7 @@ def test_grammar_stops_even_with_ignore_eos(tiny_code):
 
 @pytest.mark.parametrize("spec_tokens", [None, 3])
 def test_prefill_then_decode_keeps_the_grammar(tiny_code, spec_tokens):
-    kw = dict(num_speculative_tokens=spec_tokens) if spec_tokens else {}
+    kw = {"num_speculative_tokens": spec_tokens} if spec_tokens else {}
     agg = LLM(str(tiny_code), num_blocks=64, **kw)
     spec = Spec.json_schema(SCHEMA)
     sp = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=spec)
@@ -85,7 +86,8 @@ def test_prefill_then_decode_keeps_the_grammar(tiny_code, spec_tokens):
 
     pre = LLM(str(tiny_code), num_blocks=64, **kw).core
     dec = LLM(str(tiny_code), num_blocks=64, **kw).core
-    r = Request("p", ids, SamplingParams(max_tokens=1, temperature=0.0, structured_outputs=spec), hold_kv_on_finish=True)
+    r = Request("p", ids, SamplingParams(max_tokens=1, temperature=0.0, structured_outputs=spec),
+                hold_kv_on_finish=True)
     pre.add_request(r)
     while pre.has_unfinished():
         outs = pre.step()
