@@ -127,7 +127,8 @@ def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int,
         raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
     stop = _stop(body.stop, limits)  # outside the try: keeps its own param name
     try:
-        structured = structured_from_request(body, limits.reasoning_end)
+        gate = limits.reasoning_end if isinstance(body, ChatCompletionRequest) else ""
+        structured = structured_from_request(body, gate)
     except SpecError as e:
         raise BadRequest(str(e), e.param) from e
     try:

@@ -9,7 +9,7 @@ Accepted spellings (at most one per request; each error names its `param`):
 The grammar is parsed with xgrammar here (a bad schema, regex or grammar is a 400); engines compile
 it for their tokenizer. With a reasoning parser on, the grammar applies after the reasoning end
 ("</think>"), unless the spec itself spells that marker out (it then describes the whole output,
-reasoning included).
+reasoning included) or the request turned thinking off. Completions have no reasoning split: no gate.
 """
 
 from __future__ import annotations
@@ -55,13 +55,19 @@ def structured_from_request(body: Any, reasoning_end: str = "") -> StructuredOut
     if len(found) > 1:
         raise SpecError(f"give one structured output, not {' and '.join(f for f, _, _ in found)}", found[1][0])
     _, param, (kind, text) = found[0]
-    gate = reasoning_end if reasoning_end and reasoning_end not in text else ""
+    gate = reasoning_end if _thinking(body) and reasoning_end not in text else ""
     try:
         spec = StructuredOutputSpec(kind, text, gate)
         check_spec(spec)
     except ValueError as e:
         raise SpecError(str(e), param) from e
     return spec
+
+
+def _thinking(body: Any) -> bool:
+    """False when the request turned thinking off (`chat_template_kwargs.enable_thinking: false`)."""
+    kwargs = _field(body, "chat_template_kwargs")
+    return not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False)
 
 
 def _field(body: Any, name: str):

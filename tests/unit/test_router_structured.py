@@ -59,6 +59,13 @@ def test_reasoning_gate_unless_the_spec_spells_the_marker():
     whole = structured_from_request({"structured_outputs": {"regex": "<think>x</think>y"}}, reasoning_end="</think>")
     assert whole.reasoning_end == ""  # the spec describes the reasoning too
     assert structured_from_request({"guided_regex": "[0-9]+"}).reasoning_end == ""
+    off = {"guided_regex": "[0-9]+", "chat_template_kwargs": {"enable_thinking": False}}
+    assert structured_from_request(off, reasoning_end="</think>").reasoning_end == ""  # no thinking to wait for
+    limits = Limits(max_model_len=2048, vocab_size=4096, reasoning_end="</think>")
+    chat = _chat(guided_regex="[0-9]+")
+    assert prepare_chat(chat, Tokenizer(TINY_CODE), limits).params.structured_outputs.reasoning_end == "</think>"
+    body = CompletionRequest(prompt="x", guided_regex="[0-9]+")
+    assert prepare_completion(body, Tokenizer(TINY_CODE), limits).params.structured_outputs.reasoning_end == ""
 
 
 BAD = [
