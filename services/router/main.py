@@ -76,7 +76,9 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_pretrained(args.model)
     tok = Tokenizer(args.model)
     limits = Limits(max_model_len=args.max_model_len or cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-                    max_n=args.max_n)
+                    max_n=args.max_n,
+                    # GLM's reasoning parsers end thinking with </think>: structured outputs start after it
+                    reasoning_end="</think>" if getattr(args, "reasoning_parser", None) else "")
     keys = ApiKeys.from_sources(args.api_key, args.api_keys_file)
     admission = Admission("router", args.max_inflight_requests)
     names = args.served_model_name or [args.model.rstrip("/").split("/")[-1]]
