@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from services import launcher
+from services.deploy import launcher
 from tests.e2e import system
 
 pytestmark = pytest.mark.xdist_group("agent_api")
@@ -44,7 +44,7 @@ def _named(name: str) -> dict:
 
 def _ask(client, messages, tool: str, **kw):
     return client.chat.completions.create(model="tiny-code", messages=messages, tools=TOOLS, tool_choice=_named(tool),
-                                          max_tokens=96, temperature=0, extra_body=NO_THINKING, **kw)
+                                          max_tokens=320, temperature=0, extra_body=NO_THINKING, **kw)
 
 
 def test_named_tool_choice_whole_and_streamed(client):

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from services import launcher
+from services.deploy import launcher
 from tests.e2e import system
 
 pytestmark = pytest.mark.xdist_group("structured")
