@@ -4,7 +4,6 @@ aliases, /tokenize, /detokenize, /version, X-Request-Id and generation_config de
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -18,8 +17,9 @@ from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
 from services.router.tool_parsers import tool_parser
 from services.rpc.metrics import ServiceMetrics
+from tests.conftest import TINY_CODE
 
-TINY = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-code"
+TINY = TINY_CODE
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
     "required": ["city"]}}}
