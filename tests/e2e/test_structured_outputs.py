@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 import yaml
 
-from services import launcher
-from tests.e2e import system
+from services.deploy import launcher
+from tests.helpers import system
 
 pytestmark = pytest.mark.xdist_group("structured")
 
