@@ -29,7 +29,7 @@ import xgrammar as xgr
 
 from engine.structured import StructuredOutputSpec as Spec
 from engine.structured.grammar import GrammarBackend
-from engine.structured.matcher import RequestGrammar, apply_bitmask, apply_bitmask_ref, build_bitmask
+from engine.structured.matcher import RequestGrammar, apply_backend, apply_bitmask, apply_bitmask_ref, build_bitmask
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(r), flush=True)
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "threads": torch.get_num_threads(), "vocab": a.vocab,
-            "tokenizer_setup_s": round(setup_s, 2), "steps": a.steps}
+            "tokenizer_setup_s": round(setup_s, 2), "steps": a.steps, "apply_backend": apply_backend(dev)}
     print(json.dumps(meta))
     if a.out:
         Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

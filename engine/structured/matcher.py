@@ -145,13 +145,25 @@ def _batch() -> xgr.BatchGrammarMatcher:
     return xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
 
 
+_kernel_failed: dict[str, str] = {}  # device type -> why xgrammar's kernel could not run there
+
+
+def apply_backend(device: torch.device) -> str:
+    """Which apply runs on `device`: "xgrammar", or "torch" once xgrammar's kernel failed there."""
+    return "torch" if device.type in _kernel_failed else "xgrammar"
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Disallowed tokens of `rows` -> -inf, in place (xgrammar's kernel: CPU, CUDA)."""
-    try:
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=logits.shape[-1], indices=rows)
-    except (RuntimeError, ValueError, TypeError, ImportError):
-        apply_bitmask_ref(logits, bitmask, rows)
+    """Disallowed tokens of `rows` -> -inf, in place (xgrammar's kernel: CPU, CUDA; else plain torch)."""
+    if logits.device.type not in _kernel_failed:
+        try:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                            vocab_size=logits.shape[-1], indices=rows)
+            return
+        except (RuntimeError, ValueError, TypeError, ImportError) as e:
+            _kernel_failed[logits.device.type] = f"{type(e).__name__}: {e}"
+            log.warning("xgrammar's bitmask kernel failed on %s (%s); using the torch fill", logits.device, e)
+    apply_bitmask_ref(logits, bitmask, rows)
 
 
 def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
