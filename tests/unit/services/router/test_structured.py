@@ -11,6 +11,8 @@ from fastapi.testclient import TestClient
 
 from engine.frontend.tokenizer import Tokenizer
 from engine.structured import StructuredOutputSpec as Spec
+from services.router.chat_request import ChatSettings
+from services.router.chat_template import ChatTemplate
 from services.router.http_api import RouterAPI
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest
 from services.router.requests import BadRequest, Limits, prepare_chat, prepare_completion
@@ -48,7 +50,7 @@ def _chat(**extra) -> ChatCompletionRequest:
     ({}, None),
 ])
 def test_every_spelling_becomes_one_spec(tok, extra, want):
-    assert prepare_chat(_chat(**extra), tok, LIMITS).params.structured_outputs == want
+    assert prepare_chat(_chat(**extra), tok, LIMITS, "hi").params.structured_outputs == want
     body = CompletionRequest(prompt="x", **extra)
     assert prepare_completion(body, tok, LIMITS).params.structured_outputs == want
 
@@ -63,7 +65,7 @@ def test_reasoning_gate_unless_the_spec_spells_the_marker():
     assert structured_from_request(off, reasoning_end="</think>").reasoning_end == ""  # no thinking to wait for
     limits = Limits(max_model_len=2048, vocab_size=4096, reasoning_end="</think>")
     chat = _chat(guided_regex="[0-9]+")
-    assert prepare_chat(chat, Tokenizer(TINY_CODE), limits).params.structured_outputs.reasoning_end == "</think>"
+    assert prepare_chat(chat, Tokenizer(TINY_CODE), limits, "hi").params.structured_outputs.reasoning_end == "</think>"
     body = CompletionRequest(prompt="x", guided_regex="[0-9]+")
     assert prepare_completion(body, Tokenizer(TINY_CODE), limits).params.structured_outputs.reasoning_end == ""
 
@@ -90,7 +92,7 @@ BAD = [
 @pytest.mark.parametrize("extra, param, msg", BAD)
 def test_bad_specs_name_their_param(tok, extra, param, msg):
     with pytest.raises(BadRequest, match=msg) as e:
-        prepare_chat(_chat(**extra), tok, LIMITS)
+        prepare_chat(_chat(**extra), tok, LIMITS, "hi")
     assert e.value.param == param
 
 
@@ -104,7 +106,8 @@ class _NoEngines:
 
 @pytest.mark.parametrize("extra, param, _msg", BAD[:1] + BAD[4:7])
 def test_http_400_with_param_and_nothing_reaches_an_engine(tok, extra, param, _msg):
-    api = RouterAPI(_NoEngines(tok), LIMITS, "tiny-code", metrics=None)
+    api = RouterAPI(_NoEngines(tok), LIMITS, "tiny-code", metrics=None,
+                    chat=ChatSettings(ChatTemplate.load(TINY_CODE)))
     client = TestClient(api.build())
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/completions", {"prompt": "hi"})):
