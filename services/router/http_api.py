@@ -1,5 +1,6 @@
 """The router's OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE),
-/v1/models, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`."""
+/v1/models, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`.
+The Anthropic Messages API (/v1/messages) is mounted beside them from services/router/anthropic/."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.admission import Admission
 from services.common.grpc_server import Overloaded, retry_after_s
+from services.router.anthropic.endpoint import mount as mount_anthropic
 from services.router.flow import Flow, RequestStats, UpstreamError, new_request_id
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, error_body
 from services.router.requests import BadRequest, Limits, Prepared, prepare_chat, prepare_completion
@@ -93,6 +95,7 @@ class RouterAPI:
         app.get("/metrics", include_in_schema=False)(self.prometheus)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        mount_anthropic(app, self)
         return app
 
     async def _validation_error(self, request: Request, exc: RequestValidationError) -> JSONResponse:

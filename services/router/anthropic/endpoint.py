@@ -1,0 +1,94 @@
+"""The two routes, mounted on the router's FastAPI app by `mount(app, api)`:
+
+    POST /v1/messages              -> the chat-completions path (`RouterAPI.chat_completions`), its
+                                      result or SSE stream converted to Anthropic's blocks / events
+    POST /v1/messages/count_tokens -> {"input_tokens": N}, the prompt rendered exactly as for
+                                      /v1/messages (same template, tools, billing header dropped)
+Bodies are parsed here rather than by FastAPI so that every failure, a malformed body included,
+answers in Anthropic's error form.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from services.router.anthropic import stream
+from services.router.anthropic.convert import chat_completion_request, chat_request, new_message_id
+from services.router.anthropic.errors import InvalidRequest, convert_error_response, error_response
+from services.router.anthropic.models import CountTokensRequest, MessagesRequest
+from services.router.anthropic.response import message_from_chat
+from services.router.openai_models import ChatCompletionRequest
+
+
+def _invalid(exc: ValidationError, prefix: str = "") -> InvalidRequest:
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(x) for x in first.get("loc", ()))
+    return InvalidRequest(first.get("msg", "malformed"), prefix + where if where else None)
+
+
+async def _parse(request: Request, model):
+    try:
+        raw = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidRequest("the body is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _chat(body: dict) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _invalid(exc, "(as a chat request) ") from None
+
+
+class AnthropicAPI:
+    def __init__(self, api):
+        self.api = api  # the RouterAPI whose chat path serves these requests
+
+    async def messages(self, request: Request):
+        try:
+            req = await _parse(request, MessagesRequest)
+            chat = _chat(chat_completion_request(req))
+        except InvalidRequest as exc:
+            return error_response(400, str(exc))
+        resp = await self.api.chat_completions(chat, request)
+        if isinstance(resp, StreamingResponse):
+            state = stream.MessageStream(new_message_id(), req.model, req.stop_sequences)
+            # the same response object keeps its admission release; only its body is translated
+            resp.body_iterator = stream.with_pings(stream.events(resp.body_iterator, state))
+            return resp
+        if not isinstance(resp, dict):  # the chat path answers a dict, or a Response when it failed
+            return convert_error_response(resp)
+        return JSONResponse(message_from_chat(resp, new_message_id(), req.model, req.stop_sequences))
+
+    async def count_tokens(self, request: Request):
+        from services.router.http_api import exception_response
+        from services.router.requests import prepare_chat
+
+        try:
+            req = await _parse(request, CountTokensRequest)
+            chat = _chat({**chat_request(req), "max_tokens": 1})
+        except InvalidRequest as exc:
+            return error_response(400, str(exc))
+        try:
+            self.api._check_model(chat.model)
+            prep = prepare_chat(chat, self.api.tok, self.api.limits)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an Anthropic error body
+            return convert_error_response(exception_response(exc))
+        return {"input_tokens": len(prep.prompts[0])}
+
+
+def mount(app: FastAPI, api) -> None:
+    routes = AnthropicAPI(api)
+    app.post("/v1/messages", summary="Anthropic Messages API (text, tools, thinking; SSE when stream)")(
+        routes.messages)
+    app.post("/v1/messages/count_tokens", summary="Anthropic token counting")(routes.count_tokens)

@@ -1,0 +1,154 @@
+"""The Anthropic Messages API in-process: the router's FastAPI app over a scripted flow, driven by the
+official `anthropic` client (create, stream, count_tokens) and by raw HTTP for the error cases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.tokenizer import Tokenizer
+from services.router.guard import ApiKeys
+from services.router.http_api import RouterAPI
+from services.router.requests import Limits
+from tests.unit.fake_flow import FakeFlow
+
+anthropic = pytest.importorskip("anthropic")
+TINY = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-code"
+BILLING = "x-anthropic-billing-header: cc_version=2.1.62.023; cc_entrypoint=cli; cch={};"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(TINY)
+
+
+def _app(flow, keys=()):
+    api = RouterAPI(flow, Limits(max_model_len=4096, vocab_size=flow.tokenizer.vocab_size), "tiny-code", None,
+                    keys=ApiKeys(keys))
+    return api.build()
+
+
+def _client(app, **kw):
+    http2 = pytest.importorskip("httpx2")  # the HTTP library the anthropic client is built on
+    http = http2.AsyncClient(transport=http2.ASGITransport(app=app), base_url="http://router")
+    return anthropic.AsyncAnthropic(base_url="http://router", api_key=kw.pop("api_key", "unused"),
+                                    http_client=http, max_retries=0, **kw)
+
+
+def _post(app, path, body, headers=None):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+            data = body if isinstance(body, bytes) else json.dumps(body)
+            return await c.post(path, content=data, headers={"content-type": "application/json", **(headers or {})})
+    return asyncio.run(go())
+
+
+MSG = {"model": "tiny-code", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_create_returns_a_text_message_with_usage(tok):
+    flow = FakeFlow(tok, pieces=["Hello", " world"], cached_tokens=3)
+    msg = asyncio.run(_client(_app(flow)).messages.create(**MSG))
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "Hello world"
+    assert msg.stop_reason == "end_turn" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert msg.usage.cache_read_input_tokens == 3
+    assert msg.usage.input_tokens == len(flow.prompts[0]) - 3
+    assert msg.usage.output_tokens == len(tok.encode("Hello")) + len(tok.encode(" world"))
+    assert flow.params[0].max_tokens == 16
+
+
+def test_stream_assembles_to_the_same_message(tok):
+    flow = FakeFlow(tok, pieces=["a", "b", "c"], finish_reason="length")
+
+    async def go():
+        async with _client(_app(flow)).messages.stream(**MSG) as s:
+            kinds = [e.type async for e in s]
+            return kinds, await s.get_final_message()
+
+    kinds, final = asyncio.run(go())
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.content[0].text == "abc" and final.stop_reason == "max_tokens"
+    assert final.usage.input_tokens == len(flow.prompts[0]) and final.usage.output_tokens == 3
+
+
+def test_stop_sequence_is_reported(tok):
+    flow = FakeFlow(tok, pieces=["x = 1"], stop_reason="\n\n")
+    msg = asyncio.run(_client(_app(flow)).messages.create(**MSG, stop_sequences=["\n\n"]))
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "\n\n"
+    assert flow.params[0].stop == ["\n\n"]
+
+
+def test_count_tokens_counts_the_rendered_prompt(tok):
+    flow = FakeFlow(tok)
+    app = _app(flow)
+    body = {k: v for k, v in MSG.items() if k != "max_tokens"}
+    counted = asyncio.run(_client(app).messages.count_tokens(**body, system="be brief"))
+    asyncio.run(_client(app).messages.create(**MSG, system="be brief"))
+    assert counted.input_tokens == len(flow.prompts[0]) > 0
+
+
+def test_billing_header_is_stripped_so_prompts_match(tok):
+    flow = FakeFlow(tok)
+    client = _client(_app(flow))
+    for cch in ("36ee5", "0aaa9"):  # as its own first block, and as the first line of the system text
+        asyncio.run(client.messages.create(**MSG, system=[{"type": "text", "text": BILLING.format(cch)},
+                                                          {"type": "text", "text": "You are a coder."}]))
+        asyncio.run(client.messages.create(**MSG, system=BILLING.format(cch) + "\nYou are a coder."))
+    asyncio.run(client.messages.create(**MSG, system="You are a coder."))
+    assert all(p == flow.prompts[-1] for p in flow.prompts)
+    assert "billing" not in tok.decode(flow.prompts[0]) and "You are a coder." in tok.decode(flow.prompts[0])
+
+
+@pytest.mark.parametrize("body,where", [
+    ({**MSG, "max_tokens": None}, "max_tokens"),
+    ({k: v for k, v in MSG.items() if k != "max_tokens"}, "max_tokens"),
+    ({**MSG, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "messages.0.content.0"),
+    ({**MSG, "messages": [{"role": "user", "content": [{"type": "hologram", "text": "x"}]}]}, "messages.0.content.0"),
+    ({**MSG, "unknown_field": 1}, "unknown_field"),
+    ({**MSG, "temperature": 1.5}, "temperature"),
+    ({**MSG, "tool_choice": {"type": "tool", "name": "f"}}, "tool_choice"),
+])
+def test_bad_requests_answer_400_in_anthropic_form(tok, body, where):
+    flow = FakeFlow(tok)
+    r = _post(_app(flow), "/v1/messages", body)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"].startswith(where), err
+    assert flow.prompts == []  # nothing reached an engine
+
+
+def test_malformed_json_and_unknown_model(tok):
+    app = _app(FakeFlow(tok))
+    r = _post(app, "/v1/messages", b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = _post(app, "/v1/messages", {**MSG, "model": "claude-nope"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_x_api_key_and_bearer_are_accepted_and_401_is_anthropic_form(tok):
+    app = _app(FakeFlow(tok), keys=["sk-a:alpha"])
+    assert _post(app, "/v1/messages", MSG, {"x-api-key": "sk-a"}).status_code == 200
+    assert _post(app, "/v1/messages", MSG, {"authorization": "Bearer sk-a"}).status_code == 200
+    r = _post(app, "/v1/messages", MSG, {"x-api-key": "sk-b"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        asyncio.run(_client(app, api_key="sk-wrong").messages.create(**MSG))
+    assert asyncio.run(_client(app, api_key="sk-a").messages.create(**MSG)).content[0].text == "Hello world"
+
+
+def test_upstream_failure_mid_stream_is_an_error_event(tok):
+    from services.router.flow import UpstreamError
+
+    flow = FakeFlow(tok, pieces=["a", "b"], error=UpstreamError("decode went away"))
+    r = _post(_app(flow), "/v1/messages", {**MSG, "stream": True})
+    assert r.status_code == 200
+    kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-1] == "error" and "message_stop" not in kinds
+    data = json.loads([line for line in r.text.splitlines() if line.startswith("data: ")][-1][6:])
+    assert data == {"type": "error", "error": {"type": "api_error", "message": "decode went away"}}
