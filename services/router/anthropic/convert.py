@@ -12,7 +12,7 @@ Request, block by block:
     thinking enabled / disabled           -> chat_template_kwargs.enable_thinking true / false
     output_config.format json_schema      -> response_format json_schema (strict)
 Refused with 400: image and document blocks (this server serves text-only models), any other block
-type, server tools, and a final assistant message (prefill of the answer).
+type, server tools, a code-execution `container`, and a final assistant message (prefill of the answer).
 
 Billing headers: Claude Code starts the system prompt with a line
 `x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=...;` whose `cch` changes on
@@ -179,6 +179,8 @@ def _tools(req: _Prompt) -> dict:
 def chat_request(req: _Prompt) -> dict:
     """The chat-completions body (a dict) that renders the same prompt as `req`; sampling fields are
     added by the caller for /v1/messages."""
+    if req.container is not None:
+        raise InvalidRequest("code execution containers are not supported", "container")
     body: dict = {"model": req.model, "messages": chat_messages(req), **_tools(req)}
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}

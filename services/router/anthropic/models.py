@@ -2,8 +2,12 @@
 
 Top-level fields are closed (`extra="forbid"`), as Anthropic's own API answers an unknown field with
 400: a field we do not know could change the output. Fields that never change the output here are
-accepted and ignored: `metadata`, `service_tier`, `context_management` (server-side context editing;
-the whole conversation is always sent to the model), `output_config.effort`. Content blocks stay
+accepted and ignored: `metadata`, `service_tier`, `speed`, `inference_geo`, `user_profile_id`,
+`workspace_id`, `diagnostics` (cache-miss reports), `cache_control` and the blocks' `cache_control`
+(prefix caching here is automatic), `context_management` (server-side context editing: the whole
+conversation is always sent to the model), `output_config.effort`. `container` (code execution) is
+refused when set. `temperature`, `top_p` and `top_k`, which newer clients no longer send, are still
+honoured for those that do. Content blocks stay
 plain dicts: `convert` checks them one by one so that an error names the block (`messages.2.content.0`).
 """
 
@@ -45,7 +49,7 @@ class ToolChoice(BaseModel):
 class Thinking(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = Field(default=None, ge=1)
     display: str | None = None
 
@@ -77,6 +81,11 @@ class _Prompt(BaseModel):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     context_management: dict | None = None
+    cache_control: dict | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    container: object | None = None
 
 
 class MessagesRequest(_Prompt):
@@ -88,6 +97,8 @@ class MessagesRequest(_Prompt):
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict | None = None
     service_tier: str | None = None
+    inference_geo: str | None = None
+    diagnostics: dict | None = None
 
 
 class CountTokensRequest(_Prompt):
