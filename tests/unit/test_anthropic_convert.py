@@ -167,6 +167,7 @@ def test_empty_output_is_no_blocks():
 @pytest.mark.parametrize("status,body,want", [
     (400, {"error": {"message": "bad", "param": "max_tokens", "code": "invalid_request"}},
      (400, "invalid_request_error", "max_tokens: bad")),
+    (400, {"error": {"message": "at most 16", "param": "stop"}}, (400, "invalid_request_error", "stop_sequences: at most 16")),
     (400, {"error": {"message": "no model", "code": "model_not_found"}}, (404, "not_found_error", "no model")),
     (429, {"error": {"message": "busy"}}, (429, "rate_limit_error", "busy")),
     (503, {"error": {"message": "no decode"}}, (529, "overloaded_error", "no decode")),

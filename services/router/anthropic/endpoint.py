@@ -87,8 +87,27 @@ class AnthropicAPI:
         return {"input_tokens": len(prep.prompts[0])}
 
 
+def _inline(node, defs: dict):
+    """A JSON schema with its `$defs` references replaced by the definitions (OpenAPI resolves `$ref`
+    from the document root, where pydantic's `#/$defs/...` do not exist)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
+def _body(model) -> dict:
+    schema = model.model_json_schema()
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": _inline(schema, schema.get("$defs", {}))}}}}
+
+
 def mount(app: FastAPI, api) -> None:
     routes = AnthropicAPI(api)
-    app.post("/v1/messages", summary="Anthropic Messages API (text, tools, thinking; SSE when stream)")(
-        routes.messages)
-    app.post("/v1/messages/count_tokens", summary="Anthropic token counting")(routes.count_tokens)
+    app.post("/v1/messages", summary="Anthropic Messages API (text, tools, thinking; SSE when stream)",
+             openapi_extra=_body(MessagesRequest))(routes.messages)
+    app.post("/v1/messages/count_tokens", summary="Anthropic token counting",
+             openapi_extra=_body(CountTokensRequest))(routes.count_tokens)

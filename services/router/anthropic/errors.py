@@ -16,6 +16,9 @@ TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403
                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                   529: "overloaded_error"}
 OVERLOADED = 529
+# chat-request field names that differ from the Messages field the client sent
+_PARAM_OF_CHAT = {"stop": "stop_sequences", "response_format": "output_config.format",
+                  "chat_template_kwargs": "thinking", "max_completion_tokens": "max_tokens"}
 
 
 class InvalidRequest(ValueError):
@@ -40,7 +43,7 @@ def from_openai(status: int, body: dict) -> tuple[int, dict]:
     """(status, Anthropic body) for an OpenAI error (status, body) of the chat path."""
     err = body.get("error") if isinstance(body.get("error"), dict) else {}
     message = str(err.get("message") or "request failed")
-    param = err.get("param")
+    param = _PARAM_OF_CHAT.get(err.get("param"), err.get("param"))
     if param and not message.startswith(f"{param}:"):
         message = f"{param}: {message}"
     if status == 400 and err.get("code") == "model_not_found":
