@@ -150,23 +150,9 @@ def prepare_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits) 
                     body.cache_salt, body.return_token_ids)
 
 
-def chat_prompt(body: ChatCompletionRequest, tok: Tokenizer) -> str:
-    messages = []
-    for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f"messages[{i}]: only text content parts are supported", "messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
-    return tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-
-
-def prepare_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits) -> Prepared:
-    ids = tok.encode(chat_prompt(body, tok))
+def prepare_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, prompt: str) -> Prepared:
+    """`prompt`: the rendered chat template (services/router/chat_request.py)."""
+    ids = tok.encode(prompt)
     _check_prompt(ids, limits)
     if body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")

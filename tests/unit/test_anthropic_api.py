@@ -11,9 +11,13 @@ import httpx
 import pytest
 
 from engine.tokenizer import Tokenizer
+from services.router.chat_request import ChatSettings
+from services.router.chat_template import ChatTemplate
 from services.router.guard import ApiKeys
 from services.router.http_api import RouterAPI
+from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
+from services.router.tool_parsers import tool_parser
 from tests.unit.fake_flow import FakeFlow
 
 anthropic = pytest.importorskip("anthropic")
@@ -27,8 +31,10 @@ def tok():
 
 
 def _app(flow, keys=()):
+    """The router's app as the default topology configures it (GLM tool and reasoning parsers)."""
+    chat = ChatSettings(ChatTemplate.load(TINY), tool_parser("glm47"), reasoning_parser("glm45"), True)
     api = RouterAPI(flow, Limits(max_model_len=4096, vocab_size=flow.tokenizer.vocab_size), "tiny-code", None,
-                    keys=ApiKeys(keys))
+                    keys=ApiKeys(keys), chat=chat)
     return api.build()
 
 
@@ -152,3 +158,68 @@ def test_upstream_failure_mid_stream_is_an_error_event(tok):
     assert kinds[:2] == ["message_start", "ping"] and kinds[-1] == "error" and "message_stop" not in kinds
     data = json.loads([line for line in r.text.splitlines() if line.startswith("data: ")][-1][6:])
     assert data == {"type": "error", "error": {"type": "api_error", "message": "decode went away"}}
+
+
+# ---- through the GLM tool-call and reasoning parsers of the chat path ---------------------------------
+WEATHER = {"name": "get_weather", "description": "Weather of a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                            "required": ["city"]}}
+CALL = ["<tool_call>get_weather<arg_key>city</arg_key><arg_value>Pa", "ris</arg_value><arg_key>days",
+        "</arg_key><arg_value>2</arg_value></tool_call>"]
+
+
+def _both(app, **kw):
+    """The message of create and the final message of stream for the same request."""
+    async def go():
+        client = _client(app)
+        full = await client.messages.create(**kw)
+        async with client.messages.stream(**kw) as s:
+            kinds = [e.type async for e in s]
+            return full, await s.get_final_message(), kinds
+    return asyncio.run(go())
+
+
+def test_thinking_then_text(tok):
+    flow = FakeFlow(tok, pieces=["Let me ", "think.</thi", "nk>The answer", " is 4."])
+    full, streamed, _ = _both(_app(flow), **MSG, thinking={"type": "enabled", "budget_tokens": 1024})
+    for msg in (full, streamed):
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in msg.content] == [
+            ("thinking", "Let me think."), ("text", "The answer is 4.")]
+        assert msg.stop_reason == "end_turn"
+    assert tok.decode(flow.prompts[0], skip_special_tokens=False).endswith("<|assistant|><think>")
+    assert tok.decode(flow.prompts[-1], skip_special_tokens=False).endswith("<|assistant|><think>")
+
+
+def test_tool_use_parsed_from_glm_calls_whole_and_streamed(tok):
+    flow = FakeFlow(tok, pieces=["I will check.", *CALL])
+    full, streamed, kinds = _both(_app(flow), **MSG, tools=[WEATHER])
+    for msg in (full, streamed):
+        assert [b.type for b in msg.content] == ["text", "tool_use"] and msg.stop_reason == "tool_use"
+        assert msg.content[0].text == "I will check."
+        call = msg.content[1]
+        assert (call.name, call.input) == ("get_weather", {"city": "Paris", "days": 2})
+    assert "input_json" in kinds  # the input came as input_json_delta fragments
+
+
+def test_forced_tool_choice_reaches_the_engine_as_a_grammar(tok):
+    flow = FakeFlow(tok, pieces=CALL)
+    msg = asyncio.run(_client(_app(flow)).messages.create(**MSG, tools=[WEATHER],
+                                                          tool_choice={"type": "tool", "name": "get_weather"}))
+    assert flow.params[0].structured_outputs is not None  # the sampler is held to a call of get_weather
+    assert msg.stop_reason == "tool_use" and msg.content[0].input == {"city": "Paris", "days": 2}
+    assert flow.params[0].max_tokens == 16
+
+
+def test_tool_result_turn_renders_the_call_and_the_observation(tok):
+    flow = FakeFlow(tok, pieces=["It is 18C."])
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                "input": {"city": "Paris", "days": 2}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18C"}]}]
+    msg = asyncio.run(_client(_app(flow)).messages.create(model="tiny-code", max_tokens=8, tools=[WEATHER],
+                                                          messages=turns))
+    prompt = tok.decode(flow.prompts[0], skip_special_tokens=False)
+    assert ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+            "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>") in prompt
+    assert "<|observation|><tool_response>18C</tool_response>" in prompt
+    assert msg.content[0].text == "It is 18C." and msg.stop_reason == "end_turn"

@@ -77,7 +77,10 @@ def test_sampling_stream_and_output_format():
     assert body["response_format"]["json_schema"]["schema"] == {"type": "object"}
     assert "metadata" not in body
     plain = chat_completion_request(_req())
-    assert not {"temperature", "top_p", "top_k", "stop", "stream", "chat_template_kwargs"} & set(plain)
+    assert not {"temperature", "top_p", "top_k", "stop", "stream"} & set(plain)
+    assert plain["chat_template_kwargs"] == {"enable_thinking": False}  # no `thinking`: none, as Anthropic
+    adaptive = chat_completion_request(_req(thinking={"type": "adaptive"}))
+    assert adaptive["chat_template_kwargs"] == {"enable_thinking": True}
 
 
 def test_billing_header_is_dropped_only_at_the_start():

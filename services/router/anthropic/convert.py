@@ -9,7 +9,7 @@ Request, block by block:
     assistant thinking / text / tool_use  -> assistant {reasoning_content, content, tool_calls[]}
     tools{name, description, input_schema}-> tools[{type: function, function{name, description, parameters}}]
     tool_choice auto / any / tool / none  -> "auto" / "required" / {type: function, ...} / "none"
-    thinking enabled / disabled           -> chat_template_kwargs.enable_thinking true / false
+    thinking enabled / disabled / absent  -> chat_template_kwargs.enable_thinking true / false / false
     output_config.format json_schema      -> response_format json_schema (strict)
 Refused with 400: image and document blocks (this server serves text-only models), any other block
 type, server tools, a code-execution `container`, and a final assistant message (prefill of the answer).
@@ -182,8 +182,8 @@ def chat_request(req: _Prompt) -> dict:
     if req.container is not None:
         raise InvalidRequest("code execution containers are not supported", "container")
     body: dict = {"model": req.model, "messages": chat_messages(req), **_tools(req)}
-    if req.thinking is not None:
-        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+    # as in Anthropic's API, no `thinking` means no thinking (a GLM template would think by default)
+    body["chat_template_kwargs"] = {"enable_thinking": req.thinking is not None and req.thinking.type != "disabled"}
     if req.output_config is not None and req.output_config.format is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": req.output_config.format.schema_, "strict": True}}

@@ -71,8 +71,8 @@ class AnthropicAPI:
         return JSONResponse(message_from_chat(resp, new_message_id(), req.model, req.stop_sequences))
 
     async def count_tokens(self, request: Request):
+        from services.router.chat_request import prepare_chat_request
         from services.router.http_api import exception_response
-        from services.router.requests import prepare_chat
 
         try:
             req = await _parse(request, CountTokensRequest)
@@ -81,10 +81,10 @@ class AnthropicAPI:
             return error_response(400, str(exc))
         try:
             self.api._check_model(chat.model)
-            prep = prepare_chat(chat, self.api.tok, self.api.limits)
+            prompt = prepare_chat_request(chat, self.api.chat).prompt  # what chat_completions would render
         except Exception as exc:  # noqa: BLE001 - every failure becomes an Anthropic error body
             return convert_error_response(exception_response(exc))
-        return {"input_tokens": len(prep.prompts[0])}
+        return {"input_tokens": len(self.api.tok.encode(prompt))}
 
 
 def _inline(node, defs: dict):
