@@ -15,8 +15,8 @@ from tests.e2e import system
 anthropic = pytest.importorskip("anthropic")
 pytestmark = pytest.mark.xdist_group("anthropic")
 
-# the forced call needs the GLM tool parser in the chat path and grammar-constrained sampling
-TOOLS_READY = all(importlib.util.find_spec(m) for m in ("services.router.tool_parsers", "engine.structured"))
+# the forced call needs the GLM tool parser in the chat path and the engines' grammar-constrained sampling
+TOOLS_READY = all(importlib.util.find_spec(m) for m in ("services.router.tool_parsers", "engine.structured.matcher"))
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"},
                                                              "days": {"type": "integer", "minimum": 1}},
