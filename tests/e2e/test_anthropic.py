@@ -18,9 +18,10 @@ pytestmark = pytest.mark.xdist_group("anthropic")
 # the forced call needs the GLM tool parser in the chat path and the engines' grammar-constrained sampling
 TOOLS_READY = all(importlib.util.find_spec(m) for m in ("services.router.tool_parsers", "engine.structured.matcher"))
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"},
-                                                             "days": {"type": "integer", "minimum": 1}},
-                            "required": ["city", "days"], "additionalProperties": False}}
+           # values the grammar bounds: a random-weight model would write free text forever
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                             "metric": {"type": "boolean"}},
+                            "required": ["city", "metric"], "additionalProperties": False}}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -78,7 +79,7 @@ def test_billing_header_does_not_defeat_the_prefix_cache(client):
 @pytest.mark.skipif(not TOOLS_READY, reason="needs the GLM tool-call parser and grammar-constrained sampling")
 def test_forced_tool_use_validates_against_its_schema(client):
     jsonschema = pytest.importorskip("jsonschema")
-    kw = {"model": "tiny-code", "max_tokens": 64, "extra_body": {"temperature": 0}, "messages": USER, "tools": [WEATHER],
+    kw = {"model": "tiny-code", "max_tokens": 256, "extra_body": {"temperature": 0}, "messages": USER, "tools": [WEATHER],
           "tool_choice": {"type": "tool", "name": "get_weather"}}
     msg = client.messages.create(**kw)
     calls = [b for b in msg.content if b.type == "tool_use"]
