@@ -53,24 +53,25 @@ class StructuredOutputSpec:
 
     # ---- constructors for each API spelling ------------------------------------------------------
     @classmethod
-    def json_schema(cls, schema: dict | bool | str, reasoning_end: str = "") -> "StructuredOutputSpec":
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    def json_schema(cls, schema: dict | bool | str, reasoning_end: str = "") -> StructuredOutputSpec:
+        # key order is kept: it orders the output
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
         return cls("json", text, reasoning_end)
 
     @classmethod
-    def json_object(cls, reasoning_end: str = "") -> "StructuredOutputSpec":
+    def json_object(cls, reasoning_end: str = "") -> StructuredOutputSpec:
         return cls("json_object", "", reasoning_end)
 
     @classmethod
-    def regex(cls, pattern: str, reasoning_end: str = "") -> "StructuredOutputSpec":
+    def regex(cls, pattern: str, reasoning_end: str = "") -> StructuredOutputSpec:
         return cls("regex", pattern, reasoning_end)
 
     @classmethod
-    def choice(cls, choices: list[str], reasoning_end: str = "") -> "StructuredOutputSpec":
+    def choice(cls, choices: list[str], reasoning_end: str = "") -> StructuredOutputSpec:
         return cls("choice", json.dumps(list(choices), separators=(",", ":")), reasoning_end)
 
     @classmethod
-    def grammar(cls, ebnf: str, reasoning_end: str = "") -> "StructuredOutputSpec":
+    def grammar(cls, ebnf: str, reasoning_end: str = "") -> StructuredOutputSpec:
         return cls("grammar", ebnf, reasoning_end)
 
     @property

@@ -68,7 +68,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
         if isinstance(args, str):
             try:
                 args = json.loads(args or "{}")
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise BadRequest(f"{where}.tool_calls[{j}].function.arguments is not JSON: {e}",
                                  f"{where}.tool_calls") from e
         if not isinstance(args, dict):
@@ -137,7 +137,8 @@ def _forced_names(choice, tools: dict[str, dict], settings: ChatSettings) -> tup
         return True, None
     if choice == "required":
         return True, list(tools)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise BadRequest('tool_choice must be "none", "auto", "required" or '
                          '{"type": "function", "function": {"name": ...}}', "tool_choice")

@@ -38,7 +38,7 @@ class ChatTemplateError(ValueError):
 class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering is its body."""
 
-    tags = {"generation"}
+    tags = frozenset(("generation",))
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno
@@ -52,7 +52,7 @@ class _GenerationTag(jinja2.ext.Extension):
 class _Namespace(jinja2.utils.Namespace):
     """Jinja's namespace() without underscore-prefixed attributes (no reaching into object internals)."""
 
-    def __init__(*args, **kwargs):  # noqa: N805 - same signature trick as jinja2.utils.Namespace
+    def __init__(*args, **kwargs):
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for key in attrs:
@@ -132,7 +132,7 @@ class ChatTemplate:
         self._compiled = {name: env.from_string(text) for name, text in self.sources.items()}
 
     @classmethod
-    def load(cls, model_dir: str | Path, override: str | Path | None = None) -> "ChatTemplate | None":
+    def load(cls, model_dir: str | Path, override: str | Path | None = None) -> ChatTemplate | None:
         """The checkpoint's template (or `override`, a file); None when there is none."""
         model_dir = Path(model_dir)
         cfg_file = model_dir / "tokenizer_config.json"

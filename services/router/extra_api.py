@@ -20,9 +20,13 @@ import re
 import uuid
 from importlib import metadata
 from pathlib import Path
-from typing import Union
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field
+
+from services.router.chat_request import prepare_chat_request
+from services.router.openai_models import ChatCompletionRequest
+from services.router.requests import BadRequest
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -77,7 +81,7 @@ def apply_generation_defaults(body, defaults: dict) -> None:
         setattr(body, key, defaults[key])
 
 
-def version() -> str:
+def package_version() -> str:
     try:
         return metadata.version("pdserve")
     except metadata.PackageNotFoundError:
@@ -100,4 +104,44 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    tokens: list[Union[int]]
+    tokens: list[int]
+
+
+class ExtraEndpoints:
+    """/version, /tokenize and /detokenize, mixed into RouterAPI: it provides `tok`, `limits`, `chat`,
+    `_check_model` and `error` (an exception as an OpenAI error response)."""
+
+    async def version(self) -> dict:
+        return {"version": package_version()}
+
+    async def tokenize(self, body: TokenizeRequest):
+        try:
+            self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise BadRequest("give exactly one of prompt and messages", "prompt")
+            if body.prompt is not None:
+                text = body.prompt
+            else:
+                try:
+                    chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
+                                                 chat_template_kwargs=body.chat_template_kwargs,
+                                                 add_generation_prompt=body.add_generation_prompt, tool_choice="none")
+                except pydantic.ValidationError as e:
+                    raise BadRequest(f"messages: {e.errors()[0]['msg']}", "messages") from e
+                text = prepare_chat_request(chat, self.chat).prompt
+            ids = self.tok.encode(text)
+            strs = [self.tok.id_to_token(t) for t in ids] if body.return_token_strs else None
+            return {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids, "token_strs": strs}
+        except Exception as exc:  # noqa: BLE001
+            return self.error(exc)
+
+    async def detokenize(self, body: DetokenizeRequest):
+        try:
+            self._check_model(body.model)
+            bad = [t for t in body.tokens if not 0 <= t < self.limits.vocab_size]
+            if bad:
+                raise BadRequest(f"tokens must be in [0, {self.limits.vocab_size}); got {bad[:5]}", "tokens")
+            return {"prompt": self.tok.decode(body.tokens, skip_special_tokens=False)}
+        except Exception as exc:  # noqa: BLE001
+            return self.error(exc)
+

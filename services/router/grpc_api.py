@@ -17,9 +17,6 @@ import json
 import pydantic
 
 from proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.admission import Admission
-from services.common.convert import delta_to_proto
-from services.common.grpc_server import grpc_errors
 from services.router.chat_output import ChoiceParser
 from services.router.chat_request import ChatSettings, prepare_chat_request
 from services.router.flow import Flow, RequestStats, new_request_id
@@ -27,6 +24,9 @@ from services.router.guard import ApiKeys, tenant_cache_salt
 from services.router.openai_models import ChatCompletionRequest
 from services.router.requests import BadRequest, Limits, prepare_generate
 from services.router.tool_parsers import ToolCallDelta
+from services.rpc.admission import Admission
+from services.rpc.grpc_server import grpc_errors
+from services.transfer.wire import delta_to_proto
 
 SERVICE_NAME = "pdserve.v1.Router"
 

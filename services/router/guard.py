@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from services.common.grpc_server import Unauthenticated
 from services.router.anthropic.errors import error_body as anthropic_error_body
 from services.router.openai_models import error_body
+from services.rpc.grpc_server import Unauthenticated
 
 PROTECTED_PREFIX = "/v1/"
 ANTHROPIC_PREFIX = "/v1/messages"

@@ -17,20 +17,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common.admission import Admission
-from services.common.grpc_server import Overloaded, retry_after_s
 from services.router.anthropic.endpoint import mount as mount_anthropic
 from services.router.api_fields import check_extra_fields
 from services.router.chat_output import ChoiceParser, OutputOptions, openai_delta, openai_message
 from services.router.chat_request import ChatSettings, prepare_chat_request
-from services.router.extra_api import (DetokenizeRequest, RequestIdHeader, TokenizeRequest,
-                                       apply_generation_defaults, new_api_request_id, version)
+from services.router.extra_api import ExtraEndpoints, RequestIdHeader, apply_generation_defaults, new_api_request_id
 from services.router.flow import Flow, RequestStats, UpstreamError
+from services.router.guard import ApiKeys, Guard, tenant_cache_salt
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, error_body
 from services.router.requests import BadRequest, Limits, Prepared, prepare_chat, prepare_completion
-from services.router.guard import ApiKeys, Guard, tenant_cache_salt
 from services.router.responses import Formatter, sse, usage
 from services.router.routing import NoInstance
+from services.rpc.admission import Admission
+from services.rpc.grpc_server import Overloaded, retry_after_s
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +50,8 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 def exception_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, BadRequest):
         return error_response(400, str(exc), code=exc.code, param=exc.param)
+    if isinstance(exc, RecursionError):  # JSON nested past what a schema check or a template can walk
+        return error_response(400, "the request is nested too deeply")
     if isinstance(exc, Overloaded):
         return error_response(429, str(exc), "rate_limit_error", retry_after=math.ceil(exc.retry_after_s))
     if isinstance(exc, NoInstance):
@@ -81,7 +82,7 @@ class _AdmittedStream(StreamingResponse):
             self._release()
 
 
-class RouterAPI:
+class RouterAPI(ExtraEndpoints):
     def __init__(self, flow: Flow, limits: Limits, model_name: str | list[str], metrics, *,
                  keys: ApiKeys | None = None, admission: Admission | None = None, max_body_bytes: int = 32 << 20,
                  chat: ChatSettings | None = None, generation_defaults: dict | None = None):
@@ -94,6 +95,8 @@ class RouterAPI:
         self.keys = keys or ApiKeys()
         self.admission = admission or Admission("router", 1024)
         self.max_body_bytes = max_body_bytes
+
+    error = staticmethod(exception_response)
 
     # ---- plumbing --------------------------------------------------------------------------------
     def build(self) -> FastAPI:
@@ -137,41 +140,10 @@ class RouterAPI:
     async def health(self) -> dict:
         return {"status": "ok", "redis": self.flow.routing.redis_ok}
 
-    async def version(self) -> dict:
-        return {"version": version()}
-
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
                                             "root": self.model_name, "max_model_len": self.limits.max_model_len,
                                             "vocab_size": self.limits.vocab_size} for name in self.model_names]}
-
-    async def tokenize(self, body: TokenizeRequest):
-        try:
-            self._check_model(body.model)
-            if (body.prompt is None) == (body.messages is None):
-                raise BadRequest("give exactly one of prompt and messages", "prompt")
-            if body.prompt is not None:
-                text = body.prompt
-            else:
-                chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
-                                             chat_template_kwargs=body.chat_template_kwargs,
-                                             add_generation_prompt=body.add_generation_prompt, tool_choice="none")
-                text = prepare_chat_request(chat, self.chat).prompt
-            ids = self.tok.encode(text)
-            strs = [self.tok.id_to_token(t) for t in ids] if body.return_token_strs else None
-            return {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids, "token_strs": strs}
-        except Exception as exc:  # noqa: BLE001
-            return exception_response(exc)
-
-    async def detokenize(self, body: DetokenizeRequest):
-        try:
-            self._check_model(body.model)
-            bad = [t for t in body.tokens if not 0 <= t < self.limits.vocab_size]
-            if bad:
-                raise BadRequest(f"tokens must be in [0, {self.limits.vocab_size}); got {bad[:5]}", "tokens")
-            return {"prompt": self.tok.decode(body.tokens, skip_special_tokens=False)}
-        except Exception as exc:  # noqa: BLE001
-            return exception_response(exc)
 
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -10,27 +10,27 @@ import logging
 
 import uvicorn
 
-from engine.config import ModelConfig
-from engine.tokenizer import Tokenizer
-from proto.pdserve.v1 import router_pb2_grpc
 from engine import envs
-from services.common.admission import Admission
-from services.common.service_args import setup_logging
-from services.common.grpc_server import GrpcServer, run
-from services.common.metrics import ServiceMetrics
-from services.common.net import advertise_host
-from services.common.redis_state import InstanceInfo, InstancePresence, RedisState
+from engine.config.model import ModelConfig
+from engine.frontend.tokenizer import Tokenizer
+from proto.pdserve.v1 import router_pb2_grpc
+from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
 from services.router.chat_request import ChatSettings
 from services.router.chat_template import ChatTemplate
 from services.router.extra_api import load_generation_defaults
 from services.router.flow import Flow
-from services.router.reasoning import reasoning_parser
-from services.router.tool_parsers import tool_parser
 from services.router.grpc_api import SERVICE_NAME, RouterServicer
 from services.router.guard import ApiKeys
 from services.router.http_api import RouterAPI
+from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
 from services.router.routing import Routing
+from services.router.tool_parsers import tool_parser
+from services.rpc.admission import Admission
+from services.rpc.grpc_server import GrpcServer, run
+from services.rpc.metrics import ServiceMetrics
+from services.rpc.net import advertise_host
+from services.rpc.service_args import setup_logging
 
 log = logging.getLogger("services.router")
 
@@ -76,7 +76,9 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_pretrained(args.model)
     tok = Tokenizer(args.model)
     limits = Limits(max_model_len=args.max_model_len or cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-                    max_n=args.max_n)
+                    max_n=args.max_n,
+                    # GLM's reasoning parsers end thinking with </think>: structured outputs start after it
+                    reasoning_end="</think>" if getattr(args, "reasoning_parser", None) else "")
     keys = ApiKeys.from_sources(args.api_key, args.api_keys_file)
     admission = Admission("router", args.max_inflight_requests)
     names = args.served_model_name or [args.model.rstrip("/").split("/")[-1]]

@@ -44,6 +44,13 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     cache_salt: str | None = None
+    # structured outputs (services/router/structured.py): OpenAI's, vLLM's and vLLM's older names
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):

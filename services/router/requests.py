@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.frontend.tokenizer import Tokenizer
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest
+from services.router.structured import SpecError, check_spec, structured_from_request
 
 
 class BadRequest(ValueError):
@@ -28,6 +29,7 @@ class Limits:
     max_stop: int = 16
     max_stop_len: int = 256
     max_stop_token_ids: int = 64
+    reasoning_end: str = ""  # with a reasoning parser: structured outputs apply after this text
 
 
 @dataclass
@@ -90,7 +92,7 @@ def _check_sampling(p: SamplingParams, prompt_len: int, limits: Limits) -> None:
 
 def prepare_generate(g, tok: Tokenizer, limits: Limits) -> tuple[list[int], SamplingParams]:
     """gRPC Router.Generate: the same checks as the HTTP API, on a `GenerateRequest`."""
-    from services.common.convert import sampling_from_proto
+    from services.transfer.wire import sampling_from_proto
 
     if bool(g.prompt) == bool(g.prompt_token_ids):
         raise BadRequest("give exactly one of prompt and prompt_token_ids", "prompt")
@@ -100,6 +102,11 @@ def prepare_generate(g, tok: Tokenizer, limits: Limits) -> tuple[list[int], Samp
         params = sampling_from_proto(g.sampling_params)
     except ValueError as e:
         raise BadRequest(str(e), "sampling_params") from e
+    if params.structured_outputs is not None:
+        try:
+            check_spec(params.structured_outputs)
+        except ValueError as e:
+            raise BadRequest(str(e), "sampling_params.structured_outputs") from e
     _check_sampling(params, len(ids), limits)
     return ids, params
 
@@ -120,6 +127,11 @@ def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int,
         raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
     stop = _stop(body.stop, limits)  # outside the try: keeps its own param name
     try:
+        gate = limits.reasoning_end if isinstance(body, ChatCompletionRequest) else ""
+        structured = structured_from_request(body, gate)
+    except SpecError as e:
+        raise BadRequest(str(e), e.param) from e
+    try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
@@ -128,7 +140,7 @@ def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             min_tokens=min(body.min_tokens, max_tokens), skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=structured)
     except ValueError as e:
         raise BadRequest(str(e)) from e
     _check_sampling(params, prompt_len, limits)

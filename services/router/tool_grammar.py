@@ -22,7 +22,7 @@ import xgrammar as xgr
 
 from engine.structured.spec import StructuredOutputSpec
 
-_RULE_DEF = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", re.M)
+_RULE_DEF = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", re.MULTILINE)
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 STRING_VALUE_RULE = 'tc_text ::= ([^<] | "<" [^/])*'
 

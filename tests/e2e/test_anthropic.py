@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from services import launcher
+from services.deploy import launcher
 from tests.e2e import system
 
 anthropic = pytest.importorskip("anthropic")

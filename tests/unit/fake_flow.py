@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.tokenizer import Tokenizer
+from engine.frontend.tokenizer import Tokenizer
 from services.router.flow import Chunk
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
+from engine.frontend.tokenizer import Tokenizer
 from services.router.chat_request import ChatSettings
 from services.router.chat_template import ChatTemplate
 from services.router.guard import ApiKeys

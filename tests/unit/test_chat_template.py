@@ -102,6 +102,7 @@ def test_raise_exception_and_reserved_kwargs():
 
 def test_sources(tmp_path):
     assert ChatTemplate.load(tmp_path) is None  # no template anywhere: no made-up one
+    assert ChatTemplate("{% generation %}x{% endgeneration %}").render([]) == "x"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": {"content": "</s>"}, "chat_template": [{"name": "default", "template": "D{{ eos_token }}"},
                                                              {"name": "tool_use", "template": "T"}]}))

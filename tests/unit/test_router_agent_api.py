@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
-from services.common.metrics import ServiceMetrics
+from engine.frontend.detokenizer import IncrementalDetokenizer
+from engine.frontend.tokenizer import Tokenizer
 from services.router.chat_request import ChatSettings
 from services.router.chat_template import ChatTemplate
 from services.router.flow import Chunk
@@ -18,6 +17,7 @@ from services.router.http_api import RouterAPI
 from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
 from services.router.tool_parsers import tool_parser
+from services.rpc.metrics import ServiceMetrics
 
 TINY = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-code"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -196,3 +196,21 @@ def test_no_template_is_400(tmp_path):
     api = RouterAPI(ScriptedFlow(tok), Limits(4096, tok.vocab_size), "m", ServiceMetrics("router", "t2"))
     r = TestClient(api.build()).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+def test_auto_tool_choice_needs_the_flag():
+    from fastapi.testclient import TestClient
+
+    tok = Tokenizer(TINY)
+    flow = ScriptedFlow(tok)
+    chat = ChatSettings(ChatTemplate.load(TINY), tool_parser("glm47"), reasoning_parser("glm45"), False)
+    client = TestClient(RouterAPI(flow, Limits(4096, tok.vocab_size), "m", ServiceMetrics("router", "t3"),
+                                  chat=chat).build())
+    for choice in ("auto", None):  # None: the default with tools is auto
+        body = {"tools": [WEATHER]} if choice is None else {"tools": [WEATHER], "tool_choice": choice}
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    flow.script = "ok"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                                                  "tool_choice": "required", "max_tokens": 8})
+    assert r.status_code == 200 and flow.calls[-1][1].structured_outputs is not None

@@ -31,14 +31,14 @@ def _run(pieces, name="glm47"):
 # (output text, expected content, expected [(name, arguments dict)])
 CASES = [
     ("plain answer, no call\n", "plain answer, no call\n", []),
-    ("Let me check.\n<tool_call>get_weather<arg_key>city</arg_key><arg_value>Zürich \"x\"</arg_value>"
-     "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>",
+    (("Let me check.\n<tool_call>get_weather<arg_key>city</arg_key><arg_value>Zürich \"x\"</arg_value>"
+     "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"),
      "Let me check.", [("get_weather", {"city": 'Zürich "x"', "days": 3})]),
-    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n<arg_key>opts</arg_key>\n"
-     "<arg_value>{\"a\": [1, 2]}</arg_value>\n</tool_call>\n<tool_call>noop</tool_call>\n",
+    (("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n<arg_key>opts</arg_key>\n"
+     "<arg_value>{\"a\": [1, 2]}</arg_value>\n</tool_call>\n<tool_call>noop</tool_call>\n"),
      "", [("get_weather", {"city": "42", "opts": {"a": [1, 2]}}), ("noop", {})]),
-    ("<tool_call>get_weather<arg_key>days</arg_key><arg_value>three</arg_value><arg_key>tag</arg_key>"
-     "<arg_value>7</arg_value><arg_key>extra</arg_key><arg_value>[1]</arg_value></tool_call> done",
+    (("<tool_call>get_weather<arg_key>days</arg_key><arg_value>three</arg_value><arg_key>tag</arg_key>"
+     "<arg_value>7</arg_value><arg_key>extra</arg_key><arg_value>[1]</arg_value></tool_call> done"),
      "done", [("get_weather", {"days": "three", "tag": "7", "extra": [1]})]),
     # an unknown tool: the block is plain content
     ("a <tool_call>rm_rf<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>b",
