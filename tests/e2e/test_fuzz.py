@@ -32,8 +32,8 @@ from proto.pdserve.v1 import (
 )
 from services.rpc.grpc_server import check_health
 from services.transfer.wire import sampling_to_proto
-from tests.e2e import hardened as h
-from tests.e2e import system
+from tests.helpers import hardened as h
+from tests.helpers import system
 
 pytestmark = pytest.mark.xdist_group("hardened")
 
