@@ -12,7 +12,7 @@ import json
 import pytest
 
 from services.deploy import launcher
-from tests.e2e import system
+from tests.helpers import system
 
 pytestmark = pytest.mark.xdist_group("agent_api")
 openai = pytest.importorskip("openai")

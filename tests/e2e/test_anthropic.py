@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 from services.deploy import launcher
-from tests.e2e import system
+from tests.helpers import system
 
 anthropic = pytest.importorskip("anthropic")
 pytestmark = pytest.mark.xdist_group("anthropic")

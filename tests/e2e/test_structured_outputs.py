@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from services.deploy import launcher
-from tests.e2e import system
+from tests.helpers import system
 
 pytestmark = pytest.mark.xdist_group("structured")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,10 +17,11 @@ from services.router.http_api import RouterAPI
 from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
 from services.router.tool_parsers import tool_parser
-from tests.unit.fake_flow import FakeFlow
+from tests.conftest import TINY_CODE
+from tests.helpers.fake_flow import FakeFlow
 
 anthropic = pytest.importorskip("anthropic")
-TINY = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-code"
+TINY = TINY_CODE
 BILLING = "x-anthropic-billing-header: cc_version=2.1.62.023; cc_entrypoint=cli; cch={};"
 
 
