@@ -22,7 +22,7 @@ class FakeFlow:
     finish_reason: str = "stop"
     stop_reason: int | str | None = None
     cached_tokens: int = 0
-    error: BaseException | None = None  # raised after the pieces
+    error: BaseException | None = None  # raised with the last piece (at once when there are none)
     prompts: list[list[int]] = field(default_factory=list)
     params: list = field(default_factory=list)
     routing: _Routing = field(default_factory=_Routing)
@@ -31,6 +31,8 @@ class FakeFlow:
         self.prompts.append(list(ids))
         self.params.append(params)
         stats.cached_tokens = self.cached_tokens
+        if self.error is not None and not self.pieces:
+            raise self.error
         for i, text in enumerate(self.pieces):
             last = i == len(self.pieces) - 1
             token_ids = self.tokenizer.encode(text) or [0]

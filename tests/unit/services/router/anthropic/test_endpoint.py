@@ -16,7 +16,9 @@ from services.router.guard import ApiKeys
 from services.router.http_api import RouterAPI
 from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
+from services.router.routing import NoInstance
 from services.router.tool_parsers import tool_parser
+from services.rpc.grpc_server import Overloaded
 from tests.conftest import TINY_CODE
 from tests.helpers.fake_flow import FakeFlow
 
@@ -158,6 +160,19 @@ def test_upstream_failure_mid_stream_is_an_error_event(tok):
     assert kinds[:2] == ["message_start", "ping"] and kinds[-1] == "error" and "message_stop" not in kinds
     data = json.loads([line for line in r.text.splitlines() if line.startswith("data: ")][-1][6:])
     assert data == {"type": "error", "error": {"type": "api_error", "message": "decode went away"}}
+
+
+@pytest.mark.parametrize("error,status,kind,sdk_error", [
+    (Overloaded("every decode instance is at capacity", 2.0), 429, "rate_limit_error", "RateLimitError"),
+    (NoInstance("no healthy decode instance"), 529, "overloaded_error", "OverloadedError"),
+])
+def test_capacity_errors_keep_their_meaning(tok, error, status, kind, sdk_error):
+    app = _app(FakeFlow(tok, pieces=[], error=error))
+    r = _post(app, "/v1/messages", MSG)
+    assert r.status_code == status and r.json()["error"] == {"type": kind, "message": str(error)}
+    assert r.headers.get("retry-after")  # the client is told when to come back
+    with pytest.raises(getattr(anthropic, sdk_error)):
+        asyncio.run(_client(app).messages.create(**MSG))
 
 
 # ---- through the GLM tool-call and reasoning parsers of the chat path ---------------------------------
