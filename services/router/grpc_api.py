@@ -36,8 +36,8 @@ def _json_field(text: str, name: str, default=None):
         return default
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"chat.{name} is not JSON: {e}", f"chat.{name}") from e
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise BadRequest(f"chat.{name} is not JSON (or nested too deeply): {e}", f"chat.{name}") from e
 
 
 def chat_body(chat: common_pb2.ChatRequest) -> ChatCompletionRequest:
@@ -76,7 +76,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return (*prepare_generate(request, self.flow.tokenizer, self.limits), None)
         if request.prompt or request.prompt_token_ids:
             raise BadRequest("give either chat or a prompt, not both", "chat")
-        plan = prepare_chat_request(chat_body(request.chat), self.chat)
+        try:
+            plan = prepare_chat_request(chat_body(request.chat), self.chat)
+        except RecursionError as e:  # a schema or message nested past what the checks can walk
+            raise BadRequest("chat is nested too deeply", "chat") from e
         g = common_pb2.GenerateRequest()
         g.CopyFrom(request)
         g.ClearField("chat")

@@ -2,7 +2,8 @@
 
 `--reasoning-parser glm45` (GLM-4.5 through GLM-5): the reasoning is the text between `<think>` and
 `</think>` at the start of the output. A chat template with thinking on ends the prompt inside an
-open `<think>`; the output then starts in the reasoning, and `starts_in_reasoning(prompt)` says so.
+open `<think>`; the output then starts in the reasoning (`starts_in_reasoning(prompt)` says so), and
+a `<think>` the model writes again at its very start is dropped.
 With `enable_thinking: false` the template closes it (`</think>`) and the router parses nothing.
 
 Streaming: `feed(text)` takes each new piece of output text and returns `(reasoning, content)` deltas;
@@ -23,12 +24,13 @@ def _held_prefix(text: str, marker: str) -> int:
 
 
 class ThinkReasoningParser:
-    """`<think>` opens the reasoning only at the very start of the output; `</think>` ends it once."""
+    """`<think>` opens the reasoning only at the very start of the output; `</think>` ends it once.
+    States: start (a `<think>` may still come) -> reasoning -> content, or start -> content."""
 
     start, end = "<think>", "</think>"
 
     def __init__(self, in_reasoning: bool = False):
-        self._state = "reasoning" if in_reasoning else "start"
+        self._state, self._inside = "start", in_reasoning
         self._buf = ""
         self.saw_reasoning = in_reasoning
 
@@ -44,10 +46,10 @@ class ThinkReasoningParser:
         if self._state == "start":
             if self.start.startswith(self._buf) and len(self._buf) < len(self.start):
                 return "", ""  # could still become <think>
-            if self._buf.startswith(self.start):
+            if self._buf.startswith(self.start):  # also when the prompt opened it: the model may repeat it
                 self._buf, self._state, self.saw_reasoning = self._buf[len(self.start):], "reasoning", True
             else:
-                self._state = "content"
+                self._state = "reasoning" if self._inside else "content"
         if self._state == "reasoning":
             at = self._buf.find(self.end)
             if at < 0:
@@ -61,7 +63,8 @@ class ThinkReasoningParser:
     def finish(self) -> tuple[str, str]:
         """The held tail, once the output is complete."""
         rest, self._buf = self._buf, ""
-        return (rest, "") if self._state == "reasoning" else ("", rest)
+        inside = self._state == "reasoning" or (self._state == "start" and self._inside)
+        return (rest, "") if inside else ("", rest)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """The whole output at once: (reasoning or None when there was none, content)."""

@@ -32,10 +32,15 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def deployment(tmp_path_factory):
     dep = system.up(tmp_path_factory.mktemp("agent"))
-    yield openai.OpenAI(base_url=dep.endpoints()["router"][0] + "/v1", api_key="unused")
+    yield dep
     launcher.down(dep)
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    return openai.OpenAI(base_url=deployment.endpoints()["router"][0] + "/v1", api_key="unused")
 
 
 def _named(name: str) -> dict:
@@ -85,3 +90,38 @@ def test_agent_loop_second_turn_hits_the_cache(client):
     jsonschema.validate(json.loads(answer.function.arguments), ANSWER)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_bad_tool_requests_are_400_with_param(client):
+    messages = [{"role": "user", "content": "hi"}]
+    for kw, param in ((dict(tools=TOOLS, tool_choice=_named("nope")), "tool_choice"),
+                      (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]),
+                       "tools"),
+                      (dict(extra_body={"logit_bias": {"3": 5}}), "logit_bias")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny-code", messages=messages, max_tokens=4, **kw)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_grpc_chat_forced_tool_call(deployment):
+    import asyncio
+
+    import grpc
+
+    from proto.pdserve.v1 import common_pb2, router_pb2_grpc
+
+    chat = common_pb2.ChatRequest(messages_json=json.dumps([{"role": "user", "content": "Weather in Oslo?"}]),
+                                  tools_json=json.dumps(TOOLS), tool_choice_json=json.dumps(_named("get_weather")),
+                                  chat_template_kwargs_json=json.dumps({"enable_thinking": False}))
+    request = common_pb2.GenerateRequest(chat=chat, sampling_params=common_pb2.SamplingParams(
+        max_tokens=320, temperature=0.0))
+
+    async def run():
+        async with grpc.aio.insecure_channel(deployment.endpoints()["router_grpc"][0]) as ch:
+            return [r async for r in router_pb2_grpc.RouterStub(ch).Generate(request, timeout=120)]
+
+    replies = asyncio.run(run())
+    calls = [tc for r in replies for tc in r.tool_calls]
+    assert calls and calls[0].name == "get_weather" and calls[0].id
+    jsonschema.validate(json.loads("".join(tc.arguments for tc in calls)), WEATHER)
+    assert replies[-1].finish_reason == "tool_calls" and replies[-1].usage.completion_tokens > 0

@@ -4,7 +4,6 @@ aliases, /tokenize, /detokenize, /version, X-Request-Id and generation_config de
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -18,8 +17,9 @@ from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
 from services.router.tool_parsers import tool_parser
 from services.rpc.metrics import ServiceMetrics
+from tests.conftest import TINY_CODE
 
-TINY = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-code"
+TINY = TINY_CODE
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
     "required": ["city"]}}}
@@ -214,3 +214,20 @@ def test_auto_tool_choice_needs_the_flag():
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
                                                   "tool_choice": "required", "max_tokens": 8})
     assert r.status_code == 200 and flow.calls[-1][1].structured_outputs is not None
+
+
+def test_generation_config_defaults(tmp_path):
+    from services.router.extra_api import apply_generation_defaults, load_generation_defaults
+    from services.router.openai_models import ChatCompletionRequest, CompletionRequest
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 40, "do_sample": True, "max_new_tokens": 77, "eos_token_id": [0]}))
+    defaults = load_generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 40, "max_tokens": 77}
+    assert load_generation_defaults(tmp_path / "none") == {}
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_p=0.5, max_completion_tokens=9)
+    apply_generation_defaults(chat, defaults)
+    assert (chat.temperature, chat.top_p, chat.top_k, chat.max_tokens) == (0.6, 0.5, 40, None)
+    comp = CompletionRequest(prompt="x")
+    apply_generation_defaults(comp, defaults)
+    assert comp.max_tokens == 77

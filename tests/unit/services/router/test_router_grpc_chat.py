@@ -16,7 +16,7 @@ from services.router.grpc_api import RouterServicer
 from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
 from services.router.tool_parsers import tool_parser
-from tests.unit.test_router_agent_api import TINY, WEATHER, ScriptedFlow
+from tests.unit.services.router.test_router_agent_api import TINY, WEATHER, ScriptedFlow
 
 
 class _Aborted(Exception):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from services.router.chat_template import ChatTemplate, ChatTemplateError
+from tests.conftest import TINY_CODE
 
-TINY = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-code"
+TINY = TINY_CODE
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Météo of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},

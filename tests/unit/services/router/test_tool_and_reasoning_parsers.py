@@ -99,6 +99,9 @@ REASONING_CASES = [
     ("<thi", False, None, "<thi"),
     ("a</think>b</think>c", True, "a", "b</think>c"),
     ("x", True, "x", ""),
+    ("<think>x</think>y", True, "x", "y"),  # the prompt opened it and the model wrote it again
+    ("<thi", True, "<thi", ""),
+    ("", True, "", ""),
 ]
 
 
