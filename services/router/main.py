@@ -69,7 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-idle-timeout-s", type=float, default=120.0,
                    help="longest silence of a decode stream (covers decode's admission wait and KV pull)")
     p.add_argument("--lease-ms", type=int, default=0, help="KV lease asked of prefill (0: its default)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser")
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -121,9 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def chat_settings(args: argparse.Namespace) -> ChatSettings:
-    """The chat template and the parsers the flags name (ValueError for a combination that cannot work)."""
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    """The chat template and the parsers the flags name."""
     return ChatSettings(ChatTemplate.load(args.model, args.chat_template), tool_parser(args.tool_call_parser),
                         reasoning_parser(args.reasoning_parser), args.enable_auto_tool_choice)
 
