@@ -30,6 +30,15 @@ def _invalid(exc: ValidationError, prefix: str = "") -> InvalidRequest:
     return InvalidRequest(first.get("msg", "malformed"), prefix + where if where else None)
 
 
+def _overflows_context(resp) -> bool:
+    """The chat path refused the request because prompt + max_tokens exceed the context (the
+    prompt alone fits: that refusal names `prompt`)."""
+    if not isinstance(resp, JSONResponse) or resp.status_code != 400:
+        return False
+    err = json.loads(resp.body or b"{}").get("error") or {}
+    return err.get("code") == "context_length_exceeded" and err.get("param") == "max_tokens"
+
+
 async def _parse(request: Request, model):
     try:
         raw = json.loads(await request.body())
@@ -57,18 +66,34 @@ class AnthropicAPI:
     async def messages(self, request: Request):
         try:
             req = await _parse(request, MessagesRequest)
-            chat = _chat(chat_completion_request(req))
+            body = chat_completion_request(req)
+            resp = await self.api.chat_completions(_chat(body), request)
+            capped = _overflows_context(resp) and self._cap_to_context(body)
+            if capped:
+                resp = await self.api.chat_completions(_chat(body), request)
         except InvalidRequest as exc:
             return error_response(400, str(exc))
-        resp = await self.api.chat_completions(chat, request)
         if isinstance(resp, StreamingResponse):
-            state = stream.MessageStream(new_message_id(), req.model, req.stop_sequences)
+            state = stream.MessageStream(new_message_id(), req.model, req.stop_sequences, capped)
             # the same response object keeps its admission release; only its body is translated
             resp.body_iterator = stream.with_pings(stream.events(resp.body_iterator, state))
             return resp
         if not isinstance(resp, dict):  # the chat path answers a dict, or a Response when it failed
             return convert_error_response(resp)
-        return JSONResponse(message_from_chat(resp, new_message_id(), req.model, req.stop_sequences))
+        return JSONResponse(message_from_chat(resp, new_message_id(), req.model, req.stop_sequences, capped))
+
+    def _cap_to_context(self, body: dict) -> bool:
+        """Lower `max_tokens` to the room the prompt leaves in the context; False when none is left.
+        As Anthropic's API does, a `max_tokens` past the context window generates up to the window
+        and stops with `model_context_window_exceeded`, instead of refusing the request."""
+        from services.router.chat_request import prepare_chat_request
+
+        prompt = prepare_chat_request(_chat(body), self.api.chat).prompt
+        room = self.api.limits.max_model_len - len(self.api.tok.encode(prompt))
+        if room < 1:
+            return False
+        body["max_tokens"] = room
+        return True
 
     async def count_tokens(self, request: Request):
         from services.router.chat_request import prepare_chat_request

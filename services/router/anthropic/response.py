@@ -4,7 +4,8 @@
     message.content           -> {"type": "text", "text"}
     message.tool_calls[]      -> {"type": "tool_use", "id", "name", "input": <arguments decoded>}
     finish_reason             -> stop_reason: tool_calls (or any tool call made) "tool_use",
-                                 length "max_tokens", a stop string of the request "stop_sequence"
+                                 length "max_tokens" (or "model_context_window_exceeded" when
+                                 max_tokens was lowered to fit the context), a stop string of the request "stop_sequence"
                                  (with `stop_sequence` set), anything else "end_turn"
     usage                     -> input_tokens (prompt tokens not read from the prefix cache),
                                  cache_read_input_tokens (those read), output_tokens
@@ -21,13 +22,14 @@ def tool_use_id(call_id: str | None) -> str:
     return call_id or "toolu_" + uuid.uuid4().hex[:24]
 
 
-def stop_reason(finish: str | None, matched, stop_sequences: list[str] | None,
-                called_tools: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a chat finish_reason and its vLLM-style `stop_reason`."""
+def stop_reason(finish: str | None, matched, stop_sequences: list[str] | None, called_tools: bool,
+                capped: bool = False) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a chat finish_reason and its vLLM-style `stop_reason`;
+    `capped`: max_tokens was lowered to the room left in the context window."""
     if called_tools or finish == "tool_calls":
         return "tool_use", None
     if finish == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if capped else "max_tokens"), None
     if isinstance(matched, str) and matched in (stop_sequences or ()):
         return "stop_sequence", matched
     return "end_turn", None
@@ -63,10 +65,11 @@ def content_blocks(message: dict) -> list[dict]:
     return blocks
 
 
-def message_from_chat(chat: dict, msg_id: str, model: str, stop_sequences: list[str] | None) -> dict:
+def message_from_chat(chat: dict, msg_id: str, model: str, stop_sequences: list[str] | None,
+                      capped: bool = False) -> dict:
     choice = chat["choices"][0]
     blocks = content_blocks(choice.get("message") or {})
     reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), stop_sequences,
-                                   any(b["type"] == "tool_use" for b in blocks))
+                                   any(b["type"] == "tool_use" for b in blocks), capped)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": blocks,
             "stop_reason": reason, "stop_sequence": sequence, "usage": usage(chat.get("usage"))}

@@ -36,8 +36,9 @@ PING = event("ping", {})
 class MessageStream:
     """One response's event state: the open block, its index, the finish and usage seen so far."""
 
-    def __init__(self, msg_id: str, model: str, stop_sequences: list[str] | None):
+    def __init__(self, msg_id: str, model: str, stop_sequences: list[str] | None, capped: bool = False):
         self.msg_id, self.model, self.stop_sequences = msg_id, model, stop_sequences
+        self.capped = capped  # max_tokens was lowered to fit the context window
         self.index = -1  # index of the last opened block
         self.open: tuple | None = None  # ("text",) | ("thinking",) | ("tool_use", chat tool-call index)
         self.called_tools = False
@@ -113,7 +114,8 @@ class MessageStream:
     def end(self) -> list[str]:
         if self.failed:
             return []
-        reason, sequence = response.stop_reason(self.finish, self.matched, self.stop_sequences, self.called_tools)
+        reason, sequence = response.stop_reason(self.finish, self.matched, self.stop_sequences, self.called_tools,
+                                                self.capped)
         return self._close() + [event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                                         "usage": response.usage(self.usage)}),
                                 event("message_stop", {})]

@@ -156,6 +156,12 @@ def test_stop_reasons(finish, matched, stops, want):
     assert (msg["stop_reason"], msg["stop_sequence"]) == want
 
 
+def test_a_capped_max_tokens_reports_the_context_window():
+    assert message_from_chat(_chat({"content": "x"}, "length"), "m", "m", None, capped=True)["stop_reason"] == \
+        "model_context_window_exceeded"
+    assert message_from_chat(_chat({"content": "x"}, "stop"), "m", "m", None, capped=True)["stop_reason"] == "end_turn"
+
+
 def test_a_forced_call_that_finished_with_stop_is_still_tool_use():
     chat = _chat({"content": None, "tool_calls": [{"id": None, "function": {"name": "f", "arguments": "{}"}}]})
     msg = message_from_chat(chat, "m", "m", None)

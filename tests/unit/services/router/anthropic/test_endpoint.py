@@ -175,6 +175,31 @@ def test_capacity_errors_keep_their_meaning(tok, error, status, kind, sdk_error)
         asyncio.run(_client(app).messages.create(**MSG))
 
 
+def test_max_tokens_past_the_context_generates_up_to_the_window(tok):
+    flow = FakeFlow(tok, pieces=["a", "b"], finish_reason="length")
+    app = _app(flow)
+    big = {**MSG, "max_tokens": 32000}  # what Claude Code asks for (streaming), on a 4096-token model
+
+    async def streamed():
+        async with _client(app).messages.stream(**big) as s:
+            return await s.get_final_message()
+
+    assert asyncio.run(streamed()).stop_reason == "model_context_window_exceeded"
+    r = _post(app, "/v1/messages", big)  # the client itself refuses so long a non-streamed call
+    assert r.status_code == 200 and r.json()["stop_reason"] == "model_context_window_exceeded"
+    assert [p.max_tokens for p in flow.params] == [4096 - len(flow.prompts[0])] * 2
+    flow.finish_reason = "stop"
+    assert _post(app, "/v1/messages", big).json()["stop_reason"] == "end_turn"
+
+
+def test_a_prompt_past_the_context_is_400(tok):
+    flow = FakeFlow(tok)
+    long = {**MSG, "messages": [{"role": "user", "content": "word " * 5000}]}
+    r = _post(_app(flow), "/v1/messages", long)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "context length" in r.json()["error"]["message"] and flow.prompts == []
+
+
 # ---- through the GLM tool-call and reasoning parsers of the chat path ---------------------------------
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
