@@ -32,11 +32,14 @@ def tok():
     return Tokenizer(TINY)
 
 
+def _chat_settings() -> ChatSettings:
+    """As the default topology configures the router: GLM tool and reasoning parsers."""
+    return ChatSettings(ChatTemplate.load(TINY), tool_parser("glm47"), reasoning_parser("glm45"), True)
+
+
 def _app(flow, keys=()):
-    """The router's app as the default topology configures it (GLM tool and reasoning parsers)."""
-    chat = ChatSettings(ChatTemplate.load(TINY), tool_parser("glm47"), reasoning_parser("glm45"), True)
     api = RouterAPI(flow, Limits(max_model_len=4096, vocab_size=flow.tokenizer.vocab_size), "tiny-code", None,
-                    keys=ApiKeys(keys), chat=chat)
+                    keys=ApiKeys(keys), chat=_chat_settings())
     return api.build()
 
 
@@ -56,6 +59,8 @@ def _post(app, path, body, headers=None):
 
 
 MSG = {"model": "tiny-code", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather of a city",
+                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
 def test_create_returns_a_text_message_with_usage(tok):
@@ -198,6 +203,36 @@ def test_a_prompt_past_the_context_is_400(tok):
     r = _post(_app(flow), "/v1/messages", long)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "context length" in r.json()["error"]["message"] and flow.prompts == []
+
+
+def test_a_request_shaped_as_claude_code_sends_it(tok):
+    """The fields and headers a Claude Code turn carries (beta query, cache_control everywhere, context
+    management, effort, adaptive thinking) are accepted; the billing line never reaches the model."""
+    flow = FakeFlow(tok, pieces=["Done", "</think>", "ok"])
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 32000, "stream": True,
+            "system": [{"type": "text", "text": BILLING.format("eb6c6")},
+                       {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                       "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}],
+            "tools": [{**WEATHER_TOOL, "cache_control": {"type": "ephemeral"}}],
+            "metadata": {"user_id": "user_abc_session_1"}, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"}, "cache_control": {"type": "ephemeral"}}
+    headers = {"x-api-key": "sk-a", "anthropic-version": "2023-06-01",
+               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"}
+    app = _app(flow, keys=["sk-a"])
+    app_named = RouterAPI(flow, Limits(max_model_len=4096, vocab_size=tok.vocab_size), ["tiny-code", "claude-sonnet-4-5"],
+                          None, keys=ApiKeys(["sk-a"]), chat=_chat_settings()).build()
+    assert _post(app, "/v1/messages?beta=true", body, headers).status_code == 404  # not a served name
+    r = _post(app_named, "/v1/messages?beta=true", body, headers)
+    assert r.status_code == 200, r.text
+    kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    prompt = tok.decode(flow.prompts[0], skip_special_tokens=False)
+    assert "billing" not in prompt and "You are Claude Code." in prompt and "get_weather" in prompt
+    count = _post(app_named, "/v1/messages/count_tokens?beta=true",
+                  {k: v for k, v in body.items() if k not in ("max_tokens", "stream", "metadata")}, headers)
+    assert count.status_code == 200 and count.json()["input_tokens"] == len(flow.prompts[0])
 
 
 # ---- through the GLM tool-call and reasoning parsers of the chat path ---------------------------------
