@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from engine.runner.state import RunnerRequest
 from engine.core.scheduler_output import ScheduledChunk
+from engine.runner.state import RunnerRequest
 from engine.structured.grammar import GrammarBackend, backend_for
 from engine.structured.matcher import RequestGrammar, apply_bitmask, build_bitmask
 

@@ -6,14 +6,17 @@ request recomputed after preemption), advances on every emitted token, and rolls
 tokens that verification rejected. With `reasoning_end` it stays closed (no mask) until that text
 has been generated; the bytes of the same token after the marker are fed to the matcher.
 
-`build_bitmask` fills one bitmask row per logits row of a step: for a request verifying drafts
+`build_bitmask` fills one bitmask row per logits row of a step (each request's next-token row in one
+batched call over threads, then the draft rows): for a request verifying drafts
 d1..dk, row i is the mask after d1..di (the matcher advances through the drafts it accepts, then
 rolls back), so a draft the grammar rejects has probability 0 and verification rejects it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 
 import torch
 import xgrammar as xgr
@@ -114,14 +117,17 @@ def build_bitmask(entries: list[tuple[int, RequestGrammar, list[int]]], num_rows
                   vocab_size: int) -> tuple[torch.Tensor | None, list[int], list[int]]:
     """entries: (first logits row, grammar, drafts being verified) -> (bitmask [num_rows, words] on the
     host or None when no row is constrained, the rows written, per entry the drafts the grammar accepts)."""
-    bitmask = None
-    rows: list[int] = []
+    if not entries:
+        return None, [], []
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)
+    firsts = [(r0, g.matcher) for r0, g, _ in entries if g.active]  # a closed gate leaves its row free
+    rows: list[int] = [r0 for r0, _ in firsts]
+    if len(firsts) > 1:  # the rows every request has: one call, spread over threads
+        _batch().batch_fill_next_token_bitmask([m for _, m in firsts], bitmask, indices=rows)
+    elif firsts:
+        firsts[0][1].fill_next_token_bitmask(bitmask, firsts[0][0])
     valid: list[int] = []
     for r0, g, drafts in entries:
-        if bitmask is None:
-            bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)
-        if g.fill(bitmask, r0):
-            rows.append(r0)
         n = 0
         for i, d in enumerate(drafts):
             if not g.advance(d):
@@ -131,16 +137,33 @@ def build_bitmask(entries: list[tuple[int, RequestGrammar, list[int]]], num_rows
                 rows.append(r0 + i + 1)
         g.rollback(n)
         valid.append(n)
-    return (bitmask if rows else None), rows, valid
+    return (bitmask if rows else None), sorted(rows), valid
+
+
+@functools.lru_cache(maxsize=1)
+def _batch() -> xgr.BatchGrammarMatcher:
+    return xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+
+
+_kernel_failed: dict[str, str] = {}  # device type -> why xgrammar's kernel could not run there
+
+
+def apply_backend(device: torch.device) -> str:
+    """Which apply runs on `device`: "xgrammar", or "torch" once xgrammar's kernel failed there."""
+    return "torch" if device.type in _kernel_failed else "xgrammar"
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Disallowed tokens of `rows` -> -inf, in place (xgrammar's kernel: CPU, CUDA)."""
-    try:
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=logits.shape[-1], indices=rows)
-    except (RuntimeError, ValueError, TypeError, ImportError):
-        apply_bitmask_ref(logits, bitmask, rows)
+    """Disallowed tokens of `rows` -> -inf, in place (xgrammar's kernel: CPU, CUDA; else plain torch)."""
+    if logits.device.type not in _kernel_failed:
+        try:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                            vocab_size=logits.shape[-1], indices=rows)
+            return
+        except (RuntimeError, ValueError, TypeError, ImportError) as e:
+            _kernel_failed[logits.device.type] = f"{type(e).__name__}: {e}"
+            log.warning("xgrammar's bitmask kernel failed on %s (%s); using the torch fill", logits.device, e)
+    apply_bitmask_ref(logits, bitmask, rows)
 
 
 def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -149,4 +172,4 @@ def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[in
     words = bitmask.to(logits.device)[idx]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[-1]]
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    logits.index_copy_(0, idx, torch.where(allowed, logits[idx], float("-inf")))

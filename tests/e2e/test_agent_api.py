@@ -94,10 +94,10 @@ def test_agent_loop_second_turn_hits_the_cache(client):
 
 def test_bad_tool_requests_are_400_with_param(client):
     messages = [{"role": "user", "content": "hi"}]
-    for kw, param in ((dict(tools=TOOLS, tool_choice=_named("nope")), "tool_choice"),
-                      (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]),
+    for kw, param in (({"tools": TOOLS, "tool_choice": _named("nope")}, "tool_choice"),
+                      ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
                        "tools"),
-                      (dict(extra_body={"logit_bias": {"3": 5}}), "logit_bias")):
+                      ({"extra_body": {"logit_bias": {"3": 5}}}, "logit_bias")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="tiny-code", messages=messages, max_tokens=4, **kw)
         assert e.value.body["param"] == param, e.value.body

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.frontend.tokenizer import Tokenizer
 from engine.structured import StructuredOutputSpec as Spec
 from engine.structured.grammar import GrammarBackend, backend_for, check_spec
 from engine.structured.matcher import RequestGrammar, apply_bitmask, apply_bitmask_ref, build_bitmask
-from engine.frontend.tokenizer import Tokenizer
 from tests.conftest import TINY_CODE
 
 VOCAB = 4096
@@ -136,3 +136,18 @@ def test_xgrammar_kernel_matches_the_reference():
     apply_bitmask_ref(b, bm, [0, 2, 5])
     assert torch.equal(a, b) and torch.equal(a[1], logits[1])
     assert torch.isinf(a[0]).any() and torch.isfinite(a[0]).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_apply_matches_the_reference(tok, backend):
+    from engine.structured.matcher import apply_backend
+
+    g = RequestGrammar(backend, Spec.json_schema({"type": "object"}), [5])
+    bm, rows, _ = build_bitmask([(1, g, [])], 3, VOCAB)
+    logits = torch.randn(3, VOCAB, device="cuda")
+    a, b = logits.clone(), logits.clone()
+    apply_bitmask(a, bm, rows)
+    apply_bitmask_ref(b, bm, rows)
+    assert apply_backend(a.device) == "xgrammar"  # the kernel ran, not the fallback
+    assert torch.equal(a, b) and torch.equal(a[0], logits[0]) and torch.isinf(a[1]).any()

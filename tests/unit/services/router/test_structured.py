@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.structured import StructuredOutputSpec as Spec
 from engine.frontend.tokenizer import Tokenizer
+from engine.structured import StructuredOutputSpec as Spec
 from services.router.chat_request import ChatSettings
 from services.router.chat_template import ChatTemplate
 from services.router.http_api import RouterAPI
