@@ -5,8 +5,6 @@ Anthropic's error form for what we refuse."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from services.deploy import launcher
@@ -15,8 +13,6 @@ from tests.helpers import system
 anthropic = pytest.importorskip("anthropic")
 pytestmark = pytest.mark.xdist_group("anthropic")
 
-# the forced call needs the GLM tool parser in the chat path and the engines' grammar-constrained sampling
-TOOLS_READY = all(importlib.util.find_spec(m) for m in ("services.router.tool_parsers", "engine.structured.matcher"))
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
            # values the grammar bounds: a random-weight model would write free text forever
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
@@ -26,18 +22,18 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def router_url(tmp_path_factory):
     dep = system.up(tmp_path_factory.mktemp("anthropic"))
     yield dep.endpoints()["router"][0]
     launcher.down(dep)
 
 
 @pytest.fixture(scope="module")
-def client(url):
-    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+def client(router_url):
+    return anthropic.Anthropic(base_url=router_url, api_key="unused", max_retries=0, timeout=120)
 
 
-def test_create_and_stream_give_the_same_text(client, url):
+def test_create_and_stream_give_the_same_text(client, router_url):
     kw = {"model": "tiny-code", "max_tokens": 12, "messages": USER, "thinking": {"type": "disabled"},
           "extra_body": {"temperature": 0}}  # newer clients no longer send sampling fields
     msg = client.messages.create(**kw)
@@ -51,7 +47,7 @@ def test_create_and_stream_give_the_same_text(client, url):
     assert final.content[0].text == msg.content[0].text and final.stop_reason == msg.stop_reason
     assert final.usage.output_tokens == msg.usage.output_tokens
     # the same path as the chat API: the same greedy text for the same conversation
-    status, chat = system.post(url, "/v1/chat/completions", {
+    status, chat = system.post(router_url, "/v1/chat/completions", {
         "model": "tiny-code", "max_tokens": 12, "temperature": 0, "messages": USER,
         "chat_template_kwargs": {"enable_thinking": False}})
     assert status == 200 and chat["choices"][0]["message"]["content"] == msg.content[0].text
@@ -76,7 +72,6 @@ def test_billing_header_does_not_defeat_the_prefix_cache(client):
     assert usages[1].cache_read_input_tokens >= 4 * 64, usages
 
 
-@pytest.mark.skipif(not TOOLS_READY, reason="needs the GLM tool-call parser and grammar-constrained sampling")
 def test_forced_tool_use_validates_against_its_schema(client):
     jsonschema = pytest.importorskip("jsonschema")
     kw = {"model": "tiny-code", "max_tokens": 256, "extra_body": {"temperature": 0}, "messages": USER, "tools": [WEATHER],
@@ -103,10 +98,10 @@ def test_forced_tool_use_validates_against_its_schema(client):
      "messages.0.content.0"),
     ({"max_tokens": None}, "max_tokens"),
 ])
-def test_refused_requests_answer_400_in_anthropic_form(url, change, where):
+def test_refused_requests_answer_400_in_anthropic_form(router_url, change, where):
     body = {"model": "tiny-code", "max_tokens": 8, "messages": USER, **change}
     body = {k: v for k, v in body.items() if v is not None}
-    status, err = system.post(url, "/v1/messages", body, headers={"anthropic-version": "2023-06-01"})
+    status, err = system.post(router_url, "/v1/messages", body, headers={"anthropic-version": "2023-06-01"})
     assert status == 400, err
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert err["error"]["message"].startswith(where + ": "), err
