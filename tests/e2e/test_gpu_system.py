@@ -14,13 +14,12 @@ import pytest
 import torch
 import yaml
 
-from services import launcher
-from services.common.net import free_port
-from tests.e2e import system
+from services.deploy import launcher
+from services.rpc.net import free_port
+from tests.helpers import ROOT, system
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(1200), pytest.mark.xdist_group("system")]
-ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "configs" / "topology.gpu-1.yaml"
 CHATS = [[{"role": "user", "content": "def fibonacci(n):"}],
          [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "import os\nimport sys\n"}],
@@ -98,15 +97,15 @@ def test_second_turn_hits_the_prefix_cache(deployment, offline):
 
 
 def test_load_at_concurrency_32_leaves_nothing_held(deployment):
-    from bench import loadcheck
-    from bench.loadtest import LoadConfig, run_load
+    from bench.serving import loadcheck
+    from bench.serving.loadtest import LoadConfig, run_load
 
     out = run_load(deployment, LoadConfig(concurrency=32, duration_s=60, min_tokens=16, max_tokens=64, check=False))
     print(f"\n60 s load at concurrency 32: {out['requests_sent']} requests, errors {out['errors']}, "
           f"leaked blocks {out['leaked_blocks']}, output tok/s {out.get('output_throughput')}")
     assert out["requests_sent"] > 32 and not out["errors"]
     assert out["leaked_blocks"] == 0, out["blocks_in_use_after_drain"]
-    decode = [p for p in deployment.processes if p.kind == "decode"][0]
+    decode = next(p for p in deployment.processes if p.kind == "decode")
     metrics = _metrics_address(deployment, "decode")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
