@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", default=str(ROOT.parent / "shared" / "traces"))
     p.add_argument("--agentx-concurrency", type=int, default=8)
     p.add_argument("--agentx-duration", type=float, default=30.0)
+    p.add_argument("--warmup-requests", type=int, default=2,
+                   help="requests sent (and not measured) first: they pay for the kernels' compilation")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from services.deploy import launcher
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"topology": Path(a.config).name, "model": model or topo["model"], "startup_s": time.perf_counter() - t0,
            "serve": [], "agentx": None}
     try:
+        if a.warmup_requests:
+            out["warmup"] = bench_serve(dep, 1, a.warmup_requests, a.input_len, a.output_len)
         for c, n in zip(map(int, a.concurrency.split(",")), map(int, a.prompts_per_level.split(","))):
             out["serve"].append(bench_serve(dep, c, n, a.input_len, a.output_len))
             print(json.dumps(out["serve"][-1]), flush=True)
