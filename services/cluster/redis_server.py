@@ -29,7 +29,7 @@ def ping(url: str, timeout: float = 0.5) -> bool:
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
         return bool(client.ping())
-    except (redis.ConnectionError, redis.TimeoutError, OSError):
+    except (redis.RedisError, OSError):  # no answer, or something that is not Redis answering
         return False
     finally:
         client.close()
