@@ -118,7 +118,7 @@ def test_drafts_masks_follow_the_accepted_prefix(tok, backend):
 def test_a_drafted_stop_token_ends_the_rows(tok, backend):
     g = RequestGrammar(backend, Spec.regex("ab"), [5], max_rollback=4)
     a, b = tok.encode("a")[0], tok.encode("b")[0]
-    bm, rows, valid = build_bitmask([(0, g, [a, b, 0])], 4, VOCAB)  # 0: EOS, then nothing may follow
+    _, rows, valid = build_bitmask([(0, g, [a, b, 0])], 4, VOCAB)  # 0: EOS, then nothing may follow
     assert valid == [3] and rows == [0, 1, 2] and not g.is_terminated  # rolled back: the matcher goes on
     assert g.advance(a)
 
