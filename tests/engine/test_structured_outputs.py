@@ -96,6 +96,17 @@ def test_mtp_drafts_follow_the_grammar(tiny_code):
     assert st.spec_accepted / st.spec_drafts > 0.25  # unmasked drafts: about 1 in 70 accepted here
 
 
+def test_preempted_requests_replay_their_grammar(tiny_code):
+    spec = Spec.regex(r"(x = [0-9]{1,3}\n){20}")
+    sps = [SamplingParams(max_tokens=150, temperature=0.0, structured_outputs=spec) for _ in PROMPTS]
+    want = [o.token_ids for o in LLM(str(tiny_code), num_blocks=96).generate(PROMPTS, sps)]
+    small = LLM(str(tiny_code), num_blocks=4)  # 256 token slots for three ~110-token requests
+    got = small.generate(PROMPTS, sps)
+    assert small.core.stats().num_preemptions > 0
+    assert [o.token_ids for o in got] == want  # recomputed requests rebuilt their matchers from their tokens
+    assert all(re.fullmatch(r"(x = [0-9]{1,3}\n){20}", o.text) for o in got)
+
+
 def test_grammar_stops_even_with_ignore_eos(tiny_code):
     llm = LLM(str(tiny_code), num_blocks=32)
     (o,) = llm.generate("x = ", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
