@@ -121,3 +121,13 @@ class EngineCore:
                            num_preemptions=s.num_preemptions,
                            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
                            hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None)
+
+
+def make_engine_core(cfg: EngineConfig, rank_pool=None) -> EngineCore:
+    """The core a config asks for: one process, or rank 0 of a multi-rank engine (`rank_pool`: an
+    engine.parallel.spawn.RankPool whose idle ranks it may reuse; multi-rank only)."""
+    if cfg.parallel.world_size > 1:
+        from engine.parallel.executor import MultiRankEngineCore
+
+        return MultiRankEngineCore(cfg, rank_pool=rank_pool)
+    return EngineCore(cfg)

@@ -21,16 +21,16 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
+from engine.parallel.dist import free_port
 from services.cluster.redis_server import ensure_redis
 from services.deploy import topology as topo_mod
 from services.deploy.procs import stop_pid, tie_to_parent
 from services.deploy.topology import ORDER, ROOT, Ports, ServiceSpec, Topology
 from services.rpc.grpc_server import check_health_sync
-from services.rpc.net import free_port
 
 STATE_FILE = "state.json"
 _children: dict[int, subprocess.Popen] = {}  # processes this interpreter started (to reap them)
@@ -78,7 +78,7 @@ class Deployment:
         Path(self.run_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "Deployment":
+    def load(cls, run_dir: str | Path) -> Deployment:
         raw = json.loads(Path(run_dir, STATE_FILE).read_text())
         return cls(**{**raw, "processes": [ProcessRecord(**p) for p in raw["processes"]]})
 
@@ -251,7 +251,8 @@ def up_main(argv: list[str]) -> int:
     from services.deploy.topology import ROOT
 
     p = argparse.ArgumentParser(prog="pdserve up", description="start every service of a topology, wait until healthy")
-    p.add_argument("--config", default=str(ROOT / "configs" / "topology.cpu.yaml"), help="topology YAML (configs/README.md)")
+    p.add_argument("--config", default=str(ROOT / "configs" / "topology.cpu.yaml"),
+                   help="topology YAML (configs/README.md)")
     p.add_argument("--run-dir", default=None, help="logs + state (default: the topology's run_dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
     a = p.parse_args(argv)

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from services.deploy.ranks import rank_flags
+from services.rpc.service_args import rank_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = ("kvstore", "prefill", "decode", "router")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from services.router.openai_models import error_body
 from services.rpc.grpc_server import Unauthenticated
@@ -35,7 +35,7 @@ class ApiKeys:
             self._keys.append((key.encode(), tenant if sep and tenant else _anonymous_tenant(key)))
 
     @classmethod
-    def from_sources(cls, keys: Sequence[str] = (), keys_file: str | None = None) -> "ApiKeys":
+    def from_sources(cls, keys: Sequence[str] = (), keys_file: str | None = None) -> ApiKeys:
         entries = list(keys)
         if keys_file:
             for line in Path(keys_file).read_text().splitlines():

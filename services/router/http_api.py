@@ -137,7 +137,7 @@ class RouterAPI:
             prep.cache_salt = tenant_cache_salt(request.state.tenant, prep.cache_salt)
             fmt = Formatter("chat", new_request_id("chatcmpl"), self.model_name, self.tok)
             return await self._respond(fmt, prep, body.top_logprobs or 0)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return exception_response(exc)
 
     # ---- running the choices -------------------------------------------------------------------------

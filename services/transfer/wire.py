@@ -4,7 +4,7 @@ KV memory descriptors, NIXL peers, KV layouts, block hashes and wall-clock expir
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from engine.kv.cache import KVCacheSpec
 from proto.pdserve.v1 import common_pb2
