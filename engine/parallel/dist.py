@@ -52,9 +52,11 @@ class DistEnv:
         return cls(rank, world, envs.dist_local_rank(), envs.dist_master_addr(), port)
 
     @classmethod
-    def for_rank(cls, rank: int, world_size: int, master_addr: str, master_port: int, cuda: bool) -> DistEnv:
-        """Rank `rank` of a group on one host; on CUDA rank r drives GPU r (its local rank), on CPU all are 0."""
-        return cls(rank, world_size, rank if cuda else 0, master_addr, master_port)
+    def for_rank(cls, rank: int, world_size: int, master_addr: str, master_port: int, cuda: bool,
+                 local_rank: int | None = None) -> DistEnv:
+        """Rank `rank` of a group; on CUDA it drives GPU `local_rank` (default: GPU r on one host), on CPU 0."""
+        local = (rank if local_rank is None else local_rank) if cuda else 0
+        return cls(rank, world_size, local, master_addr, master_port)
 
     def to_environ(self) -> dict[str, str]:
         """torchrun's variable names, for a process we start ourselves."""

@@ -78,8 +78,10 @@ def set_rank_environ(args: argparse.Namespace) -> None:
 
     from engine.parallel.dist import DistEnv
 
+    # The launcher names each rank's GPU (LOCAL_RANK within its CUDA_VISIBLE_DEVICES); else rank r uses GPU r.
+    local = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None
     env = DistEnv.for_rank(args.rank, args.world_size, args.master_addr, args.master_port,
-                           cuda=torch.cuda.is_available())
+                           cuda=torch.cuda.is_available(), local_rank=local)
     os.environ.update(env.to_environ())
 
 
