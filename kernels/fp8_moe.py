@@ -46,7 +46,7 @@ def _fp8_moe_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, rows_ptr, bl
         s_up = s_gate + inter_blocks * sws_n
         acc_g = tl.zeros([BLOCK_M, 128], tl.float32)
         acc_u = tl.zeros([BLOCK_M, 128], tl.float32)
-        for kb in range(0, num_kb):
+        for kb in range(num_kb):
             k = kb * 128 + tl.arange(0, 128)
             k_ok = k < hidden
             x = tl.load(x_ptr + tok[:, None] * sx_t + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
@@ -89,7 +89,7 @@ def _fp8_moe_down_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, rows_ptr, block_ex
         w_rows = w_ptr + e * sw_e + n[None, :].to(tl.int64) * sw_n
         s_rows = ws_ptr + e * sws_e + (n // 128).to(tl.int64) * sws_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for kb in range(0, num_kb):
+        for kb in range(num_kb):
             k = kb * 128 + tl.arange(0, 128)
             k_ok = k < inter
             h = tl.load(h_ptr + r64[:, None] * sh_r + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)

@@ -14,8 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_gemm import (quant_act, quant_act_ref, quantize_weight_ref, w8a8_block_fp8_matmul,
-                              w8a8_block_fp8_matmul_ref)
+from kernels.fp8_gemm import (
+    quant_act,
+    quant_act_ref,
+    quantize_weight_ref,
+    w8a8_block_fp8_matmul,
+    w8a8_block_fp8_matmul_ref,
+)
 from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref, merge_gate_up_scales
 from kernels.moe import fused_moe_ref, route_ref
 from tests.kernels.conftest import POISON_BYTE, gpu, interp
