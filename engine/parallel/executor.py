@@ -119,6 +119,9 @@ class MultiRankEngineCore(EngineCore):
         m = self.kv_page_map(req_id)
         return self.collective_rpc("read_kv_rows", list(m.block_ids), m.num_tokens)
 
+    def _collect_weight_reports(self) -> list[dict]:
+        return self.collective_rpc("engine.weight_stats:rank_weight_report")
+
     def rank_stats(self) -> list[dict]:
         return self.collective_rpc("rank_stats")
 
