@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 TINY_CODE = ROOT / "checkpoints" / "tiny-code"
 
 # Tests run two pytest workers on two cores: one thread each (tiny ops lose to OpenMP wake-ups).
@@ -26,7 +27,7 @@ def tiny_code() -> Path:
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """A random-weight `tiny` preset checkpoint (top-k 16: sparse selection is active past 16 tokens)."""
-    from engine.checkpoint import make_checkpoint
+    from engine.loading.checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", preset="tiny", seed=0)
 
@@ -34,7 +35,7 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_ckpt_dense(tmp_path_factory) -> Path:
     """Same shape, top-k 4096: attention is dense, so results depend on nothing the indexer picks."""
-    from engine.checkpoint import make_checkpoint
+    from engine.loading.checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tinyd") / "ckpt", preset="tiny", seed=0, index_topk=4096)
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.weights import hf_name
+from engine.config.model import ModelConfig
+from engine.loading.weights import hf_name
 from kernels.fp8_gemm import BLOCK, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref
 
 DEFAULT_NOT_CONVERT = ("embed_tokens", "lm_head", "norm", "mlp.gate", "weights_proj")

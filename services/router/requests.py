@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.frontend.tokenizer import Tokenizer
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest
 
 
@@ -90,7 +90,7 @@ def _check_sampling(p: SamplingParams, prompt_len: int, limits: Limits) -> None:
 
 def prepare_generate(g, tok: Tokenizer, limits: Limits) -> tuple[list[int], SamplingParams]:
     """gRPC Router.Generate: the same checks as the HTTP API, on a `GenerateRequest`."""
-    from services.common.convert import sampling_from_proto
+    from services.transfer.wire import sampling_from_proto
 
     if bool(g.prompt) == bool(g.prompt_token_ids):
         raise BadRequest("give exactly one of prompt and prompt_token_ids", "prompt")

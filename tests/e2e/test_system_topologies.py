@@ -10,8 +10,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv.hashing import block_hashes
-from services import launcher
-from tests.e2e import system
+from services.deploy import launcher
+from tests.helpers import system
 
 pytestmark = pytest.mark.xdist_group("system")
 

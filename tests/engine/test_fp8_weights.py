@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.weights import WeightLoadError
+from engine.loading.weights import WeightLoadError
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "heldout_python.txt"
 PROJ = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "indexer.wq_b", "indexer.wk",
@@ -45,7 +45,7 @@ def _quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def fp8_tool(tiny_code, tmp_path_factory) -> Path:
-    from engine.checkpoint import main
+    from engine.loading.checkpoint import main
 
     out = tmp_path_factory.mktemp("fp8tool") / "ckpt"
     assert main(["--from", str(tiny_code), "--weight-dtype", "fp8", "--out", str(out)]) == 0
@@ -213,9 +213,9 @@ def test_ep2_ranks_read_only_their_experts(fp8_tool):
 def test_loader_holds_one_tensor_at_a_time(fp8_tool, monkeypatch):
     """Counting the loader's reads from outside (a wrapped safe_open): bytes per rank and the peak of
     checkpoint tensors alive at once, which must stay within one shard (on CPU no staging buffer)."""
-    from engine import weights
-    from engine.config import ModelConfig
-    from engine.loader import build_model
+    from engine.loading import weights
+    from engine.config.model import ModelConfig
+    from engine.loading.loader import build_model
 
     live, peak, read = [0], [0], [0]
 

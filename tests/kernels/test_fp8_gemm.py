@@ -23,7 +23,7 @@ from kernels.fp8_gemm import (
 )
 from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref, merge_gate_up_scales
 from kernels.moe import fused_moe_ref, route_ref
-from tests.kernels.conftest import POISON_BYTE, gpu, interp
+from tests.helpers.kernel_inputs import POISON_BYTE, gpu, interp
 
 
 def _poisoned_fp8(q: torch.Tensor, pad: tuple[int, int]) -> torch.Tensor:
