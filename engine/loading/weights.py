@@ -7,7 +7,8 @@ as `model.layers.{num_hidden_layers}.*`. Every parameter must be covered exactly
 mis-shaped tensor, or scales that do not fit their weight, is a `WeightLoadError` naming it.
 
 FP8 tensors go to the device as FP8 into FP8 parameters (the model's FP8 modules, engine/model/fp8.py);
-an FP8 tensor the model keeps in its own dtype (kv_b_proj) is dequantized on the device; a bf16 tensor
+an FP8 tensor the model keeps in its own dtype (a module the config lists as unquantized) is
+dequantized on the device; a bf16 tensor
 bound for an FP8 parameter is quantized on the device when the config asks (`quantize_at_load`).
 Reading goes through engine.loading.weight_reader: only this rank's tensors, one at a time.
 """
@@ -182,18 +183,10 @@ def _place(params: dict, it: _Item, src: torch.Tensor, scale: torch.Tensor | Non
             s_view, _ = _view(params[s_name], it.where, scale_dev.shape, _scale_name(it.name), s_name)
             s_view.copy_(scale_dev)
             covered[s_name].add(key)
-        elif scale is not None:  # an FP8 tensor the model keeps in its own dtype (kv_b_proj): dequantized once
+        elif scale is not None:  # an FP8 tensor the model keeps in its own dtype: dequantized on the device
             dev_src = dequantize_weight_ref(dev_src, reader.to_device(scale), view.dtype)
-        elif cfg.quantize_at_load and _dequant_at_load(it.pname):  # as an FP8 checkpoint would hold it
-            dev_src = dequantize_weight_ref(*quantize_weight_ref(dev_src), view.dtype)
         view.copy_(dev_src)
     covered[it.pname].add(key)
-
-
-def _dequant_at_load(pname: str) -> bool:
-    from engine.model.fp8 import DEQUANT_AT_LOAD
-
-    return pname.endswith(tuple(m + ".weight" for m in DEQUANT_AT_LOAD))
 
 
 def _experts_module(model: nn.Module, pname: str) -> nn.Module:

@@ -11,13 +11,13 @@ Which modules: every nn.Linear except those whose name contains one of the confi
 without a list gets `DEFAULT_NOT_CONVERT`, the GLM-5-FP8 convention (embeddings, lm_head, norms, the
 router gate and the indexer's weights_proj stay in the model dtype).
 
-kv_b_proj is the exception, by our choice: the absorbed MLA path uses its rows as two per-head batched
-matrices (W_UK [H, nope, R] applied to q_nope, W_UV [H, v, R] to the attention output), not as a linear
-layer, so it is dequantized to the model dtype once at load. Measured on the H200 (BENCHMARKS.md, FP8
-weights): at decode (64 tokens) the two bf16 einsums take 12 + 13 us per layer over 29 MB of weights,
-0.4% of a GLM-5.3 rank's weight bytes; FP8 storage would save 15 MB per layer and need a batched
-block-scaled kernel of its own plus quantizing q_nope and the attention output, whose errors go straight
-into the attention scores. The bytes are not worth that error and code.
+kv_b_proj stays FP8 too, by measurement: the absorbed MLA path uses its rows as two per-head batched
+matrices (W_UK [H, nope, R] applied to q_nope, W_UV [H, v, R] to the attention output), which
+kernels.fp8_absorbed runs straight from the FP8 bytes (weight-only: dequantized in registers, activations
+not quantized, so no extra error enters the attention scores). Dequantizing it to bf16 once at load would
+cost 1.08 GiB per GLM-5.3 rank (79 layers x 14.7 MB), which puts a PCP8 x EP8 prefill rank at 106.09 GiB,
+over the 106 GiB that leaves 15 GiB of KV; FP8 keeps it at 105.0 GiB (`pdserve plan`). Decode-time
+cost against the bf16 einsums: BENCHMARKS.md (FP8 weights).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from engine.loading.weights import hf_name
 from kernels.fp8_gemm import BLOCK, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref
 
 DEFAULT_NOT_CONVERT = ("embed_tokens", "lm_head", "norm", "mlp.gate", "weights_proj")
-DEQUANT_AT_LOAD = ("kv_b_proj",)  # kept in the model dtype, dequantized from the checkpoint's FP8 once
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -80,7 +79,7 @@ def convert_to_fp8(model: nn.Module, cfg: ModelConfig) -> list[str]:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         quantized = is_quantized_name(hf_name(name, cfg), skip)
-        if isinstance(mod, nn.Linear) and quantized and not name.endswith(DEQUANT_AT_LOAD):
+        if isinstance(mod, nn.Linear) and quantized:
             if mod.bias is not None:
                 raise ValueError(f"{name} has a bias; FP8 projections here have none: add it to modules_to_not_convert")
             setattr(parent, attr, Fp8Linear(mod.in_features, mod.out_features))

@@ -157,3 +157,31 @@ def test_w8a8_gemm_gpu(M, N, K, mark):
 def test_fused_moe_fp8_gpu(T, mark):
     check_fp8_moe(T, H=2048, inner=256, E=32, k=8, device="cuda", dtype=torch.bfloat16, tol=2e-2, cos_min=0.999)
     check_fp8_moe(T, H=200, inner=160, E=16, k=4, device="cuda", offset=4, num_local=8, tol=2e-2, cos_min=0.999)
+
+
+def check_absorbed(T, H, nope, v, R, dtype, device, tol):
+    from kernels.fp8_absorbed import absorb_o, absorb_o_ref, absorb_q, absorb_q_ref
+
+    gen = torch.Generator().manual_seed(3)
+    wq, ws = quantize_weight_ref(torch.randn(H * (nope + v), R, generator=gen) * R ** -0.5)
+    wq = _poisoned_fp8(wq.to(device), (3, 64))
+    ws = ws.to(device)
+    q = _activation(T * H, nope + 5, dtype, device, gen, "nan_padded")[:, :nope].reshape(T, H, nope)
+    lat = (torch.randn(T, R, H, generator=gen).to(dtype).to(device)).transpose(1, 2)  # non-contiguous
+    for got, want in ((absorb_q(q, wq, ws, nope, v), absorb_q_ref(q.float(), wq, ws, nope, v)),
+                      (absorb_o(lat, wq, ws, nope, v), absorb_o_ref(lat.float(), wq, ws, nope, v))):
+        assert got.dtype == dtype and got.shape == want.shape and not torch.isnan(got).any()
+        err = ((got.float() - want.float()).abs().max() / want.abs().max()).item()
+        assert err <= tol, f"absorbed matmul differs by {err:.3g} of its scale"
+
+
+@interp
+@pytest.mark.parametrize("T,H,nope,v", [(5, 3, 24, 40), (17, 2, 192, 256)])
+def test_absorbed_fp8_interp(T, H, nope, v):
+    check_absorbed(T, H, nope, v, R=200, dtype=torch.float32, device="cpu", tol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 64, 1000])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_absorbed_fp8_gpu(T, mark):
+    check_absorbed(T, 64, 192, 256, 512, torch.bfloat16, "cuda", tol=1e-2)
