@@ -83,6 +83,9 @@ class EngineHost:
             m.num_requests_running.set(st.num_running)
             m.num_requests_waiting.set(st.num_waiting)
             m.kv_cache_usage_perc.set(st.kv_usage)
+            for rank, by_dtype in enumerate(st.weight_bytes):
+                for dtype, nbytes in by_dtype.items():
+                    m.weight_bytes.labels(rank=str(rank), dtype=dtype).set(nbytes)
             if hasattr(m, "prefix_cache_queries"):
                 q, h = st.prefix_queries, st.prefix_hits
                 m.prefix_cache_queries.inc(max(q - self._prefix_seen[0], 0))
