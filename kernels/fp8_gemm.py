@@ -43,10 +43,14 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, sq_m, ss_m,
 
 @jit
 def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_kb,
-                      sa_m, sas_m, sb_n, sbs_n, sc_s, sc_m,
+                      sa_m, sa_k, sas_m, sb_n, sbs_n, sc_s, sc_m,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      DOT_F32: tl.constexpr):
-    """c[split, m, n] = sum over this split's k-blocks of (a[m] . b[n]) * as[m, kb] * bs[n // 128, kb]."""
+                      QUANT_A: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """c[split, m, n] = sum over this split's k-blocks of (a[m] . b[n]) * as[m, kb] * bs[n // 128, kb].
+
+    QUANT_A: a is the unquantized activation (any float dtype, strides sa_m / sa_k) and each program
+    quantizes its rows per 128 channels itself, exactly as `quant_act` does (decode shapes: one launch,
+    no round trip of the codes through memory); otherwise a holds e4m3 codes with unit k stride."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -65,15 +69,25 @@ def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_kb,
     for kb in range(tl.program_id(1), num_kb, SPLIT_K):
         k = kb * 128 + tl.arange(0, 128)
         k_ok = k < K
-        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANT_A:
+            x = tl.load(a_rows + k[None, :] * sa_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+            v = tl.minimum(tl.maximum(x / a_s[:, None], -448.0), 448.0)
+            a = to_e4m3(v, ROUND_FIRST).to(tl.float8e4nv, bitcast=True)
+        else:
+            a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a_s = tl.load(as_ptr + m.to(tl.int64) * sas_m + kb, mask=m_ok, other=0.0)
         b = tl.load(b_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptr + m.to(tl.int64) * sas_m + kb, mask=m_ok, other=0.0)
-        b_s = tl.load(bs_ptr + (n // 128).to(tl.int64) * sbs_n + kb, mask=n_ok, other=0.0)
         if DOT_F32:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(a, b)
-        acc += part * a_s[:, None] * b_s[None, :]
+        if BLOCK_N <= 128:  # the tile lies in one 128-row block of the weight: one scale per k-block
+            b_s = tl.load(bs_ptr + ((pid_n * BLOCK_N) // 128).to(tl.int64) * sbs_n + kb)
+            acc += part * (a_s * b_s)[:, None]
+        else:
+            b_s = tl.load(bs_ptr + (n // 128).to(tl.int64) * sbs_n + kb, mask=n_ok, other=0.0)
+            acc += part * a_s[:, None] * b_s[None, :]
     c = c_ptr + tl.program_id(1).to(tl.int64) * sc_s + m[:, None].to(tl.int64) * sc_m + n[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -95,20 +109,21 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gemm_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for one problem.
+    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for one problem (from the H200 sweeps of
+    bench.kernels.fp8_gemm, BENCHMARKS.md).
 
-    Prefill (M >= 256): 128 x 128 tiles. Decode: BLOCK_M just covers M (>= 16, the fp8 MMA's minimum),
-    BLOCK_N 64, and K split until the grid has about two programs per multiprocessor."""
+    Prefill (M > 256): 128 x 128 tiles, 8 warps. Decode (M <= 256, activation quantization fused into
+    the GEMM): 64 x 64 tiles, and K split only while the grid has fewer programs than multiprocessors
+    (the split's fp32 partial sums cost a pass of their own)."""
     if interpreting():
         return 16, 32, 2 if K > BLOCK else 1, 4, 1
-    if M >= 256:
+    if M > 256:
         return 128, 128, 1, 8, 3
-    block_m = max(16, min(64, triton.next_power_of_2(M)))
-    block_n = 64
+    block_m, block_n = 64, 64
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     split = 1
     num_kb = triton.cdiv(K, BLOCK)
-    while tiles * split < 2 * num_sms(device) and split * 2 <= num_kb // 4:
+    while tiles * split < num_sms(device) and split * 2 <= num_kb // 4:
         split *= 2
     return block_m, block_n, split, 4, 4
 
@@ -119,7 +134,8 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
 
     x: bf16/fp16/fp32 [M, K] (any strides); weight float8_e4m3fn [N, K] with unit K stride;
     weight_scale_inv fp32 [ceil(N/128), ceil(K/128)]. out_dtype defaults to x's dtype.
-    `config` overrides `gemm_config` (benchmarks sweep it)."""
+    `config` overrides `gemm_config` (benchmarks sweep it): (BLOCK_M, BLOCK_N, SPLIT_K, num_warps,
+    num_stages[, fuse_quant]); activation quantization is fused into the GEMM by default for M <= 256."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit [M, K] x [N, K]")
     if weight.dtype != torch.float8_e4m3fn:
@@ -136,11 +152,15 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
         return torch.empty((0, N), dtype=out_dtype, device=x.device)
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     weight_scale_inv = weight_scale_inv if weight_scale_inv.stride(1) == 1 else weight_scale_inv.contiguous()
+    config = config or gemm_config(M, N, K, x.device)
+    fuse_quant = bool(config[5]) if len(config) > 5 else M <= 256
+    if fuse_quant:
+        return _gemm(x, None, weight, weight_scale_inv, out_dtype, config[:5], quant_a=True)
     x_q, x_s = quant_act(x)
-    return _gemm(x_q, x_s, weight, weight_scale_inv, out_dtype, config or gemm_config(M, N, K, x.device))
+    return _gemm(x_q, x_s, weight, weight_scale_inv, out_dtype, config[:5], quant_a=False)
 
 
-def _gemm(a, a_s, b, b_s, out_dtype, config) -> torch.Tensor:
+def _gemm(a, a_s, b, b_s, out_dtype, config, quant_a: bool) -> torch.Tensor:
     M, K = a.shape
     N = b.shape[0]
     block_m, block_n, split, warps, stages = config
@@ -148,9 +168,11 @@ def _gemm(a, a_s, b, b_s, out_dtype, config) -> torch.Tensor:
     split = max(1, min(split, num_kb))
     c = torch.empty((split, M, N), dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), split)
-    _w8a8_gemm_kernel[grid](a, a_s, b, b_s, c, M, N, K, num_kb, a.stride(0), a_s.stride(0), b.stride(0),
+    a_s = a_s if a_s is not None else b_s  # unread with QUANT_A
+    _w8a8_gemm_kernel[grid](a, a_s, b, b_s, c, M, N, K, num_kb, a.stride(0), a.stride(1), a_s.stride(0), b.stride(0),
                             b_s.stride(0), c.stride(0), c.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
-                            SPLIT_K=split, GROUP_M=8, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
+                            SPLIT_K=split, GROUP_M=8, QUANT_A=quant_a, DOT_F32=interpreting(),
+                            ROUND_FIRST=interpreting(), num_warps=warps, num_stages=stages)
     return c[0] if split == 1 else c.sum(0).to(out_dtype)
 
 

@@ -8,7 +8,8 @@ FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's project
   (weight bytes per second vs copy bandwidth), activation quantization included, against bf16 `x @ W^T`;
 * the grouped MoE (32 local experts, H 6144, I 2048, top-8): prefill 8,192 tokens and decode 64 tokens,
   FP8 `fused_moe_fp8` against the bf16 `fused_moe`;
-* the MLA absorbed matmuls (W_UK / W_UV in bf16) at decode, for the kv_b_proj decision.
+* the MLA absorbed matmuls, W_UK / W_UV in bf16 (einsum) against FP8 (kernels.fp8_absorbed), for the
+  kv_b_proj decision.
 A small config sweep per shape reports the launcher's pick and the best found.
 """
 
@@ -22,6 +23,7 @@ import time
 import torch
 
 from bench.kernels.timing import ceilings, num_sets, time_plain, time_rotating
+from kernels.fp8_absorbed import absorb_o, absorb_q
 from kernels.fp8_gemm import gemm_config, quant_act, quantize_weight_ref, w8a8_block_fp8_matmul
 from kernels.fp8_moe import _config as moe_config
 from kernels.fp8_moe import fused_moe_fp8, merge_gate_up_scales
@@ -32,8 +34,10 @@ SHAPES = [("q_a_proj", 2048, 6144), ("q_b_proj", 16384, 2048), ("kv_a_proj", 576
           ("o_proj", 6144, 16384), ("dense_gate_up", 24576, 6144), ("dense_down", 6144, 12288),
           ("shared_gate_up", 4096, 6144), ("shared_down", 6144, 2048), ("indexer_wq_b", 4096, 2048),
           ("eh_proj", 6144, 12288)]
-PREFILL_SWEEP = [(128, 128, 1, 4, 4), (128, 256, 1, 8, 3), (64, 128, 1, 4, 4)]
-DECODE_SWEEP = [(16, 64, 1, 4, 4), (16, 128, 2, 4, 4), (64, 64, 1, 4, 4), (64, 128, 2, 8, 3), (64, 32, 4, 4, 4)]
+PREFILL_SWEEP = [(128, 128, 1, 8, 4), (64, 256, 1, 8, 3), (64, 256, 1, 8, 4), (256, 64, 1, 8, 3), (64, 128, 1, 4, 4)]
+DECODE_SWEEP = [(64, 64, 1, 4, 4, False), (64, 64, 1, 4, 4, True), (64, 64, 2, 4, 4, True), (64, 64, 4, 4, 4, True),
+                (64, 32, 4, 4, 4, True), (16, 64, 1, 4, 4, True), (64, 128, 1, 8, 3, True)]
+MOE_SWEEP = [(32, 64, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4)]
 
 
 def fp8_ceiling(dev) -> float:
@@ -94,15 +98,17 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
     ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices  # balanced over the local experts
     weights = torch.rand(T, k, device=dev, generator=g)
     pick = moe_config(ids.numel(), E)
-    t = time_plain(lambda: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=pick), dev, rep_ms=200)
-    t_bf16 = time_plain(lambda: fused_moe(x, w13, w2, weights, ids), dev, rep_ms=200)
+
+    def timed(fn):  # decode: CUDA-graph replays (no host gaps between the routing ops and the GEMMs)
+        return time_rotating([fn], dev) if T < 1024 else time_plain(fn, dev, rep_ms=200)
+
+    t = timed(lambda: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=pick))
+    t_bf16 = timed(lambda: fused_moe(x, w13, w2, weights, ids))
     tried = {}
     if sweep:
-        for cfg in [(16, 64, 4, 4), (32, 64, 4, 4), (64, 128, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3),
-                    (128, 64, 8, 3), (16, 128, 4, 3)]:
+        for cfg in MOE_SWEEP:
             try:
-                tried[str(cfg)] = time_plain(lambda c=cfg: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=c),
-                                             dev, rep_ms=100) * 1e6
+                tried[str(cfg)] = timed(lambda c=cfg: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=c)) * 1e6
             except Exception as e:  # noqa: BLE001
                 tried[str(cfg)] = f"failed: {type(e).__name__}"
     best = min([v for v in tried.values() if isinstance(v, float)] + [t * 1e6])
@@ -116,14 +122,20 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
             "best_frac_copy_bw": wbytes / best * 1e6 / 1e12 / ceil["copy_tbps"], "sweep_us": tried}
 
 
-def bench_absorbed(dev, T=64, H=64, nope=192, v=256, R=512) -> dict:
-    """The MLA absorbed matmuls at decode with W_UK / W_UV kept in bf16 (what the engine does)."""
-    w = torch.randn(H, nope + v, R, device=dev, dtype=torch.bfloat16) * R ** -0.5
+def bench_absorbed(dev, T, H=64, nope=192, v=256, R=512) -> dict:
+    """MLA's absorbed matmuls, W_UK / W_UV dequantized to bf16 (einsum) vs read as FP8 (kernels.fp8_absorbed)."""
+    w = torch.randn(H * (nope + v), R, device=dev, dtype=torch.bfloat16) * R ** -0.5
+    wq, ws = quantize_weight_ref(w)
+    w3 = w.view(H, nope + v, R)
     q = torch.randn(T, H, nope, device=dev, dtype=torch.bfloat16)
     o = torch.randn(T, H, R, device=dev, dtype=torch.bfloat16)
-    t_uk = time_plain(lambda: torch.einsum("thn,hnr->thr", q, w[:, :nope]), dev, rep_ms=50)
-    t_uv = time_plain(lambda: torch.einsum("thr,hvr->thv", o, w[:, nope:]), dev, rep_ms=50)
-    return {"T": T, "bf16_bytes": w.numel() * 2, "fp8_bytes": w.numel(), "w_uk_us": t_uk * 1e6, "w_uv_us": t_uv * 1e6}
+    cases = {"bf16_uk": lambda: torch.einsum("thn,hnr->thr", q, w3[:, :nope]),
+             "bf16_uv": lambda: torch.einsum("thr,hvr->thv", o, w3[:, nope:]),
+             "fp8_uk": lambda: absorb_q(q, wq, ws, nope, v), "fp8_uv": lambda: absorb_o(o, wq, ws, nope, v)}
+    out = {"T": T, "bf16_bytes": w.numel() * 2, "fp8_bytes": w.numel()}
+    for name, fn in cases.items():
+        out[name + "_us"] = (time_rotating([fn], dev) if T < 1024 else time_plain(fn, dev, rep_ms=50)) * 1e6
+    return out
 
 
 def main() -> None:
@@ -150,8 +162,8 @@ def main() -> None:
         r = bench_moe(dev, ceil, T, 32, 6144, 2048, 8, not a.no_sweep)
         res["moe"].append(r)
         _save(a.out, res, r)
-    res["absorbed"] = bench_absorbed(dev)
-    _save(a.out, res, res["absorbed"])
+    res["absorbed"] = [bench_absorbed(dev, T) for T in (64, 256, 8192)]
+    _save(a.out, res, {"absorbed": res["absorbed"]})
 
 
 def _save(path: str, res: dict, row: dict) -> None:

@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.model.fp8 import DEFAULT_NOT_CONVERT, is_quantized_name
 from engine.loading.weight_reader import checkpoint_files
+from engine.model.fp8 import DEFAULT_NOT_CONVERT, is_quantized_name
 from kernels.fp8_gemm import quantize_weight_ref
 
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -59,7 +59,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, not_convert: tuple[str
     weight_map, total = {}, 0
     for f in checkpoint_files(src):
         with safe_open(str(f), framework="pt") as h:
-            part = quantize_state({k: h.get_tensor(k) for k in h.keys()}, not_convert)
+            part = quantize_state({k: h.get_tensor(k) for k in h.keys()}, not_convert)  # noqa: SIM118 (a safe_open handle, not a dict)
         save_file(part, str(dst / f.name))
         weight_map.update({k: f.name for k in part})
         total += sum(t.numel() * t.element_size() for t in part.values())

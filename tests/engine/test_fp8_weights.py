@@ -115,7 +115,7 @@ def test_weights_stay_fp8(which, fp8_tool, fp8_own):
 
 
 def _close_to_unquantized(base: LLM, fp8: LLM, ids: list[int]) -> tuple[float, float]:
-    a, b = fp8.prompt_logits(ids[:1024]), base.prompt_logits(ids[:1024])
+    a, b = fp8.prompt_logits(ids[:1024]).float().cpu(), base.prompt_logits(ids[:1024]).float().cpu()
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).mean().item()
     return top1, cos
@@ -180,7 +180,7 @@ def _expected_bytes(path: Path, lo: int, hi: int) -> int:
     total = 0
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            for name in h.keys():
+            for name in h.keys():  # noqa: SIM118
                 m = re.search(r"\.experts\.(\d+)\.", name)
                 if m and not lo <= int(m.group(1)) < hi:
                     continue
@@ -212,8 +212,8 @@ def test_ep2_ranks_read_only_their_experts(fp8_tool):
 def test_loader_holds_one_tensor_at_a_time(fp8_tool, monkeypatch):
     """Counting the loader's reads from outside (a wrapped safe_open): bytes per rank and the peak of
     checkpoint tensors alive at once, which must stay within one shard (on CPU no staging buffer)."""
-    from engine.loading import weights
     from engine.config.model import ModelConfig
+    from engine.loading import weights
     from engine.loading.loader import build_model
 
     live, peak, read = [0], [0], [0]
@@ -255,3 +255,19 @@ def test_loader_holds_one_tensor_at_a_time(fp8_tool, monkeypatch):
     largest_shard = max(f.stat().st_size for f in fp8_tool.glob("*.safetensors"))
     largest_tensor = max(t.numel() * t.element_size() for t in _all_tensors(fp8_tool).values())
     assert peak[0] <= largest_tensor * 2 <= largest_shard, (peak[0], largest_tensor, largest_shard)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_engine_on_cuda(fp8_tool, heldout):
+    """The Triton path (w8a8 GEMMs, FP8 grouped MoE, FP8 absorbed matmuls, bf16 activations) against the
+    CPU reference path of the same FP8 checkpoint (fp32 activations)."""
+    gpu = LLM(str(fp8_tool), device="cuda", num_blocks=64, num_speculative_tokens=3)
+    cpu = LLM(str(fp8_tool), num_blocks=24)
+    ids = heldout[:512]
+    top1, cos = _close_to_unquantized(cpu, gpu, ids)
+    print(f"\nFP8 on CUDA (bf16) vs the CPU reference (fp32): top-1 {top1:.4f}, cosine {cos:.5f}")
+    assert top1 >= 0.9 and cos >= 0.995, (top1, cos)
+    assert gpu.core.runner.model.model.layers[1].mlp.experts.impl.__name__ == "fused_moe_fp8"
+    out = gpu.generate([heldout[:32]], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 32 and gpu.get_stats().spec_steps > 0

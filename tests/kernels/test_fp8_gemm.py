@@ -44,13 +44,13 @@ def _activation(M: int, K: int, dtype, device, gen, layout: str) -> torch.Tensor
     return x.to(dtype).to(device)
 
 
-def check_gemm(M, N, K, dtype, device, layout="contiguous", tol=1e-5, cos_min=0.99999, seed=0):
+def check_gemm(M, N, K, dtype, device, layout="contiguous", tol=1e-5, cos_min=0.99999, seed=0, config=None):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=gen) * K ** -0.5
     wq, ws = quantize_weight_ref(w)
     wq, ws = _poisoned_fp8(wq.to(device), (5, 64)), ws.to(device)
     x = _activation(M, K, dtype, device, gen, layout)
-    got = w8a8_block_fp8_matmul(x, wq, ws)
+    got = w8a8_block_fp8_matmul(x, wq, ws, config=config)
     want = w8a8_block_fp8_matmul_ref(x.float(), wq, ws, torch.float32).cpu()
     assert got.shape == (M, N) and got.dtype == dtype and not torch.isnan(got).any()
     g = got.float().cpu()
@@ -65,10 +65,11 @@ def check_gemm(M, N, K, dtype, device, layout="contiguous", tol=1e-5, cos_min=0.
 
 
 @interp
-@pytest.mark.parametrize("M,N,K", [(37, 200, 300), (1, 64, 128), (130, 257, 129), (5, 130, 640)])
+@pytest.mark.parametrize("M,N,K,fuse_quant", [(37, 200, 300, True), (1, 64, 128, True), (130, 257, 129, False),
+                                                (5, 130, 640, False)])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "nan_padded"])
-def test_w8a8_gemm_interp(M, N, K, layout):
-    check_gemm(M, N, K, torch.float32, "cpu", layout)
+def test_w8a8_gemm_interp(M, N, K, layout, fuse_quant):
+    check_gemm(M, N, K, torch.float32, "cpu", layout, config=(16, 32, 2, 4, 1, fuse_quant))
 
 
 @interp
@@ -149,6 +150,8 @@ def test_fused_moe_fp8_nothing_local_interp():
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_w8a8_gemm_gpu(M, N, K, mark):
     check_gemm(M, N, K, torch.bfloat16, "cuda", tol=2e-2, cos_min=0.9999)
+    check_gemm(M, N, K, torch.bfloat16, "cuda", "transposed", tol=2e-2, cos_min=0.9999,
+               config=(64, 64, 2, 4, 4, M <= 256) if M <= 256 else (128, 256, 1, 8, 3))
     check_gemm(min(M, 77), N, K, torch.bfloat16, "cuda", "nan_padded", tol=2e-2, cos_min=0.9999)
 
 
