@@ -49,8 +49,8 @@ def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_kb,
     """c[split, m, n] = sum over this split's k-blocks of (a[m] . b[n]) * as[m, kb] * bs[n // 128, kb].
 
     QUANT_A: a is the unquantized activation (any float dtype, strides sa_m / sa_k) and each program
-    quantizes its rows per 128 channels itself, exactly as `quant_act` does (decode shapes: one launch,
-    no round trip of the codes through memory); otherwise a holds e4m3 codes with unit k stride."""
+    quantizes its rows per 128 channels itself, exactly as `quant_act` does (one launch, but every column
+    tile repeats the work: measured slower, kept as an option); otherwise a holds e4m3 codes, unit k stride."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -109,21 +109,21 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gemm_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for one problem (from the H200 sweeps of
-    bench.kernels.fp8_gemm, BENCHMARKS.md).
+    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for one problem, from the H200 sweeps of
+    bench.kernels.fp8_gemm (BENCHMARKS.md, FP8 weights).
 
-    Prefill (M > 256): 128 x 128 tiles, 8 warps. Decode (M <= 256, activation quantization fused into
-    the GEMM): 64 x 64 tiles, and K split only while the grid has fewer programs than multiprocessors
-    (the split's fp32 partial sums cost a pass of their own)."""
+    Prefill (M > 256): 128 x 128 tiles, 8 warps, 4 stages. Decode (M <= 256): 64 x 64 tiles, K split
+    while the grid has fewer than two programs per multiprocessor and each split keeps >= 12 k-blocks
+    (K = 2048 is never split: the split's fp32 partial sums then cost more than they win)."""
     if interpreting():
         return 16, 32, 2 if K > BLOCK else 1, 4, 1
     if M > 256:
-        return 128, 128, 1, 8, 3
+        return 128, 128, 1, 8, 4
     block_m, block_n = 64, 64
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     split = 1
     num_kb = triton.cdiv(K, BLOCK)
-    while tiles * split < num_sms(device) and split * 2 <= num_kb // 4:
+    while tiles * split < 2 * num_sms(device) and num_kb // (split * 2) >= 12:
         split *= 2
     return block_m, block_n, split, 4, 4
 
@@ -135,7 +135,8 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
     x: bf16/fp16/fp32 [M, K] (any strides); weight float8_e4m3fn [N, K] with unit K stride;
     weight_scale_inv fp32 [ceil(N/128), ceil(K/128)]. out_dtype defaults to x's dtype.
     `config` overrides `gemm_config` (benchmarks sweep it): (BLOCK_M, BLOCK_N, SPLIT_K, num_warps,
-    num_stages[, fuse_quant]); activation quantization is fused into the GEMM by default for M <= 256."""
+    num_stages[, fuse_quant]). fuse_quant (quantizing x inside the GEMM) is off by default: on the H200 every
+    program re-quantizing its rows made decode shapes 2-4x slower than the separate `quant_act` launch."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit [M, K] x [N, K]")
     if weight.dtype != torch.float8_e4m3fn:
@@ -153,7 +154,7 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     weight_scale_inv = weight_scale_inv if weight_scale_inv.stride(1) == 1 else weight_scale_inv.contiguous()
     config = config or gemm_config(M, N, K, x.device)
-    fuse_quant = bool(config[5]) if len(config) > 5 else M <= 256
+    fuse_quant = bool(config[5]) if len(config) > 5 else False
     if fuse_quant:
         return _gemm(x, None, weight, weight_scale_inv, out_dtype, config[:5], quant_a=True)
     x_q, x_s = quant_act(x)

@@ -128,9 +128,9 @@ def _config(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
         return 16, 32, 4, 1
     if num_assign >= 64 * num_experts:  # prefill: 128-row tiles (best of the H200 sweep, BENCHMARKS.md)
         return 128, 128, 8, 3
-    if num_assign >= 16 * num_experts:
+    if num_assign > 16 * num_experts:
         return 64, 128, 8, 3
-    return 32, 64, 4, 4
+    return 32, 64, 4, 4  # decode: 16 rows per expert or fewer
 
 
 def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,

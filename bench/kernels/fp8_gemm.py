@@ -8,8 +8,8 @@ FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's project
   (weight bytes per second vs copy bandwidth), activation quantization included, against bf16 `x @ W^T`;
 * the grouped MoE (32 local experts, H 6144, I 2048, top-8): prefill 8,192 tokens and decode 64 tokens,
   FP8 `fused_moe_fp8` against the bf16 `fused_moe`;
-* the MLA absorbed matmuls, W_UK / W_UV in bf16 (einsum) against FP8 (kernels.fp8_absorbed), for the
-  kv_b_proj decision.
+* the MLA absorbed matmuls on bf16 W_UK / W_UV against the FP8 path (kernels.fp8_absorbed's dequantization,
+  then the same einsums), for the kv_b_proj decision.
 A small config sweep per shape reports the launcher's pick and the best found.
 """
 
@@ -23,7 +23,7 @@ import time
 import torch
 
 from bench.kernels.timing import ceilings, num_sets, time_plain, time_rotating
-from kernels.fp8_absorbed import absorb_o, absorb_q
+from kernels.fp8_absorbed import dequantize_fp8
 from kernels.fp8_gemm import gemm_config, quant_act, quantize_weight_ref, w8a8_block_fp8_matmul
 from kernels.fp8_moe import _config as moe_config
 from kernels.fp8_moe import fused_moe_fp8, merge_gate_up_scales
@@ -123,15 +123,20 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
 
 
 def bench_absorbed(dev, T, H=64, nope=192, v=256, R=512) -> dict:
-    """MLA's absorbed matmuls, W_UK / W_UV dequantized to bf16 (einsum) vs read as FP8 (kernels.fp8_absorbed)."""
+    """MLA's absorbed matmuls on bf16 W_UK / W_UV, and the FP8 path: dequantize kv_b_proj, then the same."""
     w = torch.randn(H * (nope + v), R, device=dev, dtype=torch.bfloat16) * R ** -0.5
     wq, ws = quantize_weight_ref(w)
     w3 = w.view(H, nope + v, R)
     q = torch.randn(T, H, nope, device=dev, dtype=torch.bfloat16)
     o = torch.randn(T, H, R, device=dev, dtype=torch.bfloat16)
+    def fp8_both():
+        wd = dequantize_fp8(wq, ws).view(H, nope + v, R)
+        torch.einsum("thn,hnr->thr", q, wd[:, :nope])
+        torch.einsum("thr,hvr->thv", o, wd[:, nope:])
+
     cases = {"bf16_uk": lambda: torch.einsum("thn,hnr->thr", q, w3[:, :nope]),
              "bf16_uv": lambda: torch.einsum("thr,hvr->thv", o, w3[:, nope:]),
-             "fp8_uk": lambda: absorb_q(q, wq, ws, nope, v), "fp8_uv": lambda: absorb_o(o, wq, ws, nope, v)}
+             "fp8_dequant": lambda: dequantize_fp8(wq, ws), "fp8_dequant_uk_uv": fp8_both}
     out = {"T": T, "bf16_bytes": w.numel() * 2, "fp8_bytes": w.numel()}
     for name, fn in cases.items():
         out[name + "_us"] = (time_rotating([fn], dev) if T < 1024 else time_plain(fn, dev, rep_ms=50)) * 1e6

@@ -16,7 +16,7 @@ from engine.config.model import ModelConfig
 from engine.model.context import ForwardContext
 from engine.model.fp8 import Fp8Linear
 from engine.model.layers import RMSNorm, apply_rope
-from kernels.fp8_absorbed import absorb_o, absorb_o_ref, absorb_q, absorb_q_ref
+from kernels.fp8_absorbed import absorbed_weights
 
 
 class Indexer(nn.Module):
@@ -70,21 +70,14 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=False)
         self.indexer = Indexer(cfg) if has_indexer else None
 
-    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of kv_b_proj: W_UK [H, nope, R] and W_UV [H, v, R] (no copies)."""
+    def _absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of kv_b_proj: W_UK [H, nope, R] and W_UV [H, v, R] (no copies); an FP8 kv_b_proj is
+        dequantized to `dtype` for this forward (kernels.fp8_absorbed; engine/model/fp8.py says why)."""
+        if isinstance(self.kv_b_proj, Fp8Linear):
+            return absorbed_weights(self.kv_b_proj.weight, self.kv_b_proj.weight_scale_inv, self.num_heads,
+                                    self.nope, dtype)
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.latent)
         return w[:, : self.nope], w[:, self.nope:]
-
-    def _absorb(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        """q_nope [T, H, nope] -> q_lat (which="q") or latent output [T, H, R] -> o (which="o"). An FP8
-        kv_b_proj is used as stored (weight-only FP8 kernels, engine/model/fp8.py says why)."""
-        if isinstance(self.kv_b_proj, Fp8Linear):
-            fn = {"q": absorb_q, "o": absorb_o}[which] if x.is_cuda else {"q": absorb_q_ref, "o": absorb_o_ref}[which]
-            return fn(x, self.kv_b_proj.weight, self.kv_b_proj.weight_scale_inv, self.nope, self.v_dim)
-        w_uk, w_uv = self._absorbed()
-        if which == "q":
-            return torch.einsum("thn,hnr->thr", x, w_uk)
-        return torch.einsum("thr,hvr->thv", x, w_uv)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +98,9 @@ class MLAttention(nn.Module):
         else:
             topk = prev_topk
 
-        q_lat = self._absorb(q_nope, "q")
+        w_uk, w_uv = self._absorbed(x.dtype)
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q_full = torch.cat([q_lat, q_pe], dim=-1)
         out_lat, _ = ctx.backend.sparse_mla(ctx.kv_cache, self.layer_id, q_full, topk, ctx.meta, self.scale)
-        o = self._absorb(out_lat.to(x.dtype), "o").reshape(T, self.num_heads * self.v_dim)
+        o = torch.einsum("thr,hvr->thv", out_lat.to(x.dtype), w_uv).reshape(T, self.num_heads * self.v_dim)
         return self.o_proj(o), topk

@@ -151,7 +151,7 @@ def test_fused_moe_fp8_nothing_local_interp():
 def test_w8a8_gemm_gpu(M, N, K, mark):
     check_gemm(M, N, K, torch.bfloat16, "cuda", tol=2e-2, cos_min=0.9999)
     check_gemm(M, N, K, torch.bfloat16, "cuda", "transposed", tol=2e-2, cos_min=0.9999,
-               config=(64, 64, 2, 4, 4, M <= 256) if M <= 256 else (128, 256, 1, 8, 3))
+               config=(64, 64, 2, 4, 4, True) if M <= 256 else (128, 256, 1, 8, 3))
     check_gemm(min(M, 77), N, K, torch.bfloat16, "cuda", "nan_padded", tol=2e-2, cos_min=0.9999)
 
 
@@ -162,29 +162,24 @@ def test_fused_moe_fp8_gpu(T, mark):
     check_fp8_moe(T, H=200, inner=160, E=16, k=4, device="cuda", offset=4, num_local=8, tol=2e-2, cos_min=0.999)
 
 
-def check_absorbed(T, H, nope, v, R, dtype, device, tol):
-    from kernels.fp8_absorbed import absorb_o, absorb_o_ref, absorb_q, absorb_q_ref
+def check_dequant(N, K, dtype, device):
+    from kernels.fp8_absorbed import dequantize_fp8, dequantize_fp8_ref
 
     gen = torch.Generator().manual_seed(3)
-    wq, ws = quantize_weight_ref(torch.randn(H * (nope + v), R, generator=gen) * R ** -0.5)
-    wq = _poisoned_fp8(wq.to(device), (3, 64))
-    ws = ws.to(device)
-    q = _activation(T * H, nope + 5, dtype, device, gen, "nan_padded")[:, :nope].reshape(T, H, nope)
-    lat = (torch.randn(T, R, H, generator=gen).to(dtype).to(device)).transpose(1, 2)  # non-contiguous
-    for got, want in ((absorb_q(q, wq, ws, nope, v), absorb_q_ref(q.float(), wq, ws, nope, v)),
-                      (absorb_o(lat, wq, ws, nope, v), absorb_o_ref(lat.float(), wq, ws, nope, v))):
-        assert got.dtype == dtype and got.shape == want.shape and not torch.isnan(got).any()
-        err = ((got.float() - want.float()).abs().max() / want.abs().max()).item()
-        assert err <= tol, f"absorbed matmul differs by {err:.3g} of its scale"
+    wq, ws = quantize_weight_ref(torch.randn(N, K, generator=gen))
+    wq = _poisoned_fp8(wq.to(device), (3, 64))  # strided view, NaN bytes beside it
+    got = dequantize_fp8(wq, ws.to(device), dtype)
+    want = dequantize_fp8_ref(wq.cpu(), ws, dtype)
+    assert got.dtype == dtype and torch.equal(got.cpu(), want), "dequantization must match bit for bit"
 
 
 @interp
-@pytest.mark.parametrize("T,H,nope,v", [(5, 3, 24, 40), (17, 2, 192, 256)])
-def test_absorbed_fp8_interp(T, H, nope, v):
-    check_absorbed(T, H, nope, v, R=200, dtype=torch.float32, device="cpu", tol=1e-5)
+@pytest.mark.parametrize("N,K", [(448 * 3, 200), (100, 64)])
+def test_dequantize_fp8_interp(N, K):
+    check_dequant(N, K, torch.bfloat16, "cpu")
+    check_dequant(N, K, torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("T", [1, 64, 1000])
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_absorbed_fp8_gpu(T, mark):
-    check_absorbed(T, 64, 192, 256, 512, torch.bfloat16, "cuda", tol=1e-2)
+def test_dequantize_fp8_gpu(mark):
+    check_dequant(64 * 448, 512, torch.bfloat16, "cuda")
