@@ -1,7 +1,7 @@
 """What the router checks before it parses a request: the API key (which names the tenant) and the
 body size. A pure ASGI middleware, so an oversized or unauthenticated body is never read in full.
 
-API keys are `key` (the key is its own tenant) or `key:tenant` (several keys share one tenant), from
+/tokenize and /detokenize need the key as /v1/* does. API keys are `key` (the key is its own tenant) or `key:tenant` (several keys share one tenant), from
 `--api-key` (repeatable), `--api-keys-file` (one entry a line, `#` comments) or `PDSERVE_API_KEY`.
 /health, /metrics, /docs and /openapi.json stay open: probes and scrapers carry no secret, and they
 reveal no request data. Every key is compared in constant time (hmac.compare_digest), all of them,
@@ -20,6 +20,7 @@ from services.router.openai_models import error_body
 from services.rpc.grpc_server import Unauthenticated
 
 PROTECTED_PREFIX = "/v1/"
+PROTECTED_PATHS = frozenset(("/tokenize", "/detokenize"))  # vLLM serves these outside /v1
 
 
 class ApiKeys:
@@ -89,7 +90,7 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         scope.setdefault("state", {})["tenant"] = None
-        if scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["path"].startswith(PROTECTED_PREFIX) or scope["path"] in PROTECTED_PATHS:
             try:
                 scope["state"]["tenant"] = self.keys.tenant(headers.get("authorization"))
             except Unauthenticated as exc:
