@@ -6,18 +6,20 @@ bytes as the GPU's). The forward quantizes activations per token per 128 channel
 block-scaled GEMM (Triton on CUDA, the fp32 reference elsewhere). Routed experts get the same format
 (`Experts(fp8=True)`).
 
-Which modules: every nn.Linear except those whose name contains one of the config's
+Which modules: every nn.Linear except those whose (checkpoint) name matches one of the config's
 `modules_to_not_convert` (quantization_config's `modules_to_not_convert` / `ignored_layers`); a config
 without a list gets `DEFAULT_NOT_CONVERT`, the GLM-5-FP8 convention (embeddings, lm_head, norms, the
 router gate and the indexer's weights_proj stay in the model dtype).
 
-kv_b_proj stays FP8 too, by measurement: the absorbed MLA path uses its rows as two per-head batched
-matrices (W_UK [H, nope, R] applied to q_nope, W_UV [H, v, R] to the attention output), which
-kernels.fp8_absorbed runs straight from the FP8 bytes (weight-only: dequantized in registers, activations
-not quantized, so no extra error enters the attention scores). Dequantizing it to bf16 once at load would
-cost 1.08 GiB per GLM-5.3 rank (79 layers x 14.7 MB), which puts a PCP8 x EP8 prefill rank at 106.09 GiB,
-over the 106 GiB that leaves 15 GiB of KV; FP8 keeps it at 105.0 GiB (`pdserve plan`). Decode-time
-cost against the bf16 einsums: BENCHMARKS.md (FP8 weights).
+kv_b_proj is stored in FP8 too, by measurement. The absorbed MLA path uses its rows as two per-head
+matrices (W_UK [H, nope, R] applied to q_nope, W_UV [H, v, R] to the attention output) whose head
+boundaries (nope + v = 448 rows) cut across the 128-row scale blocks. Dequantized to bf16 once at load it
+would cost 1.08 GiB per GLM-5.3 rank (79 layers x 14.7 MB) and put a PCP8 x EP8 prefill rank at
+106.09 GiB, over the 106 GiB that leaves 15 GiB of KV; stored in FP8 the rank is at 105.01 GiB
+(`pdserve plan`). Reading FP8 inside a weight-only batched kernel was measured on the H200 at 106 + 56 us
+per layer for 64 decode tokens against 18 + 19 us for the bf16 einsums (BENCHMARKS.md, FP8 weights), so the
+forward dequantizes kv_b_proj (one bandwidth-bound pass over 14.7 MB, kernels.fp8_absorbed) right before
+the same bf16 einsums.
 """
 
 from __future__ import annotations
