@@ -271,3 +271,61 @@ def test_fp8_engine_on_cuda(fp8_tool, heldout):
     assert gpu.core.runner.model.model.layers[1].mlp.experts.impl.__name__ == "fused_moe_fp8"
     out = gpu.generate([heldout[:32]], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 32 and gpu.get_stats().spec_steps > 0
+
+
+def test_merged_expert_fp8_layout_loads_and_slices(fp8_tool, tmp_path, heldout, monkeypatch):
+    """HF's merged 3-D expert tensors in FP8 (gate_up_proj [E, 2I, H] + gate_up_proj_scale_inv): same logits
+    as the per-expert layout, and an expert-parallel rank reads only its slice of them."""
+    sd = _all_tensors(fp8_tool)
+    layers = sorted({m.group(1) for n in sd if (m := re.match(r"(model\.layers\.\d+)\.mlp\.experts\.0\.", n))})
+    for layer in layers:
+        base = f"{layer}.mlp.experts"
+        n = len({int(m.group(1)) for k in sd if (m := re.match(re.escape(base) + r"\.(\d+)\.", k))})
+        for suffix in ("", "_scale_inv"):
+            gate_up = [torch.cat([sd.pop(f"{base}.{e}.gate_proj.weight{suffix}"),
+                                  sd.pop(f"{base}.{e}.up_proj.weight{suffix}")]) for e in range(n)]
+            sd[f"{base}.gate_up_proj{suffix}"] = torch.stack(gate_up)
+            sd[f"{base}.down_proj{suffix}"] = torch.stack([sd.pop(f"{base}.{e}.down_proj.weight{suffix}")
+                                                           for e in range(n)])
+    out = tmp_path / "merged"
+    out.mkdir()
+    save_file(sd, str(out / "model.safetensors"))
+    for extra in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(fp8_tool / extra, out / extra)
+    ids = heldout[:100]
+    assert torch.equal(LLM(str(out), num_blocks=8).prompt_logits(ids), LLM(str(fp8_tool), num_blocks=8).prompt_logits(ids))
+
+    from engine.config.model import ModelConfig
+    from engine.loading.loader import build_model
+
+    model = build_model(ModelConfig.from_pretrained(out), checkpoint=out, expert_shard=(4, 4))
+    rep = model.load_report
+    merged = [k for k in sd if k.endswith(("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"))]
+    whole = sum(t.numel() * t.element_size() for k, t in sd.items() if k not in merged)
+    half = sum(t[4:8].numel() * t.element_size() for k, t in sd.items() if k in merged)
+    assert rep.bytes_read == whole + half, "a rank reads its 4 experts' rows of the merged tensors, nothing more"
+
+
+def test_make_checkpoint_random_fp8(tmp_path):
+    from engine.loading.checkpoint import main
+
+    out = tmp_path / "rnd"
+    assert main(["--preset", "tiny", "--weight-dtype", "fp8", "--out", str(out)]) == 0
+    llm = LLM(str(out), num_blocks=8)
+    assert llm.get_stats().weight_bytes[0]["float8_e4m3fn"] > 0
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0].token_ids) == 3
+    dummy = LLM(str(out), num_blocks=8, load_format="dummy")  # random FP8 codes x scales (benchmarks)
+    assert dummy.get_stats().weight_bytes == llm.get_stats().weight_bytes
+    assert torch.isfinite(dummy.prompt_logits([5, 6, 7])).all()
+
+
+def test_quantization_flag(tiny_code):
+    import argparse
+
+    from engine.config.arg_utils import EngineArgs
+
+    ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--model", str(tiny_code), "--quantization", "fp8"])
+    cfg = EngineArgs.from_cli_args(ns).create_engine_config()
+    assert cfg.model.quantization == "fp8" and cfg.model.quantize_at_load
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineArgs(model=str(tiny_code), quantization="int4").create_engine_config()
