@@ -1,7 +1,8 @@
 """Quantizing a checkpoint to FP8 block-scaled weights in the HF layout GLM-5-FP8 ships.
 
 Every projection weight (2-D `*.weight` of a module the not-convert list does not name, and the routed
-experts, per expert or merged 3-D) becomes float8_e4m3fn plus `weight_scale_inv` fp32 per 128x128 block;
+experts, written per expert even when the source merges them in 3-D tensors) becomes float8_e4m3fn plus
+`weight_scale_inv` fp32 per 128x128 block;
 embeddings, lm_head, norms, the router gate and the indexer's weights_proj are copied as they are.
 config.json gains `quantization_config` (quant_method fp8, e4m3, dynamic activations, [128, 128] blocks,
 the modules_to_not_convert list used). Works shard by shard (one input shard in memory at a time) and
@@ -29,24 +30,36 @@ _MERGED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 def is_quantized_tensor(name: str, t: torch.Tensor, not_convert: tuple[str, ...]) -> bool:
     if not t.is_floating_point() or t.dtype == torch.float8_e4m3fn:
         return False
-    if name.endswith(_MERGED_EXPERTS) and t.dim() == 3:
-        return is_quantized_name(name, not_convert)
     return name.endswith(".weight") and t.dim() == 2 and is_quantized_name(name[: -len(".weight")], not_convert)
+
+
+def per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's merged 3-D expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]) -> GLM-5-FP8's
+    per-expert names (`experts.{e}.{gate,up,down}_proj.weight`); each half keeps its own scale blocks."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(_MERGED_EXPERTS) and t.dim() == 3:
+            base, which = name.rsplit(".", 1)
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                if which == "gate_up_proj":
+                    out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = t[e, :half], t[e, half:]
+                else:
+                    out[f"{base}.{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
 
 
 def quantize_state(tensors: dict[str, torch.Tensor], not_convert: tuple[str, ...] = DEFAULT_NOT_CONVERT
                    ) -> dict[str, torch.Tensor]:
     """HF-named tensors -> the FP8 checkpoint's tensors (quantized weights gain `<name>_scale_inv`)."""
     out = {}
-    for name, t in tensors.items():
+    for name, t in per_expert(tensors).items():
         if is_quantized_tensor(name, t, not_convert):
-            q, s = quantize_weight_ref(t)
-            if name.endswith(_MERGED_EXPERTS) and t.shape[1] % 128 and name.endswith("gate_up_proj"):
-                raise ValueError(f"{name}: a merged gate_up tensor needs I divisible by 128 for shared scale "
-                                 "blocks; write per-expert tensors instead")
-            out[name], out[name + "_scale_inv"] = q, s
+            out[name], out[name + "_scale_inv"] = quantize_weight_ref(t.contiguous())
         else:
-            out[name] = t
+            out[name] = t.contiguous()
     return out
 
 
