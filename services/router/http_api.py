@@ -1,6 +1,7 @@
 """The router's OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE; tools,
 tool calls and reasoning: chat_request.py, chat_output.py), /v1/models, /tokenize, /detokenize,
-/version, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`."""
+/version, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`.
+The Anthropic Messages API (/v1/messages) is mounted beside them from services/router/anthropic/."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.router.anthropic.endpoint import mount as mount_anthropic
 from services.router.api_fields import check_extra_fields
 from services.router.chat_output import ChoiceParser, OutputOptions, openai_delta, openai_message
 from services.router.chat_request import ChatSettings, prepare_chat_request
@@ -112,6 +114,7 @@ class RouterAPI(ExtraEndpoints):
         app.get("/metrics", include_in_schema=False)(self.prometheus)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        mount_anthropic(app, self)
         return app
 
     async def _validation_error(self, request: Request, exc: RequestValidationError) -> JSONResponse:
