@@ -316,8 +316,9 @@ def _to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         d.pop(key)
     if cfg.quantization == "fp8" and not cfg.quantize_at_load:
         d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                    "weight_block_size": list(cfg.weight_block_size or (128, 128)),
-                                    "modules_to_not_convert": list(cfg.modules_to_not_convert or ())}
+                                    "weight_block_size": list(cfg.weight_block_size or (128, 128))}
+        if cfg.modules_to_not_convert is not None:
+            d["quantization_config"]["modules_to_not_convert"] = list(cfg.modules_to_not_convert)
     d.update(
         architectures=["GlmMoeDsaForCausalLM"],
         indexer_types=list(cfg.indexer_types),
