@@ -158,7 +158,9 @@ class AsyncEngine:
         try:
             while True:
                 self._apply_commands()
-                if not self.core.has_unfinished():
+                # idle, unless finished requests are still to be dropped by the runner: one more step
+                # hands it their ids, so an idle engine keeps no per-request state (HiSparse pages, rows)
+                if not self.core.has_unfinished() and not self.core.scheduler.has_finished_to_drop:
                     self.last_stats = self.core.stats()
                     self._wake.clear()
                     if not self._commands:

@@ -1,6 +1,6 @@
 """A Redis for pdserve: use the one answering at a URL, or start a private `redis-server`.
 
-The private server listens on loopback only, keeps no snapshot or AOF (`--save "" --appendonly no`:
+The private server listens on the address its URL names (loopback by default), keeps no snapshot or AOF (`--save "" --appendonly no`:
 everything in pdserve's Redis is rebuilt by the instances after a restart), and lives in its own
 temporary directory and process group so it can be stopped cleanly, even by another process
 (`pdserve down`) that only knows its pid.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from services.deploy.procs import stop_pid, tie_to_parent
-from services.rpc.net import free_port
+from services.rpc.net import free_port, is_local_address
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -29,7 +29,7 @@ def ping(url: str, timeout: float = 0.5) -> bool:
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
         return bool(client.ping())
-    except (redis.ConnectionError, redis.TimeoutError, OSError):
+    except (redis.RedisError, OSError):  # no answer, or something that is not Redis answering
         return False
     finally:
         client.close()
@@ -87,16 +87,21 @@ class RedisServer:
 def ensure_redis(url: str | None, **start_kwargs) -> tuple[str, RedisServer | None]:
     """(url, server): the Redis at `url` if it answers; else a private one we started.
 
-    A loopback URL that does not answer gets a private server on that very port, so the URL the
-    topology names stays right; a non-loopback URL that does not answer is an error.
+    A URL naming this machine (loopback, or one of its own addresses) that does not answer gets a
+    private server on that very address and port, so the URL the topology names stays right (and
+    other hosts reach it); a URL of another machine that does not answer is an error.
     """
     if url and ping(url):
         return url, None
     if url:
         parsed = urlparse(url)
-        if parsed.hostname not in LOOPBACK:
-            raise ConnectionError(f"no Redis answers at {url} (only loopback Redis is started automatically)")
-        server = RedisServer.start(parsed.port or 6379, host="127.0.0.1", **start_kwargs)
+        host = parsed.hostname or "127.0.0.1"
+        if host in LOOPBACK:
+            host = "127.0.0.1"
+        elif not is_local_address(host):
+            raise ConnectionError(f"no Redis answers at {url} (a Redis is started automatically only at an "
+                                  "address of this host)")
+        server = RedisServer.start(parsed.port or 6379, host=host, **start_kwargs)
         return url, server
     server = RedisServer.start(**start_kwargs)
     return server.url, server

@@ -144,7 +144,8 @@ def _set_rank_environ(args: argparse.Namespace) -> None:
 
     import torch
 
-    local = args.rank if torch.cuda.is_available() else 0
+    # The launcher names each rank's GPU (LOCAL_RANK within its CUDA_VISIBLE_DEVICES); else rank r uses GPU r.
+    local = int(os.environ.get("LOCAL_RANK", args.rank)) if torch.cuda.is_available() else 0
     os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(local),
                       LOCAL_WORLD_SIZE=str(args.world_size), MASTER_ADDR=args.master_addr,
                       MASTER_PORT=str(args.master_port))
