@@ -23,10 +23,12 @@ def test_weight_bytes_gauges_per_rank_and_dtype():
     m = ServiceMetrics("prefill", instance_id="prefill-0")
     host = EngineHost.__new__(EngineHost)  # only the gauge loop is exercised: no Redis
     host.engine, host.metrics, host._prefix_seen, host._hisparse_seen = _Engine(), m, (0, 0), (0, 0, 0)
+    host._steps_seen = (0, 0.0)
 
     async def one_pass():
         task = asyncio.create_task(host._gauges_loop(period_s=0.0))
         await asyncio.sleep(0.05)
+        assert not task.done(), task.exception()  # the loop keeps running: no error in a pass
         task.cancel()
 
     asyncio.run(one_pass())
