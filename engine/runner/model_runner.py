@@ -139,7 +139,7 @@ class ModelRunner:
                 n = c.num_draft_tokens + 1
                 res = self._sample_one(c, logits[r:r + n], valid.get(c.req_id))
                 r += n
-            res.grammar_terminated = self.structured.advance(st, res.token_ids)
+            self.structured.accept(st, res)  # may end the step's tokens at the grammar's stop token
             out.sampled[c.req_id] = res
             emitted[c.req_id] = res.token_ids
             st.output_token_ids.extend(res.token_ids)
