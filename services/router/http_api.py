@@ -1,5 +1,6 @@
 """The router's OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE),
-/v1/models, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`."""
+/v1/models, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`.
+Bodies are parsed as strict JSON (strict_json.py) and their numbers checked (validation.py) before use."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.admission import Admission
+from services.common.bounds import seed_for_sample
 from services.common.grpc_server import Overloaded, retry_after_s
 from services.router.flow import Flow, RequestStats, UpstreamError, new_request_id
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, error_body
@@ -22,6 +24,7 @@ from services.router.requests import BadRequest, Limits, Prepared, prepare_chat,
 from services.router.guard import ApiKeys, Guard, tenant_cache_salt
 from services.router.responses import Formatter, sse, usage
 from services.router.routing import NoInstance
+from services.router.strict_json import StrictJSONRoute
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,7 @@ class RouterAPI:
     def build(self) -> FastAPI:
         app = FastAPI(title="pdserve router", version="1.0",
                       description="OpenAI-compatible API of a disaggregated prefill/decode deployment.")
+        app.router.route_class = StrictJSONRoute  # NaN, Infinity, duplicate keys, deep nesting -> 400
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_middleware(Guard, keys=self.keys, max_body_bytes=self.max_body_bytes)
@@ -147,7 +151,7 @@ class RouterAPI:
             for i in range(prep.n):
                 params = prep.params
                 if i and params.seed is not None:  # n seeded samples must differ from each other
-                    params = type(params)(**{**params.__dict__, "seed": params.seed + i})
+                    params = type(params)(**{**params.__dict__, "seed": seed_for_sample(params.seed, i)})
                 jobs.append((p * prep.n + i, ids, params))
         return jobs
 
