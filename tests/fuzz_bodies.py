@@ -11,10 +11,12 @@ and tests/e2e/test_fuzz.py (the running system).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
+from services.common.bounds import BOUNDS, InvalidArgument, check_value
 from services.router.validation import FIELDS
 
 _EDGES = [2 ** 31, 2 ** 32, 2 ** 63, 2 ** 64]
@@ -88,6 +90,40 @@ def any_body(draw, ep: Endpoint) -> str:
         k = draw(st.sampled_from([p[0] for p in pairs]))
         pairs.append((k, draw(_any_value())))
     return _render(pairs)
+
+
+SHORT = {"max_tokens": [1, 2], "min_tokens": [0, 1], "n": [1, 2]}  # generation length is not what is fuzzed
+
+
+def inside_edges(bound: str, limits) -> list:
+    """The values at the edges inside a field's range (served, so they also reach the engines)."""
+    if bound in SHORT:
+        return SHORT[bound]
+    b = BOUNDS[bound]
+    lo, hi = b.range(limits)
+    candidates = ((lo, lo + 1, hi - 1, hi, *b.off) if b.kind is int else
+                  (lo, math.nextafter(lo, hi), 1e-38, 1e-30, 1.0, hi / 2, hi, -0.0, 0.0))
+    return sorted({v for v in candidates if _accepted(bound, v, limits)})
+
+
+def _accepted(bound: str, value, limits) -> bool:
+    try:
+        check_value(bound, value, limits)
+    except InvalidArgument:
+        return False
+    return True
+
+
+@st.composite
+def inside_body(draw, ep: Endpoint, limits) -> str:
+    """The valid body with 1-4 numeric fields at an inside edge (every one in range: expect 200)."""
+    chosen = draw(st.lists(st.sampled_from(sorted(ep.numeric)), min_size=1, max_size=4, unique=True))
+    values = {k: draw(st.sampled_from(inside_edges(ep.numeric[k], limits))) for k in chosen}
+    if "top_logprobs" in values:
+        values["logprobs"] = True
+    max_tokens = values.get("max_completion_tokens", values.get("max_tokens", ep.base.get("max_tokens", 2)))
+    values["min_tokens"] = min(values.get("min_tokens", 0), max_tokens)
+    return _render([(k, json.dumps(v)) for k, v in {**ep.base, **values}.items()])
 
 
 def raw_bodies() -> list[str]:

@@ -17,8 +17,10 @@ one seeded request use seed, seed + 1, ... wrapped around within that range (`se
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 
@@ -26,6 +28,7 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from proto.pdserve.v1 import common_pb2
 
 FLOAT32_MAX = 3.4028234663852886e38
+MIN_REPETITION_PENALTY = 1e-6
 _T = FieldDescriptor
 _INT_RANGES = {_T.TYPE_INT32: (-2 ** 31, 2 ** 31 - 1), _T.TYPE_SINT32: (-2 ** 31, 2 ** 31 - 1),
                _T.TYPE_SFIXED32: (-2 ** 31, 2 ** 31 - 1), _T.TYPE_UINT32: (0, 2 ** 32 - 1),
@@ -51,7 +54,7 @@ class ModelLimits:
     vocab_size: int
 
     @classmethod
-    def of(cls, engine_config) -> "ModelLimits":
+    def of(cls, engine_config) -> ModelLimits:
         return cls(engine_config.scheduler.max_model_len, engine_config.model.vocab_size)
 
 
@@ -83,7 +86,14 @@ class Bound:
         w_lo, w_hi = wire_range(self.wire) if self.wire else (-math.inf, math.inf)
         lo = getattr(limits, self.lo) if isinstance(self.lo, str) else self.lo
         hi = getattr(limits, self.hi) if isinstance(self.hi, str) else self.hi
-        return (w_lo if lo is None else max(lo, w_lo)), (w_hi if hi is None else min(hi, w_hi))
+        lo, hi = (w_lo if lo is None else max(lo, w_lo)), (w_hi if hi is None else min(hi, w_hi))
+        return (_f32(lo), _f32(hi)) if self.float32 else (lo, hi)
+
+    @property
+    def float32(self) -> bool:
+        """Carried in a proto `float`: compared as the float32 the wire will hold, so the router and the
+        engines (which see only that float32) accept exactly the same values."""
+        return self.kind is float and self.wire is not None and wire_range(self.wire)[1] == FLOAT32_MAX
 
     def describe(self, lo: float, hi: float) -> str:
         text = f"{'(' if self.lo_open else '['}{_num(lo)}, {_num(hi)}{')' if self.hi_open else ']'}"
@@ -101,10 +111,16 @@ BOUNDS: dict[str, Bound] = {
     "logprobs": Bound(int, 0, MAX_LOGPROBS, wire="logprobs"),
     "presence_penalty": Bound(float, -2.0, 2.0, wire="presence_penalty"),
     "frequency_penalty": Bound(float, -2.0, 2.0, wire="frequency_penalty"),
-    "repetition_penalty": Bound(float, 0.0, wire="repetition_penalty", lo_open=True),
+    # below 1e-6 the penalised float32 logits overflow to inf (NaN probabilities)
+    "repetition_penalty": Bound(float, MIN_REPETITION_PENALTY, wire="repetition_penalty"),
     "token_id": Bound(int, 0, "vocab_size", wire="stop_token_ids", hi_open=True),
     "n": Bound(int, 1, "max_n"),
 }
+
+
+def _f32(x: float) -> float:
+    """x as the nearest float32 (|x| <= FLOAT32_MAX: the range check comes first)."""
+    return struct.unpack("f", struct.pack("f", x))[0] if math.isfinite(x) else x
 
 
 def _num(x: float) -> str:
@@ -118,7 +134,7 @@ def _short(value: Any) -> str:
 
 def check_value(name: str, value: Any, limits: Any, param: str | None = None) -> None:
     """Raise InvalidArgument naming `param` (default: `name`) unless `value` lies in BOUNDS[name]."""
-    b, param = BOUNDS[name], param or name
+    b, param, given = BOUNDS[name], param or name, value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (b.kind is int and isinstance(value, float)):
         kind = "an integer" if b.kind is int else "a number"
         raise InvalidArgument(f"{param} must be {kind}, got {_short(value)}", param)
@@ -127,10 +143,12 @@ def check_value(name: str, value: Any, limits: Any, param: str | None = None) ->
     if value in b.off:
         return
     lo, hi = b.range(limits)
+    if b.float32 and -FLOAT32_MAX <= value <= FLOAT32_MAX:
+        value = _f32(value)  # what the wire will carry
     below = value < lo or (b.lo_open and value == lo)
     above = value > hi or (b.hi_open and value == hi)
     if below or above:
-        raise InvalidArgument(f"{param} must be in {b.describe(lo, hi)}, got {_short(value)}", param,
+        raise InvalidArgument(f"{param} must be in {b.describe(lo, hi)}, got {_short(given)}", param,
                               b.hi_code if above else "invalid_request")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from types import SimpleNamespace
+from typing import ClassVar
 
 import grpc
 import pytest
@@ -16,8 +17,7 @@ from hypothesis import strategies as st
 
 from engine.runner.sampler import _filtered_probs
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2_grpc
-from services.common.bounds import (BOUNDS, FLOAT32_MAX, InvalidArgument, ModelLimits, check_sampling_proto,
-                                    wire_range)
+from services.common.bounds import BOUNDS, FLOAT32_MAX, InvalidArgument, ModelLimits, check_sampling_proto, wire_range
 from services.common.convert import sampling_from_proto
 from services.common.grpc_server import GrpcServer
 from services.common.metrics import ServiceMetrics
@@ -97,7 +97,7 @@ class _Engine:
     config = SimpleNamespace(cache=SimpleNamespace(block_size=64), parallel=SimpleNamespace(
         decode_context_parallel_size=1, world_size=1), scheduler=SimpleNamespace(max_model_len=4096),
         model=SimpleNamespace(vocab_size=4096))
-    reached: list = []
+    reached: ClassVar[list] = []
 
     def stats(self):
         return SimpleNamespace(num_waiting=0, spec_drafts=0, spec_accepted=0)
@@ -110,9 +110,10 @@ class _Engine:
 def _bad_generates() -> list[tuple[common_pb2.GenerateRequest, str]]:
     def g(ids=(5, 6, 7), **kw):
         return common_pb2.GenerateRequest(request_id="bad", prompt_token_ids=list(ids), sampling_params=_sp(**kw))
-    return [(g(top_k=2 ** 31 - 1), "top_k"), (g(temperature=math.inf), "temperature"), (g(seed=-1, top_p=math.nan), "top_p"),
-            (g(min_tokens=2 ** 32 - 1), "min_tokens"), (g(max_tokens=2 ** 32 - 1), "max_tokens"),
-            (g(ids=[2 ** 32 - 1]), "prompt_token_ids"), (g(ids=[1] * 4096), "prompt_token_ids"), (g(ids=[]), "prompt_token_ids")]
+    return [(g(top_k=2 ** 31 - 1), "top_k"), (g(temperature=math.inf), "temperature"),
+            (g(seed=-1, top_p=math.nan), "top_p"), (g(min_tokens=2 ** 32 - 1), "min_tokens"),
+            (g(max_tokens=2 ** 32 - 1), "max_tokens"), (g(ids=[2 ** 32 - 1]), "prompt_token_ids"),
+            (g(ids=[1] * 4096), "prompt_token_ids"), (g(ids=[]), "prompt_token_ids")]
 
 
 async def _serve(add, servicer, name):
@@ -133,7 +134,8 @@ def test_prefill_and_decode_refuse_out_of_range_requests_before_the_engine():
         try:
             for g, field in _bad_generates():
                 with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await prefill_pb2_grpc.PrefillStub(p_ch).Prefill(prefill_pb2.PrefillRequest(request=g), timeout=10)
+                    await prefill_pb2_grpc.PrefillStub(p_ch).Prefill(prefill_pb2.PrefillRequest(request=g),
+                                                                     timeout=10)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), e.value
                 call = decode_pb2_grpc.DecodeStub(d_ch).Generate(decode_pb2.DecodeRequest(
                     request=g, first=common_pb2.TokenDelta(token_ids=[1]), kv=prefill_pb2.KVHandle(num_tokens=3)))

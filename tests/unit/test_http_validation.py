@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fuzz_bodies import ENDPOINTS, any_body, nested, numeric_body, raw_bodies
+from tests.fuzz_bodies import ENDPOINTS, any_body, inside_body, nested, numeric_body, raw_bodies
 from tests.unit.router_harness import make_client
 
 CLIENT, FLOW, LIMITS = make_client()
@@ -100,8 +100,8 @@ def test_edges_inside_the_ranges_are_served_and_reach_the_wire_intact():
 def test_duplicate_keys_deep_nesting_and_bad_bytes_get_400():
     status, body = post("/v1/completions", '{"prompt": "a", "max_tokens": 2, "max_tokens": 3}')
     assert status == 400 and body["error"]["param"] == "max_tokens", body
-    for raw in (nested(100_000), nested(65), '{"prompt": ' + nested(70, "{") + "}", b"\xff\xfe{}", b'{"prompt": "\xc3"}',
-                '{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}"):
+    for raw in (nested(100_000), nested(65), '{"prompt": ' + nested(70, "{") + "}", b"\xff\xfe{}",
+                b'{"prompt": "\xc3"}', '{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}"):
         status, body = post("/v1/completions", raw)
         assert status == 400 and body["error"]["message"], (str(raw)[:40], body)
     status, _ = post("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text",
@@ -142,3 +142,18 @@ def test_every_numeric_field_never_gets_a_5xx(path):
     print(path, sorted((s, n) for (p, s), n in SEEN.items() if p == path))
     assert {200, 400} <= {s for (p, s) in SEEN if p == path}, SEEN
     assert CLIENT.get("/health").status_code == 200 and completion()[0] == 200
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_every_in_range_edge_is_served_by_the_router_and_accepted_by_the_engines(path):
+    """Values at the inside edges of every range: 200, and the wire request passed the prefill's check
+    (the router and the engines agree on every bound, float32 rounding included)."""
+    ep = ENDPOINTS[path]
+
+    @given(body=inside_body(ep, LIMITS))
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    def prop(body):
+        status, out = post(path, body)
+        assert status == 200, (body, out)
+    prop()
