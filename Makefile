@@ -39,7 +39,7 @@ proto: install
 	$(PY) -m proto.build
 
 demo: install
-	$(PY) -m services.demo
+	$(PY) -m services.deploy.demo
 
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests

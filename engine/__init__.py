@@ -6,17 +6,17 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "AsyncEngine"]
 
 
 def __getattr__(name: str):
-    # Lazy so that `import engine.config` (planners, tools) does not build the whole runtime.
+    # Lazy so that `import engine.config.model` (planners, tools) does not build the whole runtime.
     if name in ("LLM",):
-        from engine.llm import LLM
+        from engine.frontend.llm import LLM
         return LLM
     if name in ("SamplingParams",):
-        from engine.sampling_params import SamplingParams
+        from engine.core.sampling_params import SamplingParams
         return SamplingParams
     if name in ("RequestOutput",):
-        from engine.outputs import RequestOutput
+        from engine.frontend.outputs import RequestOutput
         return RequestOutput
     if name in ("AsyncEngine",):
-        from engine.async_engine import AsyncEngine
+        from engine.frontend.async_engine import AsyncEngine
         return AsyncEngine
     raise AttributeError(name)

@@ -37,7 +37,7 @@ def redis_url() -> str:
     return os.environ.get("PDSERVE_REDIS_URL", DEFAULT_REDIS_URL)
 
 
-# ---- multi-rank engines (torchrun's variables; set by engine.parallel.launcher for spawned ranks) ----
+# ---- multi-rank engines (torchrun's variables; set by engine.parallel.spawn for spawned ranks) ----
 def dist_rank() -> int | None:
     """This process's rank when a launcher (torchrun or ours) started it, else None."""
     return _int("RANK", -1) if os.environ.get("RANK") else None
@@ -113,7 +113,7 @@ def nixl_backends() -> tuple[str, ...]:
 
 def nixl_progress_thread() -> bool:
     """`PDSERVE_NIXL_PROGRESS_THREAD=1`: use NIXL's progress thread (it spins a core) instead of
-    event-loop polling (see services/common/nixl_agent.py)."""
+    event-loop polling (see services/transfer/nixl_agent.py)."""
     return os.environ.get("PDSERVE_NIXL_PROGRESS_THREAD", "0").lower() in ("1", "true", "yes")
 
 

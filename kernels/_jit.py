@@ -82,7 +82,7 @@ def to_e4m3(v, ROUND_FIRST: tl.constexpr):
 
 # ---- launching -----------------------------------------------------------------------------------------
 
-class Launcher:
+class CompiledKernel:
     """A Triton kernel launched through the handle its first launch compiled, for the per-step kernels of a
     decode loop: a launch through `kernel[grid](...)` costs about 30 us of host time on an H200 host (its
     argument binding, cache key, hooks and global checks), the compiled launcher alone about 10 us

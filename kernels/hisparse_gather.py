@@ -22,7 +22,7 @@ if torch.version.cuda is None and getattr(torch.version, "hip", None) is None an
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels._jit import Launcher  # noqa: E402
+from kernels._jit import CompiledKernel  # noqa: E402
 
 
 @triton.jit
@@ -59,7 +59,7 @@ def _copy_rows_kernel(src_ptr, dst_ptr, src_slot_ptr, dst_slot_ptr, num_rows,
         tl.store(dst_ptr + dst_base[:, None] + cols[None, :], vals, mask=ok[:, None] & in_row)
 
 
-_COPY = Launcher(_copy_rows_kernel)  # LayerCopy's per-step launches skip the JIT's argument binding
+_COPY = CompiledKernel(_copy_rows_kernel)  # LayerCopy's per-step launches skip the JIT's argument binding
 
 
 def _as_words(view: torch.Tensor) -> torch.Tensor:

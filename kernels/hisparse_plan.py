@@ -32,7 +32,7 @@ if torch.version.cuda is None and getattr(torch.version, "hip", None) is None an
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels._jit import Launcher  # noqa: E402
+from kernels._jit import CompiledKernel  # noqa: E402
 
 _BIG = 1 << 40  # sorts after every position (positions are int32) and every plan clock
 
@@ -152,7 +152,7 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
     tl.atomic_add(counters_ptr + 3, num_miss * bytes_per_miss)
 
 
-_PLAN = Launcher(_plan_kernel)  # launched every decode step: skip the JIT's argument binding
+_PLAN = CompiledKernel(_plan_kernel)  # launched every decode step: skip the JIT's argument binding
 PLAN_WARPS = 8  # warps of the one program per request (BENCHMARKS.md, HiSparse plan kernel: measured)
 
 

@@ -1,10 +1,10 @@
 """`pdserve`: one console script, one subcommand per tool; each tool's module is imported only when
 its subcommand runs (so `pdserve plan` never starts grpc, and a missing part says so plainly).
 
-    pdserve up [--config T] | down | status     services.launcher   (up_main / down_main / status_main)
-    pdserve make-checkpoint ...                engine.checkpoint   (main)
-    pdserve bench agentx | serve | load | compare   bench.agentx / .serve / .loadtest / .compare (main)
-    pdserve plan ...                           bench.plan          (main)
+    pdserve up [--config T] | down | status     services.deploy.launcher   (up_main / down_main / status_main)
+    pdserve make-checkpoint ...                engine.loading.checkpoint   (main)
+    pdserve bench agentx | serve | load | compare   bench.serving.agentx / .serve / .loadtest / .compare (main)
+    pdserve plan ...                           planner.cli          (main)
 
 Every target is `fn(argv: list[str]) -> int` and owns its own argparse (so `--help` is its help).
 """
@@ -25,15 +25,15 @@ class Command:
 
 
 COMMANDS: dict[tuple[str, ...], Command] = {
-    ("up",): Command("services.launcher", "up_main", "start a topology (router, prefill, decode, kvstore, redis)"),
-    ("down",): Command("services.launcher", "down_main", "stop a topology started by `pdserve up`"),
-    ("status",): Command("services.launcher", "status_main", "which processes of a topology are alive"),
-    ("make-checkpoint",): Command("engine.checkpoint", "main", "write a checkpoint (random or converted)"),
-    ("bench", "agentx"): Command("bench.agentx", "main", "replay agentic-coding traces at several concurrencies"),
-    ("bench", "serve"): Command("bench.serve", "main", "random/fixed-length prompts, vllm-bench-serve metrics"),
-    ("bench", "load"): Command("bench.loadtest", "main", "N concurrent greedy streams: tokens = offline, no leaks, flat RSS"),
-    ("bench", "compare"): Command("bench.compare", "main", "plot several agentx results with ratios"),
-    ("plan",): Command("bench.plan", "main", "KV, capacity and roofline planner for a model and deployment"),
+    ("up",): Command("services.deploy.launcher", "up_main", "start a topology (router, prefill, decode, kvstore, redis)"),
+    ("down",): Command("services.deploy.launcher", "down_main", "stop a topology started by `pdserve up`"),
+    ("status",): Command("services.deploy.launcher", "status_main", "which processes of a topology are alive"),
+    ("make-checkpoint",): Command("engine.loading.checkpoint", "main", "write a checkpoint (random or converted)"),
+    ("bench", "agentx"): Command("bench.serving.agentx", "main", "replay agentic-coding traces at several concurrencies"),
+    ("bench", "serve"): Command("bench.serving.serve", "main", "random/fixed-length prompts, vllm-bench-serve metrics"),
+    ("bench", "load"): Command("bench.serving.loadtest", "main", "N concurrent greedy streams: tokens = offline, no leaks, flat RSS"),
+    ("bench", "compare"): Command("bench.serving.compare", "main", "plot several agentx results with ratios"),
+    ("plan",): Command("planner.cli", "main", "KV, capacity and roofline planner for a model and deployment"),
 }
 GROUP_HELP = {"bench": "benchmarks against a running server"}
 

@@ -26,7 +26,7 @@ def tiny_code() -> Path:
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """A random-weight `tiny` preset checkpoint (top-k 16: sparse selection is active past 16 tokens)."""
-    from engine.checkpoint import make_checkpoint
+    from engine.loading.checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", preset="tiny", seed=0)
 
@@ -34,7 +34,7 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_ckpt_dense(tmp_path_factory) -> Path:
     """Same shape, top-k 4096: attention is dense, so results depend on nothing the indexer picks."""
-    from engine.checkpoint import make_checkpoint
+    from engine.loading.checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tinyd") / "ckpt", preset="tiny", seed=0, index_topk=4096)
 

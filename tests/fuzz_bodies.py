@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from services.common.bounds import BOUNDS, InvalidArgument, check_value
 from services.router.validation import FIELDS
+from services.rpc.bounds import BOUNDS, InvalidArgument, check_value
 
 _EDGES = [2 ** 31, 2 ** 32, 2 ** 63, 2 ** 64]
 INT_EDGES = sorted({v + d for e in _EDGES for v in (e, -e) for d in (-1, 0, 1)} | {
@@ -38,7 +38,7 @@ def nested(depth: int, kind: str = "[") -> str:
 class Endpoint:
     path: str
     base: dict  # a valid body that generates at most a few tokens
-    numeric: dict[str, str]  # bounded numeric fields (-> services.common.bounds.BOUNDS)
+    numeric: dict[str, str]  # bounded numeric fields (-> services.rpc.bounds.BOUNDS)
     other: tuple[str, ...] = ()  # fields fuzzed with any value
     extra_numeric: tuple[str, ...] = field(default=("best_of",))  # numeric fields outside the table
 

@@ -110,7 +110,7 @@ class ForwardState:
 
 
 @dataclass
-class Routing:
+class BatchRouting:
     """The part of a forward's routing that repeats while the batch (requests, rows, pages) and the placement
     do: built once, reused step after step of a decode batch (mgr.routing_memo)."""
 
@@ -161,7 +161,7 @@ def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
     return fw
 
 
-def _routing(mgr, meta: AttnMetadata, key: tuple, req_ids: list[str], num_pages: list[int]) -> Routing:
+def _routing(mgr, meta: AttnMetadata, key: tuple, req_ids: list[str], num_pages: list[int]) -> BatchRouting:
     qsl = meta.query_start_loc_cpu
     dev = meta.positions.device
     reqs = [mgr.residency.reqs[rid] for rid in req_ids]
@@ -181,7 +181,7 @@ def _routing(mgr, meta: AttnMetadata, key: tuple, req_ids: list[str], num_pages:
     if pool and not resident:
         vlens = [_virtual_len(mgr, meta, b, num_pages) for b in pool]
         pool_lens = (vlens, to_dev(vlens, dev, torch.int32))
-    return Routing(key=key, reqs=reqs, paths=paths, hot=hot, pool=pool,
+    return BatchRouting(key=key, reqs=reqs, paths=paths, hot=hot, pool=pool,
                    hot_batch=_hot_batch(mgr, meta, reqs, hot, num_pages, pool) if hot else None,
                    table=_pool_table(mgr, reqs, pool, num_pages, paths) if pool else None,
                    slot_of_req=mgr.ints([r.slot for r in reqs], dev),
@@ -197,7 +197,7 @@ def _virtual_len(mgr, meta: AttnMetadata, b: int, num_pages: list[int]) -> int:
     return num_pages[b] * meta.block_size + mgr.layout.rows
 
 
-def _dev_slots(mgr, meta: AttnMetadata, rt: Routing, starts: torch.Tensor | None) -> torch.Tensor:
+def _dev_slots(mgr, meta: AttnMetadata, rt: BatchRouting, starts: torch.Tensor | None) -> torch.Tensor:
     """Device slot of each new row (kernels.hisparse_plan.dev_slots: a kernel on GPUs, its reference elsewhere).
     When every request is HOT with no device page (`rt.fixed_slots`), row i of a request goes to its reserved
     hot row lru_rows + i whatever the position, so the slots of the routing's first step are reused."""

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.engine_config import EngineConfig
+from engine.config.engine import EngineConfig
+from engine.core.scheduler_output import SchedulerOutput
 from engine.hisparse.backend import HiSparseBackend
 from engine.hisparse.forward import IntMemo, to_dev
 from engine.hisparse.host_pool import HiSparseKVCache, host_blocks_for
@@ -16,7 +17,6 @@ from engine.hisparse.layout import HotLayout, LayerGroups
 from engine.hisparse.residency import DeviceFootprint, Residency, StepActions
 from engine.hisparse.transfer import RowMover
 from engine.kv.cache import KVCacheSpec
-from engine.scheduler_output import SchedulerOutput
 
 _HITS, _MISSES, _H2D, _STEP_H2D = range(4)
 
@@ -74,7 +74,7 @@ class HiSparseManager:
         self.step_counters = self.counters[_STEP_H2D:]  # the per-step ones, zeroed by place()
         self.ints = IntMemo()  # per-forward routing lists kept on the device while they repeat
         self.version = 0  # bumped whenever placement changes (page table, hot buffers): invalidates memos
-        self.routing_memo = None  # engine.hisparse.forward.Routing of the last forward
+        self.routing_memo = None  # engine.hisparse.forward.BatchRouting of the last forward
         self.row_bytes = spec.mla_row * spec.mla_torch_dtype.itemsize
 
     @property

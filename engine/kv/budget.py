@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.engine_config import EngineConfig
+from engine.config.engine import EngineConfig
 from engine.kv.cache import KVCacheSpec, num_blocks_for_bytes
 
 

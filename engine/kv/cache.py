@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from kernels.formats import mla_row_bytes as fp8_row_bytes
 
 KV_CACHE_DTYPES = ("fp8_ds_mla", "bfloat16", "float32")

@@ -8,8 +8,8 @@ events carry every sub-block's 64-token hash, so the router's 64-token prefix lo
 
 from __future__ import annotations
 
+from engine.core.request import Request
 from engine.kv.block_pool import BlockPool, KVBlock
-from engine.request import Request
 
 
 class KVCacheManager:

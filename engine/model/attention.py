@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.model.context import ForwardContext
 from engine.model.layers import RMSNorm, apply_rope
 

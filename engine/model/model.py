@@ -1,7 +1,7 @@
 """GLM-5.x DSA causal LM: embeddings -> decoder layers (MLA + DSA, dense MLP or MoE) -> norm -> lm_head.
 
 Module names mirror the HF checkpoint (`model.layers.{i}.self_attn.q_a_proj`, ...) so loading is a
-rename only for experts and the MTP layer (see engine/weights.py).
+rename only for experts and the MTP layer (see engine/loading/weights.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.model.attention import MLAttention
 from engine.model.context import ForwardContext
 from engine.model.layers import GatedMLP, RMSNorm

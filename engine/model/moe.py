@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.model.layers import GatedMLP
 from kernels.moe import fused_moe_ref, route_ref
 

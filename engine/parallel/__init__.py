@@ -1,7 +1,7 @@
 """Context and expert parallelism of one engine over N ranks (DESIGN §4-5).
 
     executor.py    MultiRankEngineCore: EngineCore's interface, rank 0 = the caller's process
-    launcher.py    spawns ranks 1..N-1 (torchrun's environment) / torchrun entry point
+    spawn.py       spawns ranks 1..N-1 (torchrun's environment) / torchrun entry point
     worker.py      a worker rank's loop
     dist.py        process groups, collectives with byte counters
     runner.py      CPModelRunner: own rows, DCP write mapping, EP experts, gathered outputs

@@ -16,8 +16,15 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import build_metadata
-from engine.parallel.dcp import (MERGES, global_position, local_index, local_topk_candidates, merge_topk_candidates,
-                                 num_local, owner_rank)
+from engine.parallel.dcp import (
+    MERGES,
+    global_position,
+    local_index,
+    local_topk_candidates,
+    merge_topk_candidates,
+    num_local,
+    owner_rank,
+)
 from kernels.formats import quantize_index_q_ref
 from kernels.indexer import gather_index_k_ref, index_scores_ref
 

@@ -46,7 +46,7 @@ class DistEnv:
         rank, world, port = envs.dist_rank(), envs.dist_world_size(), envs.dist_master_port()
         if rank is None or world is None or port is None:
             raise ValueError("RANK, WORLD_SIZE and MASTER_PORT must be set (launch with torchrun or "
-                             "engine.parallel.launcher)")
+                             "engine.parallel.spawn)")
         if not 0 <= rank < world:
             raise ValueError(f"RANK {rank} is outside WORLD_SIZE {world}")
         return cls(rank, world, envs.dist_local_rank(), envs.dist_master_addr(), port)

@@ -17,7 +17,6 @@ import torch
 from engine.parallel.dist import RankComm
 
 
-
 def expert_shard(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
     """(offset, num_local) of `rank`'s experts."""
     if num_experts % world_size:

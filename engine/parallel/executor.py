@@ -1,6 +1,6 @@
 """MultiRankEngineCore: the EngineCore of a PCP x DCP x EP engine; the caller's process is rank 0.
 
-Same interface as `engine.core.EngineCore` (add_request, validate, abort, step, has_unfinished, stats,
+Same interface as `engine.core.core.EngineCore` (add_request, validate, abort, step, has_unfinished, stats,
 and the `scheduler` / `kv` / `runner` attributes): the scheduler and KV manager live on rank 0 only and
 stay CP-agnostic (the manager's `dcp_size` gives virtual blocks of 64·N tokens). Each step rank 0
 broadcasts the SchedulerOutput to the workers and every rank runs it; rank 0's RunnerOutput is the
@@ -18,15 +18,14 @@ import weakref
 import torch
 
 from engine import envs
-from engine.core import EngineCore
-from engine.engine_config import EngineConfig
+from engine.config.engine import EngineConfig
+from engine.core.core import EngineCore
+from engine.core.scheduler import EngineCoreOutput
 from engine.parallel.dist import DistEnv, RankComm
 from engine.parallel.export import KVPageMap
-from engine.parallel.launcher import RankLauncher, RankPool, started_by_torchrun
 from engine.parallel.runner import CPModelRunner, rank_output_digest
+from engine.parallel.spawn import RankPool, RankSpawner, started_by_torchrun
 from engine.parallel.worker import call_rpc
-from engine.scheduler import EngineCoreOutput
-
 
 
 class MultiRankEngineCore(EngineCore):
@@ -38,9 +37,9 @@ class MultiRankEngineCore(EngineCore):
         self._closed = False
         pooled = RankPool.take(world, device.type)
         if pooled is not None:
-            self.launcher, self.comm = pooled
+            self.spawner, self.comm = pooled
         else:
-            self.launcher, self.comm = self._start_ranks(world, device)
+            self.spawner, self.comm = self._start_ranks(world, device)
         try:
             self.comm.broadcast_object(("engine", cfg))
             super().__init__(cfg, runner_factory=lambda c: CPModelRunner(c, self.comm))
@@ -51,25 +50,25 @@ class MultiRankEngineCore(EngineCore):
         ref = weakref.ref(self)  # not a strong reference: the engine may be collected before exit
         atexit.register(lambda: ref() is not None and ref().shutdown())
 
-    def _start_ranks(self, world: int, device: torch.device) -> tuple[RankLauncher | None, RankComm]:
+    def _start_ranks(self, world: int, device: torch.device) -> tuple[RankSpawner | None, RankComm]:
         if torch.distributed.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: one multi-rank engine "
                                "per process (shut the other down first: core.shutdown())")
-        launcher = None
+        spawner = None
         if started_by_torchrun():
             env = DistEnv.from_environ()
             if env.world_size != world or env.rank != 0:
                 raise ValueError(f"torchrun started rank {env.rank} of {env.world_size}; this engine needs rank 0 "
                                  f"of {world} (prefill_context_parallel_size)")
         else:
-            launcher = RankLauncher(world, device.type)
-            env = launcher.start()
+            spawner = RankSpawner(world, device.type)
+            env = spawner.start()
         if device.type == "cuda":
             torch.cuda.set_device(env.local_rank)
         try:
-            return launcher, RankComm(env, device)
+            return spawner, RankComm(env, device)
         except BaseException:
-            self.launcher = launcher
+            self.spawner = spawner
             self._abandon()
             raise
 
@@ -99,8 +98,8 @@ class MultiRankEngineCore(EngineCore):
     def _send(self, msg: tuple) -> None:
         if self._closed:
             raise RuntimeError("this multi-rank engine was shut down")
-        if self.launcher is not None and self.launcher.dead_ranks():
-            raise RuntimeError(f"worker ranks {self.launcher.dead_ranks()} died; see their stderr")
+        if self.spawner is not None and self.spawner.dead_ranks():
+            raise RuntimeError(f"worker ranks {self.spawner.dead_ranks()} died; see their stderr")
         self.comm.broadcast_object(msg)
 
     # ---- KV export hook ------------------------------------------------------------------------
@@ -125,28 +124,28 @@ class MultiRankEngineCore(EngineCore):
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self, keep_workers: bool = False) -> None:
         """Stop the worker ranks; `keep_workers`: keep spawned ranks idle for the next engine of the same
-        world size in this process (engine.parallel.launcher.RankPool)."""
+        world size in this process (engine.parallel.spawn.RankPool)."""
         if self._closed:
             return
         self._closed = True
-        alive = self.launcher is None or not self.launcher.dead_ranks()
-        if keep_workers and alive and self.launcher is not None:
+        alive = self.spawner is None or not self.spawner.dead_ranks()
+        if keep_workers and alive and self.spawner is not None:
             self.comm.broadcast_object(("release",))
             self.comm.reset_counters()
-            RankPool.put(self.cfg.parallel.world_size, self.comm.device.type, self.launcher, self.comm)
+            RankPool.put(self.cfg.parallel.world_size, self.comm.device.type, self.spawner, self.comm)
             return
         try:
             if alive:
                 self.comm.broadcast_object(("shutdown",))
             self.comm.shutdown()
         finally:
-            if self.launcher is not None:
-                self.launcher.stop()
+            if self.spawner is not None:
+                self.spawner.stop()
 
     def _abandon(self) -> None:
         """Start-up failed: nothing of ours may stay behind (the process group was not there before)."""
         self._closed = True
-        if self.launcher is not None:
-            self.launcher.kill()
+        if self.spawner is not None:
+            self.spawner.kill()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from engine import envs
+from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec
-from engine.loader import build_model, dummy_init
+from engine.loading.loader import build_model, dummy_init
 from engine.model.moe import MoE
 from engine.parallel.cp_backend import CPAttentionBackend
 from engine.parallel.dcp import dcp_slot_fn, token_locations
@@ -26,7 +27,6 @@ from engine.parallel.dist import RankComm
 from engine.parallel.ep import AllToAllDispatcher, expert_shard
 from engine.parallel.step import CPStep, build_step
 from engine.runner.model_runner import ModelRunner
-from engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 
 class CPModelRunner(ModelRunner):

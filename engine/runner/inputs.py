@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttnMetadata, build_metadata
+from engine.core.scheduler_output import ScheduledChunk
 from engine.runner.state import RunnerRequest
-from engine.scheduler_output import ScheduledChunk
 
 
 @dataclass

@@ -11,10 +11,11 @@ import torch
 
 from engine import envs
 from engine.attention import get_attention_backend
-from engine.engine_config import EngineConfig
+from engine.config.engine import EngineConfig
+from engine.core.scheduler_output import RunnerOutput, SampledOutput, ScheduledChunk, SchedulerOutput
 from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec, PagedKVCache
-from engine.loader import build_model, dummy_init, use_kernel_moe
+from engine.loading.loader import build_model, dummy_init, use_kernel_moe
 from engine.model.context import ForwardContext
 from engine.model.layers import rope_cos_sin, rope_inv_freq
 from engine.runner.inputs import BatchRows, build_batch, chunk_rows, slots_for
@@ -22,7 +23,6 @@ from engine.runner.mtp import MTPProposer
 from engine.runner.sampler import RowSpec, Sampler, top_logprobs
 from engine.runner.spec import SyntheticAcceptance, verify_drafts
 from engine.runner.state import RunnerRequest
-from engine.scheduler_output import RunnerOutput, SampledOutput, ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.core.scheduler_output import ScheduledChunk
 from engine.runner.inputs import BatchRows
 from engine.runner.sampler import RowSpec
-from engine.scheduler_output import ScheduledChunk
 
 
 class MTPProposer:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 @dataclass

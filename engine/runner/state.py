@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import NewRequestData
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler_output import NewRequestData
 
 
 @dataclass

@@ -10,19 +10,19 @@ import logging
 import os
 import secrets
 
-from engine.arg_utils import EngineArgs
-from engine.async_engine import AsyncEngine
+from engine.config.arg_utils import EngineArgs
+from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import decode_pb2_grpc
-from services.common.admission import Admission
-from services.common.engine_host import EngineHost
-from services.common.grpc_server import GrpcServer, run
-from services.common.metrics import ServiceMetrics
-from services.common.net import advertise_host
-from services.common.nixl_agent import NixlAgent
-from services.common.redis_state import InstanceInfo, RedisState
-from services.common.service_args import add_service_args, setup_logging
+from services.cluster.redis_state import InstanceInfo, RedisState
 from services.decode.puller import KVPuller
 from services.decode.server import SERVICE_NAME, DecodeServicer
+from services.engine_host import EngineHost
+from services.rpc.admission import Admission
+from services.rpc.grpc_server import GrpcServer, run
+from services.rpc.metrics import ServiceMetrics
+from services.rpc.net import advertise_host
+from services.rpc.service_args import add_service_args, setup_logging
+from services.transfer.nixl_agent import NixlAgent
 
 log = logging.getLogger("services.decode")
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.cache import KVCacheSpec, PagedKVCache
-from services.common.convert import nixl_peer_from_proto
-from services.common.nixl_agent import BlockDescList, NixlAgent, deadline_in
+from services.transfer.nixl_agent import BlockDescList, NixlAgent, deadline_in
+from services.transfer.wire import nixl_peer_from_proto
 
 
 @dataclass

@@ -18,17 +18,17 @@ import uuid
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.request import Request
-from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from engine import envs
-from services.common.bounds import ModelLimits, check_generate_proto, check_token_ids
-from services.common.convert import check_kv_layout, delta_to_proto, sampling_from_proto
-from services.common.admission import Admission
-from services.common.grpc_server import Overloaded, channel, grpc_errors
-from services.common.metrics import ServiceMetrics
-from services.common.nixl_agent import TransferError, TransferTimeout
+from engine.core.request import Request
+from engine.frontend.async_engine import AsyncEngine
+from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.decode.puller import KVPuller
+from services.rpc.admission import Admission
+from services.rpc.bounds import ModelLimits, check_generate_proto, check_token_ids
+from services.rpc.grpc_server import Overloaded, channel, grpc_errors
+from services.rpc.metrics import ServiceMetrics
+from services.transfer.nixl_agent import TransferError, TransferTimeout
+from services.transfer.wire import check_kv_layout, delta_to_proto, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     @grpc_errors
     async def Abort(self, request, context):
         self.engine.abort(request.request_id)
-        return prefill_pb2.AbortResponse(aborted=True)
+        return decode_pb2.DecodeAbortResponse(aborted=True)
 
     # ---- steps ---------------------------------------------------------------------------------
     async def _admit_and_pull(self, req: Request, kv):

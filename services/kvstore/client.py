@@ -16,9 +16,9 @@ from typing import Sequence
 
 from engine.kv.cache import KVCacheSpec
 from proto.pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
-from services.common.convert import check_kv_layout, monotonic_from_unix_ms, nixl_peer_from_proto
-from services.common.grpc_server import channel
-from services.common.nixl_agent import BlockDescList, NixlAgent
+from services.rpc.grpc_server import channel
+from services.transfer.nixl_agent import BlockDescList, NixlAgent
+from services.transfer.wire import check_kv_layout, monotonic_from_unix_ms, nixl_peer_from_proto
 
 
 class KVStoreClient:

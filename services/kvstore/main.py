@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.kv.cache import KV_CACHE_DTYPES, KVCacheSpec, num_blocks_for_bytes
-from services.common.grpc_server import GrpcServer, run
-from services.common.metrics import ServiceMetrics
-from services.common.net import advertise_host
-from services.common.redis_state import InstanceInfo, InstancePresence, RedisState
-from services.common.service_args import add_instance_args, setup_logging
-from services.kvstore.server import SERVICE_NAME, KVStoreServicer
 from proto.pdserve.v1 import kvstore_pb2_grpc
+from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
+from services.kvstore.server import SERVICE_NAME, KVStoreServicer
+from services.rpc.grpc_server import GrpcServer, run
+from services.rpc.metrics import ServiceMetrics
+from services.rpc.net import advertise_host
+from services.rpc.service_args import add_instance_args, setup_logging
 
 log = logging.getLogger("services.kvstore")
 

@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from services.common.grpc_server import FailedPrecondition, NotFound
+from services.rpc.grpc_server import FailedPrecondition, NotFound
 
 
 @dataclass

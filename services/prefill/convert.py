@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from proto.pdserve.v1 import prefill_pb2
-from services.common.convert import kv_layout_to_proto, nixl_peer_to_proto, unix_ms
+from services.transfer.wire import kv_layout_to_proto, nixl_peer_to_proto, unix_ms
 
 
 def kv_handle(instance_id: str, lease, num_tokens: int, exporter, pages, hashes: list[bytes],

@@ -9,8 +9,8 @@ import os
 import secrets
 from dataclasses import dataclass
 
-from engine.async_engine import AsyncEngine
-from services.common.nixl_agent import BlockTensor, NixlAgent
+from engine.frontend.async_engine import AsyncEngine
+from services.transfer.nixl_agent import BlockTensor, NixlAgent
 
 
 @dataclass

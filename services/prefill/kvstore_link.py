@@ -17,9 +17,9 @@ import time
 from typing import Sequence
 
 from engine.kv.cache import KVCacheSpec
-from services.common.nixl_agent import NixlAgent
-from services.common.redis_state import RedisState
+from services.cluster.redis_state import RedisState
 from services.kvstore.client import KVStoreClient
+from services.transfer.nixl_agent import NixlAgent
 
 log = logging.getLogger(__name__)
 

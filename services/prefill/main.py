@@ -1,7 +1,7 @@
 """`python -m services.prefill --model DIR --port 50051 --redis-url URL [engine flags]`
 
 Rank 0 serves gRPC and drives the engine; with PCP/DCP > 1 the other ranks run the engine's worker
-loop (`--rank r --world-size N --master-addr A --master-port P`, as `services.common.ranks` or the
+loop (`--rank r --world-size N --master-addr A --master-port P`, as `services.deploy.ranks` or the
 launcher start them).
 """
 
@@ -13,20 +13,20 @@ import logging
 import os
 import sys
 
-from engine.arg_utils import EngineArgs
-from engine.async_engine import AsyncEngine
+from engine.config.arg_utils import EngineArgs
+from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import prefill_pb2_grpc
-from services.common.admission import Admission
-from services.common.engine_host import EngineHost
-from services.common.grpc_server import GrpcServer, run
-from services.common.metrics import ServiceMetrics
-from services.common.net import advertise_host
-from services.common.redis_state import InstanceInfo, RedisState
-from services.common.service_args import add_service_args, setup_logging
+from services.cluster.redis_state import InstanceInfo, RedisState
+from services.engine_host import EngineHost
 from services.prefill.exporter import KVExporter
 from services.prefill.kvstore_link import KVStoreLink
 from services.prefill.rank_watch import wait_for_engine_death
 from services.prefill.server import SERVICE_NAME, PrefillServicer
+from services.rpc.admission import Admission
+from services.rpc.grpc_server import GrpcServer, run
+from services.rpc.metrics import ServiceMetrics
+from services.rpc.net import advertise_host
+from services.rpc.service_args import add_service_args, setup_logging
 
 log = logging.getLogger("services.prefill")
 
@@ -129,7 +129,7 @@ async def _serve_until_stopped(server: GrpcServer, engine: AsyncEngine, host_obj
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
-    if args.world_size > 1:  # started rank by rank (launcher / services.common.ranks): torchrun's contract
+    if args.world_size > 1:  # started rank by rank (launcher / services.deploy.ranks): torchrun's contract
         _set_rank_environ(args)
         if args.rank > 0:
             from engine.parallel.worker import worker_main

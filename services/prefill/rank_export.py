@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 
-from services.common.nixl_agent import NixlAgent
+from services.transfer.nixl_agent import NixlAgent
 
 _AGENT: NixlAgent | None = None
 

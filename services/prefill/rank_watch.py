@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from engine import envs
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

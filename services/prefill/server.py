@@ -17,19 +17,19 @@ import logging
 import time
 import uuid
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.core.request import Request
+from engine.frontend.async_engine import AsyncEngine, EngineDeadError
 from engine.kv.hashing import block_hashes
-from engine.request import Request
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from services.common.bounds import ModelLimits, check_generate_proto
-from services.common.convert import delta_to_proto, sampling_from_proto, unix_ms
-from services.common.admission import Admission
-from services.common.grpc_server import FailedPrecondition, NotFound, Unavailable, grpc_errors
-from services.common.metrics import ServiceMetrics
 from services.prefill import convert
 from services.prefill.exporter import KVExporter
 from services.prefill.kvstore_link import KVStoreLink
 from services.prefill.leases import LeaseTable
+from services.rpc.admission import Admission
+from services.rpc.bounds import ModelLimits, check_generate_proto
+from services.rpc.grpc_server import FailedPrecondition, NotFound, Unavailable, grpc_errors
+from services.rpc.metrics import ServiceMetrics
+from services.transfer.wire import delta_to_proto, sampling_from_proto, unix_ms
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ metadata) and the same in-flight bound (RESOURCE_EXHAUSTED with `retry-after-ms`
 from __future__ import annotations
 
 from proto.pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.admission import Admission
-from services.common.convert import delta_to_proto
-from services.common.grpc_server import grpc_errors
 from services.router.flow import Flow, RequestStats, new_request_id
 from services.router.guard import ApiKeys, tenant_cache_salt
 from services.router.requests import BadRequest, Limits, prepare_generate
+from services.rpc.admission import Admission
+from services.rpc.grpc_server import grpc_errors
+from services.transfer.wire import delta_to_proto
 
 SERVICE_NAME = "pdserve.v1.Router"
 

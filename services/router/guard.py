@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from services.common.grpc_server import Unauthenticated
 from services.router.openai_models import error_body
+from services.rpc.grpc_server import Unauthenticated
 
 PROTECTED_PREFIX = "/v1/"
 

@@ -15,16 +15,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common.admission import Admission
-from services.common.bounds import seed_for_sample
-from services.common.grpc_server import Overloaded, retry_after_s
 from services.router.flow import Flow, RequestStats, UpstreamError, new_request_id
+from services.router.guard import ApiKeys, Guard, tenant_cache_salt
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, error_body
 from services.router.requests import BadRequest, Limits, Prepared, prepare_chat, prepare_completion
-from services.router.guard import ApiKeys, Guard, tenant_cache_salt
 from services.router.responses import Formatter, sse, usage
 from services.router.routing import NoInstance
 from services.router.strict_json import StrictJSONRoute
+from services.rpc.admission import Admission
+from services.rpc.bounds import seed_for_sample
+from services.rpc.grpc_server import Overloaded, retry_after_s
 
 log = logging.getLogger(__name__)
 

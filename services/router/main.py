@@ -10,22 +10,22 @@ import logging
 
 import uvicorn
 
-from engine.config import ModelConfig
-from engine.tokenizer import Tokenizer
-from proto.pdserve.v1 import router_pb2_grpc
 from engine import envs
-from services.common.admission import Admission
-from services.common.service_args import setup_logging
-from services.common.grpc_server import GrpcServer, run
-from services.common.metrics import ServiceMetrics
-from services.common.net import advertise_host
-from services.common.redis_state import InstanceInfo, InstancePresence, RedisState
+from engine.config.model import ModelConfig
+from engine.frontend.tokenizer import Tokenizer
+from proto.pdserve.v1 import router_pb2_grpc
+from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
 from services.router.flow import Flow
 from services.router.grpc_api import SERVICE_NAME, RouterServicer
 from services.router.guard import ApiKeys
 from services.router.http_api import RouterAPI
 from services.router.requests import Limits
 from services.router.routing import Routing
+from services.rpc.admission import Admission
+from services.rpc.grpc_server import GrpcServer, run
+from services.rpc.metrics import ServiceMetrics
+from services.rpc.net import advertise_host
+from services.rpc.service_args import setup_logging
 
 log = logging.getLogger("services.router")
 

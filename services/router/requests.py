@@ -2,19 +2,19 @@
 
 Every check raises `BadRequest` with a message that names the field, so the HTTP API answers 400 and
 the gRPC API INVALID_ARGUMENT, before anything is sent to an engine. Numeric bounds are declared once
-(services/common/bounds.py) and applied to a body by services/router/validation.py.
+(services/rpc/bounds.py) and applied to a body by services/router/validation.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from services.common.bounds import InvalidArgument as BadRequest
-from services.common.bounds import check_min_max_tokens, check_sampling_proto, check_token_ids
+from engine.core.sampling_params import SamplingParams
+from engine.frontend.tokenizer import Tokenizer
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest
 from services.router.validation import check_body
+from services.rpc.bounds import InvalidArgument as BadRequest
+from services.rpc.bounds import check_min_max_tokens, check_sampling_proto, check_token_ids
 
 __all__ = ["BadRequest", "Limits", "Prepared", "prepare_chat", "prepare_completion", "prepare_generate"]
 
@@ -88,7 +88,7 @@ def _check_sampling(p: SamplingParams, prompt_len: int, limits: Limits) -> None:
 
 def prepare_generate(g, tok: Tokenizer, limits: Limits) -> tuple[list[int], SamplingParams]:
     """gRPC Router.Generate: the same checks as the HTTP API, on a `GenerateRequest`."""
-    from services.common.convert import sampling_from_proto
+    from services.transfer.wire import sampling_from_proto
 
     if bool(g.prompt) == bool(g.prompt_token_ids):
         raise BadRequest("give exactly one of prompt and prompt_token_ids", "prompt")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from engine.tokenizer import Tokenizer
+from engine.frontend.tokenizer import Tokenizer
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:

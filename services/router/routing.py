@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from services.common.grpc_server import check_health
-from services.common.redis_state import InstanceInfo, RedisState
+from services.cluster.redis_state import InstanceInfo, RedisState
+from services.rpc.grpc_server import check_health
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The numeric checks of the router's HTTP bodies: which field of which endpoint has which bound
-(services/common/bounds.py declares the bounds), and the rules between fields.
+(services/rpc/bounds.py declares the bounds), and the rules between fields.
 
 Run on the parsed body before anything converts a value (SamplingParams, a protobuf message), so an
 out-of-range number is a 400 whose `param` names the field. A new endpoint or field is one entry in
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.bounds import InvalidArgument, check_value, check_values
+from services.rpc.bounds import InvalidArgument, check_value, check_values
 
 _SAMPLING = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                                      "frequency_penalty", "repetition_penalty", "min_tokens", "max_tokens", "n")}

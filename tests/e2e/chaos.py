@@ -1,4 +1,4 @@
-"""Fault injection on a running deployment (tests/e2e/system.py / `services.launcher.up`): SIGKILL,
+"""Fault injection on a running deployment (tests/e2e/system.py / `services.deploy.launcher.up`): SIGKILL,
 SIGSTOP/SIGCONT and restart of its service processes by record name, and streaming clients that
 report how each request ended and how long it took.
 
@@ -21,9 +21,9 @@ from urllib.parse import urlparse
 import pytest
 
 from engine import LLM, SamplingParams
-from services import launcher
-from services.common.procs import tie_to_parent
-from services.topology import ROOT
+from services.deploy import launcher
+from services.deploy.procs import tie_to_parent
+from services.deploy.topology import ROOT
 from tests.e2e import system
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.redis_server import RedisServer
+from services.cluster.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ HARDENED_LIMITS = {"router_inflight": 3, "decode_inflight": 2, "prefill_inflight
 def hardened(tmp_path_factory):
     """The CPU topology with tenants' API keys and small bounds, so that overload is cheap to reach.
     Shared by the modules of xdist group "hardened" (one worker runs them all)."""
-    from services import launcher
+    from services.deploy import launcher
     from tests.e2e import system
 
     run_dir = tmp_path_factory.mktemp("hardened")

@@ -3,10 +3,10 @@ with headers, instance addresses, block counters."""
 
 from __future__ import annotations
 
-from typing import Any
 import json
 import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 

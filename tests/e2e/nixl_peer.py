@@ -21,7 +21,7 @@ def make_tensors(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
 
 def _serve(conn, seed: int, env: dict[str, str], device: str) -> None:
     os.environ.update(env)  # before the agent exists: UCX reads UCX_TLS when its context is created
-    from services.common.nixl_agent import NixlAgent, deadline_in
+    from services.transfer.nixl_agent import NixlAgent, deadline_in
 
     loop = asyncio.new_event_loop()
     tensors = make_tensors(seed, device)  # (CUDA is initialised before the agent registers VRAM)

@@ -11,7 +11,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from services.common.grpc_server import GrpcServer, run
+from services.rpc.grpc_server import GrpcServer, run
 
 
 class _Health(BaseHTTPRequestHandler):

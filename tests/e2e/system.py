@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from services import launcher
-from services.common.net import free_port
-from services.common.redis_state import RedisState
+from services.cluster.redis_state import RedisState
+from services.deploy import launcher
+from services.rpc.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = ROOT / "configs" / "topology.cpu.yaml"

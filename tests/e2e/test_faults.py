@@ -18,13 +18,11 @@ import pytest
 
 from engine import SamplingParams
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from services import launcher
-from services.common.convert import sampling_to_proto
-from services.common.redis_server import RedisServer
+from services.cluster.redis_server import RedisServer
+from services.deploy import launcher
+from services.transfer.wire import sampling_to_proto
 from tests.e2e import chaos, system
 from tests.e2e.chaos import CLIENT_TIMEOUT_S, GREEDY, ROUTER, corpus, offline  # noqa: F401 (fixtures)
-
-
 
 # ---- phases on one deployment: kvstore, prefill (48 blocks), decode (first 3 pulls fail), router -----
 

@@ -29,10 +29,17 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from engine import SamplingParams
-from proto.pdserve.v1 import (common_pb2, decode_pb2, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc,
-                              router_pb2)
-from services.common.convert import sampling_to_proto
-from services.common.grpc_server import check_health
+from proto.pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+)
+from services.rpc.grpc_server import check_health
+from services.transfer.wire import sampling_to_proto
 from tests.e2e import hardened as h
 from tests.e2e import system
 from tests.e2e.conftest import HARDENED_LIMITS

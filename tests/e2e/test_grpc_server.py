@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, router_pb2, router_pb2_grpc
-from services.common.grpc_server import GrpcServer, Overloaded, channel, check_health, grpc_errors
+from services.rpc.grpc_server import GrpcServer, Overloaded, channel, check_health, grpc_errors
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,15 +17,15 @@ import grpc
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from proto.pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
-from services.common.grpc_server import channel, check_health_sync
-from services.common.net import free_port
-from services.common.nixl_agent import NixlAgent
-from services.common.procs import tie_to_parent
-from services.common.redis_state import KVEvent, RedisState
+from services.cluster.redis_state import KVEvent, RedisState
+from services.deploy.procs import tie_to_parent
 from services.kvstore.client import KVStoreClient
+from services.rpc.grpc_server import channel, check_health_sync
+from services.rpc.net import free_port
+from services.transfer.nixl_agent import NixlAgent
 
 pytestmark = pytest.mark.timeout(120)
 

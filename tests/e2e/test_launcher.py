@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from services import launcher
-from services.common.grpc_server import check_health_sync
-from services.common.net import free_port
-from services.common.redis_server import ping
-from services.common.redis_state import RedisState
+from services.cluster.redis_server import ping
+from services.cluster.redis_state import RedisState
+from services.deploy import launcher
+from services.rpc.grpc_server import check_health_sync
+from services.rpc.net import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

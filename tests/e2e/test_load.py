@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from bench.loadtest import LoadConfig, format_summary, run_load
-from services import launcher
+from bench.serving.loadtest import LoadConfig, format_summary, run_load
+from services.deploy import launcher
 from tests.e2e import system
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("load")]

@@ -11,9 +11,15 @@ import time
 import pytest
 import torch
 
-from services.common.nixl_agent import (NixlAgent, PeerDisconnected, TransferTimeout, deadline_in,
-                                        parse_pulled, pulled_notif)
-from services.common.metrics import ServiceMetrics
+from services.rpc.metrics import ServiceMetrics
+from services.transfer.nixl_agent import (
+    NixlAgent,
+    PeerDisconnected,
+    TransferTimeout,
+    deadline_in,
+    parse_pulled,
+    pulled_notif,
+)
 from tests.e2e.nixl_peer import Peer, make_tensors
 
 pytestmark = pytest.mark.timeout(120)

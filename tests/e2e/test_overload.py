@@ -18,15 +18,14 @@ import grpc
 import pytest
 
 from engine import SamplingParams
-from proto.pdserve.v1 import (common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2,
-                              prefill_pb2_grpc)
-from services.common.convert import sampling_to_proto
-from services.common.grpc_server import RETRY_AFTER_KEY, GrpcServer, Overloaded, grpc_errors
-from services.common.redis_state import InstanceInfo, InstancePresence, RedisState
+from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
+from services.rpc.grpc_server import RETRY_AFTER_KEY, GrpcServer, Overloaded, grpc_errors
+from services.transfer.wire import sampling_to_proto
 from tests.e2e import hardened as h
-from tests.e2e.hardened import insts, url  # noqa: F401 (fixtures)
 from tests.e2e import system
 from tests.e2e.conftest import HARDENED_LIMITS as LIM
+from tests.e2e.hardened import insts, url  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.xdist_group("hardened")
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from services.common.redis_server import RedisServer
-from services.common.redis_state import INSTANCES, InstanceInfo, InstancePresence, KVEvent, RedisState
+from services.cluster.redis_server import RedisServer
+from services.cluster.redis_state import INSTANCES, InstanceInfo, InstancePresence, KVEvent, RedisState
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import inspect
 import pytest
 
 from engine import LLM, SamplingParams
-from services import launcher
+from services.deploy import launcher
 from tests.e2e import system
 
 pytestmark = pytest.mark.xdist_group("system")
@@ -103,7 +103,7 @@ def test_health_metrics_and_models(url, instances):
     models = json.loads(urllib.request.urlopen(url + "/v1/models").read())
     assert models["data"][0]["id"] == "tiny-code" and models["data"][0]["max_model_len"] == 4096
     assert json.loads(urllib.request.urlopen(url + "/health").read())["status"] == "ok"
-    from services.common.grpc_server import check_health_sync
+    from services.rpc.grpc_server import check_health_sync
     for role in ("prefill", "decode", "kvstore"):
         assert check_health_sync(instances[role].grpc_address), role
     text = urllib.request.urlopen(url + "/metrics").read().decode()
@@ -144,7 +144,7 @@ def test_abandoned_and_aborted_requests_free_their_blocks(url, instances, offlin
     import grpc
 
     from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-    from services.common.convert import sampling_to_proto
+    from services.transfer.wire import sampling_to_proto
 
     async def prefill_without_decode():
         async with grpc.aio.insecure_channel(instances["prefill"].grpc_address) as ch:

@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv.hashing import block_hashes
-from services import launcher
+from services.deploy import launcher
 from tests.e2e import system
 
 pytestmark = pytest.mark.xdist_group("system")

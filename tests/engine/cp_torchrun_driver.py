@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.parallel.launcher import run_rank
+from engine.parallel.spawn import run_rank
 
 
 def main() -> None:

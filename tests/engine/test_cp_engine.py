@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.request import Request
 from engine.parallel.dcp import num_local
 from engine.parallel.pcp import dualchunk_ranges
-from engine.request import Request
 
 pytestmark = pytest.mark.xdist_group("cp")  # one process group per process: keep these on one worker
 

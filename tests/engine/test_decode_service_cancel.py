@@ -8,12 +8,12 @@ import asyncio
 import pytest
 
 from engine import SamplingParams
-from engine.arg_utils import EngineArgs
-from engine.async_engine import AsyncEngine
+from engine.config.arg_utils import EngineArgs
+from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
-from services.common.convert import kv_layout_to_proto, sampling_to_proto
-from services.common.metrics import ServiceMetrics
 from services.decode.server import DecodeServicer
+from services.rpc.metrics import ServiceMetrics
+from services.transfer.wire import kv_layout_to_proto, sampling_to_proto
 
 
 class _SlowPuller:

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.request import Request
+from engine.core.request import Request
 
 
 def _prompts(tok):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.request import Request
+from engine.core.request import Request
 
 
 def _code_prompts(tok, n: int, length: int = 24) -> list[list[int]]:

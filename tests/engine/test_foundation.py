@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.checkpoint import make_checkpoint
-from engine.weights import WeightLoadError
+from engine.loading.checkpoint import make_checkpoint
+from engine.loading.weights import WeightLoadError
 
 
 def _python_text() -> str:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.request import Request
 from engine.hisparse.forward import HOT
-from engine.request import Request
 
 EXACT = dict(dtype="float32", kv_cache_dtype="float32", indexer_precision="fp32")
 TOPK = 16
@@ -35,7 +35,8 @@ def code16(tmp_path_factory, tiny_code):
 @pytest.fixture(scope="module")
 def prompts(code16):
     import difflib
-    from engine.tokenizer import Tokenizer
+
+    from engine.frontend.tokenizer import Tokenizer
 
     ids = Tokenizer(code16).encode(inspect.getsource(difflib))
     lens = [8 * TOPK + 2, 8 * TOPK + 30, 8 * TOPK + 55, 8 * TOPK + 70]  # >= 8x top-k: misses every step

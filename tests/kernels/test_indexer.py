@@ -7,8 +7,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.indexer import (gather_index_k_ref, index_scores, index_scores_ref, indexer_topk, indexer_topk_ref,
-                             store_index_k_ref, topk_positions_ref)
+from kernels.indexer import (
+    gather_index_k_ref,
+    index_scores,
+    index_scores_ref,
+    indexer_topk,
+    indexer_topk_ref,
+    store_index_k_ref,
+    topk_positions_ref,
+)
 from kernels.topk import topk_rows
 from tests.kernels.conftest import block_tables, gpu, interp, poisoned_cache, randn, slots_of
 

@@ -9,8 +9,8 @@ from engine.attention import get_attention_backend
 from engine.attention.metadata import build_metadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
+from engine.config.presets import preset
 from engine.kv.cache import KVCacheSpec, PagedKVCache
-from engine.presets import preset
 from tests.kernels.conftest import assert_attention_close, gpu, interp, same_bytes
 from tests.kernels.test_indexer import as_sets
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from engine.config import ModelConfig
-from engine.tokenizer import Tokenizer
+from engine.config.model import ModelConfig
+from engine.frontend.tokenizer import Tokenizer
 from proto.pdserve.v1 import common_pb2, prefill_pb2
-from services.common.bounds import ModelLimits, check_generate_proto
-from services.common.metrics import ServiceMetrics
 from services.router.flow import Flow
 from services.router.http_api import RouterAPI
 from services.router.requests import Limits
+from services.rpc.bounds import ModelLimits, check_generate_proto
+from services.rpc.metrics import ServiceMetrics
 from tests.conftest import TINY_CODE
 
 MODEL = "tiny-code"

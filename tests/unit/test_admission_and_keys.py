@@ -10,11 +10,11 @@ import pytest
 from fastapi import FastAPI, Request
 
 from engine.kv.hashing import block_hashes
-from services.common.admission import Admission
-from services.common.grpc_server import Overloaded, Unauthenticated
 from services.router.flow import _Busy, _on_any
 from services.router.guard import ApiKeys, Guard, tenant_cache_salt
 from services.router.routing import NoInstance
+from services.rpc.admission import Admission
+from services.rpc.grpc_server import Overloaded, Unauthenticated
 
 
 def test_admission_bounds_inflight_and_queued_and_gives_slots_back():
@@ -156,10 +156,10 @@ def test_guard_answers_401_and_413_before_the_endpoint():
 
 
 def test_internal_services_bind_loopback_unless_asked():
-    from services.common.net import advertise_host
     from services.decode.main import parse_args as decode_args
     from services.kvstore.main import parse_args as kvstore_args
     from services.prefill.main import parse_args as prefill_args
+    from services.rpc.net import advertise_host
 
     for parse in (decode_args, prefill_args):
         a = parse(["--model", "m"])

@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from bench import agentx, compare, serve
-from bench.synth import PromptSynth
+from bench.serving import agentx, compare, serve
+from bench.serving.synth import PromptSynth
 from services import cli
 from tests.unit.fake_openai import FakeOpenAI, RunningFake
 
@@ -97,7 +97,7 @@ def test_fresh_server_per_level(trace_dir, tmp_path, monkeypatch):
         events.append(("down",))
         handle.running.__exit__(None, None, None)
 
-    monkeypatch.setitem(sys.modules, "services.launcher", types.SimpleNamespace(up=up, down=down))
+    monkeypatch.setitem(sys.modules, "services.deploy.launcher", types.SimpleNamespace(up=up, down=down))
     out = agentx.run(agentx.build_parser().parse_args(_argv(["--fresh-server", "topo.yaml"], trace_dir, tmp_path / "f")))
     assert events == [("up", "topo.yaml"), ("down",)] * 2
     assert all(lv["num_gpus"] == 4 for lv in out["levels"]) and out["label"] == "fake"
@@ -150,7 +150,7 @@ def test_bench_serve(tmp_path):
 
 
 def test_cli_missing_module_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "services.launcher", None)  # import of it fails
+    monkeypatch.setitem(sys.modules, "services.deploy.launcher", None)  # import of it fails
     with pytest.raises(SystemExit, match="not available"):
         cli.main(["up", "topo.yaml"])
     with pytest.raises(SystemExit):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench.hisparse import main
+from bench.hisparse.decode import main
 
 
 def test_cpu_smoke_runs_all_modes(tmp_path):
@@ -42,7 +42,7 @@ def test_cpu_smoke_paired_modes_offload(tmp_path):
 
 
 def test_cpu_smoke_host_breakdown(tmp_path):
-    """--host-breakdown: per case, host microseconds and calls per step of the step's parts (bench.host_timer),
+    """--host-breakdown: per case, host microseconds and calls per step of the step's parts (bench.hisparse.host_timer),
     counted over the measured steps only; the wrapped functions are restored afterwards."""
     import engine.hisparse.backend as backend
 

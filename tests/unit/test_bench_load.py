@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from bench.loadcheck import RssSampler, compare_tokens, tree_rss_mib
-from bench.loadtest import LoadConfig, make_prompts, pick
+from bench.serving.loadcheck import RssSampler, compare_tokens, tree_rss_mib
+from bench.serving.loadtest import LoadConfig, make_prompts, pick
 
 
 def test_prompts_are_seeded_sessions_whose_turns_extend_each_other():

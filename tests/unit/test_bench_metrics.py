@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.client import RequestRecord
-from bench.metrics import goodput, measured_window, request_counts, summarize, validity
+from bench.serving.client import RequestRecord
+from bench.serving.metrics import goodput, measured_window, request_counts, summarize, validity
 
 
 def _rec(prompt, out, start, first, end, cached=None, **kw) -> RequestRecord:

@@ -1,11 +1,11 @@
-"""bench.prefill_scaling report: the tables the benchmark writes to BENCHMARKS.md, from recorded results."""
+"""bench.prefill.scaling report: the tables the benchmark writes to BENCHMARKS.md, from recorded results."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench.prefill_scaling_report import report
+from bench.prefill.report import report
 
 DATA = Path(__file__).resolve().parents[2] / "bench" / "data" / "pcp-h200x2"
 

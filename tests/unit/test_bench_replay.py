@@ -8,9 +8,9 @@ from collections import defaultdict
 
 import pytest
 
-from bench.client import RequestRecord
-from bench.replay import ReplayConfig, Replayer
-from bench.traces import Session, SubagentGroup, Trace, Turn
+from bench.serving.client import RequestRecord
+from bench.serving.replay import ReplayConfig, Replayer
+from bench.serving.traces import Session, SubagentGroup, Trace, Turn
 
 # Lower bounds on waits are exact (asyncio never wakes early); upper bounds get generous slack for
 # a loaded 2-core machine: they only check that nothing waits the *unscaled* think time.

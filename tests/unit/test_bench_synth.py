@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from bench.synth import PromptSynth
-from bench.traces import BLOCK_SIZE, SubagentGroup, Turn, parse_trace, scale_hash_ids
+from bench.serving.synth import PromptSynth
+from bench.serving.traces import BLOCK_SIZE, SubagentGroup, Turn, parse_trace, scale_hash_ids
 from engine.kv.hashing import block_hashes
 
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services import topology
-from services.topology import Ports
+from services.deploy import topology
+from services.deploy.topology import Ports
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 ENGINE_KINDS = ("kvstore", "prefill", "decode", "router")
 # Flags the launcher passes that containers derive themselves (their own IP and hostname).
 PER_CONTAINER = {"--advertise-host", "--instance-id"}
-RANK_FLAGS = {"--rank", "--world-size", "--master-addr", "--master-port"}  # added by services.common.ranks
+RANK_FLAGS = {"--rank", "--world-size", "--master-addr", "--master-port"}  # added by services.deploy.ranks
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def _command(compose: dict, kind: str) -> list[str]:
     cmd = compose["services"][kind]["command"]
     assert cmd[:2] == ["python", "-m"], f"{kind}: command must be `python -m <module> ...`"
     if kind == "prefill":
-        assert cmd[2:6] == ["services.common.ranks", "--ranks", cmd[4], "services.prefill"]
+        assert cmd[2:6] == ["services.deploy.ranks", "--ranks", cmd[4], "services.prefill"]
         return cmd[6:]
     assert cmd[2] == f"services.{kind}"
     return cmd[3:]
@@ -63,7 +63,7 @@ def test_services_present_and_decode_scalable(compose):
         s = services[kind]
         assert s["environment"]["PDSERVE_REDIS_URL"] == "redis://redis:6379/0"
         assert "redis" in s["depends_on"], f"{kind} must start after redis"
-        assert s["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "services.common.healthcheck"]
+        assert s["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "services.rpc.healthcheck"]
     assert "--save" in services["redis"]["command"] and "--appendonly" in services["redis"]["command"]
     assert "8000:8000" in services["router"]["ports"]
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from engine.config import ConfigError, ModelConfig
-from engine.presets import preset, preset_dict
+from engine.config.model import ConfigError, ModelConfig
+from engine.config.presets import preset, preset_dict
 
 BASE = preset_dict("tiny")
 

@@ -5,10 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine_config import ParallelConfig
+from engine.config.engine import ParallelConfig
 from engine.kv.manager import KVCacheManager
-from engine.parallel.dcp import (dcp_slot_fn, global_position, local_index, local_topk_candidates, merge_scales,
-                                 merge_topk_candidates, num_local, owner_rank, token_locations)
+from engine.parallel.dcp import (
+    dcp_slot_fn,
+    global_position,
+    local_index,
+    local_topk_candidates,
+    merge_scales,
+    merge_topk_candidates,
+    num_local,
+    owner_rank,
+    token_locations,
+)
 from engine.parallel.export import KVPageMap
 from engine.parallel.pcp import dualchunk_ranges, plan_step_rows
 from kernels.indexer import topk_positions_ref
@@ -131,7 +140,7 @@ def test_global_topk_from_candidates_equals_single_rank(N, I, ties):
 
 
 def test_parallel_config_validation(tiny_ckpt):
-    from engine.arg_utils import EngineArgs
+    from engine.config.arg_utils import EngineArgs
 
     with pytest.raises(ValueError, match="decode_context_parallel_size"):
         ParallelConfig(prefill_context_parallel_size=4, decode_context_parallel_size=2)

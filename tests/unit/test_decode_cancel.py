@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 from proto.pdserve.v1 import decode_pb2, prefill_pb2
-from services.common.metrics import ServiceMetrics
 from services.decode.server import DecodeServicer
+from services.rpc.metrics import ServiceMetrics
 
 
 class _Engine:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.loader import build_model, dummy_init
-from engine.presets import preset
+from engine.config.presets import preset
+from engine.loading.loader import build_model, dummy_init
 
 
 def test_expert_shards_draw_the_same_weights_as_the_whole_model():

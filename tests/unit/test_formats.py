@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.formats import (dequantize_index_rows_ref, dequantize_mla_rows_ref, mla_row_bytes,
-                             quantize_index_rows_ref, quantize_mla_rows_ref)
+from kernels.formats import (
+    dequantize_index_rows_ref,
+    dequantize_mla_rows_ref,
+    mla_row_bytes,
+    quantize_index_rows_ref,
+    quantize_mla_rows_ref,
+)
 
 
 def _rand(T, D, seed):

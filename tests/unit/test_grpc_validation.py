@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 
 from engine.runner.sampler import _filtered_probs
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2_grpc
-from services.common.bounds import BOUNDS, FLOAT32_MAX, InvalidArgument, ModelLimits, check_sampling_proto, wire_range
-from services.common.convert import sampling_from_proto
-from services.common.grpc_server import GrpcServer
-from services.common.metrics import ServiceMetrics
 from services.decode.server import DecodeServicer
 from services.prefill.server import PrefillServicer
 from services.router.grpc_api import RouterServicer
+from services.rpc.bounds import BOUNDS, FLOAT32_MAX, InvalidArgument, ModelLimits, check_sampling_proto, wire_range
+from services.rpc.grpc_server import GrpcServer
+from services.rpc.metrics import ServiceMetrics
+from services.transfer.wire import sampling_from_proto
 from tests.unit.router_harness import MODEL, make_client
 
 LIMITS = ModelLimits(max_model_len=4096, vocab_size=4096)

@@ -120,7 +120,7 @@ def test_fused_plan_equals_the_torch_plan(spec, buffer):
 @pytest.mark.parametrize("with_hot", [False, True])
 def test_dev_slots_kernel_equals_torch(with_hot):
     """Where new rows are written: device page, reserved hot row, or host only (-1)."""
-    from engine.hisparse.forward import HOT, RESIDENT, Routing, _dev_slots
+    from engine.hisparse.forward import HOT, RESIDENT, BatchRouting, _dev_slots
     from engine.hisparse.residency import ReqPages
     from kernels.hisparse_plan import dev_slots
 
@@ -144,7 +144,7 @@ def test_dev_slots_kernel_equals_torch(with_hot):
     starts = torch.tensor([30, 5, 40])
     meta = type("M", (), dict(positions=pos, token_req_idx=tok, block_size=BS))()
     hs = torch.tensor([r.hot_slot if p == HOT else -1 for r, p in zip(reqs, paths)]) if with_hot else None
-    rt = Routing(key=(), reqs=reqs, paths=paths, hot=[b for b, p in enumerate(paths) if p == HOT], pool=[],
+    rt = BatchRouting(key=(), reqs=reqs, paths=paths, hot=[b for b, p in enumerate(paths) if p == HOT], pool=[],
                  hot_batch=None, table=None, slot_of_req=torch.tensor([r.slot for r in reqs]), hot_slot_of_req=hs,
                  q_lens=None, pool_lens=None)
     want = _dev_slots(mgr, meta, rt, starts if with_hot else None)
@@ -158,9 +158,9 @@ def test_dev_slots_kernel_equals_torch(with_hot):
 
 def test_fixed_dev_slots_repeat_while_every_request_writes_its_reserved_rows():
     """Every request HOT with no device page: row i of a request goes to its reserved hot row lru_rows + i
-    whatever the position, so a routing keeps its first step's device slots (`Routing.fixed_slots`); they equal
+    whatever the position, so a routing keeps its first step's device slots (`BatchRouting.fixed_slots`); they equal
     a fresh computation at the later steps' positions, with MTP rows (three per request) too."""
-    from engine.hisparse.forward import HOT, Routing, _dev_slots
+    from engine.hisparse.forward import HOT, BatchRouting, _dev_slots
     from engine.hisparse.residency import ReqPages
 
     class Mgr:
@@ -173,7 +173,7 @@ def test_fixed_dev_slots_repeat_while_every_request_writes_its_reserved_rows():
     mgr.hot.blocks = torch.arange(40, 40 + mgr.hot.blocks.numel(), dtype=torch.int32).view(mgr.hot.blocks.shape)
     reqs = [ReqPages(slot=2, hot_slot=1), ReqPages(slot=0, hot_slot=0)]
     tok = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32)
-    rt = Routing(key=(), reqs=reqs, paths=[HOT, HOT], hot=[0, 1], pool=[], hot_batch=None, table=None,
+    rt = BatchRouting(key=(), reqs=reqs, paths=[HOT, HOT], hot=[0, 1], pool=[], hot_batch=None, table=None,
                  slot_of_req=torch.tensor([2, 0]), hot_slot_of_req=torch.tensor([1, 0]), q_lens=None, pool_lens=None,
                  fixed_slots=True)
     fresh = dataclasses.replace(rt, fixed_slots=False)

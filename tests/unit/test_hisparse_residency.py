@@ -44,8 +44,8 @@ def test_layout_and_groups():
     assert (lay.lru_rows, lay.rows, lay.num_blocks) == (4096, 4160, 65)
     mtp = HotLayout.create(topk=16, device_buffer_size=32, num_spec_tokens=3)
     assert mtp.lru_rows == 64 and mtp.rows == 128, "the LRU must hold the union of 4 verify rows' selections"
+    from engine.config.presets import preset
     from engine.kv.cache import KVCacheSpec
-    from engine.presets import preset
     spec = KVCacheSpec.from_model(preset("glm-5.3"))
     g = LayerGroups.from_spec(spec)
     assert g.num_groups == 22 and g.layers[0] == (0,) and g.layers[3] == (6, 7, 8, 9)

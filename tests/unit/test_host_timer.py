@@ -1,17 +1,17 @@
-"""bench.host_timer: wrapped functions are timed and counted only while the timer is on; restore() puts the
+"""bench.hisparse.host_timer: wrapped functions are timed and counted only while the timer is on; restore() puts the
 originals back."""
 
 from __future__ import annotations
 
-import bench.hisparse_stack as stack
-from bench.host_timer import HostTimer
+import bench.hisparse.stack as stack
+from bench.hisparse.host_timer import HostTimer
 
 
 def test_times_only_while_on_and_restores():
     original_next, original_decode_meta = stack.TopkStream.next, stack.decode_meta
     timer = HostTimer()
-    timer.wrap("bench.hisparse_stack:TopkStream.next")
-    timer.wrap("bench.hisparse_stack:decode_meta")
+    timer.wrap("bench.hisparse.stack:TopkStream.next")
+    timer.wrap("bench.hisparse.stack:decode_meta")
     assert stack.TopkStream.next is not original_next
     import torch
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 from engine.kv.block_pool import BlockPool
 from engine.kv.hashing import ROOT, block_hashes, hash_block
 from engine.kv.manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
 
 
 def req(rid, n, start=0, salt=None):

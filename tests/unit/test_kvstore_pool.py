@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.grpc_server import FailedPrecondition, NotFound
 from services.kvstore.pool import BlockPool
+from services.rpc.grpc_server import FailedPrecondition, NotFound
 
 
 def H(i: int) -> bytes:

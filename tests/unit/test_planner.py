@@ -16,10 +16,10 @@ import math
 
 import pytest
 
-from bench import plan as plan_cli
-from bench.planner import GIB, Deployment, capacity, kv_components, kv_spec, request_kv, tokens_on_rank, weight_bytes
-from bench.roofline import active_params, indexer_crossover, intensity, prefill_flops
-from engine.presets import preset
+from engine.config.presets import preset
+from planner import cli as plan_cli
+from planner.capacity import GIB, Deployment, capacity, kv_components, kv_spec, request_kv, tokens_on_rank, weight_bytes
+from planner.roofline import active_params, indexer_crossover, intensity, prefill_flops
 
 BLOCK = 3_502_592
 MLA_BLOCK, INDEX_BLOCK = 3_316_736, 185_856

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.core.sampling_params import SamplingParams
 from engine.runner.sampler import RowSpec, Sampler
 from engine.runner.spec import SyntheticAcceptance, acceptance_rate_for_length, verify_drafts
-from engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -1,4 +1,4 @@
-"""Pure pieces of services/common: error mapping, conversions, metric names, state records,
+"""Pure pieces of the shared service layers (rpc, transfer, cluster): error mapping, conversions, metric names, state records,
 block descriptors."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
+from engine.config.presets import preset
 from engine.kv.cache import KVCacheSpec
-from engine.presets import preset
 from proto.pdserve.v1 import common_pb2
-from services.common import convert
-from services.common.grpc_server import FailedPrecondition, NotFound, Overloaded, status_for
-from services.common.metrics import ServiceMetrics
-from services.common.nixl_descs import BlockDescList, BlockTensor, parse_pulled, pulled_notif
-from services.common.redis_state import InstanceInfo, KVEvent
+from services.cluster.redis_state import InstanceInfo, KVEvent
+from services.rpc.grpc_server import FailedPrecondition, NotFound, Overloaded, status_for
+from services.rpc.metrics import ServiceMetrics
+from services.transfer import wire
+from services.transfer.nixl_descs import BlockDescList, BlockTensor, parse_pulled, pulled_notif
 
 
 def test_status_codes():
@@ -42,9 +42,9 @@ def test_block_tensor_descriptors():
     assert d.shape == (5, 3) and d[3, 0] == t[3].data_ptr() and (d[:, 1] == 96).all()
     with pytest.raises(ValueError, match="contiguous"):
         BlockTensor.of("x", t.transpose(0, 1))
-    assert convert.block_tensor_from_proto(convert.block_tensor_to_proto(bt)) == bt
+    assert wire.block_tensor_from_proto(wire.block_tensor_to_proto(bt)) == bt
     with pytest.raises(ValueError, match="device kind"):
-        convert.block_tensor_from_proto(common_pb2.MemoryDesc(name="x", block_bytes=1, num_blocks=1))
+        wire.block_tensor_from_proto(common_pb2.MemoryDesc(name="x", block_bytes=1, num_blocks=1))
 
 
 def test_descriptor_indices_are_tensor_major():
@@ -60,22 +60,22 @@ def test_descriptor_indices_are_tensor_major():
 
 def test_kv_layout_check():
     spec = KVCacheSpec.from_model(preset("tiny"))
-    layout = convert.kv_layout_to_proto(spec)
-    convert.check_kv_layout(layout, spec, "peer")
+    layout = wire.kv_layout_to_proto(spec)
+    wire.check_kv_layout(layout, spec, "peer")
     layout.kv_cache_dtype = "bfloat16"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        convert.check_kv_layout(layout, spec, "peer")
+        wire.check_kv_layout(layout, spec, "peer")
 
 
 def test_hashes_ttl_and_clocks():
-    assert convert.block_hashes_from_proto([bytes(16)]) == [bytes(16)]
+    assert wire.block_hashes_from_proto([bytes(16)]) == [bytes(16)]
     with pytest.raises(ValueError, match=r"block_hashes\[1\] has 15 bytes"):
-        convert.block_hashes_from_proto([bytes(16), bytes(15)])
-    assert convert.ttl_s(0, 10.0, 60.0) == 10.0 and convert.ttl_s(1500, 10.0, 60.0) == 1.5
+        wire.block_hashes_from_proto([bytes(16), bytes(15)])
+    assert wire.ttl_s(0, 10.0, 60.0) == 10.0 and wire.ttl_s(1500, 10.0, 60.0) == 1.5
     with pytest.raises(ValueError, match="exceeds"):
-        convert.ttl_s(61_000, 10.0, 60.0)
+        wire.ttl_s(61_000, 10.0, 60.0)
     deadline = time.monotonic() + 5
-    assert abs(convert.monotonic_from_unix_ms(convert.unix_ms(deadline)) - deadline) < 0.01
+    assert abs(wire.monotonic_from_unix_ms(wire.unix_ms(deadline)) - deadline) < 0.01
 
 
 def test_metrics_names_and_roles():

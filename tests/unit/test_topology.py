@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services import topology
-from services.topology import Ports, args_to_flags
+from services.deploy import topology
+from services.deploy.topology import Ports, args_to_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,1 @@
+"""HiSparse decode benchmark (`python -m bench.hisparse`): the real-dimension layer stack, the stepped cases, host-time breakdown."""

@@ -1,0 +1,288 @@
+"""Kernel benchmark: `python -m bench.kernels --out results.json` (H200; see BENCHMARKS.md).
+
+Measures the ceilings first (copy bandwidth, bf16 matmul rate), then for every kernel the time, the
+bytes and FLOPs it must move/do, achieved TB/s and TFLOP/s, the fraction of the roofline floor
+max(bytes / BW, FLOPs / peak), and the speed-up over the plain-torch reference. Bytes are the fewest a
+kernel must move (each input read once, each output written once); KV rows picked by a sparse index
+are counted once per (row, index), as nothing guarantees reuse. `--quick` runs tiny sizes (on the CPU
+through Triton's interpreter too) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import platform
+
+import torch
+
+from bench.kernels.timing import ceilings, num_sets, roofline_row, sync, time_plain, time_rotating
+from kernels.formats import mla_row_bytes
+from kernels.indexer import indexer_topk, indexer_topk_ref, store_index_k
+from kernels.merge import merge_attn_states, merge_attn_states_ref
+from kernels.moe import fused_moe, fused_moe_ref, route_ref
+from kernels.sparse_mla import sparse_mla, sparse_mla_decode, sparse_mla_ref
+from kernels.store_kv import gather_kv, gather_kv_ref, store_kv, store_kv_ref
+from kernels.topk import topk_rows
+
+R, P, ROW = 512, 64, mla_row_bytes(512, 64)
+FLOP_PER_ROW_HEAD = 2 * (R + P) + 2 * R  # QK over 576 dims + PV over 512 (DESIGN §8: 2,176)
+
+
+def fp8_cache(num_tokens: int, device, layers: int = 2, gen=None) -> torch.Tensor:
+    """Layer 1 of a block-major fp8_ds_mla cache holding random rows at every slot."""
+    blocks = -(-num_tokens // 64)
+    full = torch.empty((blocks, layers, 64, ROW), dtype=torch.uint8, device=device)
+    view = full[:, 1]
+    step = 1 << 18
+    for s0 in range(0, blocks * 64, step):
+        n = min(step, blocks * 64 - s0)
+        store_kv(torch.randn(n, R, device=device, dtype=torch.bfloat16) * 2,
+                 torch.randn(n, P, device=device, dtype=torch.bfloat16), view, torch.arange(s0, s0 + n, device=device))
+    return view
+
+
+def bench_decode(dev, ceil, H: int, Sq: int, batches: list[int], K: int, ctx: int, ref: bool,
+                 config: tuple | None = None) -> list[dict]:
+    cache = fp8_cache(ctx, dev)
+    rows_out = []
+    for B in batches:
+        q = torch.randn(B, Sq, H, R + P, device=dev, dtype=torch.bfloat16)
+        rows = B * Sq
+        kv_bytes = rows * K * ROW + rows * K * 4
+        io_bytes = q.numel() * 2 + rows * H * (R * 2 + 4)
+        sets = [torch.randint(0, ctx, (B, Sq, K), device=dev, dtype=torch.int32) for _ in range(num_sets(kv_bytes))]
+        t = time_rotating([functools.partial(sparse_mla, q, cache, idx, 0.0625, config=config) for idx in sets], dev)
+        t_ref = time_plain(lambda: sparse_mla_ref(q, cache, sets[0], 0.0625, R, P), dev, rep_ms=50) if ref else None
+        rows_out.append(roofline_row(f"sparse_mla_decode H={H} Sq={Sq} B={B}", t, kv_bytes + io_bytes,
+                                     rows * H * K * FLOP_PER_ROW_HEAD, ceil, t_ref, H=H, Sq=Sq, B=B, K=K,
+                                     config=config or "default"))
+    return rows_out
+
+
+def bench_prefill(dev, ceil, T: int, K: int, kind: str, ref_rows: int, config: tuple | None = None) -> dict:
+    """T query rows over a context of T tokens (bf16 workspace, or the fp8 paged cache)."""
+    H = 64
+    q = torch.randn(T, H, R + P, device=dev, dtype=torch.bfloat16)
+    idx = torch.randint(0, T, (T, K), device=dev, dtype=torch.int32)
+    kv = (torch.randn(T, R + P, device=dev, dtype=torch.bfloat16) if kind == "bf16 workspace"
+          else fp8_cache(T, dev))
+    row_bytes = (R + P) * 2 if kind == "bf16 workspace" else ROW
+    t = time_plain(lambda: sparse_mla(q, kv, idx, 0.0625, num_splits=1, config=config), dev, rep_ms=300)
+    n = min(T, ref_rows)
+    t_ref = time_plain(lambda: sparse_mla_ref(q[:n], kv, idx[:n], 0.0625, R, P), dev, rep_ms=50) * T / n
+    unique = T * row_bytes + q.numel() * 2 + idx.numel() * 4 + T * H * (R * 2 + 4)
+    return roofline_row(f"sparse_mla_prefill {kind} T={T}", t, unique, T * H * K * FLOP_PER_ROW_HEAD, ceil, t_ref,
+                        T=T, K=K, gathered_bytes=T * K * row_bytes, ref_rows=n, config=config or "default")
+
+
+def bench_indexer(dev, ceil, S: int, T: int, ref_rows: int, H: int = 32, D: int = 128, topk: int = 2048) -> dict:
+    """T query rows at the end of an S-token context (a prefill chunk), fp8 keys; top-k 2048."""
+    blocks = -(-S // 64)
+    cache = torch.empty((blocks, 1, 64, D + 4), dtype=torch.uint8, device=dev)[:, 0]
+    step = 1 << 20
+    for s0 in range(0, blocks * 64, step):
+        n = min(step, blocks * 64 - s0)
+        store_index_k(torch.randn(n, D, device=dev), cache, torch.arange(s0, s0 + n, device=dev))
+    table = torch.randperm(blocks, device=dev, dtype=torch.int32)[None]
+    pos = torch.arange(S - T, S, device=dev)
+    req = torch.zeros(T, dtype=torch.int32, device=dev)
+    q = torch.randn(T, H, D, device=dev)
+    w = torch.rand(T, H, device=dev) * 0.1
+    run = functools.partial(indexer_topk, q, w, cache, table, req, pos, topk, return_slots=False, max_seq_len=S,
+                            query_start_loc_cpu=[0, T], seq_lens_cpu=[S])
+    t = time_plain(run, dev, rep_ms=200)
+    rows_per_chunk = max(1, (1 << 30) // (4 * S))
+    chunk = min(T, rows_per_chunk)
+    scores = torch.randn(chunk, S, device=dev)
+    out = torch.empty(T, topk, dtype=torch.int32, device=dev)
+    t_topk = time_plain(lambda: topk_rows(scores, pos, topk, out, 0), dev, rep_ms=100) * T / chunk
+    n = min(T, ref_rows)
+    t_ref = time_plain(lambda: indexer_topk_ref(q[:n], w[:n], cache, table, req[:n], pos[:n], topk,
+                                                return_slots=False), dev, rep_ms=50) * T / n
+    flops = 2 * H * D * int((pos + 1).sum())
+    bytes_min = S * (D + 4) + q.numel() * 4 + w.numel() * 4 + T * topk * 4
+    return roofline_row(f"indexer_topk S={S} T={T}", t, bytes_min, flops, ceil, t_ref, peak_scale=2.0, S=S, T=T,
+                        score_tflops=flops / max(t - t_topk, 1e-9) / 1e12, topk_share=t_topk / t, ref_rows=n)
+
+
+def bench_store_gather(dev, ceil, T: int) -> list[dict]:
+    cache = torch.empty((-(-2 * T // 64), 2, 64, ROW), dtype=torch.uint8, device=dev)[:, 1]
+    latent = torch.randn(T, R, device=dev, dtype=torch.bfloat16)
+    rope = torch.randn(T, P, device=dev, dtype=torch.bfloat16)
+    slot_sets = [torch.randperm(2 * T, device=dev)[:T] for _ in range(2)]
+    t = time_rotating([functools.partial(store_kv, latent, rope, cache, s) for s in slot_sets], dev)
+    t_ref = time_plain(lambda: store_kv_ref(latent, rope, cache, slot_sets[0]), dev, rep_ms=50)
+    rows = [roofline_row(f"store_kv fp8 T={T}", t, T * (R * 2 + P * 2 + 8 + ROW), 0, ceil, t_ref, T=T)]
+    t = time_rotating([functools.partial(gather_kv, cache, s, R, P, torch.bfloat16) for s in slot_sets], dev)
+    t_ref = time_plain(lambda: gather_kv_ref(cache, slot_sets[0], R, P).bfloat16(), dev, rep_ms=50)
+    rows.append(roofline_row(f"gather_kv fp8->bf16 n={T}", t, T * (ROW + 8 + (R + P) * 2), 0, ceil, t_ref, T=T))
+    return rows
+
+
+def sweep_prefill(dev, ceil, T: int, configs: list) -> list[dict]:
+    K, H = 2048, 64
+    q = torch.randn(T, H, R + P, device=dev, dtype=torch.bfloat16)
+    idx = torch.randint(0, T, (T, K), device=dev, dtype=torch.int32)
+    kv = torch.randn(T, R + P, device=dev, dtype=torch.bfloat16)
+    out = []
+    for cfg in configs:
+        try:
+            t = time_plain(lambda: sparse_mla(q, kv, idx, 0.0625, num_splits=1, config=cfg), dev, rep_ms=100)
+        except Exception as e:  # noqa: BLE001
+            out.append({"kernel": f"sweep prefill cfg={cfg}", "error": repr(e)[:200]})
+            continue
+        out.append(roofline_row(f"sweep prefill T={T} cfg={cfg}", t, T * (R + P) * 2 + q.numel() * 2,
+                                T * H * K * FLOP_PER_ROW_HEAD, ceil, config=cfg))
+    return out
+
+
+def profile_once(case: str) -> None:
+    """Run one case a few times (compiles first) for `ncu --launch-skip 2 --launch-count 1`."""
+    dev = torch.device("cuda")
+    H = {"decode64": 64, "decode8": 8}[case]
+    cache = fp8_cache(1 << 21, dev)
+    q = torch.randn(64, 1, H, R + P, device=dev, dtype=torch.bfloat16)
+    idx = torch.randint(0, 1 << 21, (64, 1, 2048), device=dev, dtype=torch.int32)
+    for _ in range(3):
+        sparse_mla_decode(q, cache, idx, 0.0625)
+    sync(dev)
+
+
+def bench_merge(dev, ceil, N: int, rows: int, D: int = 512) -> dict:
+    outs = [torch.randn(N, rows, D, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    lses = torch.randn(N, rows, device=dev)
+    t = time_rotating([functools.partial(merge_attn_states, o, lses) for o in outs], dev)
+    t_ref = time_plain(lambda: merge_attn_states_ref(outs[0], lses), dev, rep_ms=50)
+    return roofline_row(f"merge_attn_states N={N} rows={rows}", t, N * rows * (D * 2 + 4) + rows * (D * 2 + 4), 0,
+                        ceil, t_ref, N=N)
+
+
+def bench_moe(dev, ceil, T: int, E: int, H: int, inner: int, k: int) -> dict:
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    w13 = torch.randn(E, 2 * inner, H, device=dev, dtype=torch.bfloat16) * H ** -0.5
+    w2 = torch.randn(E, H, inner, device=dev, dtype=torch.bfloat16) * inner ** -0.5
+    weights, ids = route_ref(torch.randn(T, E, device=dev), None, k)
+    t = time_plain(lambda: fused_moe(x, w13, w2, weights, ids), dev, rep_ms=200)
+    t_ref = time_plain(lambda: fused_moe_ref(x, w13, w2, weights, ids), dev, rep_ms=100)
+    flops = T * k * 3 * 2 * H * inner
+    return roofline_row(f"fused_moe T={T} E={E} k={k}", t, (w13.numel() + w2.numel()) * 2 + T * H * 4, flops,
+                        ceil, t_ref, T=T, E=E)
+
+
+def sweep_decode(dev, ceil, H: int, B: int, configs: list, splits: list) -> list[dict]:
+    """Time sparse_mla_decode under several (BLOCK_H, BLOCK_N, warps, stages) and split counts."""
+    K, ctx = 2048, 1 << 21
+    cache = fp8_cache(ctx, dev)
+    q = torch.randn(B, 1, H, R + P, device=dev, dtype=torch.bfloat16)
+    sets = [torch.randint(0, ctx, (B, 1, K), device=dev, dtype=torch.int32) for _ in range(num_sets(B * K * ROW))]
+    out = []
+    for cfg in configs:
+        for ns in splits:
+            calls = [functools.partial(sparse_mla, q, cache, idx, 0.0625, num_splits=ns, config=cfg) for idx in sets]
+            try:
+                t = time_rotating(calls, dev)
+            except Exception as e:  # noqa: BLE001  (e.g. a tile config over the shared-memory limit)
+                out.append({"kernel": f"sweep decode H={H} B={B} cfg={cfg} splits={ns}", "error": repr(e)[:200]})
+                continue
+            out.append(roofline_row(f"sweep decode H={H} B={B} cfg={cfg} splits={ns}", t, B * K * (ROW + 4),
+                                    B * H * K * FLOP_PER_ROW_HEAD, ceil, config=cfg))
+    return out
+
+
+def _guard(rows: list[dict], fn) -> None:
+    """Run one benchmark section; a failure is recorded and printed, the others still run."""
+    import traceback
+    try:
+        rows += fn()
+    except Exception as e:  # noqa: BLE001  (a benchmark run is expensive: keep the other sections)
+        traceback.print_exc()
+        rows.append({"kernel": f"FAILED {fn.__code__.co_names[:3]}", "error": repr(e)[:300]})
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'kernel':54s} {'us':>10s} {'TB/s':>6s} {'TFLOP/s':>8s} {'floor%':>7s} {'bound':>7s} {'speedup':>8s}"
+    print(head)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['kernel']:54s} {r['error']}")
+            continue
+        sp = f"{r['speedup']:.1f}x" if "speedup" in r else "-"
+        extra = f"  topk {r['topk_share']:.0%}, score {r['score_tflops']:.0f} TF/s" if "topk_share" in r else ""
+        print(f"{r['kernel']:54s} {r['us']:10.1f} {r['tbps']:6.2f} {r['tflops']:8.1f} {100 * r['roofline_frac']:6.1f}% "
+              f"{r['bound']:>7s} {sp:>8s}{extra}")
+
+
+def run(dev: torch.device, quick: bool, sweep: bool) -> dict:
+    ceil = ceilings(dev)
+    print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s", flush=True)
+    rows: list[dict] = []
+    sweeps: list[dict] = []
+    if quick:
+        rows += bench_decode(dev, ceil, 5, 2, [2], K=32, ctx=256, ref=True)
+        rows.append(bench_indexer(dev, ceil, S=300, T=8, ref_rows=4, H=16, D=32, topk=32))
+        rows += bench_store_gather(dev, ceil, 64)
+        rows.append(bench_merge(dev, ceil, 2, 16))
+        rows.append(bench_moe(dev, ceil, 16, 4, 64, 32, 2))
+        return {"ceilings": ceil, "rows": rows, "sweep": sweeps}
+    best: dict[str, tuple | None] = {"H64": None, "H8": None, "prefill": None}
+    if sweep:
+        h64 = [(64, 64, 8, 2, True), (64, 64, 8, 2, False), (64, 64, 8, 3, True), (64, 32, 8, 2, True)]
+        h8 = [(16, 32, 4, 2, True), (16, 32, 4, 2, False), (16, 64, 8, 2, True), (16, 32, 4, 3, True)]
+        pre = [(64, 64, 8, 2, True), (64, 32, 8, 2, True), (64, 64, 8, 3, True)]
+        for key, fn in (("H64", lambda: sweep_decode(dev, ceil, 64, 64, h64, [None])),
+                        ("H8", lambda: sweep_decode(dev, ceil, 8, 64, h8, [None])),
+                        ("prefill", lambda: sweep_prefill(dev, ceil, 8192, pre))):
+            n = len(sweeps)
+            _guard(sweeps, fn)
+            timed = [r for r in sweeps[n:] if "us" in r]
+            best[key] = min(timed, key=lambda r: r["us"])["config"] if timed else None
+        print_table(sweeps)
+        print(f"configs used below (fastest of each sweep): {best}", flush=True)
+    _guard(rows, lambda: bench_store_gather(dev, ceil, 1 << 17))
+    batches = [1, 2, 4, 8, 16, 32, 64, 128]
+    for H in (64, 8):
+        for Sq in (1, 4):
+            n = len(rows)
+            cfg = best["H64" if H == 64 else "H8"]
+            _guard(rows, lambda: bench_decode(dev, ceil, H, Sq, batches, K=2048, ctx=1 << 21, ref=True, config=cfg))
+            print_table(rows[n:])
+    for T in (8192, 65536):
+        _guard(rows, lambda: [bench_prefill(dev, ceil, T, 2048, "bf16 workspace", 256, best["prefill"])])
+    _guard(rows, lambda: [bench_prefill(dev, ceil, 8192, 2048, "fp8 paged", 256, best["prefill"])])
+    for S, ref_rows in ((8192, 256), (131072, 16), (1 << 20, 2)):
+        _guard(rows, lambda: [bench_indexer(dev, ceil, S, 2048, ref_rows)])
+    _guard(rows, lambda: [bench_merge(dev, ceil, 8, 128 * 64)])
+    _guard(rows, lambda: [bench_moe(dev, ceil, 4096, 32, 6144, 2048, 8)])
+    return {"ceilings": ceil, "rows": rows, "sweep": sweeps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, numbers mean nothing")
+    ap.add_argument("--sweep", action="store_true", help="also time tile configurations of the main kernels")
+    ap.add_argument("--profile", choices=["decode64", "decode8"], help="run one case for a profiler, then exit")
+    args = ap.parse_args()
+    if args.profile:
+        profile_once(args.profile)
+        return
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    res = run(dev, args.quick or dev.type != "cuda", args.sweep)
+    print_table(res["rows"])
+    import triton
+    res["meta"] = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(dev)
+                   if dev.type == "cuda" else platform.processor(), "torch": torch.__version__,
+                   "triton": triton.__version__, "python": platform.python_version()}
+    sync(dev)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

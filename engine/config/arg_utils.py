@@ -1,0 +1,144 @@
+"""EngineArgs: the user-facing knobs (vLLM's names, DESIGN §10) -> a validated EngineConfig.
+
+Used by the offline `LLM`, the services' command lines and the benchmarks, so a flag means the same
+thing everywhere. The reference prefill launch line works as is:
+  --prefill-context-parallel-size 8 --decode-context-parallel-size 8 --dcp-comm-backend ag_rs
+  --enable-expert-parallel --attention-config '{"sparse_mla_force_mqa":true}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config.engine import (
+    CacheConfig,
+    EngineConfig,
+    HiSparseConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from engine.config.model import ModelConfig
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    device: str | None = None  # None: cuda when available
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; or fp8_ds_mla / bfloat16 / float32
+    indexer_precision: str | None = None  # None: fp8 with an fp8 cache, else fp32
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    block_size: int = 64
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    mtp_kv: bool = True
+    enable_chunked_prefill: bool = True
+    num_speculative_tokens: int | None = None
+    speculative_config: dict | None = None
+    hisparse: dict | None = None
+    attention_config: dict | None = None
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    dcp_comm_backend: str = "ag_rs"
+    cp_kv_cache_interleave_size: int = 1
+    data_parallel_size: int = 1
+    attention_backend: str | None = None
+    load_format: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def create_engine_config(self) -> EngineConfig:
+        model_path = Path(self.model)
+        mcfg = ModelConfig.from_pretrained(model_path)
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = self.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        kv_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if kv_dtype == "float16":
+            raise ValueError("kv_cache_dtype float16 is not supported; use fp8_ds_mla, bfloat16 or float32")
+        indexer = self.indexer_precision or ("fp8" if kv_dtype == "fp8_ds_mla" else "fp32")
+        max_len = self.max_model_len or mcfg.max_position_embeddings
+        attn = dict(self.attention_config or {})
+        hisparse = self.hisparse if self.hisparse is not None else attn.pop("hisparse_config", None)
+        attn.pop("sparse_mla_force_mqa", None)  # we always run the absorbed (MQA) form over the cache
+        if attn:
+            raise ValueError(f"unknown attention_config keys: {sorted(attn)}")
+        return EngineConfig(
+            model_path=model_path, model=mcfg,
+            cache=CacheConfig(block_size=self.block_size, kv_cache_dtype=kv_dtype, indexer_precision=indexer,
+                              num_blocks=self.num_blocks, gpu_memory_utilization=self.gpu_memory_utilization,
+                              cpu_kv_cache_gib=self.cpu_kv_cache_gib, enable_prefix_caching=self.enable_prefix_caching,
+                              mtp_kv=self.mtp_kv),
+            scheduler=SchedulerConfig(max_model_len=max_len,
+                                      max_num_batched_tokens=self.max_num_batched_tokens or max(8192, 1),
+                                      max_num_seqs=self.max_num_seqs, enable_chunked_prefill=self.enable_chunked_prefill),
+            parallel=ParallelConfig(prefill_context_parallel_size=self.prefill_context_parallel_size,
+                                    decode_context_parallel_size=self.decode_context_parallel_size,
+                                    enable_expert_parallel=self.enable_expert_parallel,
+                                    dcp_comm_backend=self.dcp_comm_backend,
+                                    cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
+                                    data_parallel_size=self.data_parallel_size),
+            speculative=self._speculative(),
+            hisparse=HiSparseConfig.from_dict(hisparse) if hisparse is not None else None,
+            device=device, dtype=dtype, seed=self.seed, attention_backend=self.attention_backend,
+            load_format=self.load_format)
+
+    def _speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_config:
+            return SpeculativeConfig.from_dict(self.speculative_config)
+        if self.num_speculative_tokens:
+            return SpeculativeConfig(num_speculative_tokens=self.num_speculative_tokens)
+        return None
+
+    # ---- command line --------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        g = p.add_argument_group("engine")
+        g.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+        g.add_argument("--device", default=None)
+        g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+        g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_ds_mla", "bfloat16", "float32"])
+        g.add_argument("--indexer-precision", default=None, choices=["fp8", "fp32"])
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--block-size", type=int, default=64)
+        g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (else from memory)")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--mtp-kv", action=argparse.BooleanOptionalAction, default=True,
+                       help="keep/compute the MTP layer's KV (default on when the model has one)")
+        g.add_argument("--speculative-config", type=json.loads, default=None)
+        g.add_argument("--attention-config", type=json.loads, default=None)
+        g.add_argument("--hisparse-config", dest="hisparse", type=json.loads, default=None,
+                       help='hybrid HiSparse for decode, e.g. {"host_pool_gib": 48} (same as attention-config '
+                            'hisparse_config)')
+        g.add_argument("--prefill-context-parallel-size", type=int, default=1)
+        g.add_argument("--decode-context-parallel-size", type=int, default=1)
+        g.add_argument("--enable-expert-parallel", action="store_true")
+        g.add_argument("--dcp-comm-backend", default="ag_rs", choices=["ag_rs", "a2a"])
+        g.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
+        g.add_argument("--data-parallel-size", type=int, default=1)
+        g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+        g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="dummy: random weights of the config's shape (benchmarks without a checkpoint)")
+        return p
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})

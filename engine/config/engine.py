@@ -1,0 +1,197 @@
+"""The engine's frozen config tree (STYLE §7): cache, scheduler, parallelism, speculation, HiSparse.
+
+Values found at run time (how many KV blocks fit) live in `engine.core.core.RuntimeInfo`, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config.model import ModelConfig
+from engine.kv.cache import INDEXER_PRECISIONS, KV_CACHE_DTYPES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 64
+    kv_cache_dtype: str = "float32"  # resolved from "auto" by EngineConfig.create
+    indexer_precision: str = "fp32"
+    num_blocks: int | None = None  # explicit pool size; else sized from memory
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0  # KV budget when the "device" is the CPU
+    enable_prefix_caching: bool = True
+    # Keep (and compute) the MTP layer's KV when the model has one, even without speculating: every
+    # engine of a deployment then has one block layout, and decode engines that draft find the MTP
+    # cache of imported prompts filled in (it costs one extra layer's worth of prefill).
+    mtp_kv: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size != 64:
+            raise ValueError("block_size must be 64 (the fp8_ds_mla page and the prefix-hash block)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} or 'auto', got {self.kv_cache_dtype!r}")
+        if self.indexer_precision not in INDEXER_PRECISIONS:
+            raise ValueError(f"indexer_precision must be one of {INDEXER_PRECISIONS}, got {self.indexer_precision!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_model_len, max_num_batched_tokens and max_num_seqs must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "mtp"
+    num_speculative_tokens: int = 3
+    synthetic_acceptance_length: float | None = None  # benchmark mode: fixed mean acceptance length
+
+    def __post_init__(self) -> None:
+        if self.method != "mtp":
+            raise ValueError(f"speculative method must be 'mtp', got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 3:
+            raise ValueError("num_speculative_tokens must be 1, 2 or 3 (one MTP layer, recycled)")
+        L = self.synthetic_acceptance_length
+        if L is not None and not 1.0 <= L <= 1.0 + self.num_speculative_tokens:
+            raise ValueError(f"synthetic_acceptance_length must be in [1, {1 + self.num_speculative_tokens}], got {L}")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
+        if not d:
+            return None
+        unknown = set(d) - {"method", "num_speculative_tokens", "synthetic_acceptance_length"}
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    dcp_comm_backend: str = "ag_rs"
+    cp_kv_cache_interleave_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        pcp, dcp = self.prefill_context_parallel_size, self.decode_context_parallel_size
+        if pcp < 1 or dcp < 1:
+            raise ValueError("context parallel sizes must be >= 1")
+        if dcp not in (1, pcp):
+            raise ValueError(f"decode_context_parallel_size must be 1 or equal to the PCP size ({pcp}), got {dcp}")
+        if self.dcp_comm_backend not in ("ag_rs", "a2a"):
+            raise ValueError(f"dcp_comm_backend must be 'ag_rs' or 'a2a', got {self.dcp_comm_backend!r}")
+        if self.cp_kv_cache_interleave_size < 1 or 64 % self.cp_kv_cache_interleave_size:
+            raise ValueError("cp_kv_cache_interleave_size must divide the block size (64)")
+
+    @property
+    def world_size(self) -> int:
+        return self.prefill_context_parallel_size
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    """Hybrid HiSparse for decode (DESIGN §6, `engine/hisparse/`).
+
+    host_pool_gib       host memory for every request's MLA rows (all layers incl. MTP); admission is
+                        bounded by it. `host_pool_blocks` overrides it with an exact block count (tests).
+    device_buffer_size  LRU rows per request per layer of a non-resident request's hot buffer (default
+                        2 * index_topk); raised to (1 + drafts) * index_topk with MTP so the union of the
+                        verify rows' selections always fits.
+    offload_only        comparison baseline: no device pages and no hot buffer; every step brings each
+                        request's whole context back to the device, layer by layer.
+    """
+
+    host_pool_gib: float = 1.0
+    device_buffer_size: int | None = None  # hot rows per request per layer; default 2 * index_topk
+    offload_only: bool = False  # baseline: bring the whole request back each step
+    host_pool_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.host_pool_gib <= 0:
+            raise ValueError("hisparse host_pool_gib must be > 0")
+        if self.device_buffer_size is not None and self.device_buffer_size < 1:
+            raise ValueError("hisparse device_buffer_size must be >= 1")
+        if self.host_pool_blocks is not None and self.host_pool_blocks < 1:
+            raise ValueError("hisparse host_pool_blocks must be >= 1")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "HiSparseConfig | None":
+        if d is None:
+            return None
+        unknown = set(d) - {"host_pool_gib", "device_buffer_size", "offload_only", "host_pool_blocks"}
+        if unknown:
+            raise ValueError(f"unknown hisparse keys: {sorted(unknown)} (known: host_pool_gib, device_buffer_size, "
+                             "offload_only, host_pool_blocks)")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: Path
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
+    hisparse: HiSparseConfig | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    attention_backend: str | None = None  # None: torch on CPU, triton on CUDA
+    load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.hisparse is not None and self.parallel.world_size > 1:
+            raise ValueError("hisparse runs on single-rank decode engines: drop it or the context parallel sizes")
+        if self.speculative is not None and not self.model.has_mtp:
+            raise ValueError("speculative decoding with MTP needs a checkpoint with an MTP layer")
+        if self.speculative is not None and not self.cache.mtp_kv:
+            raise ValueError("speculative decoding needs the MTP layer's KV: drop --no-mtp-kv")
+        pc = self.parallel
+        if pc.enable_expert_parallel and pc.world_size > 1 and self.model.n_routed_experts % pc.world_size:
+            raise ValueError(f"expert parallelism over {pc.world_size} ranks needs n_routed_experts "
+                             f"({self.model.n_routed_experts}) divisible by {pc.world_size}")
+        if self.scheduler.max_model_len > self.model.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.scheduler.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.model.max_position_embeddings}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """Where weights load from (None with load_format='dummy')."""
+        return self.model_path if self.load_format == "auto" else None
+
+    @property
+    def with_mtp(self) -> bool:
+        """Whether engines build the MTP layer and keep its KV (the last layer of the cache)."""
+        return self.model.has_mtp and self.cache.mtp_kv
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0

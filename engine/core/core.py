@@ -1,0 +1,123 @@
+"""EngineCore: scheduler + runner, stepped by the offline LLM, the AsyncEngine and the services."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.config.engine import EngineConfig
+from engine.core.request import Request
+from engine.core.scheduler import EngineCoreOutput, Scheduler
+from engine.kv.manager import KVCacheManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_held: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    spec_drafts: int
+    spec_accepted: int
+    spec_steps: int
+    spec_emitted: int
+    num_preemptions: int
+    num_queued_tokens: int = 0  # prompt tokens of waiting requests still to compute (a load figure)
+    hisparse: object | None = None  # engine.hisparse.HiSparseStats when HiSparse is on
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_drafts if self.spec_drafts else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step (accepted drafts + the bonus token)."""
+        return self.spec_emitted / self.spec_steps if self.spec_steps else 0.0
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, runner_factory=None):
+        from engine.runner import ModelRunner
+
+        self.cfg = cfg
+        # the runner sizes the KV pool after loading the weights (what is left of the memory budget)
+        self.runner = (runner_factory or ModelRunner)(cfg)
+        self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.cache.block_size,
+                                 cfg.parallel.decode_context_parallel_size, cfg.cache.enable_prefix_caching)
+        hisparse = getattr(self.runner, "hisparse", None)
+        if hisparse is not None:  # admission by host blocks (the pool above) and by device room
+            self.kv.device_footprint = hisparse.footprint()
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
+
+    def validate(self, req: Request) -> None:
+        """Raise ValueError for a request the engine cannot serve (nothing is changed)."""
+        vocab, ids = self.cfg.model.vocab_size, req.prompt_token_ids
+        # the fast check first (a 1M-token prompt is on the TTFT path); `type is int` also rejects bools
+        if not (all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < vocab))):
+            bad = [t for t in ids if not (type(t) is int and 0 <= t < vocab)]
+            raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        self.scheduler.validate(req)
+
+    def add_request(self, req: Request) -> None:
+        self.validate(req)
+        if not req.eos_token_ids:
+            req.eos_token_ids = self.cfg.model.eos_token_ids
+        self.scheduler.add_request(req)
+
+    def abort(self, req_id: str) -> bool:
+        return self.scheduler.abort(req_id)
+
+    # ---- disaggregation hooks (services/prefill, services/decode) --------------------------------
+    def reserve_import(self, req: Request, num_import_tokens: int) -> tuple[list[int], int] | None:
+        """Admit a request whose first `num_import_tokens` tokens' KV the caller writes (see Scheduler)."""
+        vocab = self.cfg.model.vocab_size
+        if any(not (0 <= t < vocab) for t in req.all_token_ids):
+            raise ValueError(f"token ids must be integers in [0, {vocab})")
+        if not req.eos_token_ids:
+            req.eos_token_ids = self.cfg.model.eos_token_ids
+        return self.scheduler.reserve_import(req, num_import_tokens)
+
+    def import_done(self, req_id: str, ok: bool, num_tokens: int | None = None) -> None:
+        self.scheduler.import_done(req_id, ok, num_tokens)
+
+    def held_block_ids(self, req_id: str) -> list[int]:
+        """Blocks of a finished request kept for export (`Request.hold_kv_on_finish`)."""
+        return self.scheduler.held_block_ids(req_id)
+
+    def release_held(self, req_id: str) -> bool:
+        return self.scheduler.release_held(req_id)
+
+    def drain_kv_events(self) -> list[tuple[str, bytes]]:
+        """("stored" | "removed", 16-byte block hash) since the last call, for the Redis prefix index."""
+        return self.kv.pool.drain_events()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.finished_req_ids:
+            return []
+        result = self.runner.execute(sched)
+        return self.scheduler.update(sched, result)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), num_held=len(s.held),
+                           kv_usage=self.kv.usage(), num_free_blocks=self.kv.num_free_blocks,
+                           num_blocks=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
+                           prefix_hits=self.kv.prefix_hits, spec_drafts=s.spec_drafts, spec_accepted=s.spec_accepted,
+                           spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
+                           num_preemptions=s.num_preemptions,
+                           num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+                           hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None)

@@ -1,0 +1,76 @@
+"""Build a model for a checkpoint on a device: construct on `meta`, allocate, load, verify."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config.model import ModelConfig
+from engine.loading.weights import FP32_PARAMS, load_weights
+from engine.model import GlmDsaForCausalLM
+from engine.model.moe import Experts, MoE
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                with_mtp: bool = True, checkpoint: str | Path | None = None,
+                expert_shard: tuple[int, int] | None = None) -> GlmDsaForCausalLM:
+    """Without a checkpoint the weights are left uninitialised (callers fill them, e.g. random init).
+
+    `expert_shard` (offset, num_local): keep only those routed experts (expert parallelism); the others
+    are never allocated and the loader skips their tensors.
+    """
+    with torch.device("meta"):
+        model = GlmDsaForCausalLM(cfg, with_mtp=with_mtp)
+        if expert_shard is not None:
+            for m in list(model.modules()):
+                if isinstance(m, MoE):
+                    m.experts = Experts(cfg, num_local=expert_shard[1], offset=expert_shard[0])
+        # set dtypes while nothing is allocated: materialising fp32 first would double the peak memory
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            want = torch.float32 if name.endswith(FP32_PARAMS) else dtype
+            if p.is_floating_point() and p.dtype != want:
+                p.data = p.data.to(want)
+    model = model.to_empty(device=device)
+    if checkpoint is not None:
+        load_weights(model, checkpoint, cfg)
+    return model.eval().requires_grad_(False)
+
+
+def dummy_init(model: GlmDsaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """`--load-format dummy`: random weights drawn on the model's device (benchmarks of real shapes
+    without a checkpoint). Norm weights are 1, biases 0, the routing bias small and random.
+
+    Routed experts are drawn one expert at a time, seeded by their global id, so an expert-parallel rank
+    holding experts [offset, offset + n) gets the same weights as one rank holding them all (the
+    multi-GPU benchmarks compare the two)."""
+    from engine.model.moe import Experts
+
+    expert_offset = {id(p): m.offset for m in model.modules() if isinstance(m, Experts)
+                     for p in (m.w13, m.w2)}
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(list(model.named_parameters()) + list(model.named_buffers()))):
+            g = torch.Generator(device=p.device)
+            g.manual_seed(seed * 100003 + i)
+            if id(p) in expert_offset:
+                for e in range(p.shape[0]):
+                    g.manual_seed((seed * 100003 + i) * 4099 + expert_offset[id(p)] + e)
+                    p[e].normal_(0.0, std, generator=g)
+            elif name.endswith(("norm.weight", "layernorm.weight")):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.01, generator=g)
+            else:
+                p.normal_(0.0, std, generator=g)
+
+
+def use_kernel_moe(model: GlmDsaForCausalLM, on: bool) -> None:
+    """Route every MoE layer through the Triton grouped GEMM (CUDA) or the torch reference."""
+    from engine.model.moe import Experts
+    from kernels.moe import fused_moe, fused_moe_ref
+
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.impl = fused_moe if on else fused_moe_ref

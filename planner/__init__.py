@@ -1,0 +1,1 @@
+"""`pdserve plan`: weights, KV bytes, capacity and roofline of a model on a deployment."""

@@ -1,1 +1,0 @@
-"""Infrastructure every service stands on: gRPC server, NIXL agent, Redis state, metrics, processes."""

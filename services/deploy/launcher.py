@@ -1,0 +1,287 @@
+"""`pdserve up` / `pdserve down`: run a topology (services/deploy/topology.py) as local processes.
+
+    handle = up("configs/topology.cpu.yaml")   # or a dict; returns once every service is healthy
+    handle.endpoints()                          # {"kvstore": ["127.0.0.1:50060"], "router": [...]}
+    down(handle)                                # or down() / down(".run") from another process
+
+`up` starts Redis when none answers at the topology's URL, then kvstore, prefill (one process per
+rank), decode and router, each `python -m <module> <flags>` in its own session (process group) with
+its log in the run directory, and waits after each kind for gRPC health (+ HTTP /health of the
+router). The run directory's state.json lets `down` stop everything from any process: SIGTERM to
+each process group in reverse order, SIGKILL after a grace period, then the Redis it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from services.cluster.redis_server import ensure_redis
+from services.deploy import topology as topo_mod
+from services.deploy.procs import stop_pid, tie_to_parent
+from services.deploy.topology import ORDER, ROOT, Ports, ServiceSpec, Topology
+from services.rpc.grpc_server import check_health_sync
+from services.rpc.net import free_port
+
+STATE_FILE = "state.json"
+_children: dict[int, subprocess.Popen] = {}  # processes this interpreter started (to reap them)
+
+
+@dataclass
+class ProcessRecord:
+    name: str  # e.g. kvstore-0, prefill-0.rank1
+    kind: str
+    pid: int
+    cmd: list[str]
+    log: str
+    address: str = ""  # gRPC host:port checked for health ('' for ranks > 0)
+    http: str = ""  # router HTTP host:port
+
+
+@dataclass
+class Deployment:
+    """The handle of a running topology (what state.json holds)."""
+
+    run_dir: str
+    redis_url: str = ""
+    redis_pid: int = 0  # non-zero when `up` started Redis (and `down` must stop it)
+    redis_workdir: str = ""
+    processes: list[ProcessRecord] = field(default_factory=list)
+
+    def endpoints(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {"redis": [self.redis_url]}
+        for p in self.processes:
+            if p.address:
+                out.setdefault(p.kind, []).append(f"http://{p.http}" if p.http else p.address)
+                if p.http:
+                    out.setdefault("router_grpc", []).append(p.address)
+        return out
+
+    @property
+    def url(self) -> str:
+        """The router's HTTP base URL (what benchmarks and clients talk to)."""
+        routers = self.endpoints().get("router", [])
+        if not routers:
+            raise RuntimeError("this deployment has no router")
+        return routers[0]
+
+    def save(self) -> None:
+        Path(self.run_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "Deployment":
+        raw = json.loads(Path(run_dir, STATE_FILE).read_text())
+        return cls(**{**raw, "processes": [ProcessRecord(**p) for p in raw["processes"]]})
+
+
+def up(topology: str | Path | dict, *, run_dir: str | Path | None = None, timeout_s: float = 300.0,
+       die_with_parent: bool = False, echo: Callable[[str], None] = lambda s: None) -> Deployment:
+    """Start a topology; returns once everything answers health checks. On any failure, stops what
+    it started and raises RuntimeError with the failing service's log tail. `die_with_parent`: every
+    process (and Redis) gets SIGTERM if the calling thread's process dies (tests, benchmarks)."""
+    topo = topo_mod.load(topology)
+    run = Path(run_dir) if run_dir else topo.path(topo.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    _refuse_if_running(run)
+    dep = Deployment(run_dir=str(run))
+    deadline = time.monotonic() + timeout_s
+    try:
+        dep.redis_url, server = ensure_redis(topo.redis_url, workdir=str(run / "redis"),
+                                             die_with_parent=die_with_parent)
+        if server is not None:
+            dep.redis_pid, dep.redis_workdir = server.pid, server.workdir
+            echo(f"started redis-server at {dep.redis_url}")
+        dep.save()
+        for spec in topo.services:
+            started = _start_service(topo, spec, dep, die_with_parent)
+            dep.save()
+            _wait_ready(started, deadline)
+            echo(f"{spec.kind}: {', '.join(p.http or p.address for p in started if p.address)} healthy")
+    except BaseException:
+        down(dep)
+        raise
+    return dep
+
+
+def down(handle: Deployment | str | Path | None = None, *, timeout_s: float = 10.0) -> None:
+    """Stop a deployment (a handle, or the run directory of one; default .run). Idempotent."""
+    if not isinstance(handle, Deployment):
+        run = Path(handle) if handle else ROOT / ".run"
+        if not (run / STATE_FILE).exists():
+            return
+        handle = Deployment.load(run)
+    for kind in reversed(ORDER):
+        _stop_group([p for p in handle.processes if p.kind == kind and _is_ours(p)], timeout_s)
+    if handle.redis_pid:
+        stop_pid(handle.redis_pid, timeout_s)
+        shutil.rmtree(handle.redis_workdir, ignore_errors=True)
+    Path(handle.run_dir, STATE_FILE).unlink(missing_ok=True)
+
+
+def status(handle: Deployment | str | Path | None = None) -> dict[str, bool]:
+    """name -> whether that process is alive."""
+    dep = handle if isinstance(handle, Deployment) else Deployment.load(Path(handle) if handle else ROOT / ".run")
+    return {p.name: _is_ours(p) for p in dep.processes}
+
+
+# ---- starting -----------------------------------------------------------------------------------
+
+def _start_service(topo: Topology, spec: ServiceSpec, dep: Deployment, tied: bool) -> list[ProcessRecord]:
+    started = []
+    for replica in range(spec.replicas):
+        ports = _ports(topo, spec, replica)
+        for rank in range(spec.ranks):
+            name = f"{spec.kind}-{replica}" + (f".rank{rank}" if spec.ranks > 1 else "")
+            cmd = [sys.executable, "-m", spec.module_name,
+                   *topo_mod.flags(topo, spec, replica, rank, ports, dep.redis_url)]
+            rec = ProcessRecord(name, spec.kind, 0, cmd, str(Path(dep.run_dir, f"{name}.log")),
+                                address=f"{topo.host}:{ports.grpc_port or ports.port}" if rank == 0 else "",
+                                http=f"{topo.host}:{ports.port}" if spec.kind == "router" else "")
+            rec.pid = _spawn(tie_to_parent(cmd) if tied else cmd, rec.log, {**topo.env, **spec.env})
+            dep.processes.append(rec)
+            started.append(rec)
+    return started
+
+
+def _ports(topo: Topology, spec: ServiceSpec, replica: int) -> Ports:
+    def pick(base: int) -> int:
+        return base + replica if base else free_port(topo.host)
+
+    grpc_port = pick(spec.extra.get("grpc_port", 0)) if spec.kind == "router" else 0
+    master_port = free_port(topo.host) if spec.ranks > 1 else 0
+    return Ports(port=pick(spec.port), metrics_port=pick(spec.metrics_port), grpc_port=grpc_port,
+                 master_port=master_port)
+
+
+def _spawn(cmd: list[str], log: str, extra_env: dict[str, str]) -> int:
+    env = {**os.environ, **extra_env}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    _children[proc.pid] = proc
+    return proc.pid
+
+
+def _wait_ready(records: list[ProcessRecord], deadline: float) -> None:
+    pending = list(records)
+    while pending:
+        for rec in list(pending):
+            if not _is_ours(rec):
+                raise RuntimeError(f"{rec.name} exited during startup ({' '.join(rec.cmd[:3])} ...); "
+                                   f"last lines of {rec.log}:\n{_tail(rec.log)}")
+            if not rec.address or (check_health_sync(rec.address, timeout=0.5)
+                                   and (not rec.http or _http_ok(f"http://{rec.http}/health"))):
+                pending.remove(rec)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"{pending[0].name} not healthy before the deadline; last lines of "
+                               f"{pending[0].log}:\n{_tail(pending[0].log)}")
+        time.sleep(0.1)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _refuse_if_running(run: Path) -> None:
+    if (run / STATE_FILE).exists():
+        dep = Deployment.load(run)
+        alive = [p.name for p in dep.processes if _is_ours(p)]
+        if alive:
+            raise RuntimeError(f"{run} already runs {alive}: `pdserve down --run-dir {run}` first")
+        down(dep)
+
+
+def _tail(path: str, num_lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---- stopping -----------------------------------------------------------------------------------
+
+def _is_ours(rec: ProcessRecord) -> bool:
+    """Alive, and still the process we started (a recycled pid runs another command line)."""
+    child = _children.get(rec.pid)
+    if child is not None:
+        return child.poll() is None
+    try:
+        with open(f"/proc/{rec.pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[:-1] == [c.encode() for c in rec.cmd]
+    except OSError:
+        return False
+
+
+def _stop_group(records: list[ProcessRecord], timeout_s: float) -> None:
+    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        for rec in records:
+            try:
+                os.killpg(rec.pid, sig)  # the whole session: a service's own children too
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait
+        while records and time.monotonic() < deadline:
+            records = [r for r in records if _is_ours(r)]
+            time.sleep(0.05)
+        if not records:
+            break
+    for rec in records:
+        _children.pop(rec.pid, None)
+
+
+# ---- command line (`pdserve up | down | status`, dispatched by services/cli.py) ---------------------
+def up_main(argv: list[str]) -> int:
+    import argparse
+    import sys
+
+    from services.deploy.topology import ROOT
+
+    p = argparse.ArgumentParser(prog="pdserve up", description="start every service of a topology, wait until healthy")
+    p.add_argument("--config", default=str(ROOT / "configs" / "topology.cpu.yaml"), help="topology YAML (configs/README.md)")
+    p.add_argument("--run-dir", default=None, help="logs + state (default: the topology's run_dir)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
+    a = p.parse_args(argv)
+    try:
+        dep = up(a.config, run_dir=a.run_dir, timeout_s=a.timeout, echo=print)
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"pdserve up failed: {e}", file=sys.stderr)
+        return 1
+    for kind, addresses in dep.endpoints().items():
+        print(f"{kind:12s} {'  '.join(addresses)}")
+    print(f"logs in {dep.run_dir}; stop with `pdserve down --run-dir {dep.run_dir}`")
+    return 0
+
+
+def _run_dir_arg(prog: str, argv: list[str]) -> str:
+    import argparse
+
+    from services.deploy.topology import ROOT
+
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--run-dir", default=str(ROOT / ".run"))
+    return p.parse_args(argv).run_dir
+
+
+def down_main(argv: list[str]) -> int:
+    down(_run_dir_arg("pdserve down", argv))
+    return 0
+
+
+def status_main(argv: list[str]) -> int:
+    for name, alive in status(_run_dir_arg("pdserve status", argv)).items():
+        print(f"{name:20s} {'running' if alive else 'stopped'}")
+    return 0

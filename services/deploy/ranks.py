@@ -1,0 +1,70 @@
+"""Run the N rank processes of one multi-process engine (the prefill engine's PCP/DCP/EP ranks).
+
+The launcher starts each rank itself (own log file); a container runs them all through
+`python -m services.deploy.ranks --ranks N services.prefill <flags...>`, which adds
+`--rank r --world-size N --master-addr 127.0.0.1 --master-port P` to each, forwards SIGTERM/SIGINT,
+and exits when any rank exits (stopping the others): one dead rank means a dead engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+
+from services.rpc.net import free_port
+
+
+def rank_flags(rank: int, world_size: int, master_addr: str, master_port: int) -> list[str]:
+    """The flags that place one process in its engine's torch.distributed group."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    return ["--rank", str(rank), "--world-size", str(world_size), "--master-addr", master_addr,
+            "--master-port", str(master_port)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.deploy.ranks", description=__doc__)
+    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--master-port", type=int, default=0, help="0 = any free port")
+    p.add_argument("module")
+    p.add_argument("flags", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    if a.ranks < 1:
+        p.error("--ranks must be >= 1")
+    port = a.master_port or free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", a.module, *a.flags, *rank_flags(r, a.ranks, "127.0.0.1", port)])
+             for r in range(a.ranks)]
+    signalled = False
+
+    def terminate_all() -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def on_signal(*_) -> None:
+        nonlocal signalled
+        signalled = True
+        terminate_all()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while all(proc.poll() is None for proc in procs):
+        time.sleep(0.2)
+    terminate_all()
+    deadline = time.monotonic() + 10
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    codes = [proc.wait() for proc in procs]
+    if signalled and all(c in (0, -signal.SIGTERM) for c in codes):
+        return 0
+    return next((abs(c) for c in codes if c not in (0, -signal.SIGTERM)), 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""What `pdserve up` runs: the topology file's schema, validation, and the table of service kinds.
+
+A topology (YAML or a dict; documented in configs/README.md):
+
+    model: checkpoints/tiny-code          # --model of every service (relative to the project root)
+    host: 127.0.0.1                       # bind + advertised address of local processes
+    run_dir: .run                         # logs and state.json
+    redis_url: redis://127.0.0.1:6379/0   # used if it answers, else a private redis-server there
+    env: {UCX_TLS: tcp}                   # extra environment of every service process
+    services:                             # started in the order kvstore, prefill, decode, router
+      kvstore: {replicas: 1, port: 50060, args: {pool-gib: 1}}
+      prefill: {replicas: 1, port: 50051, prefill_context_parallel_size: 1,
+                decode_context_parallel_size: 1, args: {kv-cache-dtype: fp8_ds_mla}}
+      decode:  {replicas: 1, port: 50071}
+      router:  {port: 8000, grpc_port: 50050}
+
+Per service: `replicas`, `port` (replica i listens on port + i; 0 = any free port),
+`metrics_port` (same rule; 0 = any free), `args` (extra flags: {name: value}, true -> bare flag,
+a list -> repeated, a dict -> JSON), `env`, and `module` (default services.<kind>; tests point it at
+stand-ins). Prefill also takes the parallel sizes and `ranks` (processes per replica, default
+max(PCP, DCP)): each rank gets --rank/--world-size/--master-addr/--master-port; rank 0 serves gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.deploy.ranks import rank_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+ORDER = ("kvstore", "prefill", "decode", "router")
+_TOP_KEYS = {"model", "host", "run_dir", "redis_url", "env", "services"}
+_SERVICE_KEYS = {"replicas", "port", "metrics_port", "args", "env", "module"}
+_KIND_KEYS = {"prefill": {"prefill_context_parallel_size", "decode_context_parallel_size", "ranks"},
+              "router": {"grpc_port"}}
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    kind: str
+    replicas: int = 1
+    port: int = 0
+    metrics_port: int = 0
+    args: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    module: str = ""
+    extra: dict[str, int] = field(default_factory=dict)  # kind-specific keys (_KIND_KEYS)
+
+    @property
+    def module_name(self) -> str:
+        return self.module or f"services.{self.kind}"
+
+    @property
+    def ranks(self) -> int:
+        """Processes per replica: the prefill engine's ranks, 1 for everything else."""
+        if self.kind != "prefill":
+            return 1
+        pcp = self.extra.get("prefill_context_parallel_size", 1)
+        dcp = self.extra.get("decode_context_parallel_size", 1)
+        return self.extra.get("ranks", max(pcp, dcp))
+
+
+@dataclass(frozen=True)
+class Topology:
+    model: str
+    host: str = "127.0.0.1"
+    run_dir: str = ".run"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    env: dict[str, str] = field(default_factory=dict)
+    services: tuple[ServiceSpec, ...] = ()
+
+    def service(self, kind: str) -> ServiceSpec | None:
+        return next((s for s in self.services if s.kind == kind), None)
+
+    def path(self, p: str) -> Path:
+        """A topology path, relative to the project root unless absolute."""
+        return Path(p) if Path(p).is_absolute() else ROOT / p
+
+
+def load(source: str | Path | dict) -> Topology:
+    """Parse and validate a topology file (or an already-loaded dict); ValueError names the problem."""
+    raw = source if isinstance(source, dict) else yaml.safe_load(Path(source).read_text())
+    if not isinstance(raw, dict):
+        raise ValueError("a topology is a mapping with at least `model` and `services`")
+    _no_unknown("topology", raw, _TOP_KEYS)
+    if "model" not in raw or not isinstance(raw.get("services"), dict) or not raw["services"]:
+        raise ValueError("a topology needs `model` and a non-empty `services` mapping")
+    services = []
+    for kind, body in raw["services"].items():
+        if kind not in ORDER:
+            raise ValueError(f"unknown service kind {kind!r}; expected some of {ORDER}")
+        services.append(_service(kind, body or {}))
+    services.sort(key=lambda s: ORDER.index(s.kind))
+    env = {k: str(v) for k, v in (raw.get("env") or {}).items()}
+    return Topology(model=str(raw["model"]), host=str(raw.get("host", "127.0.0.1")),
+                    run_dir=str(raw.get("run_dir", ".run")),
+                    redis_url=str(raw.get("redis_url", "redis://127.0.0.1:6379/0")), env=env,
+                    services=tuple(services))
+
+
+def _service(kind: str, body: dict) -> ServiceSpec:
+    if not isinstance(body, dict):
+        raise ValueError(f"services.{kind} must be a mapping")
+    kind_keys = _KIND_KEYS.get(kind, set())
+    _no_unknown(f"services.{kind}", body, _SERVICE_KEYS | kind_keys)
+    ints = {k: body[k] for k in ("replicas", "port", "metrics_port", *kind_keys) if k in body}
+    for k, v in ints.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or ("port" not in k and v < 1):
+            raise ValueError(f"services.{kind}.{k} must be a {'non-negative' if 'port' in k else 'positive'} "
+                             f"integer, got {v!r}")
+    if not isinstance(body.get("args", {}), dict) or not isinstance(body.get("env", {}), dict):
+        raise ValueError(f"services.{kind}.args and .env must be mappings")
+    return ServiceSpec(kind=kind, replicas=ints.get("replicas", 1), port=ints.get("port", 0),
+                       metrics_port=ints.get("metrics_port", 0), args=dict(body.get("args", {})),
+                       env={k: str(v) for k, v in body.get("env", {}).items()}, module=str(body.get("module", "")),
+                       extra={k: ints[k] for k in kind_keys if k in ints})
+
+
+def _no_unknown(where: str, d: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+# ---- flags of one process -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ports:
+    """Ports of one replica, resolved by the launcher (auto-picked where the topology says 0)."""
+
+    port: int
+    metrics_port: int
+    grpc_port: int = 0  # router only
+    master_port: int = 0  # prefill only (torch.distributed rendezvous of its ranks)
+
+
+def flags(topo: Topology, spec: ServiceSpec, replica: int, rank: int, ports: Ports, redis_url: str) -> list[str]:
+    """The command-line flags of one service process (the same names docker-compose.yml uses)."""
+    out = ["--model", str(topo.path(topo.model)), "--redis-url", redis_url, "--host", topo.host,
+           "--advertise-host", topo.host, "--port", str(ports.port), "--metrics-port", str(ports.metrics_port),
+           "--instance-id", f"{spec.kind}-{replica}"]
+    if spec.kind == "router":
+        out += ["--grpc-port", str(ports.grpc_port)]
+    if spec.kind == "prefill":
+        out += ["--prefill-context-parallel-size", str(spec.extra.get("prefill_context_parallel_size", 1)),
+                "--decode-context-parallel-size", str(spec.extra.get("decode_context_parallel_size", 1))]
+        out += rank_flags(rank, spec.ranks, topo.host, ports.master_port)
+    return out + args_to_flags(spec.args)
+
+
+def args_to_flags(args: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for name, value in args.items():
+        flag = "--" + name.lstrip("-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            for v in value:
+                out += [flag, str(v)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out

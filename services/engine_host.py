@@ -1,0 +1,97 @@
+"""What the prefill and decode services share around their AsyncEngine: Redis presence (registry,
+load figures, re-publication), mirroring the engine's prefix-cache events into the Redis block index,
+and engine gauges in Prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.exceptions import RedisError
+
+from engine.frontend.async_engine import AsyncEngine
+from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
+from services.rpc.metrics import ServiceMetrics
+
+log = logging.getLogger(__name__)
+
+
+class EngineHost:
+    def __init__(self, engine: AsyncEngine, info: InstanceInfo, state: RedisState, metrics: ServiceMetrics, *,
+                 heartbeat_s: float = 1.0, instance_ttl_s: float = 5.0, block_ttl_s: float = 600.0,
+                 publish_blocks: bool = True):
+        self.engine, self.info, self.state, self.metrics = engine, info, state, metrics
+        self.publish_blocks = publish_blocks
+        self.block_ttl_s = block_ttl_s
+        self.cached: set[bytes] = set()  # mirror of the engine's prefix-cache hashes
+        self.presence = InstancePresence(state, info, ttl_s=instance_ttl_s, heartbeat_s=heartbeat_s,
+                                         block_ttl_s=block_ttl_s, held_blocks=lambda: list(self.cached),
+                                         load=self.load_figures)
+        self._tasks: list[asyncio.Task] = []
+        self._prefix_seen = (0, 0)
+        self._hisparse_seen = (0, 0, 0)
+
+    def load_figures(self) -> dict[str, float]:
+        st = self.engine.stats()  # a snapshot the engine loop took between two steps
+        return {"running": st.num_running, "waiting": st.num_waiting, "kv_usage": st.kv_usage,
+                "free_blocks": st.num_free_blocks, "queued_tokens": st.num_queued_tokens}
+
+    async def start(self) -> None:
+        await self.presence.start()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._events_loop(), name="kv-events"))
+        self._tasks.append(loop.create_task(self._gauges_loop(), name="engine-gauges"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.presence.stop(deregister=True)
+
+    async def _events_loop(self, period_s: float = 0.1) -> None:
+        pending: list[tuple[str, bytes]] = []
+        while True:
+            await asyncio.sleep(period_s)
+            if not self.engine.is_running:
+                continue
+            events = await self.engine.call(lambda core: core.drain_kv_events())
+            for kind, h in events:
+                (self.cached.add if kind == "stored" else self.cached.discard)(h)
+            if not self.publish_blocks:
+                continue
+            pending.extend(events)
+            try:
+                await self._publish(pending)
+                pending = []
+            except (RedisError, OSError) as exc:  # presence re-publishes everything once Redis is back
+                log.debug("block index update deferred: %s", exc)
+                pending = []
+
+    async def _publish(self, events: list[tuple[str, bytes]]) -> None:
+        stored = [h for k, h in events if k == "stored" and h in self.cached]
+        removed = [h for k, h in events if k == "removed" and h not in self.cached]
+        if stored:
+            await self.state.add_blocks(self.info.instance_id, stored, self.block_ttl_s)
+        if removed:
+            await self.state.remove_blocks(self.info.instance_id, removed)
+
+    async def _gauges_loop(self, period_s: float = 0.5) -> None:
+        m = self.metrics
+        while True:
+            await asyncio.sleep(period_s)
+            st = self.engine.stats()
+            m.num_requests_running.set(st.num_running)
+            m.num_requests_waiting.set(st.num_waiting)
+            m.kv_cache_usage_perc.set(st.kv_usage)
+            if hasattr(m, "prefix_cache_queries"):
+                q, h = st.prefix_queries, st.prefix_hits
+                m.prefix_cache_queries.inc(max(q - self._prefix_seen[0], 0))
+                m.prefix_cache_hits.inc(max(h - self._prefix_seen[1], 0))
+                self._prefix_seen = (q, h)
+            if st.hisparse is not None and hasattr(m, "hisparse_hits"):
+                hs = st.hisparse
+                now = (hs.hits, hs.misses, hs.h2d_bytes)
+                for counter, cur, seen in zip((m.hisparse_hits, m.hisparse_misses, m.hisparse_h2d_bytes), now,
+                                              self._hisparse_seen):
+                    counter.inc(max(cur - seen, 0))
+                self._hisparse_seen = now

@@ -1,0 +1,1 @@
+"""What every service process stands on: the asyncio gRPC server, request parsing, admission, health, metrics, flags, addresses."""

@@ -1,0 +1,373 @@
+"""An asyncio-friendly NIXL agent for moving whole KV blocks between processes.
+
+    agent = NixlAgent("decode-0")
+    mine = agent.register({"mla": cache.mla, "index": cache.index})      # -> [BlockTensor, ...]
+    peer = agent.add_peer(remote_metadata)                               # from a KVHandle / Describe
+    local = agent.prep_local(mine)
+    remote = agent.prep_remote(peer, remote_tensors)                     # BlockTensors from the wire
+    xfer = agent.read(local, [5, 6], remote, [17, 18], notif=pulled_notif(lease_id))
+    await agent.wait(xfer, deadline_in(5.0))                             # raises TransferTimeout
+
+Layout: a block-major cache tensor holds block b at bytes [base + b*block_bytes, +block_bytes), so
+a transfer is one descriptor per (tensor, block) and NIXL merges adjacent ones. Descriptor lists
+over *all* blocks of the registered tensors are prepared once per peer (`prep_*`); a transfer then
+names block ids only.
+
+Threading: a nixl_agent is not thread-safe. A NixlAgent belongs to the thread that built it (its
+event loop); every call from another thread raises. Calls are non-blocking C calls, so the event
+loop's tasks interleave them safely; only `wait`/`wait_notif` await, polling between sleeps.
+
+Progress: NIXL's own progress thread busy-spins a whole core even when idle (the Python binding
+fixes its delay at 0), so by default there is none; instead a task on the owner's event loop polls
+NIXL every `poll_interval_s` (2 ms; ~4-7% of a core idle). Both sides of a transfer need progress:
+the initiator's `wait` polls its transfer, and the passive side's task completes peers' READs and
+WRITEs and collects notifications. `progress_thread=True` (or PDSERVE_NIXL_PROGRESS_THREAD=1)
+restores NIXL's thread where a spare core is cheaper than the polling latency.
+
+Deadlines: NIXL reports a dead peer (nixlRemoteDisconnectError within milliseconds) but never a hung
+one (a stopped or wedged peer leaves a transfer in progress forever), so every wait takes an
+explicit deadline, after which the transfer is cancelled (released) and TransferTimeout raised.
+Bytes of a cancelled transfer may still land: do not reuse its target blocks before the peer's
+lease/reservation has expired too. After PeerDisconnected, `remove_peer(name)` the dead peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from engine import envs
+from services.transfer.nixl_descs import (
+    BlockDescList,
+    BlockTensor,
+    NixlStats,
+    PeerDisconnected,
+    Transfer,
+    TransferError,
+    TransferTimeout,
+    deadline_in,
+    parse_pulled,
+    pulled_notif,
+)
+
+__all__ = ["NixlAgent", "BlockTensor", "BlockDescList", "Transfer", "NixlStats", "TransferError",
+           "PeerDisconnected", "TransferTimeout", "deadline_in", "pulled_notif", "parse_pulled"]
+
+log = logging.getLogger(__name__)
+_SETTLE_ROUNDS = 20
+
+
+class NixlAgent:
+    """Owns one nixl_agent; see the module docstring for the rules."""
+
+    def __init__(self, name: str, backends: Iterable[str] | None = None, *, num_threads: int = 0,
+                 progress_thread: bool | None = None, poll_interval_s: float = 0.002, metrics: Any = None):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self.backends = tuple(backends or envs.nixl_backends())
+        self.progress_thread = envs.nixl_progress_thread() if progress_thread is None else progress_thread
+        self.poll_interval_s = poll_interval_s
+        conf = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=list(self.backends),
+                                 num_threads=num_threads)
+        self._agent = nixl_agent(name, conf)
+        missing = [b for b in self.backends if b not in self._agent.backends]
+        if missing:
+            raise RuntimeError(f"NIXL backend(s) {missing} did not start; available plugins: "
+                               f"{self._agent.get_plugin_list()} (only UCX and POSIX start without a GPU)")
+        self._owner = threading.get_ident()
+        self._registered: list[tuple[Any, dict[str, torch.Tensor]]] = []
+        self._prepped: list[BlockDescList] = []
+        self._peers: dict[str, bytes] = {}
+        self._notifs: deque[tuple[str, bytes]] = deque()
+        self._stuck: list[Any] = []  # handles NIXL refused to cancel; retried on close()
+        self._progress_task: asyncio.Task | None = None
+        self.stats = NixlStats()
+        self._metrics = metrics
+        self.start()
+
+    def start(self) -> None:
+        """Drive NIXL progress from the running event loop (no-op without one, or with a progress
+        thread). Without progress a passive agent -- one whose memory peers READ or WRITE -- never
+        completes their transfers; the constructor calls this, call it again once a loop runs."""
+        if self.progress_thread or self._progress_task is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._progress_task = loop.create_task(self._progress_loop(), name=f"nixl-progress-{self.name}")
+
+    def progress(self) -> None:
+        """One progress step for callers without an event loop (also collects notifications)."""
+        self._drain()
+
+    async def _progress_loop(self) -> None:
+        while True:
+            self._drain()  # get_new_notifs progresses the UCX worker
+            await asyncio.sleep(self.poll_interval_s)
+
+    # ---- memory and peers ----------------------------------------------------------------------
+    def register(self, tensors: dict[str, torch.Tensor]) -> list[BlockTensor]:
+        """Register block-major tensors (CPU -> DRAM, CUDA -> VRAM); returns their descriptions."""
+        self._check_owner()
+        described = [BlockTensor.of(name, t) for name, t in tensors.items()]
+        # Keep the tensors alive as long as NIXL may touch their memory (a freed registered tensor
+        # would be a use-after-free by a peer's one-sided READ/WRITE).
+        self._registered.append((self._agent.register_memory(list(tensors.values())), dict(tensors)))
+        return described
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (connection info + registered memory), for peers' add_peer()."""
+        self._check_owner()
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a remote agent's metadata; returns its name. Loading the same metadata twice is a no-op."""
+        self._check_owner()
+        for name, md in self._peers.items():
+            if md == metadata:
+                return name
+        try:
+            name = _as_str(self._agent.add_remote_agent(metadata))
+        except Exception as exc:  # NIXL's own error types: corrupt or foreign metadata is a bad argument
+            raise ValueError(f"NIXL rejected the peer's agent metadata ({len(metadata)} bytes): "
+                             f"{type(exc).__name__}: {exc}") from exc
+        if name in self._peers:  # the same name with new metadata: NIXL replaced it; our dlists are stale
+            for dl in [d for d in self._prepped if d.peer == name]:
+                self._release_dlist(dl)
+        self._peers[name] = metadata
+        return name
+
+    def has_peer(self, name: str) -> bool:
+        return name in self._peers
+
+    def remove_peer(self, name: str) -> None:
+        self._check_owner()
+        if self._peers.pop(name, None) is not None:
+            for dl in [d for d in self._prepped if d.peer == name]:
+                self._release_dlist(dl)
+            self._agent.remove_remote_agent(name)
+            self._settle()
+
+    def connect(self, peer: str) -> None:
+        """Optional: set up the connection now so the first transfer does not pay for it."""
+        self._check_owner()
+        self._agent.make_connection(peer)
+
+    def prep_local(self, tensors: Sequence[BlockTensor]) -> BlockDescList:
+        return self._prep("", tensors)
+
+    def prep_remote(self, peer: str, tensors: Sequence[BlockTensor]) -> BlockDescList:
+        if peer not in self._peers:
+            raise ValueError(f"unknown NIXL peer {peer!r}: add_peer(its metadata) first")
+        return self._prep(peer, tensors)
+
+    def _prep(self, peer: str, tensors: Sequence[BlockTensor]) -> BlockDescList:
+        self._check_owner()
+        if not tensors or len({t.mem_type for t in tensors}) != 1:
+            raise ValueError("prep needs >= 1 tensor, all of one memory type (DRAM or VRAM)")
+        descs = np.concatenate([t.descs() for t in tensors])
+        handle = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", descs, tensors[0].mem_type)
+        dl = BlockDescList(peer=peer, tensors=tuple(tensors), handle=handle)
+        self._prepped.append(dl)
+        return dl
+
+    def release_descs(self, dl: BlockDescList) -> None:
+        self._check_owner()
+        self._release_dlist(dl)
+
+    def _release_dlist(self, dl: BlockDescList) -> None:
+        if any(d is dl for d in self._prepped):
+            self._prepped = [d for d in self._prepped if d is not dl]
+            dl.handle.release()
+            dl.handle = None
+
+    # ---- transfers -----------------------------------------------------------------------------
+    def read(self, local: BlockDescList, local_block_ids: Sequence[int], remote: BlockDescList,
+             remote_block_ids: Sequence[int], notif: bytes = b"") -> Transfer:
+        """Post a READ of remote blocks into local blocks (the remote gets `notif` when done)."""
+        return self._post("READ", local, local_block_ids, remote, remote_block_ids, notif)
+
+    def write(self, local: BlockDescList, local_block_ids: Sequence[int], remote: BlockDescList,
+              remote_block_ids: Sequence[int], notif: bytes = b"") -> Transfer:
+        """Post a WRITE of local blocks into remote blocks (the remote gets `notif` when done)."""
+        return self._post("WRITE", local, local_block_ids, remote, remote_block_ids, notif)
+
+    def _post(self, op: str, local: BlockDescList, local_ids: Sequence[int], remote: BlockDescList,
+              remote_ids: Sequence[int], notif: bytes) -> Transfer:
+        self._check_owner()
+        if local.handle is None or remote.handle is None:
+            raise ValueError(f"descriptor list released (peer {remote.peer or 'local'} removed?): prep it again")
+        _check_pairing(local, local_ids, remote, remote_ids)
+        now = time.monotonic()
+        if len(local_ids) == 0:  # nothing to move; still deliver the notification
+            if notif:
+                self.send_notif(remote.peer, notif)
+            return Transfer(None, op, remote.peer, 0, now)
+        local_idx, remote_idx = local.indices(local_ids), remote.indices(remote_ids)
+        try:
+            handle = self._agent.make_prepped_xfer(op, local.handle, local_idx, remote.handle, remote_idx, notif)
+        except Exception as exc:
+            self._failed(1)
+            raise _wrap(exc, f"{op} to {remote.peer}") from exc
+        xfer = Transfer(handle, op, remote.peer, local.num_bytes(len(local_ids)), now)
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            self._finish_failed(xfer)
+            raise _wrap(exc, f"{op} to {remote.peer}") from exc
+        if state == "ERR":
+            self._finish_failed(xfer)
+            raise TransferError(f"NIXL {op} to {remote.peer} failed when posted")
+        return xfer
+
+    async def wait(self, xfer: Transfer, deadline: float) -> None:
+        """Poll until `xfer` is done; release its handle. Raises TransferTimeout after `deadline`
+        (monotonic clock; the transfer is cancelled), TransferError/PeerDisconnected on failure."""
+        self.start()
+        if xfer.handle is None:
+            return
+        delay = 0.0
+        while True:
+            self._check_owner()
+            try:
+                state = self._agent.check_xfer_state(xfer.handle)
+            except Exception as exc:
+                self._finish_failed(xfer)
+                raise _wrap(exc, f"{xfer.op} to {xfer.peer}") from exc
+            if state == "DONE":
+                xfer.handle.release()
+                xfer.handle = None
+                self._count(xfer.num_bytes)
+                return
+            if state == "ERR":
+                self._finish_failed(xfer)
+                raise TransferError(f"NIXL {xfer.op} to {xfer.peer} failed ({xfer.num_bytes} bytes)")
+            if time.monotonic() >= deadline:
+                self.stats.num_timeouts += 1
+                self._finish_failed(xfer)
+                raise TransferTimeout(f"NIXL {xfer.op} to {xfer.peer} ({xfer.num_bytes} bytes) still running "
+                                      f"after {time.monotonic() - xfer.started:.3f}s: peer hung? cancelled")
+            await asyncio.sleep(delay)
+            delay = min(max(2 * delay, 1e-4), 2e-3)  # 0.1 ms .. 2 ms: a 64 MiB block set takes >= 15 ms
+
+    def _count(self, num_bytes: int) -> None:
+        self.stats.bytes_transferred += num_bytes
+        self.stats.num_transfers += 1
+        if self._metrics is not None and hasattr(self._metrics, "nixl_bytes_transferred"):
+            self._metrics.nixl_bytes_transferred.inc(num_bytes)
+
+    def _failed(self, n: int) -> None:
+        self.stats.num_failed_transfers += n
+        if self._metrics is not None and hasattr(self._metrics, "nixl_num_failed_transfers"):
+            self._metrics.nixl_num_failed_transfers.inc(n)
+
+    def _finish_failed(self, xfer: Transfer) -> None:
+        self._failed(1)
+        if xfer.handle is not None:
+            try:
+                xfer.handle.release()  # cancels an active transfer when the backend can
+            except Exception:
+                log.warning("NIXL could not cancel %s to %s; keeping its handle", xfer.op, xfer.peer)
+                self._stuck.append(xfer.handle)
+            xfer.handle = None
+
+    # ---- notifications -------------------------------------------------------------------------
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        """A standalone notification (no transfer). Raises PeerDisconnected for a dead peer."""
+        self._check_owner()
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as exc:
+            raise _wrap(exc, f"notification to {peer}") from exc
+
+    def poll_notifs(self) -> list[tuple[str, bytes]]:
+        """Every notification received since the last call, as (sender agent name, message)."""
+        self._drain()
+        out = list(self._notifs)
+        self._notifs.clear()
+        return out
+
+    async def wait_notif(self, deadline: float, peer: str | None = None, prefix: bytes = b"") -> tuple[str, bytes]:
+        """The first notification (from `peer`, starting with `prefix`); other ones stay queued."""
+        self.start()
+        delay = 0.0
+        while True:
+            self._drain()
+            for item in self._notifs:
+                if (peer is None or item[0] == peer) and item[1].startswith(prefix):
+                    self._notifs.remove(item)
+                    return item
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no NIXL notification {prefix!r} from {peer or 'any peer'} before the deadline")
+            await asyncio.sleep(delay)
+            delay = min(max(2 * delay, 1e-4), 5e-3)
+
+    def _drain(self) -> None:
+        self._check_owner()
+        for sender, msgs in self._agent.get_new_notifs().items():
+            self._notifs.extend((_as_str(sender), bytes(m)) for m in msgs)
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._check_owner()
+        if self._progress_task is not None:
+            self._progress_task.cancel()
+            self._progress_task = None
+        for dl in list(self._prepped):
+            self._release_dlist(dl)
+        for h in self._stuck:
+            try:
+                h.release()
+            except Exception:
+                pass
+        for reg, _ in self._registered:
+            self._agent.deregister_memory(reg)
+        self._registered.clear()
+        for name in list(self._peers):
+            self._agent.remove_remote_agent(name)
+        self._peers.clear()
+        self._settle()
+
+    def _settle(self) -> None:
+        # UCX aborts the process (assertion in its endpoint cleanup) when a worker is destroyed while
+        # an endpoint to a dead peer still queues failed operations; a few progress calls purge them.
+        for _ in range(_SETTLE_ROUNDS):
+            self._agent.get_new_notifs()
+
+    def _check_owner(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise RuntimeError(f"NixlAgent {self.name!r} used from another thread: NIXL agents are not "
+                               "thread-safe; call it from the event loop thread that created it")
+
+
+def _check_pairing(local: BlockDescList, local_ids: Sequence[int], remote: BlockDescList,
+                   remote_ids: Sequence[int]) -> None:
+    if local.peer:
+        raise ValueError("the first descriptor list must be a local one (prep_local)")
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"{len(local_ids)} local blocks vs {len(remote_ids)} remote blocks: pair them 1:1")
+    mine = [(t.name, t.block_bytes) for t in local.tensors]
+    theirs = [(t.name, t.block_bytes) for t in remote.tensors]
+    if mine != theirs:
+        raise ValueError(f"block layouts differ (local {mine} vs {remote.peer} {theirs}): both sides need "
+                         "the same KVCacheSpec (model, kv_cache_dtype, block size)")
+
+
+def _wrap(exc: Exception, what: str) -> TransferError:
+    text = f"{type(exc).__name__}: {exc}"
+    if "DISCONNECT" in text.upper():
+        return PeerDisconnected(f"{what}: remote agent disconnected ({text})")
+    return TransferError(f"{what}: {text}")
+
+
+def _as_str(name: str | bytes) -> str:
+    return name.decode() if isinstance(name, bytes) else name
