@@ -2,7 +2,7 @@
 updated, the virtual selections for the attention kernel and compact miss-copy slot lists written.
 
 `plan_hot_ref` computes the same with about seventy small torch ops (`resolve_ref` is the LRU plan itself,
-which `engine.hisparse.hot_buffer` runs on CPUs); `tests/unit/test_hisparse_plan_kernel.py` checks the two
+which `engine.hisparse.hot_buffer` runs on CPUs); `tests/unit/engine/hisparse/test_hisparse_plan_kernel.py` checks the two
 agree entry for entry. One program per request:
 
     1. gather the request's selected positions (its 1 or 1 + drafts rows of the top-k) and sort them

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 TINY_CODE = ROOT / "checkpoints" / "tiny-code"
 
 # Tests run two pytest workers on two cores: one thread each (tiny ops lose to OpenMP wake-ups).

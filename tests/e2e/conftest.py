@@ -1,10 +1,13 @@
-"""Fixtures of the e2e tier: a private Redis per test session (never the machine's shared one)."""
+"""Fixtures of the e2e tier: a private Redis per test session (never the machine's shared one), the `hardened`
+deployment and its addresses, the offline engine and corpus the fault tests compare with."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.cluster.redis_server import RedisServer
+from tests.helpers.chaos import corpus_ids
+from tests.helpers.hardened import HARDENED_KEYS, HARDENED_LIMITS, instances
 
 
 @pytest.fixture(scope="session")
@@ -26,17 +29,12 @@ def redis_url(redis_server):
 
 
 # ---- one deployment with small admission bounds and API keys (test_overload, test_security, test_fuzz) ----
-HARDENED_KEYS = {"alpha": ("sk-alpha-1", "sk-alpha-2"), "beta": ("sk-beta-1",)}
-HARDENED_LIMITS = {"router_inflight": 3, "decode_inflight": 2, "prefill_inflight": 3, "kvstore_open": 4,
-                   "max_body_bytes": 65536, "max_n": 4}
-
-
 @pytest.fixture(scope="session")
 def hardened(tmp_path_factory):
     """The CPU topology with tenants' API keys and small bounds, so that overload is cheap to reach.
     Shared by the modules of xdist group "hardened" (one worker runs them all)."""
     from services.deploy import launcher
-    from tests.e2e import system
+    from tests.helpers import system
 
     run_dir = tmp_path_factory.mktemp("hardened")
     keys_file = run_dir / "api-keys"
@@ -50,3 +48,28 @@ def hardened(tmp_path_factory):
                     kvstore={"max-open-transfers": lim["kvstore_open"]})
     yield dep
     launcher.down(dep)
+
+
+@pytest.fixture(scope="module")
+def url(hardened) -> str:
+    """The hardened deployment's router URL (test modules with their own deployment define their own `url`)."""
+    return hardened.url
+
+
+@pytest.fixture(scope="module")
+def insts(hardened) -> dict:
+    """The hardened deployment's instances by role."""
+    return instances(hardened)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_code):
+    """The offline engine the fault tests compare outputs with."""
+    from engine import LLM
+
+    return LLM(str(tiny_code), kv_cache_dtype="fp8_ds_mla", num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def corpus(offline) -> list[int]:
+    return corpus_ids(offline.tokenizer)

@@ -21,8 +21,8 @@ from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb
 from services.cluster.redis_server import RedisServer
 from services.deploy import launcher
 from services.transfer.wire import sampling_to_proto
-from tests.e2e import chaos, system
-from tests.e2e.chaos import CLIENT_TIMEOUT_S, GREEDY, ROUTER, corpus, offline  # noqa: F401 (fixtures)
+from tests.helpers import chaos, system
+from tests.helpers.chaos import CLIENT_TIMEOUT_S, GREEDY, ROUTER
 
 # ---- phases on one deployment: kvstore, prefill (48 blocks), decode (first 3 pulls fail), router -----
 

@@ -12,8 +12,8 @@ import pytest
 
 from services.deploy import launcher
 from services.rpc.grpc_server import check_health_sync
-from tests.e2e import chaos, system
-from tests.e2e.chaos import CLIENT_TIMEOUT_S, GREEDY, ROUTER, corpus, offline  # noqa: F401 (fixtures)
+from tests.helpers import chaos, system
+from tests.helpers.chaos import CLIENT_TIMEOUT_S, GREEDY, ROUTER
 
 HANG_S = 30.0  # the instances' hang timeout (a restarted one keeps the default); a loaded 2-core CI machine
 # can take several seconds for one PCP step of a few thousand tokens, which must not look like a hang

@@ -2,9 +2,9 @@
 
 - the HTTP API from its own OpenAPI description (schemathesis; a bounded number of examples per
   operation): every answer is < 500, and the services stay up;
-- every POST endpoint with bodies built at the edges on purpose (tests/fuzz_bodies.py: integer-width
-  edges and one past them, NaN / Infinity as JSON literals, 1 MiB strings, wrong types, duplicate keys,
-  deep nesting): every answer is < 500, with a count of requests per endpoint and status;
+- every POST endpoint with bodies built at the edges on purpose (tests/helpers/fuzz_bodies.py:
+  integer-width edges and one past them, NaN / Infinity as JSON literals, 1 MiB strings, wrong types,
+  duplicate keys, deep nesting): every answer is < 500, with a count of requests per endpoint and status;
 - every gRPC method with corrupt bytes, out-of-range fields, huge numbers, empty ids and invalid KV
   handles: each answers OK or a declared error code with a reason (INVALID_ARGUMENT, NOT_FOUND, ...),
   never UNKNOWN / INTERNAL / a crash; afterwards no engine holds a block and the kvstore pool adds up.
@@ -40,10 +40,10 @@ from proto.pdserve.v1 import (
 )
 from services.rpc.grpc_server import check_health
 from services.transfer.wire import sampling_to_proto
-from tests.e2e import hardened as h
-from tests.e2e import system
-from tests.e2e.conftest import HARDENED_LIMITS
-from tests.fuzz_bodies import ENDPOINTS, any_body, inside_body, numeric_body, raw_bodies
+from tests.helpers import hardened as h
+from tests.helpers import system
+from tests.helpers.fuzz_bodies import ENDPOINTS, any_body, inside_body, numeric_body, raw_bodies
+from tests.helpers.hardened import HARDENED_LIMITS
 
 pytestmark = pytest.mark.xdist_group("hardened")
 
@@ -122,11 +122,12 @@ def test_out_of_range_numbers_of_the_issue_get_400(hardened, path, field, value)
 
 
 def test_http_boundary_values_never_answer_5xx(hardened):
-    """Every POST endpoint of /openapi.json has an entry in tests/fuzz_bodies.ENDPOINTS (a new endpoint
-    without one fails here), and none answers a body built at the edges with a 5xx."""
+    """Every POST endpoint of /openapi.json has an entry in tests/helpers/fuzz_bodies.ENDPOINTS (a new
+    endpoint without one fails here), and none answers a body built at the edges with a 5xx."""
     spec = json.loads(httpx.get(hardened.url + "/openapi.json", timeout=30).text)
     posts = {path for path, ops in spec["paths"].items() if "post" in ops}
-    assert posts <= set(ENDPOINTS), f"add these endpoints to tests/fuzz_bodies.ENDPOINTS: {posts - set(ENDPOINTS)}"
+    missing = posts - set(ENDPOINTS)
+    assert not missing, f"add these endpoints to tests/helpers/fuzz_bodies.ENDPOINTS: {missing}"
     model = httpx.get(hardened.url + "/v1/models", headers=h.auth(), timeout=30).json()["data"][0]
     limits = SimpleNamespace(max_model_len=model["max_model_len"], vocab_size=model["vocab_size"],
                              max_n=HARDENED_LIMITS["max_n"])

@@ -10,7 +10,7 @@ import pytest
 
 from bench.serving.loadtest import LoadConfig, format_summary, run_load
 from services.deploy import launcher
-from tests.e2e import system
+from tests.helpers import system
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("load")]
 

@@ -22,10 +22,9 @@ from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_p
 from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
 from services.rpc.grpc_server import RETRY_AFTER_KEY, GrpcServer, Overloaded, grpc_errors
 from services.transfer.wire import sampling_to_proto
-from tests.e2e import hardened as h
-from tests.e2e import system
-from tests.e2e.conftest import HARDENED_LIMITS as LIM
-from tests.e2e.hardened import insts, url  # noqa: F401 (fixtures)
+from tests.helpers import hardened as h
+from tests.helpers import system
+from tests.helpers.hardened import HARDENED_LIMITS as LIM
 
 pytestmark = pytest.mark.xdist_group("hardened")
 

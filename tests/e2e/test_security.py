@@ -15,9 +15,8 @@ from engine import SamplingParams
 from proto.pdserve.v1 import common_pb2, router_pb2_grpc
 from services.rpc.net import split_address
 from services.transfer.wire import sampling_to_proto
-from tests.e2e import hardened as h
-from tests.e2e.conftest import HARDENED_LIMITS as LIM
-from tests.e2e.hardened import insts, url  # noqa: F401 (fixtures)
+from tests.helpers import hardened as h
+from tests.helpers.hardened import HARDENED_LIMITS as LIM
 
 pytestmark = pytest.mark.xdist_group("hardened")
 

@@ -12,7 +12,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from services.deploy import launcher
-from tests.e2e import system
+from tests.helpers import system
 
 pytestmark = pytest.mark.xdist_group("system")
 

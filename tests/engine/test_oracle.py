@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM
-from tests.engine.hf_oracle import write_oracle_checkpoint
+from tests.helpers.hf_oracle import write_oracle_checkpoint
 
 pytest.importorskip("transformers")
 

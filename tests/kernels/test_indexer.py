@@ -17,7 +17,7 @@ from kernels.indexer import (
     topk_positions_ref,
 )
 from kernels.topk import topk_rows
-from tests.kernels.conftest import block_tables, gpu, interp, poisoned_cache, randn, slots_of
+from tests.helpers.kernel_inputs import as_sets, block_tables, gpu, interp, poisoned_cache, randn, slots_of
 
 
 @dataclass
@@ -69,10 +69,6 @@ def ref_scores(bt: Batch, S: int) -> torch.Tensor:
         kv, ks = gather_index_k_ref(bt.cache, slots, D)
         out[t, :n] = index_scores_ref(q[t: t + 1], w[t: t + 1], kv, ks)[0]
     return out
-
-
-def as_sets(sel: torch.Tensor) -> list[list[int]]:
-    return [sorted(x for x in row.tolist() if x >= 0) for row in sel]
 
 
 def assert_topk_near(sel: torch.Tensor, scores: torch.Tensor, pos: torch.Tensor, k: int, eps: float) -> None:

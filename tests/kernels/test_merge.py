@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.merge import merge_attn_states, merge_attn_states_ref
-from tests.kernels.conftest import gpu, interp, randn
+from tests.helpers.kernel_inputs import gpu, interp, randn
 
 
 def check_merge(N: int, lead: tuple, D: int, dtype, device):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.moe import align_by_expert, fused_moe, fused_moe_ref, moe_impl_for, route_ref
-from tests.kernels.conftest import gpu, interp, randn
+from tests.helpers.kernel_inputs import gpu, interp, randn
 
 
 def make_moe(T: int, H: int, inner: int, E: int, k: int, dtype, device, seed: int = 0):

@@ -8,7 +8,15 @@ import torch
 from kernels.formats import mla_row_bytes
 from kernels.sparse_mla import sparse_mla, sparse_mla_decode, sparse_mla_prefill, sparse_mla_ref
 from kernels.store_kv import store_kv_ref
-from tests.kernels.conftest import assert_attention_close, block_tables, gpu, interp, poisoned_cache, randn, slots_of
+from tests.helpers.kernel_inputs import (
+    assert_attention_close,
+    block_tables,
+    gpu,
+    interp,
+    poisoned_cache,
+    randn,
+    slots_of,
+)
 
 CACHE = {"fp8": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}
 

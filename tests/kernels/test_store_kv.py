@@ -8,7 +8,7 @@ import torch
 from kernels.formats import mla_row_bytes, quantize_index_q_ref
 from kernels.indexer import quantize_index_q, store_index_k, store_index_k_ref
 from kernels.store_kv import gather_kv, gather_kv_ref, store_kv, store_kv_ref
-from tests.kernels.conftest import gpu, interp, poisoned_cache, randn, same_bytes
+from tests.helpers.kernel_inputs import gpu, interp, poisoned_cache, randn, same_bytes
 
 CACHE_DTYPES = {"fp8_ds_mla": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

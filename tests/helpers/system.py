@@ -1,0 +1,73 @@
+"""Bringing the whole system up for e2e tests: the default CPU topology on free ports, a private Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from services.cluster.redis_state import RedisState
+from services.deploy import launcher
+from services.rpc.net import free_port
+from tests.helpers import ROOT
+
+TOPOLOGY = ROOT / "configs" / "topology.cpu.yaml"
+
+
+def topology(run_dir: Path, **overrides) -> dict:
+    """The shipped CPU topology with free ports and a Redis of its own (the launcher starts it)."""
+    topo = yaml.safe_load(TOPOLOGY.read_text())
+    topo["run_dir"] = str(run_dir)
+    topo["redis_url"] = f"redis://127.0.0.1:{free_port()}/0"
+    for kind, spec in topo["services"].items():
+        spec["port"] = 0
+        spec["metrics_port"] = 0
+        if kind == "router":
+            spec["grpc_port"] = 0
+        spec.setdefault("args", {}).update(overrides.get(kind, {}))
+    return topo
+
+
+def up(run_dir: Path, **overrides):
+    return launcher.up(topology(run_dir, **overrides), timeout_s=240, die_with_parent=True)
+
+
+def post(url: str, path: str, body: dict | bytes, timeout: float = 120, headers: dict | None = None):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def metric(address: str, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+def wait_for(fn, timeout: float = 15.0, period: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(period)
+
+
+def with_state(redis_url: str, fn):
+    """`await fn(state)` on a RedisState of its own (closed after), from synchronous test code."""
+    async def run():
+        state = RedisState(redis_url)
+        try:
+            return await fn(state)
+        finally:
+            await state.close()
+    return asyncio.run(run())
