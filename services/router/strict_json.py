@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -29,14 +30,31 @@ class InvalidJSON(ValueError):
         self.param = param
 
 
+# the key whose value is a refused number (found again in the text: the parser's hooks see no keys)
+_KEYED_NUMBER = re.compile(r'"((?:[^"\\]|\\.){1,100})"\s*:\s*\[?\s*(NaN|-?Infinity|-?[0-9.]+[eE][-+]?[0-9]+)')
+
+
+def _key_of(text: str, literal: str) -> str | None:
+    for m in _KEYED_NUMBER.finditer(text):
+        if m.group(2) == literal:
+            return m.group(1)
+    return None
+
+
+class _NonFinite(InvalidJSON):
+    def __init__(self, message: str, literal: str):
+        super().__init__(message)
+        self.literal = literal
+
+
 def _no_constant(name: str) -> Any:
-    raise InvalidJSON(f"invalid JSON: {name} is not a JSON number (numbers must be finite)")
+    raise _NonFinite(f"invalid JSON: {name} is not a JSON number (numbers must be finite)", name)
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise InvalidJSON(f"invalid JSON: the number {text[:40]} is out of the range of a double")
+        raise _NonFinite(f"invalid JSON: the number {text[:40]} is out of the range of a double", text)
     return value
 
 
@@ -69,6 +87,8 @@ def loads(raw: bytes, max_depth: int = MAX_DEPTH) -> Any:
     try:
         value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float,
                            object_pairs_hook=_unique_keys)
+    except _NonFinite as exc:
+        raise InvalidJSON(str(exc), _key_of(text, exc.literal)) from None
     except json.JSONDecodeError as exc:
         raise InvalidJSON(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
     except RecursionError:

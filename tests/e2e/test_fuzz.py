@@ -115,7 +115,7 @@ def test_out_of_range_numbers_of_the_issue_get_400(hardened, path, field, value)
         body = json.dumps(ENDPOINTS[path].base)[:-1] + f', "{field}": {value}}}'
         status, out = _post(client, path, body)
         assert status == 400, out
-        assert out["error"]["param"] == field or "JSON" in out["error"]["message"], out
+        assert out["error"]["param"] == field, out
         base = {**ENDPOINTS[path].base, "min_tokens": 50, "max_tokens": 2}
         status, out = _post(client, path, json.dumps(base))
         assert status == 400 and out["error"]["param"] == "min_tokens", out
