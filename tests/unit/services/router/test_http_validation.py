@@ -10,7 +10,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers.fuzz_bodies import ENDPOINTS, any_body, inside_body, nested, numeric_body, raw_bodies
+from tests.helpers.fuzz_bodies import (
+    ENDPOINTS,
+    any_body,
+    inside_body,
+    nested,
+    numeric_body,
+    numeric_properties,
+    raw_bodies,
+)
 from tests.helpers.router_harness import make_client
 
 CLIENT, FLOW, LIMITS = make_client()
@@ -120,6 +128,19 @@ def test_empty_and_1mib_strings():
 
 
 # ---- properties over every numeric field ------------------------------------------------------------
+def test_every_numeric_field_of_every_body_is_in_the_tables():
+    """A numeric field added to a request model needs a bound (services/router/validation.FIELDS), and an
+    endpoint an entry in tests/helpers/fuzz_bodies.ENDPOINTS, or the fuzzers would not aim at it."""
+    spec = CLIENT.get("/openapi.json").json()
+    posts = {path for path, ops in spec["paths"].items() if "post" in ops}
+    assert posts >= {"/v1/completions", "/v1/chat/completions"}
+    for path in posts & set(ENDPOINTS):
+        ep = ENDPOINTS[path]
+        unbounded = numeric_properties(spec, path) - set(ep.numeric) - set(ep.extra_numeric)
+        assert not unbounded, f"{path}: numeric fields without a bound: {sorted(unbounded)}"
+    missing = posts - set(ENDPOINTS)
+    assert not missing, f"add these endpoints to tests/helpers/fuzz_bodies.ENDPOINTS: {sorted(missing)}"
+
 SEEN: Counter = Counter()
 
 
