@@ -41,6 +41,7 @@ class Endpoint:
     numeric: dict[str, str]  # bounded numeric fields (-> services.rpc.bounds.BOUNDS)
     other: tuple[str, ...] = ()  # fields fuzzed with any value
     extra_numeric: tuple[str, ...] = field(default=("best_of",))  # numeric fields outside the table
+    inside: dict[str, list] = field(default_factory=dict)  # field -> served values, where the API is narrower
 
 
 _USER = [{"role": "user", "content": "hi"}]
@@ -142,7 +143,7 @@ def _accepted(bound: str, value, limits) -> bool:
 def inside_body(draw, ep: Endpoint, limits) -> str:
     """The valid body with 1-4 numeric fields at an inside edge (every one in range: expect 200)."""
     chosen = draw(st.lists(st.sampled_from(sorted(ep.numeric)), min_size=1, max_size=4, unique=True))
-    values = {k: draw(st.sampled_from(inside_edges(ep.numeric[k], limits))) for k in chosen}
+    values = {k: draw(st.sampled_from(ep.inside.get(k) or inside_edges(ep.numeric[k], limits))) for k in chosen}
     if "top_logprobs" in values:
         values["logprobs"] = True
     max_tokens = values.get("max_completion_tokens", values.get("max_tokens", ep.base.get("max_tokens", 2)))
