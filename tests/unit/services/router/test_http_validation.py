@@ -147,6 +147,8 @@ SEEN: Counter = Counter()
 @pytest.mark.parametrize("path", sorted(ENDPOINTS))
 def test_every_numeric_field_never_gets_a_5xx(path):
     ep = ENDPOINTS[path]
+    status, out = post(path, ep.base)
+    assert status == 200, ("the table's base body must be served", out)
 
     @given(body=st.one_of(numeric_body(ep), numeric_body(ep), any_body(ep)))
     @settings(max_examples=300, deadline=None, database=None, derandomize=True,
@@ -161,7 +163,7 @@ def test_every_numeric_field_never_gets_a_5xx(path):
     for raw in raw_bodies():
         assert post(path, raw)[0] == 400, raw[:40]
     print(path, sorted((s, n) for (p, s), n in SEEN.items() if p == path))
-    assert {200, 400} <= {s for (p, s) in SEEN if p == path}, SEEN
+    assert ({200, 400} if ep.numeric else {400}) <= {s for (p, s) in SEEN if p == path}, SEEN
     assert CLIENT.get("/health").status_code == 200 and completion()[0] == 200
 
 
@@ -170,6 +172,8 @@ def test_every_in_range_edge_is_served_by_the_router_and_accepted_by_the_engines
     """Values at the inside edges of every range: 200, and the wire request passed the prefill's check
     (the router and the engines agree on every bound, float32 rounding included)."""
     ep = ENDPOINTS[path]
+    if not ep.numeric:
+        pytest.skip(f"{path} has no numeric fields")
 
     @given(body=inside_body(ep, LIMITS))
     @settings(max_examples=200, deadline=None, database=None, derandomize=True,
