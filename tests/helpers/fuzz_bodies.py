@@ -147,7 +147,8 @@ def inside_body(draw, ep: Endpoint, limits) -> str:
     if "top_logprobs" in values:
         values["logprobs"] = True
     max_tokens = values.get("max_completion_tokens", values.get("max_tokens", ep.base.get("max_tokens", 2)))
-    values["min_tokens"] = min(values.get("min_tokens", 0), max_tokens)
+    if "min_tokens" in ep.numeric:
+        values["min_tokens"] = min(values.get("min_tokens", 0), max_tokens)
     return _render([(k, json.dumps(v)) for k, v in {**ep.base, **values}.items()])
 
 
