@@ -4,7 +4,8 @@ Python's `json` accepts `NaN`, `Infinity` and `-Infinity`, turns `1e400` into an
 the last of duplicate keys, and recurses as deep as the body nests. Here each of those is refused with a
 message (and `param`, where a key is to blame): non-finite numbers, duplicate keys, invalid UTF-8, and
 nesting deeper than MAX_DEPTH. `StrictJSONRoute` is the FastAPI route class that parses every body this
-way before the endpoint's model sees it.
+way before the endpoint's model sees it; its 400 is an OpenAI error body, or what the converter set for
+the path's prefix in `app.state.error_forms` ({prefix: OpenAI JSONResponse -> Response}) makes of it.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def loads(raw: bytes, max_depth: int = MAX_DEPTH) -> Any:
         value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float,
                            object_pairs_hook=_unique_keys)
     except _NonFinite as exc:
-        raise InvalidJSON(str(exc), _key_of(text, exc.literal)) from None
+        key = _key_of(text, exc.literal)
+        raise InvalidJSON(str(exc).replace("invalid JSON: ", f"invalid JSON: {key}: " if key else "", 1), key) from None
     except json.JSONDecodeError as exc:
         raise InvalidJSON(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
     except RecursionError:
@@ -126,6 +128,15 @@ class StrictJSONRoute(APIRoute):
                 try:
                     await request.json()
                 except InvalidJSON as exc:
-                    return JSONResponse(error_body(str(exc), code=400, param=exc.param), status_code=400)
+                    return _error_form(request, JSONResponse(error_body(str(exc), code=400, param=exc.param),
+                                                             status_code=400))
             return await inner(request)
         return handler
+
+
+def _error_form(request: Request, response: JSONResponse) -> Response:
+    forms = getattr(request.app.state, "error_forms", None) or {}
+    for prefix, convert in forms.items():
+        if request.url.path.startswith(prefix):
+            return convert(response)
+    return response

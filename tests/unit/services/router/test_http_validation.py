@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 import pytest
+from fastapi.responses import JSONResponse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,6 +117,18 @@ def test_duplicate_keys_deep_nesting_and_bad_bytes_get_400():
                                                                                          "text": "a", "x": [[[1]]]}]}],
                                               "max_tokens": 2})
     assert status == 200
+
+
+def test_a_path_can_have_its_own_error_form():
+    app = CLIENT.app
+    app.state.error_forms = {"/v1/chat": lambda r: JSONResponse({"type": "error", "message": json.loads(r.body)},
+                                                                status_code=r.status_code)}
+    try:
+        r = CLIENT.post("/v1/chat/completions", content='{"messages": [], "temperature": NaN}')
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert post("/v1/completions", '{"prompt": "x", "top_p": NaN}')[1]["error"]["param"] == "top_p"
+    finally:
+        app.state.error_forms = {}
 
 
 def test_empty_and_1mib_strings():
