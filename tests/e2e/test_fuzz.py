@@ -94,7 +94,8 @@ def test_http_api_never_answers_5xx(hardened, mode):
         assert any(status == 400 for _, status in calls), calls
 
 
-BOUNDARY_EXAMPLES = 160  # per endpoint; most get a 400 in milliseconds, the rest generate <= 2 tokens
+BOUNDARY_EXAMPLES = 120  # per endpoint with numeric fields (a quarter for others); 400s take milliseconds,
+# the served ones (<= 2 tokens) ~0.2 s on two cores
 ISSUE_CASES = [("seed", 2 ** 63), ("seed", -1180591620717411303424), ("seed", 18446744073709551621),
                ("top_k", 1099511627776), ("top_k", 2147483648), ("temperature", "Infinity"), ("min_tokens", 2 ** 63)]
 
@@ -144,7 +145,8 @@ def test_http_boundary_values_never_answer_5xx(hardened):
             bodies = [numeric_body(ep), any_body(ep)] + ([inside_body(ep, limits)] if ep.numeric else [])
 
             @given(text=st.one_of(*bodies))
-            @settings(max_examples=BOUNDARY_EXAMPLES, deadline=None, derandomize=True, database=None,
+            @settings(max_examples=BOUNDARY_EXAMPLES if ep.numeric else BOUNDARY_EXAMPLES // 4, deadline=None,
+                      derandomize=True, database=None,
                       suppress_health_check=list(HealthCheck))
             def fuzz(text):
                 status, out = _post(client, path, text)
@@ -160,7 +162,7 @@ def test_http_boundary_values_never_answer_5xx(hardened):
     for path in sorted(posts):
         per = {s: n for (p, s), n in counts.items() if p == path}
         print(f"boundary fuzz {path}: {sum(per.values())} requests, by status {dict(sorted(per.items()))}")
-        assert sum(per.values()) >= BOUNDARY_EXAMPLES and 400 in per, per
+        assert sum(per.values()) >= BOUNDARY_EXAMPLES // 4 and 400 in per, per
         assert 200 in per or not endpoint_for(spec, path).numeric, (path, per)
     print(f"boundary fuzz: {sum(counts.values())} requests in {time.monotonic() - t0:.1f}s")
     _assert_nothing_leaked(hardened)
