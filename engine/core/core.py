@@ -67,6 +67,15 @@ class EngineCore:
             bad = [t for t in ids if not (type(t) is int and 0 <= t < vocab)]
             raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
         self.scheduler.validate(req)
+        self._check_structured(req)
+
+    def _check_structured(self, req: Request) -> None:
+        """A structured output must compile for this model's tokenizer (ValueError names why not)."""
+        spec = req.sampling_params.structured_outputs
+        if spec is not None:
+            from engine.runner.structured import engine_backend
+
+            engine_backend(self.cfg).compile(spec)
 
     def add_request(self, req: Request) -> None:
         self.validate(req)
@@ -83,6 +92,7 @@ class EngineCore:
         vocab = self.cfg.model.vocab_size
         if any(not (0 <= t < vocab) for t in req.all_token_ids):
             raise ValueError(f"token ids must be integers in [0, {vocab})")
+        self._check_structured(req)
         if not req.eos_token_ids:
             req.eos_token_ids = self.cfg.model.eos_token_ids
         return self.scheduler.reserve_import(req, num_import_tokens)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured.spec import StructuredOutputSpec
+
 MAX_LOGPROBS = 20
 # A temperature in (0, MIN_TEMPERATURE) is raised to it (vLLM does the same): dividing float32 logits by a
 # smaller one overflows to inf and the softmax to NaN.
@@ -29,6 +31,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputSpec | None = None  # the output must match this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +59,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputSpec),
+               "structured_outputs must be a StructuredOutputSpec")
 
     @property
     def greedy(self) -> bool:

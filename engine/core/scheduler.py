@@ -247,7 +247,7 @@ class Scheduler:
                 if s.num_drafts and s.num_drafts == self.num_spec_tokens:
                     self.spec_steps += 1
                     self.spec_emitted += s.num_accepted + 1
-                emitted, logprobs = self._append_checked(req, s.token_ids, s.logprobs)
+                emitted, logprobs = self._append_checked(req, s.token_ids, s.logprobs, s.grammar_terminated)
             else:
                 req.num_computed_tokens = chunk.start + n_known
             self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
@@ -259,10 +259,11 @@ class Scheduler:
                 num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logits=result.prompt_logits.get(req.req_id)))
         return outputs
 
-    def _append_checked(self, req: Request, tokens: list[int], logprobs) -> tuple[list[int], list | None]:
+    def _append_checked(self, req: Request, tokens: list[int], logprobs,
+                        grammar_done: bool = False) -> tuple[list[int], list | None]:
         sp = req.sampling_params
         emitted = []
-        for t in tokens:
+        for i, t in enumerate(tokens):
             req.append_output([t])
             emitted.append(t)
             n_out = req.num_output_tokens
@@ -274,6 +275,9 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
             elif n_out >= sp.max_tokens or req.num_tokens >= self.cfg.max_model_len:
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
+            elif grammar_done and i == len(tokens) - 1:
+                req.stop_reason = None
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
                 break
         return emitted, (logprobs[: len(emitted)] if logprobs is not None else None)

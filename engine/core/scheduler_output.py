@@ -60,6 +60,7 @@ class SampledOutput:
     logprobs: list[dict[int, float]] | None = None  # per emitted token: id -> logprob (top-n + sampled)
     num_drafts: int = 0
     num_accepted: int = 0
+    grammar_terminated: bool = False  # the structured output is complete: the request stops
 
 
 @dataclass

@@ -1,16 +1,12 @@
-"""The checkpoint's tokenizer (`tokenizer.json` via `tokenizers`) and its chat template (jinja2)."""
+"""The checkpoint's tokenizer (`tokenizer.json` via `tokenizers`). Chat templates are the router's
+(services/router/chat_template.py: rendered as transformers renders them)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
-
-# Used when tokenizer_config.json has no template: `<|role|>\ncontent\n` per message.
-DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 class Tokenizer:
@@ -22,13 +18,10 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(file))
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
-        self.chat_template = cfg.get("chat_template") or DEFAULT_CHAT_TEMPLATE
         self.eos_token = cfg.get("eos_token")
         if isinstance(self.eos_token, dict):
             self.eos_token = self.eos_token.get("content")
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
-        self._template = self._env.from_string(self.chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -42,10 +35,3 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content", ""), str):
-                raise ValueError("each chat message needs a 'role' and a string 'content'")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     eos_token=self.eos_token or "")

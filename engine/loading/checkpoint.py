@@ -15,11 +15,14 @@ from torch import nn
 
 from engine.config.model import ModelConfig
 from engine.config.presets import preset_dict
-from engine.frontend.tokenizer import DEFAULT_CHAT_TEMPLATE
 from engine.loading.loader import build_model
 from engine.loading.weights import to_hf_state_dict
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+# A random checkpoint's chat template: `<|role|>\ncontent\n` per message, then `<|assistant|>\n`.
+SIMPLE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def init_random_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
@@ -56,7 +59,7 @@ def train_tokenizer(vocab_size: int, out_dir: Path) -> None:
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": SPECIAL_TOKENS[0], "pad_token": SPECIAL_TOKENS[0],
-        "bos_token": None, "chat_template": DEFAULT_CHAT_TEMPLATE}, indent=1))
+        "bos_token": None, "chat_template": SIMPLE_CHAT_TEMPLATE}, indent=1))
 
 
 def make_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, num_shards: int = 1,

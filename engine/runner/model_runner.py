@@ -23,6 +23,7 @@ from engine.runner.mtp import MTPProposer
 from engine.runner.sampler import RowSpec, Sampler, top_logprobs
 from engine.runner.spec import SyntheticAcceptance, verify_drafts
 from engine.runner.state import RunnerRequest
+from engine.runner.structured import StructuredOutputs
 
 
 class ModelRunner:
@@ -60,6 +61,7 @@ class ModelRunner:
         self.synthetic = (SyntheticAcceptance(spec_cfg.synthetic_acceptance_length, spec_cfg.num_speculative_tokens,
                                               cfg.seed) if spec_cfg and spec_cfg.synthetic_acceptance_length else None)
         self.mtp = MTPProposer(self) if self.with_mtp else None
+        self.structured = StructuredOutputs(cfg)  # grammar matchers of constrained requests
         self.slot_fn = slots_for  # context parallelism substitutes its rank-local mapping
 
     # ---- forward helpers -----------------------------------------------------------------------
@@ -109,6 +111,7 @@ class ModelRunner:
             self.states.pop(rid, None)
         for d in sched.new_requests:
             self.states[d.req_id] = RunnerRequest.from_new(d, self.device)
+            self.structured.attach(self.states[d.req_id])
         for c in sched.chunks:
             if c.new_block_ids:
                 self.states[c.req_id].block_ids.extend(c.new_block_ids)
@@ -124,22 +127,22 @@ class ModelRunner:
             row_idx.extend(range(last_known, last_known + c.num_draft_tokens + 1))
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[row_idx])
+        valid = self.structured.mask([c for c, _ in todo], self.states, logits)  # in place, before sampling
         greedy = self._plain_greedy(todo, logits, row_idx)
         r = 0
         for c, _ in todo:
+            st = self.states[c.req_id]
             if c.req_id in greedy:
-                tok = greedy[c.req_id]
-                out.sampled[c.req_id] = SampledOutput(token_ids=[tok])
-                emitted[c.req_id] = [tok]
-                self.states[c.req_id].output_token_ids.append(tok)
+                res = SampledOutput(token_ids=[greedy[c.req_id]])
                 r += 1
-                continue
-            n = c.num_draft_tokens + 1
-            res = self._sample_one(c, logits[r:r + n])
+            else:
+                n = c.num_draft_tokens + 1
+                res = self._sample_one(c, logits[r:r + n], valid.get(c.req_id))
+                r += n
+            res.grammar_terminated = self.structured.advance(st, res.token_ids)
             out.sampled[c.req_id] = res
             emitted[c.req_id] = res.token_ids
-            self.states[c.req_id].output_token_ids.extend(res.token_ids)
-            r += n
+            st.output_token_ids.extend(res.token_ids)
 
     def _plain_greedy(self, todo, logits: torch.Tensor, row_idx: list[int]) -> dict[str, int]:
         """One batched argmax for greedy rows with no drafts, penalties, logprobs or min_tokens."""
@@ -156,15 +159,16 @@ class ModelRunner:
             return {}
         return dict(zip(ids, logits[rows].argmax(dim=-1).tolist()))
 
-    def _sample_one(self, c: ScheduledChunk, logits: torch.Tensor) -> SampledOutput:
+    def _sample_one(self, c: ScheduledChunk, logits: torch.Tensor, valid_drafts: int | None = None) -> SampledOutput:
+        """valid_drafts: with a grammar, how many drafts it accepts (the rows are masked already)."""
         st = self.states[c.req_id]
         p = st.sampling_params
         drafts = c.token_ids[len(c.token_ids) - c.num_draft_tokens:] if c.num_draft_tokens else []
-        rows = [RowSpec(p, st.prompt_token_ids, st.output_token_ids + drafts[:i], st.generator, self.eos_ids)
-                for i in range(len(drafts) + 1)]
+        rows = [RowSpec(p, st.prompt_token_ids, st.output_token_ids + drafts[:i], st.generator, self.eos_ids,
+                        grammar=st.grammar is not None) for i in range(len(drafts) + 1)]
         probs = self.sampler.probs(logits, rows)
         if self.synthetic is not None and drafts:
-            n_acc = self.synthetic.num_accepted(len(drafts))
+            n_acc = min(self.synthetic.num_accepted(len(drafts)), len(drafts) if valid_drafts is None else valid_drafts)
             bonus = int(self.sampler.draw(probs[n_acc:n_acc + 1], [st.generator])[0])
             tokens = drafts[:n_acc] + [bonus]
         elif drafts:

@@ -23,6 +23,7 @@ class RowSpec:
     output_ids: list[int]
     generator: torch.Generator | None
     eos_ids: tuple[int, ...] = ()
+    grammar: bool = False  # a grammar masks this row: it decides when stopping is allowed (not min_tokens)
 
 
 class Sampler:
@@ -44,7 +45,7 @@ class Sampler:
         V = x.shape[1]
         for i, r in enumerate(rows):
             p = r.params
-            if r.eos_ids and len(r.output_ids) < p.min_tokens:
+            if r.eos_ids and len(r.output_ids) < p.min_tokens and not r.grammar:
                 stop_ids = [t for t in (*r.eos_ids, *p.stop_token_ids) if t < V]
                 x[i, stop_ids] = float("-inf")
             if not p.needs_penalties:

@@ -21,6 +21,7 @@ class RunnerRequest:
     generator: torch.Generator | None  # seeded requests: reproducible, independent of the batch
     draft_generator: torch.Generator | None
     draft_probs: torch.Tensor | None = None  # [k, vocab] distribution each pending draft was drawn from
+    grammar: object | None = None  # engine.structured.RequestGrammar when the output is constrained
     extra: dict = field(default_factory=dict)
 
     @classmethod

@@ -1,8 +1,10 @@
 """What the router checks before it parses a request: the API key (which names the tenant) and the
 body size. A pure ASGI middleware, so an oversized or unauthenticated body is never read in full.
 
-API keys are `key` (the key is its own tenant) or `key:tenant` (several keys share one tenant), from
+/tokenize and /detokenize need the key as /v1/* does. API keys are `key` (the key is its own tenant) or `key:tenant` (several keys share one tenant), from
 `--api-key` (repeatable), `--api-keys-file` (one entry a line, `#` comments) or `PDSERVE_API_KEY`.
+The key comes as `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>` (Anthropic
+clients); on the Anthropic routes (/v1/messages...) the 401 and 413 bodies are in Anthropic's error form.
 /health, /metrics, /docs and /openapi.json stay open: probes and scrapers carry no secret, and they
 reveal no request data. Every key is compared in constant time (hmac.compare_digest), all of them,
 so timing tells neither whether a prefix matched nor which key did.
@@ -16,10 +18,13 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from services.router.anthropic.errors import error_body as anthropic_error_body
 from services.router.openai_models import error_body
 from services.rpc.grpc_server import Unauthenticated
 
 PROTECTED_PREFIX = "/v1/"
+ANTHROPIC_PREFIX = "/v1/messages"
+PROTECTED_PATHS = frozenset(("/tokenize", "/detokenize"))  # vLLM serves these outside /v1
 
 
 class ApiKeys:
@@ -48,19 +53,21 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def tenant(self, authorization: str | None) -> str | None:
-        """The tenant of an `Authorization: Bearer <key>` value; Unauthenticated if it matches no key."""
+    def tenant(self, authorization: str | None, api_key: str | None = None) -> str | None:
+        """The tenant of an `Authorization: Bearer <key>` value, else of an `x-api-key` value;
+        Unauthenticated if it matches no key."""
         if not self._keys:
             return None
         given = authorization or ""
-        token = given[7:].strip().encode() if given[:7].lower() == "bearer " else b""
+        token = given[7:].strip().encode() if given[:7].lower() == "bearer " else (api_key or "").strip().encode()
         found = None
         for key, tenant in self._keys:  # no early exit: constant time in which key matched
             if hmac.compare_digest(token, key):
                 found = tenant
         if found is None:
-            raise Unauthenticated("missing or wrong API key: send `Authorization: Bearer <key>`" if token
-                                  else "this server needs an API key: send `Authorization: Bearer <key>`")
+            how = "send `Authorization: Bearer <key>` or `x-api-key: <key>`"
+            raise Unauthenticated(f"missing or wrong API key: {how}" if token
+                                  else f"this server needs an API key: {how}")
         return found
 
 
@@ -89,15 +96,15 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         scope.setdefault("state", {})["tenant"] = None
-        if scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["path"].startswith(PROTECTED_PREFIX) or scope["path"] in PROTECTED_PATHS:
             try:
-                scope["state"]["tenant"] = self.keys.tenant(headers.get("authorization"))
+                scope["state"]["tenant"] = self.keys.tenant(headers.get("authorization"), headers.get("x-api-key"))
             except Unauthenticated as exc:
-                return await _reply(send, 401, str(exc), "authentication_error", {"www-authenticate": "Bearer"})
+                return await _reply(scope, send, 401, str(exc), "authentication_error", {"www-authenticate": "Bearer"})
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit() or int(length) > self.max_body_bytes:
-                return await _reply(send, 413, f"request body over {self.max_body_bytes} bytes")
+                return await _reply(scope, send, 413, f"request body over {self.max_body_bytes} bytes")
             return await self.app(scope, receive, send)
         return await self._chunked(scope, receive, send)
 
@@ -111,7 +118,7 @@ class Guard:
                 break
             size += len(msg.get("body", b""))
             if size > self.max_body_bytes:
-                return await _reply(send, 413, f"request body over {self.max_body_bytes} bytes")
+                return await _reply(scope, send, 413, f"request body over {self.max_body_bytes} bytes")
             if not msg.get("more_body", False):
                 break
 
@@ -121,9 +128,12 @@ class Guard:
         return await self.app(scope, replay, send)
 
 
-async def _reply(send, status: int, message: str, type_: str = "invalid_request_error",
+async def _reply(scope, send, status: int, message: str, type_: str = "invalid_request_error",
                  headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(message, type_, status)).encode()
+    if scope["path"].startswith(ANTHROPIC_PREFIX):
+        body = json.dumps(anthropic_error_body("request_too_large" if status == 413 else type_, message)).encode()
+    else:
+        body = json.dumps(error_body(message, type_, status)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

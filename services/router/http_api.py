@@ -1,10 +1,13 @@
-"""The router's OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE),
-/v1/models, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`.
-Bodies are parsed as strict JSON (strict_json.py) and their numbers checked (validation.py) before use."""
+"""The router's OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE; tools,
+tool calls and reasoning: chat_request.py, chat_output.py), /v1/models, /tokenize, /detokenize,
+/version, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`.
+Bodies are parsed as strict JSON (strict_json.py) and their numbers checked (validation.py) before use.
+The Anthropic Messages API (/v1/messages) is mounted beside them from services/router/anthropic/."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 
@@ -15,7 +18,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.router.flow import Flow, RequestStats, UpstreamError, new_request_id
+from services.router.anthropic.endpoint import mount as mount_anthropic
+from services.router.api_fields import check_extra_fields
+from services.router.chat_output import ChoiceParser, OutputOptions, openai_delta, openai_message
+from services.router.chat_request import ChatSettings, prepare_chat_request
+from services.router.extra_api import ExtraEndpoints, RequestIdHeader, apply_generation_defaults, new_api_request_id
+from services.router.flow import Flow, RequestStats, UpstreamError
 from services.router.guard import ApiKeys, Guard, tenant_cache_salt
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, error_body
 from services.router.requests import BadRequest, Limits, Prepared, prepare_chat, prepare_completion
@@ -45,6 +53,8 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 def exception_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, BadRequest):
         return error_response(400, str(exc), code=exc.code, param=exc.param)
+    if isinstance(exc, RecursionError):  # JSON nested past what a schema check or a template can walk
+        return error_response(400, "the request is nested too deeply")
     if isinstance(exc, Overloaded):
         return error_response(429, str(exc), "rate_limit_error", retry_after=math.ceil(exc.retry_after_s))
     if isinstance(exc, NoInstance):
@@ -75,14 +85,21 @@ class _AdmittedStream(StreamingResponse):
             self._release()
 
 
-class RouterAPI:
-    def __init__(self, flow: Flow, limits: Limits, model_name: str, metrics, *, keys: ApiKeys | None = None,
-                 admission: Admission | None = None, max_body_bytes: int = 32 << 20):
-        self.flow, self.limits, self.model_name, self.metrics = flow, limits, model_name, metrics
+class RouterAPI(ExtraEndpoints):
+    def __init__(self, flow: Flow, limits: Limits, model_name: str | list[str], metrics, *,
+                 keys: ApiKeys | None = None, admission: Admission | None = None, max_body_bytes: int = 32 << 20,
+                 chat: ChatSettings | None = None, generation_defaults: dict | None = None):
+        """`model_name`: the served name, or several (the first is the one responses carry)."""
+        self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
+        self.flow, self.limits, self.model_name, self.metrics = flow, limits, self.model_names[0], metrics
+        self.chat = chat or ChatSettings(None)
+        self.generation_defaults = dict(generation_defaults or {})
         self.tok = flow.tokenizer
         self.keys = keys or ApiKeys()
         self.admission = admission or Admission("router", 1024)
         self.max_body_bytes = max_body_bytes
+
+    error = staticmethod(exception_response)
 
     # ---- plumbing --------------------------------------------------------------------------------
     def build(self) -> FastAPI:
@@ -92,11 +109,16 @@ class RouterAPI:
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_middleware(Guard, keys=self.keys, max_body_bytes=self.max_body_bytes)
+        app.add_middleware(RequestIdHeader)
         app.get("/health")(self.health)
+        app.get("/version")(self.version)
         app.get("/v1/models")(self.models)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
         app.get("/metrics", include_in_schema=False)(self.prometheus)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        mount_anthropic(app, self)
         return app
 
     async def _validation_error(self, request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -109,18 +131,23 @@ class RouterAPI:
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
     def _check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise BadRequest(f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
-                             code="model_not_found")
+        if model and model not in self.model_names:
+            raise BadRequest(f"model {model!r} does not exist; this server serves {', '.join(map(repr, self.model_names))}",
+                             "model", code="model_not_found")
+
+    def _request_id(self, prefix: str, request: Request) -> str:
+        req_id = new_api_request_id(prefix, request.state.client_request_id)
+        log.info("%s: %s %s", req_id, request.method, request.url.path)
+        return req_id
 
     # ---- endpoints -------------------------------------------------------------------------------
     async def health(self) -> dict:
         return {"status": "ok", "redis": self.flow.routing.redis_ok}
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "pdserve", "max_model_len": self.limits.max_model_len,
-                                            "vocab_size": self.limits.vocab_size}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
+                                            "root": self.model_name, "max_model_len": self.limits.max_model_len,
+                                            "vocab_size": self.limits.vocab_size} for name in self.model_names]}
 
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -128,19 +155,30 @@ class RouterAPI:
     async def completions(self, body: CompletionRequest, request: Request):
         try:
             self._check_model(body.model)
+            check_extra_fields(body)
+            apply_generation_defaults(body, self.generation_defaults)
             prep = prepare_completion(body, self.tok, self.limits)
             prep.cache_salt = tenant_cache_salt(request.state.tenant, prep.cache_salt)
-            return await self._respond(Formatter("text", new_request_id("cmpl"), self.model_name, self.tok), prep, 0)
+            fmt = Formatter("text", self._request_id("cmpl", request), self.model_name, self.tok)
+            return await self._respond(fmt, prep, 0)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return exception_response(exc)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         try:
             self._check_model(body.model)
-            prep = prepare_chat(body, self.tok, self.limits)
+            check_extra_fields(body)
+            apply_generation_defaults(body, self.generation_defaults)
+            plan = prepare_chat_request(body, self.chat)
+            prep = prepare_chat(body, self.tok, self.limits, plan.prompt)
+            if plan.forced is not None:
+                if prep.params.structured_outputs is not None:
+                    raise BadRequest("a required or named tool_choice cannot be combined with another structured "
+                                     "output (response_format, structured_outputs)", "tool_choice")
+                prep.params = dataclasses.replace(prep.params, structured_outputs=plan.forced)
             prep.cache_salt = tenant_cache_salt(request.state.tenant, prep.cache_salt)
-            fmt = Formatter("chat", new_request_id("chatcmpl"), self.model_name, self.tok)
-            return await self._respond(fmt, prep, body.top_logprobs or 0)
+            fmt = Formatter("chat", self._request_id("chatcmpl", request), self.model_name, self.tok)
+            return await self._respond(fmt, prep, body.top_logprobs or 0, plan.output)
         except Exception as exc:  # noqa: BLE001
             return exception_response(exc)
 
@@ -155,13 +193,14 @@ class RouterAPI:
                 jobs.append((p * prep.n + i, ids, params))
         return jobs
 
-    async def _respond(self, fmt: Formatter, prep: Prepared, top_n: int):
+    async def _respond(self, fmt: Formatter, prep: Prepared, top_n: int, out: OutputOptions | None = None):
         jobs = self._jobs(prep)
+        out = out if out is not None and not out.plain else None
         self.admission.acquire(len(jobs))  # Overloaded -> 429 + Retry-After; released when the response ends
         if prep.stream:
-            return _AdmittedStream(self._stream(fmt, prep, jobs, top_n), lambda: self.admission.release(len(jobs)))
+            return _AdmittedStream(self._stream(fmt, prep, jobs, top_n, out), lambda: self.admission.release(len(jobs)))
         try:
-            results = await asyncio.gather(*[self._collect(fmt, prep, job, top_n) for job in jobs])
+            results = await asyncio.gather(*[self._collect(fmt, prep, job, top_n, out) for job in jobs])
         finally:
             self.admission.release(len(jobs))
         choices = [r[0] for r in results]
@@ -172,7 +211,7 @@ class RouterAPI:
     def _logprobs(self, fmt: Formatter, ids, lps, offset: int, top_n: int):
         return fmt.chat_logprobs(ids, lps, top_n) if fmt.kind == "chat" else fmt.completion_logprobs(ids, lps, offset)
 
-    async def _collect(self, fmt: Formatter, prep: Prepared, job, top_n: int):
+    async def _collect(self, fmt: Formatter, prep: Prepared, job, top_n: int, out: OutputOptions | None):
         index, ids, params = job
         stats = RequestStats(f"{fmt.req_id}-{index}", len(ids))
         text, tokens, lps, finish, stop = "", [], [] if params.logprobs is not None else None, None, None
@@ -182,10 +221,15 @@ class RouterAPI:
             if lps is not None and c.logprobs:
                 lps += c.logprobs
             finish, stop = c.finish_reason or finish, c.stop_reason if c.finish_reason else stop
-        return fmt.full_choice(index, text, self._logprobs(fmt, tokens, lps, 0, top_n), finish, stop,
-                               tokens if prep.return_token_ids else None), stats
+        choice = fmt.full_choice(index, text, self._logprobs(fmt, tokens, lps, 0, top_n), finish, stop,
+                                 tokens if prep.return_token_ids else None)
+        if out is not None:  # reasoning and tool calls split out of the text
+            parser = ChoiceParser(out)
+            choice["message"] = openai_message(parser.feed(text) + parser.finish())
+            choice["finish_reason"] = parser.finish_reason(finish)
+        return choice, stats
 
-    async def _stream(self, fmt: Formatter, prep: Prepared, jobs, top_n: int):
+    async def _stream(self, fmt: Formatter, prep: Prepared, jobs, top_n: int, out: OutputOptions | None):
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_BUFFER_CHUNKS)
         all_stats: list[RequestStats] = []
 
@@ -193,12 +237,19 @@ class RouterAPI:
             index, ids, params = job
             stats = RequestStats(f"{fmt.req_id}-{index}", len(ids))
             all_stats.append(stats)
+            parser = ChoiceParser(out) if out is not None else None
             try:
                 offset, first = 0, True
                 async for c in self.flow.generate(ids, params, stats, prep.cache_salt):
                     lp = self._logprobs(fmt, c.token_ids, c.logprobs, offset, top_n) if c.logprobs else None
-                    await queue.put(fmt.chunk(index, c.text, lp, c.finish_reason, c.stop_reason, first,
-                                              c.token_ids if prep.return_token_ids else None))
+                    chunk = fmt.chunk(index, c.text, lp, c.finish_reason, c.stop_reason, first,
+                                      c.token_ids if prep.return_token_ids else None)
+                    if parser is not None:
+                        events = parser.feed(c.text) + (parser.finish() if c.finish_reason else [])
+                        choice = chunk["choices"][0]
+                        choice["delta"] = {"role": "assistant", **openai_delta(events)} if first else openai_delta(events)
+                        choice["finish_reason"] = parser.finish_reason(c.finish_reason)
+                    await queue.put(chunk)
                     offset, first = offset + len(c.text), False
                 await queue.put(None)
             except Exception as exc:  # noqa: BLE001 - reported to the client as an error event

@@ -15,12 +15,17 @@ from engine.config.model import ModelConfig
 from engine.frontend.tokenizer import Tokenizer
 from proto.pdserve.v1 import router_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
+from services.router.chat_request import ChatSettings
+from services.router.chat_template import ChatTemplate
+from services.router.extra_api import load_generation_defaults
 from services.router.flow import Flow
 from services.router.grpc_api import SERVICE_NAME, RouterServicer
 from services.router.guard import ApiKeys
 from services.router.http_api import RouterAPI
+from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
 from services.router.routing import Routing
+from services.router.tool_parsers import tool_parser
 from services.rpc.admission import Admission
 from services.rpc.grpc_server import GrpcServer, run
 from services.rpc.metrics import ServiceMetrics
@@ -33,7 +38,15 @@ log = logging.getLogger("services.router")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (tokenizer, chat template, limits)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the dir name)")
+    p.add_argument("--served-model-name", action="extend", nargs="+", default=None,
+                   help="the model ids clients may use, e.g. aliases (default: the dir name); responses carry the first")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file instead of the checkpoint's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=["glm47", "glm45"],
+                   help="parse the model's tool calls into tool_calls (GLM-4.7/GLM-5: glm47; GLM-4.5/4.6: glm45)")
+    p.add_argument("--reasoning-parser", default=None, choices=["glm45"],
+                   help="split <think>...</think> into reasoning_content")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--host", default="0.0.0.0", help="address to bind (the public entry point: all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
@@ -56,27 +69,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-idle-timeout-s", type=float, default=120.0,
                    help="longest silence of a decode stream (covers decode's admission wait and KV pull)")
     p.add_argument("--lease-ms", type=int, default=0, help="KV lease asked of prefill (0: its default)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser")
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_pretrained(args.model)
     tok = Tokenizer(args.model)
     limits = Limits(max_model_len=args.max_model_len or cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-                    max_n=args.max_n)
+                    max_n=args.max_n,
+                    # GLM's reasoning parsers end thinking with </think>: structured outputs start after it
+                    reasoning_end="</think>" if getattr(args, "reasoning_parser", None) else "")
     keys = ApiKeys.from_sources(args.api_key, args.api_keys_file)
     admission = Admission("router", args.max_inflight_requests)
-    name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
+    names = args.served_model_name or [args.model.rstrip("/").split("/")[-1]]
+    name = names[0]
+    chat = chat_settings(args)
     host = advertise_host(args.advertise_host, args.host)
     instance_id = args.instance_id or f"router-{host}-{args.port}"
     metrics, state = ServiceMetrics("router", instance_id), RedisState(args.redis_url)
     flow = Flow(Routing(state), tok, metrics, prefill_timeout_s=args.prefill_timeout_s,
                 request_timeout_s=args.request_timeout_s, idle_timeout_s=args.stream_idle_timeout_s,
                 lease_ms=args.lease_ms)
-    api = RouterAPI(flow, limits, name, metrics, keys=keys, admission=admission, max_body_bytes=args.max_body_bytes)
+    api = RouterAPI(flow, limits, names, metrics, keys=keys, admission=admission, max_body_bytes=args.max_body_bytes,
+                    chat=chat, generation_defaults=load_generation_defaults(args.model))
     grpc_server = GrpcServer(args.grpc_port, args.host)
     grpc_server.add_service(router_pb2_grpc.add_RouterServicer_to_server,
-                            RouterServicer(flow, limits, name, keys, admission), SERVICE_NAME)
+                            RouterServicer(flow, limits, names, keys, admission, chat), SERVICE_NAME)
     http = uvicorn.Server(uvicorn.Config(api.build(), host=args.host, port=args.port, log_level="warning",
                                          loop="none", lifespan="off", timeout_graceful_shutdown=2))
     metrics_port = metrics.serve(args.metrics_port, args.host) if args.metrics_port else args.port
@@ -100,6 +121,12 @@ async def serve(args: argparse.Namespace) -> None:
         await flow.close()
         await state.close()
         metrics.close()
+
+
+def chat_settings(args: argparse.Namespace) -> ChatSettings:
+    """The chat template and the parsers the flags name."""
+    return ChatSettings(ChatTemplate.load(args.model, args.chat_template), tool_parser(args.tool_call_parser),
+                        reasoning_parser(args.reasoning_parser), args.enable_auto_tool_choice)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,7 @@ from services.router.openai_models import ChatCompletionRequest, CompletionReque
 from services.router.validation import check_body
 from services.rpc.bounds import InvalidArgument as BadRequest
 from services.rpc.bounds import check_min_max_tokens, check_sampling_proto, check_token_ids
+from services.router.structured import SpecError, check_spec, structured_from_request
 
 __all__ = ["BadRequest", "Limits", "Prepared", "prepare_chat", "prepare_completion", "prepare_generate"]
 
@@ -28,6 +29,7 @@ class Limits:
     max_stop: int = 16
     max_stop_len: int = 256
     max_stop_token_ids: int = 64
+    reasoning_end: str = ""  # with a reasoning parser: structured outputs apply after this text
 
 
 @dataclass
@@ -99,6 +101,11 @@ def prepare_generate(g, tok: Tokenizer, limits: Limits) -> tuple[list[int], Samp
         params = sampling_from_proto(g.sampling_params)
     except ValueError as e:
         raise BadRequest(str(e), "sampling_params") from e
+    if params.structured_outputs is not None:
+        try:
+            check_spec(params.structured_outputs)
+        except ValueError as e:
+            raise BadRequest(str(e), "sampling_params.structured_outputs") from e
     _check_sampling(params, len(ids), limits)
     return ids, params
 
@@ -115,6 +122,11 @@ def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int,
     check_min_max_tokens(body.min_tokens, max_tokens)
     stop = _stop(body.stop, limits)  # outside the try: keeps its own param name
     try:
+        gate = limits.reasoning_end if isinstance(body, ChatCompletionRequest) else ""
+        structured = structured_from_request(body, gate)
+    except SpecError as e:
+        raise BadRequest(str(e), e.param) from e
+    try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
@@ -123,7 +135,7 @@ def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=structured)
     except ValueError as e:
         raise BadRequest(str(e)) from e
     _check_sampling(params, prompt_len, limits)
@@ -146,24 +158,10 @@ def prepare_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits) 
                     body.cache_salt, body.return_token_ids)
 
 
-def chat_prompt(body: ChatCompletionRequest, tok: Tokenizer) -> str:
-    messages = []
-    for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f"messages[{i}]: only text content parts are supported", "messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
-    return tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-
-
-def prepare_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits) -> Prepared:
+def prepare_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, prompt: str) -> Prepared:
+    """`prompt`: the rendered chat template (services/router/chat_request.py)."""
+    ids = tok.encode(prompt)
     check_body(body, "chat", limits)
-    ids = tok.encode(chat_prompt(body, tok))
     _check_prompt(ids, limits)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -4,7 +4,7 @@ KV memory descriptors, NIXL peers, KV layouts, block hashes and wall-clock expir
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from engine.kv.cache import KVCacheSpec
 from proto.pdserve.v1 import common_pb2
@@ -94,7 +94,8 @@ def sampling_to_proto(p) -> common_pb2.SamplingParams:
         max_tokens=p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         logprobs=p.logprobs, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
-        include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens)
+        include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens,
+        structured_outputs=structured_to_proto(p.structured_outputs))
 
 
 def sampling_from_proto(m: common_pb2.SamplingParams):
@@ -109,7 +110,24 @@ def sampling_from_proto(m: common_pb2.SamplingParams):
     return SamplingParams(min_p=m.min_p, stop=list(m.stop), stop_token_ids=list(m.stop_token_ids),
                           ignore_eos=m.ignore_eos, presence_penalty=m.presence_penalty,
                           frequency_penalty=m.frequency_penalty, min_tokens=m.min_tokens,
-                          include_stop_str_in_output=m.include_stop_str_in_output, **opt)
+                          include_stop_str_in_output=m.include_stop_str_in_output,
+                          structured_outputs=structured_from_proto(m), **opt)
+
+
+def structured_to_proto(spec) -> common_pb2.StructuredOutput | None:
+    if spec is None:
+        return None
+    return common_pb2.StructuredOutput(kind=spec.kind, spec=spec.spec, reasoning_end=spec.reasoning_end)
+
+
+def structured_from_proto(m: common_pb2.SamplingParams):
+    """The request's StructuredOutputSpec, or None when unset; ValueError if malformed."""
+    from engine.structured import StructuredOutputSpec
+
+    if not m.HasField("structured_outputs"):
+        return None
+    s = m.structured_outputs
+    return StructuredOutputSpec(kind=s.kind, spec=s.spec, reasoning_end=s.reasoning_end)
 
 
 def finish_to_proto(reason: str | None) -> int:

@@ -79,7 +79,8 @@ def test_openai_client_streams_and_32_concurrent_requests_finish(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     chat = client.chat.completions.create(model="tiny-code", messages=[{"role": "user", "content": "def add(a, b):"}],
                                           max_tokens=16, temperature=0, stream=True,
-                                          stream_options={"include_usage": True})
+                                          stream_options={"include_usage": True},
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     chunks = list(chat)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].usage.completion_tokens == 16

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
+from services.router.anthropic.models import CountTokensRequest, MessagesRequest
+from services.router.extra_api import DetokenizeRequest, TokenizeRequest
+from services.router.openai_models import ChatCompletionRequest, CompletionRequest
 from services.router.validation import FIELDS
 from services.rpc.bounds import BOUNDS, InvalidArgument, check_value
 
@@ -45,13 +48,27 @@ class Endpoint:
 
 
 _USER = [{"role": "user", "content": "hi"}]
+_MESSAGES_NUMERIC = {k: k for k in ("max_tokens", "temperature", "top_p", "top_k")}
+
+
+def _others(model, numeric) -> tuple[str, ...]:
+    """A request model's fields that are not in the numeric table (fuzzed with any value)."""
+    return tuple(sorted(set(model.model_fields) - set(numeric) - {"best_of"}))
+
+
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/completions": Endpoint("/v1/completions", {"prompt": "hello", "max_tokens": 2}, FIELDS["completions"],
-                                ("prompt", "stop", "stop_token_ids", "stream", "echo", "suffix", "user", "model",
-                                 "cache_salt", "stream_options", "ignore_eos", "return_token_ids")),
+                                _others(CompletionRequest, FIELDS["completions"])),
     "/v1/chat/completions": Endpoint("/v1/chat/completions", {"messages": _USER, "max_tokens": 2}, FIELDS["chat"],
-                                     ("messages", "stop", "stop_token_ids", "stream", "logprobs", "user", "model",
-                                      "cache_salt", "add_generation_prompt", "stream_options")),
+                                     _others(ChatCompletionRequest, FIELDS["chat"])),
+    # Anthropic's ranges are narrower (temperature <= 1, top_k >= 0): the served values say so
+    "/v1/messages": Endpoint("/v1/messages", {"model": "tiny-code", "max_tokens": 2, "messages": _USER},
+                             _MESSAGES_NUMERIC, _others(MessagesRequest, _MESSAGES_NUMERIC), (),
+                             {"temperature": [0.0, 1e-30, 0.5, 1.0], "top_k": [0, 1, 4095, 4096]}),
+    "/v1/messages/count_tokens": Endpoint("/v1/messages/count_tokens", {"model": "tiny-code", "messages": _USER},
+                                          {}, _others(CountTokensRequest, {}), ()),
+    "/tokenize": Endpoint("/tokenize", {"prompt": "hello"}, {}, _others(TokenizeRequest, {}), ()),
+    "/detokenize": Endpoint("/detokenize", {"tokens": [1, 2, 3]}, {}, _others(DetokenizeRequest, {}), ()),
 }
 
 

@@ -10,6 +10,8 @@ from fastapi.testclient import TestClient
 from engine.config.model import ModelConfig
 from engine.frontend.tokenizer import Tokenizer
 from proto.pdserve.v1 import common_pb2, prefill_pb2
+from services.router.chat_request import ChatSettings
+from services.router.chat_template import ChatTemplate
 from services.router.flow import Flow
 from services.router.http_api import RouterAPI
 from services.router.requests import Limits
@@ -51,5 +53,6 @@ def make_client(max_n: int = 4, max_body_bytes: int = 8 << 20) -> tuple[TestClie
     tok = Tokenizer(TINY_CODE)
     limits = Limits(max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size, max_n=max_n)
     flow = CheckingFlow(tok, limits)
-    api = RouterAPI(flow, limits, MODEL, flow.metrics, max_body_bytes=max_body_bytes)
+    api = RouterAPI(flow, limits, MODEL, flow.metrics, max_body_bytes=max_body_bytes,
+                    chat=ChatSettings(ChatTemplate.load(TINY_CODE)))
     return TestClient(api.build(), raise_server_exceptions=False), flow, limits

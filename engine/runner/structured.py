@@ -1,0 +1,83 @@
+"""The runner's side of structured outputs: a matcher per constrained request, the step's bitmask
+applied to the logits before sampling, and every emitted token accepted into the matcher.
+
+The matcher state lives in the runner's request state; the scheduler sees only plain results
+(`SampledOutput.grammar_terminated`). A request arriving with tokens already generated (a decode
+engine continuing after prefill, a request recomputed after preemption) replays them first, so
+the grammar state follows the request across engines.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.core.scheduler_output import ScheduledChunk
+from engine.runner.state import RunnerRequest
+from engine.structured.grammar import GrammarBackend, backend_for
+from engine.structured.matcher import RequestGrammar, apply_bitmask, build_bitmask
+
+log = logging.getLogger(__name__)
+
+
+def engine_backend(cfg) -> GrammarBackend:
+    """The grammar backend for an engine's model (its tokenizer, logits width and EOS ids)."""
+    if cfg.model_path is None:
+        raise ValueError("structured outputs need the model's tokenizer: this engine has no model directory")
+    return backend_for(str(cfg.model_path), cfg.model.vocab_size, tuple(cfg.model.eos_token_ids))
+
+
+class StructuredOutputs:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.max_rollback = cfg.num_spec_tokens + 1
+        self._backend: GrammarBackend | None = None
+
+    @property
+    def backend(self) -> GrammarBackend:
+        if self._backend is None:
+            self._backend = engine_backend(self.cfg)
+        return self._backend
+
+    def attach(self, state: RunnerRequest) -> None:
+        """Give a new request its matcher, advanced through the tokens it already has."""
+        spec = state.sampling_params.structured_outputs
+        if spec is None:
+            return
+        g = RequestGrammar(self.backend, spec, state.prompt_token_ids, self.max_rollback)
+        if g.replay(state.output_token_ids):
+            state.grammar = g
+
+    def mask(self, todo: list[ScheduledChunk], states: dict[str, RunnerRequest],
+             logits: torch.Tensor) -> dict[str, int]:
+        """Mask the step's logits rows in place (rows laid out as in the sampler: per sampled chunk, its
+        drafts + 1). Returns, per constrained request, how many of its drafts the grammar accepts."""
+        entries, ids, r = [], [], 0
+        for c in todo:
+            g = states[c.req_id].grammar
+            drafts = c.token_ids[len(c.token_ids) - c.num_draft_tokens:] if c.num_draft_tokens else []
+            if g is not None:
+                entries.append((r, g, drafts))
+                ids.append(c.req_id)
+            r += len(drafts) + 1
+        if not entries:
+            return {}
+        bitmask, rows, valid = build_bitmask(entries, logits.shape[0], logits.shape[-1])
+        if bitmask is not None:
+            with torch.inference_mode():
+                apply_bitmask(logits, bitmask, rows)
+        return dict(zip(ids, valid))
+
+    def advance(self, state: RunnerRequest, tokens: list[int]) -> bool:
+        """Accept emitted tokens; True when the grammar is complete (the request stops)."""
+        g = state.grammar
+        if g is None:
+            return False
+        for t in tokens:
+            if not g.advance(t):  # cannot happen for masked rows; logged and left unconstrained
+                log.error("request %s emitted token %d outside its grammar", state.req_id, t)
+                state.grammar = None
+                return False
+        return g.is_terminated
+
