@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from collections import Counter
@@ -55,11 +56,14 @@ DECLARED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCod
 
 
 def _bounded(case) -> None:
-    """Cap generation lengths that the schema allows (the prompt and every other field stay fuzzed)."""
+    """Cap generation lengths that the schema allows (the prompt and every other field stay fuzzed); on an
+    endpoint that serves every size (ENDPOINTS[...].cap), any size."""
     if isinstance(case.body, dict):
+        capped = ENDPOINTS[case.path].cap if case.path in ENDPOINTS else {}
         for key in ("max_tokens", "max_completion_tokens"):
             value = case.body.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and MAX_FUZZ_TOKENS < value <= 4096:
+            top = math.inf if key in capped else 4096
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and MAX_FUZZ_TOKENS < value <= top:
                 case.body[key] = MAX_FUZZ_TOKENS
         if "messages" in case.body and case.body.get("max_tokens") is None:
             case.body["max_tokens"] = MAX_FUZZ_TOKENS

@@ -45,6 +45,9 @@ class Endpoint:
     other: tuple[str, ...] = ()  # fields fuzzed with any value
     extra_numeric: tuple[str, ...] = field(default=("best_of",))  # numeric fields outside the table
     inside: dict[str, list] = field(default_factory=dict)  # field -> served values, where the API is narrower
+    # field -> the largest number sent, for fields whose every size is served rather than refused (Anthropic
+    # lowers max_tokens to the context window): a bigger one would only be a long generation
+    cap: dict[str, int] = field(default_factory=dict)
 
 
 _USER = [{"role": "user", "content": "hi"}]
@@ -64,7 +67,8 @@ ENDPOINTS: dict[str, Endpoint] = {
     # Anthropic's ranges are narrower (temperature <= 1, top_k >= 0): the served values say so
     "/v1/messages": Endpoint("/v1/messages", {"model": "tiny-code", "max_tokens": 2, "messages": _USER},
                              _MESSAGES_NUMERIC, _others(MessagesRequest, _MESSAGES_NUMERIC), (),
-                             {"temperature": [0.0, 1e-30, 0.5, 1.0], "top_k": [0, 1, 4095, 4096]}),
+                             {"temperature": [0.0, 1e-30, 0.5, 1.0], "top_k": [0, 1, 4095, 4096]},
+                             {"max_tokens": 8}),
     "/v1/messages/count_tokens": Endpoint("/v1/messages/count_tokens", {"model": "tiny-code", "messages": _USER},
                                           {}, _others(CountTokensRequest, {}), ()),
     "/tokenize": Endpoint("/tokenize", {"prompt": "hello"}, {}, _others(TokenizeRequest, {}), ()),
@@ -107,8 +111,16 @@ def _any_value() -> st.SearchStrategy[str]:
                      st.integers(1, 200).map(nested), st.integers(1, 200).map(lambda d: nested(d, "{")))
 
 
-def _render(pairs: list[tuple[str, str]]) -> str:
-    return "{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in pairs) + "}"
+def _render(pairs: list[tuple[str, str]], cap: dict[str, int] | None = None) -> str:
+    return "{" + ", ".join(f"{json.dumps(k)}: {_capped(v, (cap or {}).get(k))}" for k, v in pairs) + "}"
+
+
+def _capped(text: str, cap: int | None) -> str:
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return str(cap) if cap is not None and math.isfinite(value) and value > cap else text
 
 
 @st.composite
@@ -118,7 +130,7 @@ def numeric_body(draw, ep: Endpoint) -> str:
     chosen = draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True))
     values = {k: draw(st.one_of(_number(), _number(), st.sampled_from(WRONG_TYPES))) for k in chosen}
     pairs = [(k, json.dumps(v)) for k, v in ep.base.items() if k not in values] + list(values.items())
-    return _render(pairs)
+    return _render(pairs, ep.cap)
 
 
 @st.composite
@@ -131,7 +143,7 @@ def any_body(draw, ep: Endpoint) -> str:
     if draw(st.booleans()):  # a key twice
         k = draw(st.sampled_from([p[0] for p in pairs]))
         pairs.append((k, draw(_any_value())))
-    return _render(pairs)
+    return _render(pairs, ep.cap)
 
 
 SHORT = {"max_tokens": [1, 2], "min_tokens": [0, 1], "n": [1, 2]}  # generation length is not what is fuzzed
@@ -166,7 +178,7 @@ def inside_body(draw, ep: Endpoint, limits) -> str:
     max_tokens = values.get("max_completion_tokens", values.get("max_tokens", ep.base.get("max_tokens", 2)))
     if "min_tokens" in ep.numeric:
         values["min_tokens"] = min(values.get("min_tokens", 0), max_tokens)
-    return _render([(k, json.dumps(v)) for k, v in {**ep.base, **values}.items()])
+    return _render([(k, json.dumps(v)) for k, v in {**ep.base, **values}.items()], ep.cap)
 
 
 def raw_bodies() -> list[str]:
