@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from engine.core.sampling_params import SamplingParams
 from engine.frontend.tokenizer import Tokenizer
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest
+from services.router.structured import SpecError, check_spec, structured_from_request
 from services.router.validation import check_body
 from services.rpc.bounds import InvalidArgument as BadRequest
 from services.rpc.bounds import check_min_max_tokens, check_sampling_proto, check_token_ids
-from services.router.structured import SpecError, check_spec, structured_from_request
 
 __all__ = ["BadRequest", "Limits", "Prepared", "prepare_chat", "prepare_completion", "prepare_generate"]
 
