@@ -49,7 +49,7 @@ def random_model_dir(out: Path, layers: int = 4, experts: int = 32) -> Path:
 
 
 def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share: float | None) -> dict:
-    from services.rpc.net import free_port
+    from engine.parallel.dist import free_port
 
     topo = yaml.safe_load(config.read_text())
     topo["run_dir"], topo["redis_url"] = str(run_dir), f"redis://127.0.0.1:{free_port()}/0"

@@ -38,7 +38,8 @@ class ModelRunner:
             cfg.model, device=self.device, dtype=cfg.torch_dtype, with_mtp=self.with_mtp, checkpoint=cfg.checkpoint)
         if model is None and cfg.checkpoint is None:
             dummy_init(self.model, cfg.seed)
-        self.spec = KVCacheSpec.from_model(cfg.model, block_size=self.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
+        self.spec = KVCacheSpec.from_model(cfg.model, block_size=self.block_size,
+                                           kv_cache_dtype=cfg.cache.kv_cache_dtype,
                                            indexer_precision=cfg.cache.indexer_precision, with_mtp=self.with_mtp)
         num_blocks = num_blocks or num_kv_blocks(cfg, self.spec)
         self.hisparse = None  # HiSparse: host pool + device pages + hot buffers behind a backend wrapper

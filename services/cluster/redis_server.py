@@ -1,7 +1,8 @@
 """A Redis for pdserve: use the one answering at a URL, or start a private `redis-server`.
 
-The private server listens on the address its URL names (loopback by default), keeps no snapshot or AOF (`--save "" --appendonly no`:
-everything in pdserve's Redis is rebuilt by the instances after a restart), and lives in its own
+The private server listens on the address its URL names (loopback by default), keeps no snapshot or AOF
+(`--save "" --appendonly no`: everything in pdserve's Redis is rebuilt by the instances after a restart),
+and lives in its own
 temporary directory and process group so it can be stopped cleanly, even by another process
 (`pdserve down`) that only knows its pid.
 """
@@ -16,8 +17,9 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from engine.parallel.dist import free_port
 from services.deploy.procs import stop_pid, tie_to_parent
-from services.rpc.net import free_port, is_local_address
+from services.rpc.net import is_local_address
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -46,7 +48,7 @@ class RedisServer:
 
     @classmethod
     def start(cls, port: int | None = None, *, host: str = "127.0.0.1", binary: str | None = None,
-              workdir: str | None = None, timeout: float = 10.0, die_with_parent: bool = False) -> "RedisServer":
+              workdir: str | None = None, timeout: float = 10.0, die_with_parent: bool = False) -> RedisServer:
         """Start redis-server; `die_with_parent` makes it exit when the calling thread's process dies
         (tests, benchmarks) instead of outliving it (`pdserve up`)."""
         binary = binary or shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -59,8 +61,9 @@ class RedisServer:
         cmd = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
                "--dir", workdir, "--protected-mode", "no", "--daemonize", "no",
                "--logfile", os.path.join(workdir, "redis.log")]
-        proc = subprocess.Popen(tie_to_parent(cmd) if die_with_parent else cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)  # own process group: a Ctrl-C of the parent spares it
+        # own process group (start_new_session): a Ctrl-C of the parent spares it
+        proc = subprocess.Popen(tie_to_parent(cmd) if die_with_parent else cmd, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
         server = cls(url=f"redis://{host}:{port}/0", pid=proc.pid, workdir=workdir, _proc=proc)
         server._wait_ready(timeout)
         return server

@@ -21,18 +21,18 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
+from engine.parallel.dist import free_port
 from services.cluster.redis_server import ensure_redis
 from services.deploy import topology as topo_mod
 from services.deploy.placement import check_placement
-from services.deploy.plan import plan_service
+from services.deploy.process_specs import plan_service
 from services.deploy.procs import stop_pid, tie_to_parent
 from services.deploy.topology import ORDER, ROOT, Ports, ServiceSpec, Topology
 from services.rpc.grpc_server import check_health_sync
-from services.rpc.net import free_port
 
 STATE_FILE = "state.json"
 _children: dict[int, subprocess.Popen] = {}  # processes this interpreter started (to reap them)
@@ -80,7 +80,7 @@ class Deployment:
         Path(self.run_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "Deployment":
+    def load(cls, run_dir: str | Path) -> Deployment:
         raw = json.loads(Path(run_dir, STATE_FILE).read_text())
         return cls(**{**raw, "processes": [ProcessRecord(**p) for p in raw["processes"]]})
 
@@ -248,7 +248,8 @@ def up_main(argv: list[str]) -> int:
     from services.deploy.topology import ROOT
 
     p = argparse.ArgumentParser(prog="pdserve up", description="start every service of a topology, wait until healthy")
-    p.add_argument("--config", default=str(ROOT / "configs" / "topology.cpu.yaml"), help="topology YAML (configs/README.md)")
+    p.add_argument("--config", default=str(ROOT / "configs" / "topology.cpu.yaml"),
+                   help="topology YAML (configs/README.md)")
     p.add_argument("--run-dir", default=None, help="logs + state (default: the topology's run_dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
     p.add_argument("--dry-run", action="store_true",
@@ -268,7 +269,7 @@ def up_main(argv: list[str]) -> int:
 
 
 def _dry_run(config: str) -> int:
-    from services.deploy.plan import describe, plan
+    from services.deploy.process_specs import describe, plan
 
     try:
         topo = topo_mod.load(config)

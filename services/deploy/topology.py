@@ -19,10 +19,11 @@ A topology (YAML or a dict; documented in configs/README.md):
       router:  {port: 8000, grpc_port: 50050}
 
 Per service: `replicas`, `port` (replica i listens on port + i; 0 = any free port),
-`metrics_port` (same rule; 0 = any free), `gpus` (prefill and decode: services/deploy/placement.py), `args` (extra flags: {name: value}, true -> bare flag,
-a list -> repeated, a dict -> JSON), `env`, and `module` (default services.<kind>; tests point it at
-stand-ins). Prefill also takes the parallel sizes and `ranks` (processes per replica, default
-max(PCP, DCP)): each rank gets --rank/--world-size/--master-addr/--master-port; rank 0 serves gRPC.
+`metrics_port` (same rule; 0 = any free), `gpus` (prefill and decode: services/deploy/placement.py),
+`args` (extra flags: {name: value}, true -> bare flag, a list -> repeated, a dict -> JSON), `env`, and
+`module` (default services.<kind>; tests point it at stand-ins). Prefill also takes the parallel sizes and
+`ranks` (processes per replica, default max(PCP, DCP)): each rank gets
+--rank/--world-size/--master-addr/--master-port; rank 0 serves gRPC.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from services.deploy.ranks import rank_flags
+from services.rpc.service_args import rank_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = ("kvstore", "prefill", "decode", "router")

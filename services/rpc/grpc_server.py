@@ -19,7 +19,8 @@ import functools
 import inspect
 import logging
 import signal
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -84,6 +85,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         if isinstance(exc, cls):
             code, details = c, str(exc) or cls.__name__
             break
+    param = getattr(exc, "param", None)  # bounds.InvalidArgument: the details name the field
+    if param and not details.startswith(param):
+        details = f"{param}: {details}"
     if len(details) > MAX_DETAILS_CHARS:
         details = details[: MAX_DETAILS_CHARS - 15] + " ...[truncated]"
     return code, details
@@ -109,7 +113,7 @@ def grpc_errors(fn: Callable) -> Callable:
                     yield item
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a gRPC status (mapped by _abort)
                 await _abort(exc, context)
         return stream
 
@@ -119,7 +123,7 @@ def grpc_errors(fn: Callable) -> Callable:
             return await fn(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a gRPC status (mapped by _abort)
             await _abort(exc, context)
     return unary
 

@@ -1,19 +1,11 @@
-"""Addresses: free loopback ports, the host address a service advertises (never a wildcard), local
-addresses, `host:port` parsing."""
+"""Addresses: the host address a service advertises (never a wildcard), local addresses, `host:port`
+parsing (free ports: engine.parallel.dist)."""
 
 from __future__ import annotations
 
 import socket
 
-from engine import envs
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS may hand it out again: bind soon)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
+from services import settings
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -26,7 +18,7 @@ def advertise_host(explicit: str | None = None, bind_host: str | None = None) ->
     In a container the hostname resolves to the container's IP on the compose network, which is
     what scaled replicas (no fixed name or host port) must register in Redis.
     """
-    host = explicit or envs.advertise_host()
+    host = explicit or settings.advertise_host()
     if host and host not in WILDCARDS:
         return host
     if bind_host in LOOPBACK:

@@ -44,12 +44,13 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from engine import envs
+from services import settings
 from services.transfer.nixl_descs import (
     BlockDescList,
     BlockTensor,
@@ -82,8 +83,8 @@ class NixlAgent:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
-        self.backends = tuple(backends or envs.nixl_backends())
-        self.progress_thread = envs.nixl_progress_thread() if progress_thread is None else progress_thread
+        self.backends = tuple(backends or settings.nixl_backends())
+        self.progress_thread = settings.nixl_progress_thread() if progress_thread is None else progress_thread
         self.poll_interval_s = poll_interval_s
         conf = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=list(self.backends),
                                  num_threads=num_threads)
@@ -295,7 +296,7 @@ class NixlAgent:
         for handle in xfer.handles:
             try:
                 handle.release()  # cancels an active transfer when the backend can
-            except Exception:
+            except Exception:  # noqa: BLE001 - whatever NIXL raises, the handle is kept and released at close
                 log.warning("NIXL could not cancel %s to %s; keeping its handle", xfer.op, xfer.peer)
                 self._stuck.append(handle)
         xfer.handles = []
@@ -347,7 +348,7 @@ class NixlAgent:
         for h in self._stuck:
             try:
                 h.release()
-            except Exception:
+            except Exception:  # noqa: BLE001 - closing: a stuck handle must not stop the rest of the clean-up
                 pass
         for reg, _ in self._registered:
             self._agent.deregister_memory(reg)

@@ -4,8 +4,9 @@ transfer records, counters, errors, and the "pulled <lease>" notification (see n
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ class BlockTensor:
             raise ValueError(f"tensor {self.name!r}: block_bytes and num_blocks must be positive")
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> "BlockTensor":
+    def of(cls, name: str, tensor: torch.Tensor) -> BlockTensor:
         if not tensor.is_contiguous():
             raise ValueError(f"tensor {name!r} must be contiguous (block-major [num_blocks, ...])")
         device_id = tensor.get_device()

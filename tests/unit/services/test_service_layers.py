@@ -1,5 +1,5 @@
-"""Pure pieces of the shared service layers (rpc, transfer, cluster): error mapping, conversions, metric names, state records,
-block descriptors."""
+"""Pure pieces of the shared service layers (rpc, transfer, cluster): error mapping, conversions, metric names,
+state records, block descriptors."""
 
 from __future__ import annotations
 

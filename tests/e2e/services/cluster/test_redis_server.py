@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.parallel.dist import free_port
 from services.cluster.redis_server import ensure_redis, ping
-from services.rpc.net import free_port, is_local_address, routable_address
+from services.rpc.net import is_local_address, routable_address
 
 
 def test_redis_is_started_on_the_hosts_own_address(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from services.deploy import topology
 from services.deploy.placement import check_placement, placement
-from services.deploy.plan import plan
+from services.deploy.process_specs import plan
 from services.rpc import net
 from tests.helpers import ROOT
 
@@ -60,7 +60,8 @@ def test_no_process_advertises_a_wildcard(monkeypatch):
     monkeypatch.setattr(net, "routable_address", lambda: "192.0.2.7")
     topo = topology.load({"model": "m", "host": "0.0.0.0", "services": {"router": {}}})
     assert topo.advertised == "192.0.2.7"  # bind all, advertise this host's routable address
-    assert net.advertise_host(None, "0.0.0.0") == "192.0.2.7" and net.advertise_host("0.0.0.0", "10.1.1.1") == "10.1.1.1"
+    assert net.advertise_host(None, "0.0.0.0") == "192.0.2.7"
+    assert net.advertise_host("0.0.0.0", "10.1.1.1") == "10.1.1.1"
     assert net.advertise_host(None, "127.0.0.1") == "127.0.0.1"
 
 
@@ -88,8 +89,10 @@ def test_multi_rank_placement_per_replica():
     spec = topology.load({"model": "m", "services": {"prefill": {
         "replicas": 2, "prefill_context_parallel_size": 2, "gpus": [4, 5, 6, 7]}}}).service("prefill")
     got = [(placement(spec, r, k).gpu, placement(spec, r, k).env()) for r in range(2) for k in range(2)]
-    assert got == [(4, {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_RANK": "0"}), (5, {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_RANK": "1"}),
-                   (6, {"CUDA_VISIBLE_DEVICES": "6,7", "LOCAL_RANK": "0"}), (7, {"CUDA_VISIBLE_DEVICES": "6,7", "LOCAL_RANK": "1"})]
+    assert got == [(4, {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_RANK": "0"}),
+                   (5, {"CUDA_VISIBLE_DEVICES": "4,5", "LOCAL_RANK": "1"}),
+                   (6, {"CUDA_VISIBLE_DEVICES": "6,7", "LOCAL_RANK": "0"}),
+                   (7, {"CUDA_VISIBLE_DEVICES": "6,7", "LOCAL_RANK": "1"})]
 
 
 def _two_engines(a: float, b: float, **top) -> dict:
@@ -111,13 +114,15 @@ def test_co_located_engines_fit_when_shares_sum_to_at_most_one():
     ({"model": "m", "host_gpus": 8, "services": {"prefill": {"prefill_context_parallel_size": 8,
                                                              "gpus": [1, 2, 3, 4, 5, 6, 7, 8]}}},
      r"services.prefill.gpus asks for GPU 8, but this host has GPUs 0-7"),
-    ({"model": "m", "services": {"decode": {"replicas": 3, "gpus": [0, 1]}}}, "services.decode.gpus lists 2 GPUs for 3"),
+    ({"model": "m", "services": {"decode": {"replicas": 3, "gpus": [0, 1]}}},
+     "services.decode.gpus lists 2 GPUs for 3"),
     ({"model": "m", "services": {"decode": {"gpus": [-1]}}}, "services.decode.gpus must be a non-empty list"),
     ({"model": "m", "services": {"decode": {"gpus": "0"}}}, "services.decode.gpus must be"),
     ({"model": "m", "services": {"router": {"gpus": [0]}}}, "services.router: unknown key"),
     ({"model": "m", "services": {"decode": {"gpus": [0], "args": {"gpu-memory-utilization": 1.5}}}},
      "services.decode.args.gpu-memory-utilization must be in"),
-    ({"model": "m", "multi_host": True, "host": "0.0.0.0", "services": {"decode": {}}}, "multi_host topology needs `redis_url`"),
+    ({"model": "m", "multi_host": True, "host": "0.0.0.0", "services": {"decode": {}}},
+     "multi_host topology needs `redis_url`"),
     ({"model": "m", "multi_host": True, "host": "0.0.0.0", "redis_url": "redis://127.0.0.1:6379/0",
       "services": {"decode": {}}}, "Redis other hosts can reach"),
     ({"model": "m", "multi_host": True, "redis_url": "redis://10.0.0.1:6379/0", "services": {"decode": {}}},
@@ -134,7 +139,8 @@ def test_bad_placements_are_rejected(raw, match):
 def test_gpu_beyond_this_host_is_refused_by_up_before_anything_starts(tmp_path):
     bad = tmp_path / "t.yaml"
     bad.write_text("model: m\nhost_gpus: 2\nservices:\n  decode: {replicas: 3, gpus: [0, 1, 2]}\n")
-    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--config", str(bad), "--run-dir", str(tmp_path / "run")],
+    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--config", str(bad),
+                        "--run-dir", str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert r.returncode == 1 and "services.decode.gpus asks for GPU 2, but this host has GPUs 0-1" in r.stderr
     assert not (tmp_path / "run").exists()  # nothing started, not even the run directory
