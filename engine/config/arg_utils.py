@@ -26,6 +26,7 @@ from engine.config.engine import (
     SpeculativeConfig,
 )
 from engine.config.model import ModelConfig
+from engine.kv.cache import INDEXER_PRECISIONS, KV_CACHE_DTYPES
 
 
 @dataclass
@@ -85,7 +86,8 @@ class EngineArgs:
                               mtp_kv=self.mtp_kv),
             scheduler=SchedulerConfig(max_model_len=max_len,
                                       max_num_batched_tokens=self.max_num_batched_tokens or max(8192, 1),
-                                      max_num_seqs=self.max_num_seqs, enable_chunked_prefill=self.enable_chunked_prefill),
+                                      max_num_seqs=self.max_num_seqs,
+                                      enable_chunked_prefill=self.enable_chunked_prefill),
             parallel=ParallelConfig(prefill_context_parallel_size=self.prefill_context_parallel_size,
                                     decode_context_parallel_size=self.decode_context_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel,
@@ -113,20 +115,16 @@ class EngineArgs:
         g.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
         g.add_argument("--device", default=None)
         g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-        g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_ds_mla", "bfloat16", "float32"])
-        g.add_argument("--indexer-precision", default=None, choices=["fp8", "fp32"])
+        add_kv_layout_args(g, resolve_auto=True)
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=256)
-        g.add_argument("--block-size", type=int, default=64)
         g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (else from memory)")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--mtp-kv", action=argparse.BooleanOptionalAction, default=True,
-                       help="keep/compute the MTP layer's KV (default on when the model has one)")
         g.add_argument("--speculative-config", type=json.loads, default=None)
         g.add_argument("--attention-config", type=json.loads, default=None)
         g.add_argument("--hisparse-config", dest="hisparse", type=json.loads, default=None,
@@ -148,6 +146,19 @@ class EngineArgs:
         return p
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def add_kv_layout_args(g, resolve_auto: bool) -> None:
+    """The flags that fix a KV block's layout, declared once for the engines (EngineArgs) and the kvstore,
+    whose blocks must match theirs byte for byte. `resolve_auto`: an engine may take "auto" / no indexer
+    precision and resolve them from its device; the kvstore, which has no model on a device, gets the
+    served layout (fp8_ds_mla, fp8 indexer keys) as defaults instead."""
+    g.add_argument("--kv-cache-dtype", default="auto" if resolve_auto else "fp8_ds_mla",
+                   choices=(("auto",) if resolve_auto else ()) + KV_CACHE_DTYPES)
+    g.add_argument("--indexer-precision", default=None if resolve_auto else "fp8", choices=INDEXER_PRECISIONS)
+    g.add_argument("--block-size", type=int, default=64)
+    g.add_argument("--mtp-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep/compute the MTP layer's KV (default on when the model has one)")

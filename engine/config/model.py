@@ -14,10 +14,6 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 
-# Bytes per cached token row, per layer, by format (DESIGN §3).
-FP8_DS_MLA_ROW_BYTES = 656  # 512 fp8 latent + 4 fp32 tile scales + 64 bf16 rope values
-INDEX_FP8_ROW_BYTES = 132  # 128 fp8 key values + one fp32 scale
-
 
 class ConfigError(ValueError):
     """A config.json that the engine cannot serve; the message names the field."""
@@ -122,21 +118,9 @@ class ModelConfig:
         """Checkpoint index of the MTP layer (`model.layers.{N}` right after the main layers)."""
         return self.num_hidden_layers
 
-    def num_mla_cache_layers(self, with_mtp: bool) -> int:
-        return self.num_hidden_layers + (1 if with_mtp and self.has_mtp else 0)
-
-    def num_index_cache_layers(self, with_mtp: bool) -> int:
-        return len(self.full_indexer_layers) + (1 if with_mtp and self.has_mtp else 0)
-
-    def kv_bytes_per_token(self, kv_cache_dtype: str = "fp8_ds_mla", indexer_precision: str = "fp8",
-                           with_mtp: bool = True) -> int:
-        """Bytes of KV state one token adds across all layers (54,728 for GLM-5.3 in fp8 with MTP)."""
-        return (self.num_mla_cache_layers(with_mtp) * mla_row_bytes(self, kv_cache_dtype)
-                + self.num_index_cache_layers(with_mtp) * index_row_bytes(self, indexer_precision))
-
     # ---- parsing ---------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         cfg_file = path / "config.json" if path.is_dir() else path
         if not cfg_file.exists():
@@ -148,38 +132,12 @@ class ModelConfig:
         return cls.from_hf_dict(data)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         return _parse_hf_config(d)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json our checkpoint writer emits (HF field names, readable by transformers)."""
         return _to_hf_config(self)
-
-
-def mla_row_bytes(cfg: ModelConfig, kv_cache_dtype: str) -> int:
-    if kv_cache_dtype == "fp8_ds_mla":
-        from kernels.formats import mla_row_bytes as fp8_row_bytes
-
-        try:
-            return fp8_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-    return cfg.kv_cache_dim * _dtype_bytes(kv_cache_dtype)
-
-
-def index_row_bytes(cfg: ModelConfig, indexer_precision: str) -> int:
-    if indexer_precision == "fp8":
-        return cfg.index_head_dim + 4
-    if indexer_precision == "fp32":
-        return cfg.index_head_dim * 4
-    raise ConfigError(f"indexer_precision must be 'fp8' or 'fp32', got {indexer_precision!r}")
-
-
-def _dtype_bytes(kv_cache_dtype: str) -> int:
-    sizes = {"bfloat16": 2, "float32": 4}
-    if kv_cache_dtype not in sizes:
-        raise ConfigError(f"kv_cache_dtype must be fp8_ds_mla, bfloat16 or float32, got {kv_cache_dtype!r}")
-    return sizes[kv_cache_dtype]
 
 
 def _indexer_types(d: dict[str, Any], n: int, model_type: str) -> tuple[str, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from engine.config.engine import EngineConfig
@@ -30,6 +31,8 @@ class EngineStats:
     num_preemptions: int
     num_queued_tokens: int = 0  # prompt tokens of waiting requests still to compute (a load figure)
     hisparse: object | None = None  # engine.hisparse.HiSparseStats when HiSparse is on
+    num_steps: int = 0  # steps that ran a forward
+    step_seconds: float = 0.0  # their wall time, summed (schedule + forward + update)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -58,6 +61,7 @@ class EngineCore:
         if hisparse is not None:  # admission by host blocks (the pool above) and by device room
             self.kv.device_footprint = hisparse.footprint()
         self.scheduler = Scheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
+        self.num_steps, self.step_seconds = 0, 0.0
 
     def validate(self, req: Request) -> None:
         """Raise ValueError for a request the engine cannot serve (nothing is changed)."""
@@ -115,11 +119,15 @@ class EngineCore:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             return []
         result = self.runner.execute(sched)
-        return self.scheduler.update(sched, result)
+        out = self.scheduler.update(sched, result)
+        self.num_steps += 1
+        self.step_seconds += time.perf_counter() - t0
+        return out
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -130,4 +138,15 @@ class EngineCore:
                            spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
                            num_preemptions=s.num_preemptions,
                            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
-                           hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None)
+                           hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None,
+                           num_steps=self.num_steps, step_seconds=self.step_seconds)
+
+
+def make_engine_core(cfg: EngineConfig, rank_pool=None) -> EngineCore:
+    """The core a config asks for: one process, or rank 0 of a multi-rank engine (`rank_pool`: an
+    engine.parallel.spawn.RankPool whose idle ranks it may reuse; multi-rank only)."""
+    if cfg.parallel.world_size > 1:
+        from engine.parallel.executor import MultiRankEngineCore
+
+        return MultiRankEngineCore(cfg, rank_pool=rank_pool)
+    return EngineCore(cfg)

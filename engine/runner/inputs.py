@@ -66,5 +66,6 @@ def rows_layout(rows: list[tuple[RunnerRequest, int, list[int]]]) -> BatchRows:
     return layout
 
 
-def chunk_rows(chunks: list[ScheduledChunk], states: dict[str, RunnerRequest]) -> list[tuple[RunnerRequest, int, list[int]]]:
+def chunk_rows(chunks: list[ScheduledChunk],
+               states: dict[str, RunnerRequest]) -> list[tuple[RunnerRequest, int, list[int]]]:
     return [(states[c.req_id], c.start, c.token_ids) for c in chunks]

@@ -6,7 +6,8 @@
                from rejected drafts are overwritten here, which is the rollback.
     draft 1:   the last catch-up row's output -> lm_head -> d1
     draft j:   (embed(d_{j-1}), previous MTP output after shared_head.norm) at the next position -> d_j
-Draft-step KV beyond the verified tokens is rewritten by the next step's catch-up.
+Draft-step KV beyond the verified tokens is rewritten by the next step's catch-up. A request with a
+grammar drafts from masked rows (its matcher moves over the drafts, then rolls back before verification).
 """
 
 from __future__ import annotations
@@ -42,33 +43,41 @@ class MTPProposer:
         if not last:
             return {}
         counts = {c.req_id: 0 for c, _, _ in last}
+        advanced = dict.fromkeys(counts, 0)  # drafts each grammar matcher moved over (rolled back below)
+        constrained = any(self.runner.states[c.req_id].grammar is not None for c, _, _ in last)
         steps = []  # per draft step: (request ids in row order, their draft tokens on the device)
         active = [(c, pos) for c, _, pos in last]
-        for step in range(self.num_steps):
-            tokens = self._draw(active, prev, step)
-            steps.append(([c.req_id for c, _ in active], tokens))
-            for c, _ in active:
-                counts[c.req_id] += 1
-            keep = [i for i, (c, _) in enumerate(active) if counts[c.req_id] < min(c.max_drafts, self.num_steps)]
-            if not keep:
-                break
-            if len(keep) < len(active):
-                idx = torch.tensor(keep, dtype=torch.int64, device=tokens.device)
-                tokens, prev = tokens[idx], prev[idx]
-            active = [(active[i][0], active[i][1] + 1) for i in keep]
-            step_rows = [(self.runner.states[c.req_id], pos, [0]) for c, pos in active]  # ids come from `tokens`
-            prev = self.runner.mtp_forward(step_rows, prev, input_ids=tokens)
+        try:
+            for step in range(self.num_steps):
+                tokens = self._draw(active, prev, step)
+                steps.append(([c.req_id for c, _ in active], tokens))
+                if constrained:  # the matchers move over every draft: this step's tokens are read now
+                    for (c, _), t in zip(active, tokens.tolist()):
+                        advanced[c.req_id] += self.runner.structured.advance_draft(self.runner.states[c.req_id], t)
+                for c, _ in active:
+                    counts[c.req_id] += 1
+                keep = [i for i, (c, _) in enumerate(active) if counts[c.req_id] < min(c.max_drafts, self.num_steps)]
+                if not keep:
+                    break
+                if len(keep) < len(active):
+                    idx = torch.tensor(keep, dtype=torch.int64, device=tokens.device)
+                    tokens, prev = tokens[idx], prev[idx]
+                active = [(active[i][0], active[i][1] + 1) for i in keep]
+                step_rows = [(self.runner.states[c.req_id], pos, [0]) for c, pos in active]  # ids: `tokens`
+                prev = self.runner.mtp_forward(step_rows, prev, input_ids=tokens)
+        finally:
+            for rid, n in advanced.items():
+                self.runner.structured.rollback_drafts(self.runner.states[rid], n)
         return _read_back(steps)
 
     def _draw(self, active, mtp_hidden: torch.Tensor, step: int) -> torch.Tensor:
         r = self.runner
         with torch.inference_mode():
             logits = r.model.compute_logits(mtp_hidden)
-        specs = []
-        for c, _ in active:
-            st = r.states[c.req_id]
-            specs.append(RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.draft_generator,
-                                 r.eos_ids))
+        states = [r.states[c.req_id] for c, _ in active]
+        r.structured.mask_drafts(states, logits)  # constrained requests draft within their grammar
+        specs = [RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.draft_generator, r.eos_ids,
+                         grammar=st.grammar is not None) for st in states]
         probs = r.sampler.probs(logits, specs)
         tokens = r.sampler.draw(probs, [s.generator for s in specs])
         for (c, _), row in zip(active, probs):

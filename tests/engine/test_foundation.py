@@ -71,7 +71,8 @@ def test_loads_merged_3d_expert_tensors(tmp_path, tiny_ckpt):
             [sd.pop(f"{layer}.mlp.experts.{e}.down_proj.weight") for e in range(n)])
     save_file({**sd, **merged}, str(out / "model.safetensors"))
     ids = list(range(30, 50))
-    assert torch.equal(LLM(str(out), num_blocks=8).prompt_logits(ids), LLM(str(tiny_ckpt), num_blocks=8).prompt_logits(ids))
+    assert torch.equal(LLM(str(out), num_blocks=8).prompt_logits(ids),
+                       LLM(str(tiny_ckpt), num_blocks=8).prompt_logits(ids))
 
 
 def test_fp8_block_scaled_weights_are_dequantised(tmp_path, tiny_ckpt):

@@ -121,7 +121,7 @@ def test_indexer_overtakes_sparse_mla(cfg, dep, divisor, approx):
     # for L > 2048: indexer 22 x 4096 x L(L+1); MLA 79 x 139,264 x (2048 L - 2,096,128) / divisor
     # (TP8 replicates the indexer and splits MLA heads: divisor 8; PCP8 splits both: divisor 1)
     a, mla = 22 * 4096, 79 * 139_264
-    crossing = lambda n: a * n * (n + 1) * divisor - mla * (2048 * n - 2_096_128)  # noqa: E731
+    crossing = lambda n: a * n * (n + 1) * divisor - mla * (2048 * n - 2_096_128)
     b, c0 = a * divisor - mla * 2048, mla * 2_096_128
     root = (-b + math.sqrt(b * b - 4 * a * divisor * c0)) / (2 * a * divisor)
     got = indexer_crossover(cfg, kv_spec(cfg, dep), True, mla_divisor=divisor)
