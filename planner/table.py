@@ -36,6 +36,11 @@ def _memory_section(plan: dict) -> list[str]:
              f"{dep['reserve_gib']} GiB; {dep['weight_dtype']} weights, {_count(plan['num_params'])} params)"]
     lines += _table(["", "prefill", "decode"], [["weights", _gib(w["prefill"]), _gib(w["decode"])],
                                                  ["KV budget", _gib(b["prefill"]), _gib(b["decode"])]])
+    by = plan.get("weights_bytes_by_dtype") or {}
+    for role in ("prefill", "decode"):
+        if by.get(role):
+            lines.append(f"  {role} rank weights (engine model on meta): "
+                         + ", ".join(f"{k} {_gib(v)}" for k, v in by[role].items()))
     limit = mc["max_position_embeddings"]
     note = lambda n: " (= max positions)" if n >= limit else ""
     lines.append(f"Largest context: prefill {mc['prefill']:,}{note(mc['prefill'])}; decode {mc['decode']:,}"

@@ -84,6 +84,9 @@ class EngineHost:
             m.num_requests_running.set(st.num_running)
             m.num_requests_waiting.set(st.num_waiting)
             m.kv_cache_usage_perc.set(st.kv_usage)
+            for rank, by_dtype in enumerate(st.weight_bytes):
+                for dtype, nbytes in by_dtype.items():
+                    m.weight_bytes.labels(rank=str(rank), dtype=dtype).set(nbytes)
             m.engine_steps.inc(max(st.num_steps - self._steps_seen[0], 0))
             m.engine_step_seconds.inc(max(st.step_seconds - self._steps_seen[1], 0.0))
             self._steps_seen = (st.num_steps, st.step_seconds)

@@ -9,6 +9,7 @@ thing everywhere. The reference prefill launch line works as is:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -59,13 +60,14 @@ class EngineArgs:
     data_parallel_size: int = 1
     attention_backend: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None  # "fp8": quantize a bf16 checkpoint's projections at load (block FP8)
     enforce_eager: bool | None = None  # None: CUDA graphs on CUDA, eager elsewhere
     cuda_graph_sizes: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
         model_path = Path(self.model)
-        mcfg = ModelConfig.from_pretrained(model_path)
+        mcfg = self._quantized(ModelConfig.from_pretrained(model_path))
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = self.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         kv_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
@@ -100,6 +102,13 @@ class EngineArgs:
             load_format=self.load_format,
             graphs=GraphConfig(enforce_eager=self.enforce_eager,
                                cuda_graph_sizes=tuple(self.cuda_graph_sizes) if self.cuda_graph_sizes else None))
+
+    def _quantized(self, mcfg: ModelConfig) -> ModelConfig:
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or unset, got {self.quantization!r}")
+        if self.quantization == "fp8" and mcfg.quantization != "fp8":
+            return dataclasses.replace(mcfg, quantization="fp8", quantize_at_load=True, weight_block_size=(128, 128))
+        return mcfg
 
     def _speculative(self) -> SpeculativeConfig | None:
         if self.speculative_config:
@@ -137,6 +146,9 @@ class EngineArgs:
         g.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
         g.add_argument("--data-parallel-size", type=int, default=1)
         g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+        g.add_argument("--quantization", default=None, choices=["fp8"],
+                       help="fp8: quantize a bf16 checkpoint to FP8 block-scaled weights at load (an FP8 checkpoint "
+                            "is served in FP8 without it)")
         g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                        help="dummy: random weights of the config's shape (benchmarks without a checkpoint)")
         g.add_argument("--enforce-eager", action="store_true", default=None,

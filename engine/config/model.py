@@ -66,6 +66,12 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     # fp8 block-scaled checkpoints: (rows, cols) of one scale tile, None for plain weights
     weight_block_size: tuple[int, int] | None = None
+    # FP8 block-scaled weights (docs/fp8.md): "fp8" when config.json's quantization_config says so or when a
+    # bf16 checkpoint is quantized at load (quantize_at_load); the module-name patterns left unquantized
+    # (quantization_config's modules_to_not_convert / ignored_layers; None: the default list)
+    quantization: str | None = None
+    modules_to_not_convert: tuple[str, ...] | None = None
+    quantize_at_load: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -204,6 +210,8 @@ def _parse_hf_config(d: dict[str, Any]) -> ModelConfig:
     block = quant.get("weight_block_size")
     if quant and quant.get("quant_method") not in ("fp8", None):
         raise ConfigError(f"quantization {quant.get('quant_method')!r} is not supported (only fp8 block scales)")
+    if quant.get("quant_method") == "fp8" and (not block or [int(b) for b in block] != [128, 128]):
+        raise ConfigError(f"fp8 checkpoints need weight_block_size [128, 128] (block scales), got {block!r}")
     q_norm_eps = d.get("q_lora_norm_eps", d.get("q_a_layernorm_eps", 1e-6))
     kv_norm_eps = d.get("kv_lora_norm_eps", d.get("kv_a_layernorm_eps", 1e-6))
     return ModelConfig(
@@ -246,14 +254,29 @@ def _parse_hf_config(d: dict[str, Any]) -> ModelConfig:
         bos_token_id=d.get("bos_token_id"),
         torch_dtype=str(d.get("dtype", d.get("torch_dtype", "bfloat16")) or "bfloat16"),
         weight_block_size=tuple(block) if block else None,
+        quantization="fp8" if quant.get("quant_method") == "fp8" else None,
+        modules_to_not_convert=_not_convert(quant),
         extra={k: v for k, v in d.items() if k in ("architectures", "transformers_version")},
     )
 
 
+def _not_convert(quant: dict[str, Any]) -> tuple[str, ...] | None:
+    names = quant.get("modules_to_not_convert") or quant.get("ignored_layers")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ConfigError(f"quantization_config's modules_to_not_convert must be a list of names, got {names!r}")
+    return tuple(names) if names is not None else None
+
+
 def _to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     d = asdict(cfg)
-    for key in ("extra", "eos_token_ids", "weight_block_size", "rope_theta", "torch_dtype"):
+    for key in ("extra", "eos_token_ids", "weight_block_size", "rope_theta", "torch_dtype", "quantization",
+                "modules_to_not_convert", "quantize_at_load"):
         d.pop(key)
+    if cfg.quantization == "fp8" and not cfg.quantize_at_load:
+        d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": list(cfg.weight_block_size or (128, 128))}
+        if cfg.modules_to_not_convert is not None:
+            d["quantization_config"]["modules_to_not_convert"] = list(cfg.modules_to_not_convert)
     d.update(
         architectures=["GlmMoeDsaForCausalLM"],
         indexer_types=list(cfg.indexer_types),

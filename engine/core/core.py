@@ -31,6 +31,7 @@ class EngineStats:
     num_preemptions: int
     num_queued_tokens: int = 0  # prompt tokens of waiting requests still to compute (a load figure)
     hisparse: object | None = None  # engine.hisparse.HiSparseStats when HiSparse is on
+    weight_bytes: tuple = ()  # per rank: {dtype name: bytes} of its weights (engine.loading.weight_stats)
     num_steps: int = 0  # steps that ran a forward
     step_seconds: float = 0.0  # their wall time, summed (schedule + forward + update)
 
@@ -139,7 +140,19 @@ class EngineCore:
                            num_preemptions=s.num_preemptions,
                            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
                            hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None,
+                           weight_bytes=tuple(r["weight_bytes"] for r in self.weight_reports()),
                            num_steps=self.num_steps, step_seconds=self.step_seconds)
+
+    def weight_reports(self) -> list[dict]:
+        """Per rank: weight bytes by dtype and what loading read (engine.loading.weight_stats); fixed after load."""
+        if getattr(self, "_weight_reports", None) is None:
+            self._weight_reports = self._collect_weight_reports()
+        return self._weight_reports
+
+    def _collect_weight_reports(self) -> list[dict]:
+        from engine.loading.weight_stats import rank_weight_report
+
+        return [rank_weight_report(self.runner)]
 
 
 def make_engine_core(cfg: EngineConfig, rank_pool=None) -> EngineCore:

@@ -103,6 +103,9 @@ class MultiRankEngineCore(EngineCore):
             raise RuntimeError(f"worker ranks {self.spawner.dead_ranks()} died; see their stderr")
         self.comm.broadcast_object(msg)
 
+    def _collect_weight_reports(self) -> list[dict]:
+        return self.collective_rpc("engine.loading.weight_stats:rank_weight_report")
+
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the worker ranks, or, for an engine built with a `rank_pool`, leave its spawned ranks idle in

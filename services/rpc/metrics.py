@@ -33,6 +33,7 @@ class MetricDef:
     doc: str
     roles: tuple[str, ...]
     buckets: tuple[float, ...] | None = None
+    labels: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:  # prometheus_client appends `_total` to counters itself
@@ -76,6 +77,8 @@ METRICS: tuple[MetricDef, ...] = (
               "reused): never decoded from.", ("decode",)),
     MetricDef("kvstore_failures", Counter, "kvstore loads/offloads that failed or timed out (recomputed instead).",
               ("prefill",)),
+    MetricDef("weight_bytes", Gauge, "Bytes of model weights held by each engine rank, by dtype.", ENGINES,
+              labels=("rank", "dtype")),
     MetricDef("kv_pull_recomputes", Counter, "Requests whose prompt KV was computed locally instead of pulled.",
               ("decode",)),
 )
@@ -95,6 +98,8 @@ class ServiceMetrics:
         for m in METRICS:
             if role in m.roles:
                 kwargs = {"buckets": m.buckets} if m.buckets else {}
+                if m.labels:
+                    kwargs["labelnames"] = m.labels
                 setattr(self, m.attr, m.kind(m.name, m.doc, registry=self.registry, **kwargs))
 
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
