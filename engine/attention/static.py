@@ -1,9 +1,9 @@
 """Step metadata in buffers allocated once: what a graph-captured decode step reads its inputs from.
 
 One forward's host-side inputs (token ids, positions, slots, the rows' requests, query starts, seq lens,
-block table) are packed into one persistent host buffer (pinned on CUDA), copied to the device in one
-transfer, and spread into fixed device tensors there (device-side copies, no host sync). The returned
-metadata holds views of those tensors, so a batch of the same padded shape always sees the same
+block table) are packed into a persistent host buffer (pinned on CUDA; two, used in turn), copied to the
+device in one transfer, and spread into fixed device tensors there (device-side copies, no host sync). The
+returned metadata holds views of those tensors, so a batch of the same padded shape always sees the same
 addresses: a CUDA graph captured on them replays on the next step's values.
 
 Rows and requests are given already padded (the runner's padding rows write nowhere: slot -1).
@@ -23,7 +23,10 @@ class StaticMetadataBuilder:
         self.device = torch.device(device)
         n = 6 * max_rows + 2 * max_reqs + 1 + max_reqs * self.max_blocks  # + two row-index extras
         pin = self.device.type == "cuda"
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        # two host buffers used in turn: a build waits only for the copy two builds back (the draft steps
+        # of MTP issue builds without reading anything back in between)
+        self.hosts = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.copied = [torch.cuda.Event() for _ in range(2)] if pin else None
         self.flat = torch.zeros(n, dtype=torch.int64, device=self.device)
         i64 = {"dtype": torch.int64, "device": self.device}
         i32 = {"dtype": torch.int32, "device": self.device}
@@ -35,7 +38,6 @@ class StaticMetadataBuilder:
         self.seq_lens = torch.zeros(max_reqs, **i32)
         self.block_table = torch.zeros((max_reqs, self.max_blocks), **i32)
         self.num_h2d = 0  # host -> device copies made (one per build)
-        self._copied = torch.cuda.Event() if pin else None
 
     def build(self, rows: list[tuple[list[int], list[int], int, list[int], list[int]]],
               extras: tuple[list[int], ...] = ()) -> tuple[torch.Tensor, AttnMetadata, list[torch.Tensor]]:
@@ -46,8 +48,10 @@ class StaticMetadataBuilder:
         if T > self.max_rows or B > self.max_reqs or len(extras) > 2 or any(len(e) > self.max_rows for e in extras):
             raise ValueError(f"static batch of {T} rows / {B} requests exceeds the buffers "
                              f"({self.max_rows} rows / {self.max_reqs} requests)")
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous build's copy has read the host buffer
+        turn = self.num_h2d % 2
+        host = self.hosts[turn]
+        if self.copied is not None:
+            self.copied[turn].synchronize()  # the copy that last read this host buffer is done
         ids, pos, slots, req_idx, qsl, lens = [], [], [], [], [0], []
         table = torch.zeros((B, W), dtype=torch.int64)
         for b, (blocks, row_pos, seq_len, tokens, row_slots) in enumerate(rows):
@@ -65,11 +69,11 @@ class StaticMetadataBuilder:
                 table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         at = 0
         for seg in (ids, pos, slots, req_idx, qsl, lens, table.flatten().tolist(), *extras):
-            self.host[at: at + len(seg)] = torch.tensor(seg, dtype=torch.int64)
+            host[at: at + len(seg)] = torch.tensor(seg, dtype=torch.int64)
             at += len(seg)
-        self.flat[:at].copy_(self.host[:at], non_blocking=True)  # the forward's one H2D copy
-        if self._copied is not None:
-            self._copied.record()
+        self.flat[:at].copy_(host[:at], non_blocking=True)  # the forward's one H2D copy
+        if self.copied is not None:
+            self.copied[turn].record()
         self.num_h2d += 1
         at = self._spread(T, B, W)
         out = []

@@ -6,6 +6,9 @@
     every use            the caller has refilled the static buffers (one H2D copy); the MTP input hidden
                          rows are copied into a static buffer; replay; the static output is returned
 
+A capture that fails (an operation that cannot be captured) is logged once and the engine decodes
+eagerly from then on (`failed` says why; the GPU tests assert it stays None).
+
 A request joining or leaving changes only the buffers' contents and, across a capture size, the key:
 nothing is captured twice. The captured forwards are the model's target pass and the MTP layer's
 catch-up and draft passes; sampling and rejection stay eager (per-request generators, grammars and
@@ -14,9 +17,13 @@ penalties are host-side state).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.runner.static_decode import PaddedBatch, eager_forward
+
+log = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
@@ -27,14 +34,22 @@ class DecodeGraphs:
         self.prev_buf: torch.Tensor | None = None  # [max rows, hidden]: the MTP passes' input hidden rows
         self.num_captures = 0
         self.num_replays = 0
+        self.failed: str | None = None  # why a capture failed: every forward runs eagerly from then on
 
     def run(self, kind: str, batch: PaddedBatch, prev: torch.Tensor | None) -> torch.Tensor:
         key = (kind, *batch.key)
         if prev is not None:
             prev = self._static_prev(prev)
         entry = self.graphs.get(key)
+        if entry is None and self.failed is None:
+            try:
+                entry = self.graphs[key] = self._capture(kind, batch, prev)
+            except Exception as e:  # noqa: BLE001 - any capture error: serve eagerly, say why once
+                self.failed = f"{key}: {type(e).__name__}: {e}"
+                log.warning("CUDA graph capture failed, decoding eagerly: %s", self.failed)
+                torch.cuda.synchronize()
         if entry is None:
-            entry = self.graphs[key] = self._capture(kind, batch, prev)
+            return eager_forward(self.runner, kind, batch.input_ids, batch.meta, prev)
         graph, out = entry
         graph.replay()
         self.num_replays += 1
@@ -58,7 +73,8 @@ class DecodeGraphs:
             fn()  # warm-up (rewrites this step's KV rows with the same values the replay writes)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls of other threads (the services' I/O) do not invalidate the capture
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         self.num_captures += 1
         return graph, out

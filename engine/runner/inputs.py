@@ -55,6 +55,15 @@ def build_batch(rows: list[tuple[RunnerRequest, int, list[int]]], block_size: in
     return torch.tensor(input_ids, dtype=torch.long).to(device), meta, layout
 
 
+def device_index(idx: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices for a gather on `device`: through pinned memory on CUDA, so the copy does not wait
+    for the stream (indexing a CUDA tensor with a Python list would copy synchronously)."""
+    host = torch.tensor(idx, dtype=torch.int64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
 def rows_layout(rows: list[tuple[RunnerRequest, int, list[int]]]) -> BatchRows:
     """The row layout `build_batch` gives the same rows."""
     layout, at = BatchRows([], [], []), 0

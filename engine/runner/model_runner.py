@@ -18,7 +18,7 @@ from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.loading.loader import build_model, dummy_init, use_kernel_moe
 from engine.model.context import ForwardContext
 from engine.model.layers import rope_cos_sin, rope_inv_freq
-from engine.runner.inputs import BatchRows, build_batch, chunk_rows, rows_layout, slots_for
+from engine.runner.inputs import BatchRows, build_batch, chunk_rows, device_index, rows_layout, slots_for
 from engine.runner.mtp import MTPProposer
 from engine.runner.sampler import RowSpec, Sampler, top_logprobs
 from engine.runner.spec import SyntheticAcceptance, verify_drafts
@@ -110,7 +110,7 @@ class ModelRunner:
             ctx = self.make_context(meta)
             with torch.inference_mode():
                 out = self.model.mtp_forward(ids if input_ids is None else input_ids.to(ids.dtype), prev_hidden, ctx)
-        return out if keep is None else out[keep]
+        return out if keep is None else out[device_index(keep, out.device)]
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -153,7 +153,7 @@ class ModelRunner:
             last_known = s + len(c.token_ids) - c.num_draft_tokens - 1
             row_idx.extend(range(last_known, last_known + c.num_draft_tokens + 1))
         with torch.inference_mode():
-            logits = self.model.compute_logits(hidden[row_idx])
+            logits = self.model.compute_logits(hidden[device_index(row_idx, hidden.device)])
         valid = self.structured.mask([c for c, _ in todo], self.states, logits)  # in place, before sampling
         greedy = self._plain_greedy(todo, logits, row_idx)
         r = 0
@@ -184,7 +184,8 @@ class ModelRunner:
             r += c.num_draft_tokens + 1
         if not rows:
             return {}
-        return dict(zip(ids, logits[rows].argmax(dim=-1).tolist()))
+        tokens = logits[device_index(rows, logits.device)].argmax(dim=-1)
+        return dict(zip(ids, tokens.tolist()))  # the step's read of its sampled tokens
 
     def _sample_one(self, c: ScheduledChunk, logits: torch.Tensor, valid_drafts: int | None = None) -> SampledOutput:
         """valid_drafts: with a grammar, how many drafts it accepts (the rows are masked already)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.scheduler_output import ScheduledChunk
-from engine.runner.inputs import BatchRows
+from engine.runner.inputs import BatchRows, device_index
 from engine.runner.sampler import RowSpec
 
 
@@ -39,7 +39,7 @@ class MTPProposer:
             if c.sample and c.max_drafts > 0:
                 last.append((c, len(hid_idx) - 1, c.start + n_valid - 1))
         # the catch-up pass writes the MTP cache for every row; only the last rows' outputs are drafted from
-        prev = self.runner.mtp_forward(rows, hidden[hid_idx], keep=[i for _, i, _ in last])
+        prev = self.runner.mtp_forward(rows, hidden[device_index(hid_idx, hidden.device)], keep=[i for _, i, _ in last])
         if not last:
             return {}
         counts = {c.req_id: 0 for c, _, _ in last}

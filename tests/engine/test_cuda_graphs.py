@@ -74,6 +74,7 @@ def test_graph_replay_equals_eager_static(tiny_code, spec):
     got = _run(llm, prompts, late=2)
     assert got == ref
     st = llm.core.runner.static
+    assert st.graphs.failed is None, st.graphs.failed
     keys = set(st.graphs.graphs)
     assert st.num_captures == len(keys) > 0, "one capture per (pass, bucket, rows)"
     assert any(bp > b for b, bp, _ in st.shapes), f"no padded batch: {dict(st.shapes)}"
@@ -96,6 +97,7 @@ def test_graphs_equal_enforce_eager_fp32(tiny_code):
     ref = _run(eager, prompts, late=2)
     llm = _graph_llm(tiny_code, **kw)
     assert _run(llm, prompts, late=2) == ref
+    assert llm.core.runner.static.graphs.failed is None, llm.core.runner.static.graphs.failed
     assert llm.core.runner.static.num_captures > 0
 
 

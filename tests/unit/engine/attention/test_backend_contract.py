@@ -139,7 +139,8 @@ def test_cp_backend_contract():
     g_state = gen.get_state()
     _history(inner, caches[0], spec, tables, lens, gen)
     gen.set_state(g_state)
-    par = SimpleNamespace(prefill_context_parallel_size=1, decode_context_parallel_size=1, cp_kv_cache_interleave_size=1)
+    par = SimpleNamespace(prefill_context_parallel_size=1, decode_context_parallel_size=1,
+                          cp_kv_cache_interleave_size=1)
     runner = SimpleNamespace(cfg=SimpleNamespace(parallel=par), block_size=BS, device=torch.device("cpu"), rank=0,
                              slot_fn=lambda blocks, pos, bs: [blocks[p // bs] * bs + p % bs for p in pos])
     reqs = [SimpleNamespace(req_id=f"r{i}", block_ids=t) for i, t in enumerate(tables)]
