@@ -44,7 +44,8 @@ class StaticMetadataBuilder:
         """rows: per request (block ids, positions of its rows, seq len after the step, token ids, write
         slots); extras: int lists (row indices...) that travel in the same copy. Returns (input_ids [T],
         metadata, the extras as device int64 tensors)."""
-        T, B, W = sum(len(r[3]) for r in rows), len(rows), self.max_blocks
+        T, B = sum(len(r[3]) for r in rows), len(rows)
+        W = max([len(r[0]) for r in rows] + [1])  # columns copied; those past them are never read
         if T > self.max_rows or B > self.max_reqs or len(extras) > 2 or any(len(e) > self.max_rows for e in extras):
             raise ValueError(f"static batch of {T} rows / {B} requests exceeds the buffers "
                              f"({self.max_rows} rows / {self.max_reqs} requests)")
@@ -57,8 +58,9 @@ class StaticMetadataBuilder:
         for b, (blocks, row_pos, seq_len, tokens, row_slots) in enumerate(rows):
             if not len(row_pos) == len(tokens) == len(row_slots):
                 raise ValueError(f"request {b}: positions, tokens and slots differ in length")
-            if len(blocks) > W:
-                raise ValueError(f"request {b} holds {len(blocks)} blocks, more than the table width {W}")
+            if len(blocks) > self.max_blocks:
+                raise ValueError(f"request {b} holds {len(blocks)} blocks, more than the table width "
+                                 f"{self.max_blocks}")
             ids.extend(tokens)
             pos.extend(row_pos)
             slots.extend(row_slots)
@@ -93,5 +95,5 @@ class StaticMetadataBuilder:
                        (self.query_start_loc, B + 1), (self.seq_lens, B)):
             dst[:n].copy_(f[at: at + n])
             at += n
-        self.block_table[:B].copy_(f[at: at + B * W].view(B, W))
+        self.block_table[:B, :W].copy_(f[at: at + B * W].view(B, W))
         return at + B * W
