@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from engine.config.engine import EngineConfig
 from engine.core.request import Request
 from engine.core.scheduler import EngineCoreOutput, Scheduler
+from engine.kv.export import KVExport, kv_exports
 from engine.kv.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,12 @@ class EngineCore:
     def held_block_ids(self, req_id: str) -> list[int]:
         """Blocks of a finished request kept for export (`Request.hold_kv_on_finish`)."""
         return self.scheduler.held_block_ids(req_id)
+
+    def kv_exports(self, req_id: str) -> list[KVExport]:
+        """Which ranks hold a held request's KV, and at which blocks (engine/kv/export.py)."""
+        pc = self.cfg.parallel
+        return kv_exports(self.held_block_ids(req_id), pc.decode_context_parallel_size,
+                          pc.cp_kv_cache_interleave_size)
 
     def release_held(self, req_id: str) -> bool:
         return self.scheduler.release_held(req_id)

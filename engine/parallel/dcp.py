@@ -53,10 +53,10 @@ def dcp_slot_fn(rank: int, dcp_size: int, interleave: int):
     def slot_fn(block_ids: list[int], positions, block_size: int) -> list[int]:
         out = []
         for p in positions:
-            if (p // interleave) % dcp_size != rank:
+            if owner_rank(p, dcp_size, interleave) != rank:
                 out.append(-1)
                 continue
-            j = (p // (interleave * dcp_size)) * interleave + p % interleave
+            j = local_index(p, dcp_size, interleave)
             out.append(block_ids[j // block_size] * block_size + j % block_size)
         return out
     return slot_fn

@@ -15,7 +15,6 @@ from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import decode_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, RedisState
 from services.decode.faults import with_faults
-from services.decode.puller import KVPuller
 from services.decode.server import SERVICE_NAME, DecodeServicer
 from services.engine_host import EngineHost
 from services.rpc.admission import Admission
@@ -24,6 +23,7 @@ from services.rpc.metrics import ServiceMetrics
 from services.rpc.net import advertise_host
 from services.rpc.service_args import add_service_args, setup_logging
 from services.transfer.nixl_agent import NixlAgent
+from services.transfer.pull import KVPuller
 
 log = logging.getLogger("services.decode")
 

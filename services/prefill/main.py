@@ -18,8 +18,6 @@ from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import prefill_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, RedisState
 from services.engine_host import EngineHost
-from services.prefill.exporter import KVExporter
-from services.prefill.kvstore_link import KVStoreLink
 from services.prefill.rank_watch import wait_for_engine_death
 from services.prefill.server import SERVICE_NAME, PrefillServicer
 from services.rpc.admission import Admission
@@ -27,6 +25,9 @@ from services.rpc.grpc_server import GrpcServer, run
 from services.rpc.metrics import ServiceMetrics
 from services.rpc.net import advertise_host
 from services.rpc.service_args import add_service_args, set_rank_environ, setup_logging
+from services.transfer.export import KVExporter
+from services.transfer.kvstore_link import KVStoreLink
+from services.transfer.prefix import PrefixTransfer
 
 log = logging.getLogger("services.prefill")
 
@@ -57,9 +58,9 @@ async def serve(args: argparse.Namespace) -> int:
     exporter = KVExporter(instance_id, engine, metrics)
     link = None
     if args.kvstore != "off":
-        link = KVStoreLink(exporter.agent, exporter.tensors, exporter.spec, state,
-                           static_address=None if args.kvstore == "auto" else args.kvstore,
-                           timeout_s=args.kvstore_timeout_s, metrics=metrics)
+        link = PrefixTransfer(engine, KVStoreLink(exporter.agent, exporter.tensors, exporter.spec, state,
+                                                  static_address=None if args.kvstore == "auto" else args.kvstore,
+                                                  timeout_s=args.kvstore_timeout_s, metrics=metrics))
     servicer = PrefillServicer(instance_id, engine, exporter, metrics, link, args.lease_ms / 1000,
                                args.max_lease_ms / 1000,
                                Admission("prefill", args.max_inflight_requests, args.max_queued_requests),
@@ -78,7 +79,7 @@ async def serve(args: argparse.Namespace) -> int:
         engine.start()
         await exporter.start()
         if link is not None:
-            await _setup_staging(engine, exporter, link, args.kvstore_staging_blocks)
+            await link.setup(exporter.agent, args.kvstore_staging_blocks)
         await server.start()
         await host_obj.start()
         servicer.start()
@@ -93,19 +94,6 @@ async def serve(args: argparse.Namespace) -> int:
         await engine.shutdown()
         await state.close()
         metrics.close()
-
-
-async def _setup_staging(engine: AsyncEngine, exporter: KVExporter, link: KVStoreLink, num_blocks: int) -> None:
-    """DCP engines move kvstore blocks through a staging cache on rank 0 (engine.parallel.kv_staging),
-    registered here with rank 0's NIXL agent. Engines whose ranks are not all DCP ranks compute instead."""
-    pc = engine.config.parallel
-    if pc.decode_context_parallel_size == 1 or pc.world_size != pc.decode_context_parallel_size:
-        return
-    if num_blocks < 1:
-        raise ValueError(f"--kvstore-staging-blocks must be >= 1, got {num_blocks}")
-    await engine.call(lambda core: core.collective_rpc("engine.parallel.kv_staging:ensure", num_blocks))
-    staging = engine.core.runner.kv_staging
-    link.set_staging(exporter.agent.register({"mla": staging.mla, "index": staging.index}), num_blocks)
 
 
 async def _serve_until_stopped(server: GrpcServer, engine: AsyncEngine, host_obj: EngineHost) -> int:

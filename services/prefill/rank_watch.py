@@ -42,7 +42,7 @@ async def wait_for_engine_death(engine: AsyncEngine, *, period_s: float = 0.5,
         if not multi_rank:
             continue
         try:
-            await asyncio.wait_for(engine.call(lambda core: core.collective_rpc("services.prefill.rank_export:ping")),
+            await asyncio.wait_for(engine.call(lambda core: core.collective_rpc("services.prefill.rank_watch:ping")),
                                    hang_timeout_s or 30.0)
             last_ok = time.monotonic()
         except TimeoutError:
@@ -51,3 +51,8 @@ async def wait_for_engine_death(engine: AsyncEngine, *, period_s: float = 0.5,
                 return EngineDeath(f"no collective completed for {stalled:.1f} s: a worker rank hangs", hung=True)
         except Exception as exc:  # noqa: BLE001 - any failure of the collective means a rank is gone
             return EngineDeath(f"a worker rank is gone ({type(exc).__name__}: {exc})", hung=False)
+
+
+def ping(runner) -> int:
+    """A no-op collective (run on every rank): it fails at once on rank 0 when a worker rank's process is gone."""
+    return runner.comm.rank

@@ -3,6 +3,7 @@
     Prefill(request)  -> [load a cached prefix from a kvstore over NIXL] -> engine computes the rest
                       -> first token; the KV stays pinned under a lease (KVHandle: NIXL peers, block ids)
                       -> [offload the prompt's full blocks to a kvstore over NIXL, in the background]
+    (the KV's export, the kvstore's load / offload and any CP staging: services/transfer/)
     ReleaseKV (decode confirms its copy against the page generations) / lease expiry
                       -> blocks freed (after the offload read them)
 An engine that died (a worker rank is gone) fails every call with UNAVAILABLE (services/prefill/main.py
@@ -21,14 +22,13 @@ from engine.core.request import Request
 from engine.frontend.async_engine import AsyncEngine, EngineDeadError
 from engine.kv.hashing import block_hashes
 from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from services.prefill import convert
-from services.prefill.exporter import KVExporter
-from services.prefill.kvstore_link import KVStoreLink
 from services.prefill.leases import LeaseTable
 from services.rpc.admission import Admission
 from services.rpc.bounds import ModelLimits, check_generate_proto
 from services.rpc.grpc_server import FailedPrecondition, NotFound, Unavailable, grpc_errors
 from services.rpc.metrics import ServiceMetrics
+from services.transfer.export import KVExporter
+from services.transfer.prefix import PrefixTransfer
 from services.transfer.wire import delta_to_proto, sampling_from_proto, unix_ms
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ SERVICE_NAME = "pdserve.v1.Prefill"
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, instance_id: str, engine: AsyncEngine, exporter: KVExporter, metrics: ServiceMetrics,
-                 kvstore: KVStoreLink | None, lease_s: float, max_lease_s: float, admission: Admission | None = None,
+                 kvstore: PrefixTransfer | None, lease_s: float, max_lease_s: float, admission: Admission | None = None,
                  grpc_address: str = ""):
         self.instance_id, self.engine, self.exporter, self.metrics = instance_id, engine, exporter, metrics
         self.admission = admission or Admission("prefill", 1024, 256)
@@ -128,8 +128,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """Add the request; first load the prefix a kvstore holds beyond our own cache, if any."""
         n_hint = min(hint.num_blocks if hint.grpc_address else 0, len(hashes),
                      (len(req.prompt_token_ids) - 1) // self.block_size)
-        dcp = self.engine.config.parallel.decode_context_parallel_size
-        if self.kvstore is None or n_hint == 0 or (dcp > 1 and self.kvstore.staging is None):
+        if self.kvstore is None or n_hint == 0 or not self.kvstore.ready:
             return self.engine.add_request(req.prompt_token_ids, req.sampling_params, req.req_id,
                                            cache_salt=req.cache_salt, hold_kv_on_finish=req.hold_kv_on_finish)
         admitted = await self.engine.add_import_request(req, n_hint * self.block_size)
@@ -138,7 +137,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                            cache_salt=req.cache_salt, hold_kv_on_finish=req.hold_kv_on_finish)
         stream, block_ids, n_cached = admitted
         first = n_cached // self.block_size
-        load = asyncio.ensure_future(self._load(hint.grpc_address, hashes, list(block_ids), first, n_hint))
+        load = asyncio.ensure_future(self.kvstore.load(hint.grpc_address, hashes, list(block_ids), first, n_hint))
         try:
             loaded = await asyncio.shield(load)  # a READ may be writing our blocks until it ends
         except BaseException:  # the client left: free the request once the READ ended, never before
@@ -148,55 +147,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.engine.import_done(req.req_id, ok=loaded > 0, num_tokens=(first + loaded) * self.block_size)
         return stream
 
-    async def _load(self, address: str, hashes: list[bytes], block_ids: list[int], first: int, n_hint: int) -> int:
-        """Blocks [first, n_hint) of the prompt from the kvstore into the request's blocks on every rank ->
-        how many leading ones arrived. One rank: straight into its cache. DCP = 1: into rank 0's, then
-        copied to the other ranks' replicas. DCP > 1: through rank 0's staging cache, chunk by chunk,
-        scattered to the ranks holding each token."""
-        pc, bs = self.engine.config.parallel, self.block_size
-        if pc.decode_context_parallel_size == 1:
-            loaded = await self.kvstore.load(address, hashes[first:n_hint], block_ids[first:n_hint])
-            if loaded > 0 and pc.world_size > 1:
-                landed = block_ids[first:first + loaded]
-                await self.engine.call(lambda core: core.collective_rpc("replicate_blocks", landed))
-            return loaded
-        loaded, size = 0, self.kvstore.staging_blocks
-        async with self.kvstore.staging_lock:
-            for c0 in range(first, n_hint, size):
-                chunk = hashes[c0:min(n_hint, c0 + size)]
-                n = await self.kvstore.load(address, chunk, list(range(len(chunk))), staged=True)
-                if n:
-                    await self.engine.call(lambda core, c0=c0, n=n: core.collective_rpc(
-                        "engine.parallel.kv_staging:scatter", block_ids, c0 * bs, n * bs))
-                loaded += n
-                if n < len(chunk):
-                    break
-        return loaded
-
-    async def _offload_staged(self, hashes: list[bytes], block_ids: list[int]) -> int:
-        """DCP: the prompt's whole blocks the kvstore lacks, gathered on rank 0 chunk by chunk, then stored."""
-        bs, size, stored = self.block_size, self.kvstore.staging_blocks, 0
-        try:
-            start = await self.kvstore.stored_prefix(hashes)
-            async with self.kvstore.staging_lock:
-                for c0 in range(start, len(hashes), size):
-                    n = min(size, len(hashes) - c0)
-                    await self.engine.call(lambda core, c0=c0, n=n: core.collective_rpc(
-                        "engine.parallel.kv_staging:gather", block_ids, c0 * bs, n * bs))
-                    stored += await self.kvstore.offload(hashes[c0:c0 + n], list(range(n)), staged=True)
-        except Exception as exc:  # noqa: BLE001 - the tier is an optimisation; never fail a request for it
-            log.warning("kvstore offload through the staging cache failed (%s: %s)", type(exc).__name__, exc)
-        return stored
-
     async def _export(self, req_id: str, ids: list[int], hashes: list[bytes], lease_ms: int,
                       num_cached: int) -> prefill_pb2.KVHandle:
         pages = await self.exporter.rank_pages(req_id)
         lease = self.leases.grant(req_id, lease_ms / 1000.0 if lease_ms else None, pages[0].block_ids)
-        if self.kvstore is not None and hashes and (len(pages) == 1 or self.kvstore.staging is not None):
-            offload = (self.kvstore.offload(hashes, pages[0].block_ids[: len(hashes)]) if len(pages) == 1
-                       else self._offload_staged(hashes, list(pages[0].block_ids)))
+        if self.kvstore is not None and hashes and self.kvstore.ready:
+            offload = self.kvstore.offload(hashes, list(pages[0].block_ids))
             self.leases.add_reader(lease, asyncio.get_running_loop().create_task(offload))
-        handle = convert.kv_handle(self.instance_id, lease, len(ids), self.exporter, pages, hashes, num_cached)
+        handle = self.exporter.kv_handle(lease, len(ids), pages, hashes, num_cached)
         handle.prefill_grpc_address = self.grpc_address
         return handle
 

@@ -1,1 +1,3 @@
-"""The KV data plane: the NIXL agent, transfer descriptors, and the wire forms of KV layouts and NIXL peers."""
+"""KV transfer, in one place: the NIXL agent and descriptors, export of a held request's KV (prefill),
+pull into a decode engine, the kvstore link and prefix load / offload, and the CP staging through rank 0.
+The engine only says which bytes a request's KV is (engine/kv/export.py); this package moves them."""

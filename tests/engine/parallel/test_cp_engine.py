@@ -259,7 +259,7 @@ def _decode_imported(core, ref, ids: list[int], n_tokens: int, write) -> None:
 
 
 def test_kv_staged_through_rank0_for_dcp(cp):
-    """DCP > 1, the prefill service's kvstore path: `kv_staging.gather` assembles a held request's whole
+    """DCP > 1, the prefill service's kvstore path: `services.transfer.staging.gather` assembles a held request's whole
     blocks on rank 0 (what is offloaded), and `scatter` hands whole blocks (what is loaded) to the ranks that
     hold their tokens; the request then decodes like the single-rank engine."""
     c, llm, ref = cp
@@ -268,10 +268,10 @@ def test_kv_staged_through_rank0_for_dcp(cp):
         pytest.skip("DCP = 1 ranks hold full replicas (test_kv_written_on_rank0_replicates_to_every_rank)")
     prefix, tail = _ids(3 * 64, seed=93), _ids(29, seed=94)
     mla, index = _whole_blocks(ref.core, prefix, 3)
-    assert core.collective_rpc("engine.parallel.kv_staging:ensure", 4) == [4] * c["pcp"]
+    assert core.collective_rpc("services.transfer.staging:ensure", 4) == [4] * c["pcp"]
     staging = core.runner.kv_staging
     _prefill_held(core, prefix, "kv-held")
-    core.collective_rpc("engine.parallel.kv_staging:gather", core.kv.block_ids("kv-held"), 0, 3 * 64)
+    core.collective_rpc("services.transfer.staging:gather", core.kv.block_ids("kv-held"), 0, 3 * 64)
     core.release_held("kv-held")
     _close(staging.mla[:3], mla, "gathered mla blocks")
     _close(staging.index[:3], index, "gathered index blocks")
@@ -283,7 +283,7 @@ def test_kv_staged_through_rank0_for_dcp(cp):
         staging.mla.zero_()
         staging.index.zero_()
         staging.mla[:3], staging.index[:3] = mla, index
-        core.collective_rpc("engine.parallel.kv_staging:scatter", block_ids, 0, 3 * 64)
+        core.collective_rpc("services.transfer.staging:scatter", block_ids, 0, 3 * 64)
     _decode_imported(core, ref, other + tail, 3 * 64, write)
 
 

@@ -172,7 +172,7 @@ def test_internal_services_bind_loopback_unless_asked():
 
 def test_kv_handles_with_too_few_blocks_or_foreign_ranks_are_refused():
     from proto.pdserve.v1 import prefill_pb2
-    from services.decode.puller import check_rank_blocks, rank_num_tokens, token_home
+    from services.transfer.pull import check_rank_blocks, rank_num_tokens, token_home
 
     for n, dcp, inter in ((130, 1, 1), (1000, 2, 64), (1000, 4, 16), (77, 3, 5)):
         for r in range(dcp):

@@ -1,8 +1,8 @@
-"""The prefill engine's side of the host KV tier: load cached prefixes, offload computed blocks.
+"""The prefill engine's client of the host KV tier: load cached prefixes, offload computed blocks.
 
-A kvstore block is one 64-token block, whole. Single-rank and DCP = 1 engines move it to / from their
-cache directly (ranks > 0 then copy rank 0's blocks); DCP engines go through rank 0's staging cache
-(`engine.parallel.kv_staging`), which these calls address with `staged=True`.
+A kvstore block is one 64-token block, whole. Single-rank and DCP = 1 engines move it to / from rank 0's
+cache directly; DCP engines go through rank 0's staging cache (services/transfer/staging.py), which these
+calls address with `staged=True`. The multi-rank sequence around these calls: services/transfer/prefix.py.
 
 Any failure (kvstore gone, transfer error, timeout) degrades to recomputation: a load that fails
 reports 0 blocks, an offload that fails is dropped (the blocks are simply not in the tier). Every call
@@ -37,7 +37,7 @@ class KVStoreLink:
         self.num_loaded_blocks = 0
         self.num_offloaded_blocks = 0
         self.num_failures = 0
-        self.staging = None  # DCP engines: rank 0's staging cache of whole blocks (engine.parallel.kv_staging)
+        self.staging = None  # DCP engines: rank 0's staging cache of whole blocks (services/transfer/staging.py)
         self.staging_blocks = 0
         self.staging_lock = asyncio.Lock()  # one load or offload uses the staging cache at a time
 

@@ -1,4 +1,4 @@
-"""Pulling a request's KV from the prefill ranks into this engine's blocks over NIXL.
+"""Pull: a request's KV from the prefill ranks into this decode engine's blocks over NIXL (the import side).
 
 Token i of the prompt lives on prefill rank (i // I) % N at local index (i // (I·N))·I + i % I
 (DCP over N ranks, interleave I; N = 1 is the plain case; the rule is engine.parallel.dcp's, used here
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.cache import KVCacheSpec, PagedKVCache
+from engine.kv.export import kv_regions
 from engine.parallel.dcp import local_index, num_local, owner_rank
 from services.transfer.nixl_agent import BlockDescList, NixlAgent, deadline_in
 from services.transfer.wire import nixl_peer_from_proto
@@ -67,9 +68,9 @@ class KVPuller:
                  timeout_s: float = 30.0):
         self.agent, self.cache, self.spec = agent, cache, spec
         self.block_size = spec.block_size
-        self.local = agent.prep_local(agent.register({"mla": cache.mla, "index": cache.index}))
+        self.local = agent.prep_local(agent.register(kv_regions(cache)))
         self.staging = StagingArea(cache, staging_blocks)
-        self.staging_local = agent.prep_local(agent.register({"mla": self.staging.mla, "index": self.staging.index}))
+        self.staging_local = agent.prep_local(agent.register(kv_regions(self.staging)))
         self.timeout_s = timeout_s
         self._remote: dict[tuple[str, tuple], BlockDescList] = {}
 

@@ -1,8 +1,9 @@
 """NIXL on the worker ranks of a multi-rank prefill engine (run there through `collective_rpc`).
 
-Each worker rank registers its own cache tensors with its own NIXL agent. Workers have no event loop
-(they block in the engine's collectives between steps), so their agents use NIXL's progress thread:
-decode READs from them passively and needs the target side to make progress.
+Each worker rank registers its own cache regions (`engine.kv.export.kv_regions`) with its own NIXL
+agent. Workers have no event loop (they block in the engine's collectives between steps), so their
+agents use NIXL's progress thread: decode READs from them passively and needs the target side to make
+progress.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 
+from engine.kv.export import kv_regions
 from services.transfer.nixl_agent import NixlAgent
 
 _AGENT: NixlAgent | None = None
@@ -25,10 +27,5 @@ def setup(runner, instance_id: str) -> dict | None:
     if _AGENT is None:
         _AGENT = NixlAgent(f"{instance_id}.r{runner.comm.rank}.{os.getpid()}.{secrets.token_hex(3)}",
                            progress_thread=True)
-        _TENSORS = _AGENT.register({"mla": runner.kv_cache.mla, "index": runner.kv_cache.index})
+        _TENSORS = _AGENT.register(kv_regions(runner.kv_cache))
     return {"agent_name": _AGENT.name, "agent_metadata": _AGENT.metadata(), "tensors": _TENSORS}
-
-
-def ping(runner) -> int:
-    """A no-op collective: it fails at once on rank 0 when a worker rank's process is gone."""
-    return runner.comm.rank

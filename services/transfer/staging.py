@@ -2,12 +2,12 @@
 
 With DCP = N every rank holds its share of each virtual block (`engine.parallel.dcp.token_locations`); a
 kvstore block is the 64 tokens of one block, whole. Rank 0 keeps a staging cache of whole blocks (the
-prefill service registers it with its NIXL agent):
+prefill's NIXL agent registers it, services/transfer/prefix.py):
 
     gather   tokens [first, first + n) of a request, from the ranks holding them -> staging blocks 0..n/64-1
     scatter  staging blocks 0..n/64-1 -> tokens [first, first + n) of a request, on the ranks holding them
 
-Both run on every rank (`collective_rpc("engine.parallel.kv_staging:gather", ...)`) over the data group.
+These run on every rank of the engine (`collective_rpc` with `RPC_GATHER` ...) over the data group.
 Every rank computes the same token -> (rank, slot) map, so the collectives' shapes agree without an
 exchange. Rows move as bytes: any cache dtype, any backend.
 """
@@ -18,6 +18,8 @@ import torch
 
 from engine.kv.cache import PagedKVCache
 from engine.parallel.dcp import token_locations
+
+RPC_ENSURE, RPC_GATHER, RPC_SCATTER = (f"{__name__}:{f}" for f in ("ensure", "gather", "scatter"))
 
 
 def ensure(runner, num_blocks: int) -> int:
