@@ -24,6 +24,7 @@ class OutputOptions:
     include_reasoning: bool = True  # False: reasoning is parsed out and dropped (vLLM's include_reasoning)
     tool_parser: type | None = None  # None: tool calls are not parsed (tool_choice none, or no tools)
     tools: dict[str, dict] = field(default_factory=dict)
+    parallel_tool_calls: bool = True  # False: only the first call the model writes is returned
 
     @property
     def plain(self) -> bool:
@@ -63,7 +64,7 @@ class ChoiceParser:
         for e in raw:
             if isinstance(e, str):
                 events.append(("content", e))
-            else:
+            elif self.options.parallel_tool_calls or e.index == 0:  # later calls dropped when not parallel
                 self.num_tool_calls += e.name is not None
                 events.append(e)
         return events

@@ -163,7 +163,7 @@ def prepare_chat_request(body, settings: ChatSettings) -> ChatPlan:
     reasoning = settings.reasoning_parser if kwargs.get("enable_thinking", True) is not False else None
     in_reasoning = bool(reasoning and reasoning.starts_in_reasoning(prompt))
     out = OutputOptions(reasoning, in_reasoning, body.include_reasoning,
-                        settings.tool_parser if parse_tools else None, tools)
+                        settings.tool_parser if parse_tools else None, tools, body.parallel_tool_calls is not False)
     spec = None
     if forced:
         try:

@@ -18,26 +18,17 @@ from services.router.requests import Limits
 from services.rpc.bounds import ModelLimits, check_generate_proto
 from services.rpc.metrics import ServiceMetrics
 from tests.helpers import ROOT
+from tests.helpers.fake_flow import StubRouting
 
 MODEL = "tiny-code"
 TINY_CODE = ROOT / "checkpoints" / "tiny-code"
-
-
-class _Routing:
-    redis_ok = True
-
-    async def require(self, role: str) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
 
 
 class CheckingFlow(Flow):
     """Flow whose prefill checks the wire request as the prefill service does and answers one token."""
 
     def __init__(self, tok: Tokenizer, limits: Limits):
-        super().__init__(_Routing(), tok, ServiceMetrics("router", "test"))
+        super().__init__(StubRouting(), tok, ServiceMetrics("router", "test"))
         self.engine_limits = ModelLimits(limits.max_model_len, limits.vocab_size)
         self.sent: list[common_pb2.GenerateRequest] = []
 

@@ -7,10 +7,12 @@ the tool's schema types that parameter as a string, else JSON (kept as text when
 Whitespace between the parts, and around the blocks, is layout and is dropped.
 
 States while streaming (`_mode`):  text --<tool_call>--> name --NAME known--> args --</tool_call>--> text
-                                                           \\--unknown NAME or no marker--> bad (the
-block is content, released at its </tool_call>). A call's header delta (id, name) goes out as soon as
-its name is complete (the next `<`); each argument goes out as one fragment once its </arg_value> arrives; broken
-markup inside the arguments closes the call with the arguments read so far and is content.
+                                                           \\--unknown NAME, broken markup--> bad
+A call is held until its </tool_call> arrives and then goes out whole: its header delta (index, id,
+name), one fragment per argument, the closing `}`. A block that is not a readable call (an unknown
+name, broken markup, or no </tool_call> before the output ends, as when max_tokens cuts it off) is
+content, exactly as written: released at its </tool_call>, or by `finish()`. So no delta is ever sent
+for a call that does not complete, and a stream assembles to the whole-text result.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ class Glm47ToolParser:
 
     def __init__(self, tools: dict[str, dict], new_id=new_tool_call_id):
         self.tools, self._new_id = tools, new_id
-        self._buf, self._mode, self._raw = "", "text", ""
-        self._index, self._num_args, self._after_call = -1, 0, False
+        self._buf, self._mode, self._raw = "", "text", ""  # _raw: the current block as written so far
+        self._index, self._after_call = -1, False
+        self._current, self._pending = "", []  # the call being read: its name and argument fragments
 
     def feed(self, text: str) -> list:
         self._buf += text
@@ -59,13 +62,9 @@ class Glm47ToolParser:
         return out
 
     def finish(self) -> list:
+        """What was held back: an unfinished block (a call without its </tool_call>) is content."""
         out: list = []
-        if self._mode == "args":
-            self._close(out)
-        if self._mode in ("name", "bad"):
-            self._text(out, self._raw + self._buf)
-        else:
-            self._text(out, self._buf)
+        self._text(out, (self._raw if self._mode != "text" else "") + self._buf)
         self._buf, self._raw, self._mode = "", "", "text"
         return out
 
@@ -97,10 +96,9 @@ class Glm47ToolParser:
         if name not in self.tools:
             self._mode = "bad"
             return True
-        self._index, self._num_args = self._index + 1, 0
-        out.append(ToolCallDelta(self._index, "", self._new_id(), name))
-        self._current = name
-        self._buf, self._mode = self._buf[end:], "args"
+        self._current, self._pending = name, []
+        self._consume(end)
+        self._mode = "args"
         return True
 
     def _step_bad(self, out: list) -> bool:
@@ -115,22 +113,20 @@ class Glm47ToolParser:
         s = self._buf.lstrip()
         if s.startswith(TC_END):
             self._buf = s[len(TC_END):]
-            self._close(out)
+            self._emit_call(out)
             return True
         if s.startswith(KEY_START):
-            return self._argument(out, s)
+            return self._argument(s)
         if not s or KEY_START.startswith(s) or TC_END.startswith(s):
             return False  # may still become a marker
-        self._close(out)  # broken markup: the call ends here, the rest is content
-        self._buf = s
+        self._mode = "bad"  # broken markup: the block is content
         return True
 
-    def _argument(self, out: list, s: str) -> bool:
+    def _argument(self, s: str) -> bool:
         k_end = s.find(KEY_END)
         if k_end < 0:
             if len(s) > MAX_NAME_CHARS:
-                self._close(out)
-                self._buf = s
+                self._mode = "bad"
                 return True
             return False
         key = s[len(KEY_START):k_end].strip()
@@ -138,23 +134,27 @@ class Glm47ToolParser:
         if not rest.startswith(VAL_START):
             if VAL_START.startswith(rest):
                 return False
-            self._close(out)
-            self._buf = s
+            self._mode = "bad"
             return True
         v_end = rest.find(VAL_END)
         if v_end < 0:
             return False
         value = decode_value(self.tools[self._current], key, rest[len(VAL_START):v_end])
-        frag = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
-        out.append(ToolCallDelta(self._index, ("{" if self._num_args == 0 else ", ") + frag))
-        self._num_args += 1
-        self._buf = rest[v_end + len(VAL_END):]
+        self._pending.append(json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False))
+        self._consume(len(self._buf) - (len(rest) - v_end - len(VAL_END)))
         return True
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def _close(self, out: list) -> None:
-        out.append(ToolCallDelta(self._index, "}" if self._num_args else "{}"))
-        self._mode, self._raw, self._after_call = "text", "", True
+    def _consume(self, n: int) -> None:
+        self._raw, self._buf = self._raw + self._buf[:n], self._buf[n:]
+
+    def _emit_call(self, out: list) -> None:
+        """The call read whole: its header, one fragment per argument, the closing brace."""
+        self._index += 1
+        out.append(ToolCallDelta(self._index, "", self._new_id(), self._current))
+        out += [ToolCallDelta(self._index, ("{" if i == 0 else ", ") + f) for i, f in enumerate(self._pending)]
+        out.append(ToolCallDelta(self._index, "}" if self._pending else "{}"))
+        self._mode, self._raw, self._pending, self._after_call = "text", "", [], True
 
     def _text(self, out: list, text: str) -> None:
         if self._after_call:

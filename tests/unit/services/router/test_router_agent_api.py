@@ -7,17 +7,16 @@ import json
 
 import pytest
 
-from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.frontend.tokenizer import Tokenizer
 from services.router.chat_request import ChatSettings
 from services.router.chat_template import ChatTemplate
-from services.router.flow import Chunk
 from services.router.http_api import RouterAPI
 from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
 from services.router.tool_parsers import tool_parser
 from services.rpc.metrics import ServiceMetrics
 from tests.conftest import TINY_CODE
+from tests.helpers.fake_flow import FakeFlow
 
 TINY = TINY_CODE
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -25,32 +24,12 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "required": ["city"]}}}
 
 
-class _Routing:
-    redis_ok = True
-
-
-class ScriptedFlow:
-    """Answers every request with `self.script`, one token per chunk; records what it was asked."""
-
-    def __init__(self, tok: Tokenizer):
-        self.tokenizer, self.routing, self.script, self.calls = tok, _Routing(), "", []
-
-    async def generate(self, ids, params, stats, cache_salt=None):
-        self.calls.append((ids, params))
-        detok = IncrementalDetokenizer(self.tokenizer, params)
-        out = self.tokenizer.encode(self.script)
-        for i, t in enumerate(out):
-            stats.completion_tokens += 1
-            last = i == len(out) - 1
-            yield Chunk([t], detok.update([t]) + (detok.flush() if last else ""), None, "stop" if last else None)
-
-
 @pytest.fixture
 def app():
     from fastapi.testclient import TestClient
 
     tok = Tokenizer(TINY)
-    flow = ScriptedFlow(tok)
+    flow = FakeFlow(tok, script="")
     chat = ChatSettings(ChatTemplate.load(TINY), tool_parser("glm47"), reasoning_parser("glm45"), True)
     api = RouterAPI(flow, Limits(4096, tok.vocab_size), ["tiny-code", "glm-5"], ServiceMetrics("router", "t"),
                     chat=chat, generation_defaults={"temperature": 0.25, "top_k": 7})
@@ -102,8 +81,38 @@ def test_tool_call_reasoning_whole_and_streamed(app):
     content, reasoning, calls, finish = _assemble(_stream(client, tools=[WEATHER]))
     assert (content, reasoning, finish) == ("Checking.", "let me see", "tool_calls")
     assert [c["function"] for c in calls] == [call["function"]]
-    prompt = flow.tokenizer.decode(flow.calls[0][0], False)
+    prompt = flow.tokenizer.decode(flow.prompts[0], False)
     assert prompt.endswith("<|user|>weather?<|assistant|><think>") and '"get_weather"' in prompt
+
+
+TWO_CALLS = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
+             "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>")
+
+
+@pytest.mark.parametrize("parallel,cities", [(None, ["Oslo", "Rome"]), (True, ["Oslo", "Rome"]), (False, ["Oslo"])])
+def test_parallel_tool_calls_false_returns_the_first_call(app, parallel, cities):
+    client, flow = app
+    flow.script = "</think>" + TWO_CALLS
+    body = {"tools": [WEATHER]} if parallel is None else {"tools": [WEATHER], "parallel_tool_calls": parallel}
+    msg = _chat(client, **body).json()["choices"][0]["message"]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in msg["tool_calls"]] == cities
+    assert msg["content"] is None
+    content, _, calls, finish = _assemble(_stream(client, **body))
+    assert (content, finish) == ("", "tool_calls") and [c["function"] for c in calls] == [
+        c["function"] for c in msg["tool_calls"]]
+    assert len(calls) == len(cities)  # indexes 0.. (_assemble keys the calls by index)
+
+
+def test_call_cut_off_by_max_tokens_is_content(app):
+    client, flow = app
+    flow.finish_reason = "length"
+    flow.script = "</think>Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Os"
+    choice = _chat(client, tools=[WEATHER]).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == flow.script[len("</think>"):]
+    chunks = _stream(client, tools=[WEATHER])
+    assert not any(ch["delta"].get("tool_calls") for c in chunks for ch in c["choices"])
+    assert _assemble(chunks)[0] == choice["message"]["content"] and _assemble(chunks)[3] == "length"
 
 
 def test_thinking_off_and_tool_choice_none(app):
@@ -112,7 +121,7 @@ def test_thinking_off_and_tool_choice_none(app):
     r = _chat(client, tools=[WEATHER], tool_choice="none", chat_template_kwargs={"enable_thinking": False})
     msg = r.json()["choices"][0]["message"]
     assert msg["content"] == flow.script and msg.get("reasoning_content") is None and "tool_calls" not in msg
-    assert flow.tokenizer.decode(flow.calls[-1][0], False).endswith("<|assistant|></think>")
+    assert flow.tokenizer.decode(flow.prompts[-1], False).endswith("<|assistant|></think>")
 
 
 def test_forced_tool_choice_sends_a_grammar(app):
@@ -121,10 +130,10 @@ def test_forced_tool_choice_sends_a_grammar(app):
     r = _chat(client, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
               chat_template_kwargs={"enable_thinking": False})
     assert r.status_code == 200, r.text
-    spec = flow.calls[-1][1].structured_outputs
+    spec = flow.params[-1].structured_outputs
     assert spec.kind == "grammar" and "<tool_call>get_weather" in spec.spec and spec.reasoning_end == ""
     _chat(client, tools=[WEATHER], tool_choice="required")
-    assert flow.calls[-1][1].structured_outputs.reasoning_end == "</think>"  # thinking on: gated after it
+    assert flow.params[-1].structured_outputs.reasoning_end == "</think>"  # thinking on: gated after it
 
 
 def test_history_with_tool_calls_renders(app):
@@ -137,7 +146,7 @@ def test_history_with_tool_calls_renders(app):
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     r = _chat(client, tools=[WEATHER], messages=messages)
     assert r.status_code == 200, r.text
-    prompt = flow.tokenizer.decode(flow.calls[-1][0], False)
+    prompt = flow.tokenizer.decode(flow.prompts[-1], False)
     assert ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>"
             "<|observation|><tool_response>sunny</tool_response><|assistant|><think>") in prompt
     bad = [*messages[:1], {**messages[1], "tool_calls": [{"function": {"name": "x", "arguments": "{oops"}}]}]
@@ -159,7 +168,7 @@ def test_bad_requests_are_400_with_param(app, body, param):
     client, flow = app
     r = _chat(client, **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    assert not flow.calls  # nothing reached an engine
+    assert not flow.prompts  # nothing reached an engine
 
 
 def test_harmless_fields_accepted_and_generation_defaults(app):
@@ -167,10 +176,10 @@ def test_harmless_fields_accepted_and_generation_defaults(app):
     flow.script = "x"
     r = _chat(client, store=False, metadata={"a": "b"}, service_tier="auto", user="u", logit_bias={}, top_p=0.5)
     assert r.status_code == 200, r.text
-    params = flow.calls[-1][1]
+    params = flow.params[-1]
     assert (params.temperature, params.top_k, params.top_p) == (0.25, 7, 0.5)
     _chat(client, temperature=1.0)
-    assert flow.calls[-1][1].temperature == 1.0
+    assert flow.params[-1].temperature == 1.0
 
 
 def test_tokenize_detokenize_version_models_and_request_id(app):
@@ -195,7 +204,7 @@ def test_no_template_is_400(tmp_path):
     from fastapi.testclient import TestClient
 
     tok = Tokenizer(TINY)
-    api = RouterAPI(ScriptedFlow(tok), Limits(4096, tok.vocab_size), "m", ServiceMetrics("router", "t2"))
+    api = RouterAPI(FakeFlow(tok, script=""), Limits(4096, tok.vocab_size), "m", ServiceMetrics("router", "t2"))
     r = TestClient(api.build()).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
 
@@ -204,7 +213,7 @@ def test_auto_tool_choice_needs_the_flag():
     from fastapi.testclient import TestClient
 
     tok = Tokenizer(TINY)
-    flow = ScriptedFlow(tok)
+    flow = FakeFlow(tok, script="")
     chat = ChatSettings(ChatTemplate.load(TINY), tool_parser("glm47"), reasoning_parser("glm45"), False)
     client = TestClient(RouterAPI(flow, Limits(4096, tok.vocab_size), "m", ServiceMetrics("router", "t3"),
                                   chat=chat).build())
@@ -215,7 +224,7 @@ def test_auto_tool_choice_needs_the_flag():
     flow.script = "ok"
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
                                                   "tool_choice": "required", "max_tokens": 8})
-    assert r.status_code == 200 and flow.calls[-1][1].structured_outputs is not None
+    assert r.status_code == 200 and flow.params[-1].structured_outputs is not None
 
 
 def test_generation_config_defaults(tmp_path):

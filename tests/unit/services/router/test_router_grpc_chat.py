@@ -16,7 +16,8 @@ from services.router.grpc_api import RouterServicer
 from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
 from services.router.tool_parsers import tool_parser
-from tests.unit.services.router.test_router_agent_api import TINY, WEATHER, ScriptedFlow
+from tests.helpers.fake_flow import FakeFlow
+from tests.unit.services.router.test_router_agent_api import TINY, WEATHER
 
 
 class _Aborted(Exception):
@@ -44,7 +45,7 @@ def _run(servicer, request):
 def servicer():
     tok = Tokenizer(TINY)
     chat = ChatSettings(ChatTemplate.load(TINY), tool_parser("glm47"), reasoning_parser("glm45"), True)
-    return RouterServicer(ScriptedFlow(tok), Limits(4096, tok.vocab_size), ["tiny-code", "alias"], chat=chat)
+    return RouterServicer(FakeFlow(tok, script=""), Limits(4096, tok.vocab_size), ["tiny-code", "alias"], chat=chat)
 
 
 def _request(**chat):
@@ -64,7 +65,7 @@ def test_chat_request_splits_reasoning_and_tool_calls(servicer):
     assert calls[0].name == "get_weather" and calls[0].id
     assert json.loads("".join(tc.arguments for tc in calls)) == {"city": "Oslo"}
     assert replies[-1].finish_reason == "tool_calls" and replies[-1].usage.completion_tokens == len(replies)
-    prompt = servicer.flow.tokenizer.decode(servicer.flow.calls[-1][0], False)
+    prompt = servicer.flow.tokenizer.decode(servicer.flow.prompts[-1], False)
     assert prompt.endswith("<|user|>weather?<|assistant|><think>")
 
 
@@ -72,11 +73,11 @@ def test_forced_tool_choice_and_bad_chat(servicer):
     servicer.flow.script = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>x</arg_value></tool_call>"
     _run(servicer, _request(tool_choice_json=json.dumps("required"),
                             chat_template_kwargs_json=json.dumps({"enable_thinking": False})))
-    spec = servicer.flow.calls[-1][1].structured_outputs
+    spec = servicer.flow.params[-1].structured_outputs
     assert spec.kind == "grammar" and spec.reasoning_end == ""
     for bad in (_request(tool_choice_json='{"type": "function", "function": {"name": "nope"}}'),
                 _request(messages_json="[{"), _request(messages_json="[]")):
         with pytest.raises(_Aborted) as e:
             _run(servicer, bad)
         assert e.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert len(servicer.flow.calls) == 1
+    assert len(servicer.flow.prompts) == 1

@@ -43,12 +43,20 @@ CASES = [
     # an unknown tool: the block is plain content
     ("a <tool_call>rm_rf<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>b",
      "a <tool_call>rm_rf<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>b", []),
-    # broken markup inside a call: the call keeps what was read, the rest is content
+    # broken markup inside a call: the block is content, exactly as written; a later call still counts
     ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value>oops</tool_call>",
-     "oops</tool_call>", [("get_weather", {"city": "Rome"})]),
-    # cut off by max_tokens in the middle of an argument
-    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Ro", "<arg_key>city</arg_key><arg_value>Ro",
-     [("get_weather", {})]),
+     "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value>oops</tool_call>", []),
+    ("<tool_call>get_weather<arg_key>city</arg_key>junk</tool_call>\n<tool_call>noop</tool_call>",
+     "<tool_call>get_weather<arg_key>city</arg_key>junk</tool_call>", [("noop", {})]),
+    # cut off by max_tokens in the middle of an argument, or before </tool_call>: content, no call
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Ro",
+     "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Ro", []),
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_",
+     "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_", []),
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value>",
+     "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value>", []),
+    ("Hi.\n<tool_call>noop</tool_call>\n<tool_call>get_weather<arg_key>days</arg_key><arg_val",
+     "Hi.<tool_call>get_weather<arg_key>days</arg_key><arg_val", [("noop", {})]),  # layout dropped
     ("x < y and <tool_ca", "x < y and <tool_ca", []),
     ("<tool_call>never closed", "<tool_call>never closed", []),
 ]
@@ -77,16 +85,23 @@ def test_tool_parser_whole_and_every_split(name, text, content, calls):
         assert not any(isinstance(e, str) and e.endswith("<tool_c") for e in events)
 
 
-def test_tool_call_stream_deltas_are_incremental():
+def test_tool_call_goes_out_whole_at_its_end_marker():
     text = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
             "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>")
     p = tool_parser("glm47")(TOOLS, new_id=_ids())
-    head = p.feed(text[:text.index("<arg_key>") + 1])
-    assert head == [ToolCallDelta(0, "", "call_0", "get_weather")]
-    first = p.feed(text[len(text[:text.index("<arg_key>") + 1]):text.index("</arg_value>") + 12])
-    assert first == [ToolCallDelta(0, '{"city": "Oslo"')]
-    rest = p.feed(text[text.index("</arg_value>") + 12:]) + p.finish()
-    assert rest == [ToolCallDelta(0, ', "days": 2'), ToolCallDelta(0, "}")]
+    end = text.index("</tool_call>")
+    assert [e for c in text[:end + len("</tool_call")] for e in p.feed(c)] == []  # nothing until the call is whole
+    assert p.feed(">") == [ToolCallDelta(0, "", "call_0", "get_weather"), ToolCallDelta(0, '{"city": "Oslo"'),
+                           ToolCallDelta(0, ', "days": 2'), ToolCallDelta(0, "}")]
+    assert p.finish() == []
+
+
+def test_cut_off_call_is_content_and_sends_no_delta():
+    text = "Sure.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value><arg_key>da"
+    p = tool_parser("glm47")(TOOLS, new_id=_ids())
+    streamed = [e for c in text for e in p.feed(c)]
+    assert "".join(streamed) == "Sure." and all(isinstance(e, str) for e in streamed)  # the block waits
+    assert p.finish() == [text[len("Sure."):]]
 
 
 REASONING_CASES = [
