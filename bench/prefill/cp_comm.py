@@ -26,7 +26,7 @@ import time
 
 import torch
 
-TAGS = ("pcp_kv", "pcp_index", "dcp_ctx", "hidden", "ep_dispatch", "ep_combine", "dcp_q", "dcp_cand", "dcp_merge")
+TAGS = ("pcp_kv", "pcp_index", "dcp_ctx", "hidden", "ep_dispatch", "ep_meta", "ep_combine", "dcp_q", "dcp_cand", "dcp_merge")
 
 
 def _ids(n: int, seed: int, vocab: int) -> list[int]:
