@@ -131,3 +131,17 @@ class EngineCore:
                            num_preemptions=s.num_preemptions,
                            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
                            hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None)
+
+
+def make_core(cfg: EngineConfig) -> EngineCore:
+    """The engine core a config asks for: one rank, a DP group (data_parallel_size > 1) or a CP group."""
+    pc = cfg.parallel
+    if pc.data_parallel_size > 1:
+        from engine.parallel.dp import DPEngineCore
+
+        return DPEngineCore(cfg)
+    if pc.world_size > 1:
+        from engine.parallel.executor import MultiRankEngineCore
+
+        return MultiRankEngineCore(cfg)
+    return EngineCore(cfg)

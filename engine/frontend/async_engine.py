@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 
 from engine.config.arg_utils import EngineArgs
 from engine.config.engine import EngineConfig
-from engine.core.core import EngineCore, EngineStats
+from engine.core.core import EngineStats, make_core
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.frontend.output_processor import OutputProcessor
@@ -207,11 +207,7 @@ class AsyncEngine:
 
 
 def _make_core(cfg: EngineConfig):
-    if cfg.parallel.world_size > 1:
-        from engine.parallel.executor import MultiRankEngineCore
-
-        return MultiRankEngineCore(cfg)
-    return EngineCore(cfg)
+    return make_core(cfg)
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from engine.config.arg_utils import EngineArgs
-from engine.core.core import EngineCore, EngineStats
+from engine.core.core import EngineStats, make_core
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.frontend.output_processor import OutputProcessor
@@ -31,11 +31,7 @@ class LLM:
         self._ids = itertools.count()
 
     def _make_core(self):
-        if self.config.parallel.world_size > 1:
-            from engine.parallel.executor import MultiRankEngineCore
-
-            return MultiRankEngineCore(self.config)
-        return EngineCore(self.config)
+        return make_core(self.config)
 
     # ---- requests ------------------------------------------------------------------------------
     def _to_ids(self, prompt: str | Sequence[int]) -> list[int]:
