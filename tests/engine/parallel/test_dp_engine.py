@@ -13,7 +13,7 @@ from tests.helpers.ep_counts import dispatched_rows, routed_pairs
 
 pytestmark = pytest.mark.xdist_group("cp")  # one process group per process: keep these on one worker
 
-EXACT = dict(device="cpu", dtype="float32", kv_cache_dtype="float32", indexer_precision="fp32", num_blocks=64)
+EXACT = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "indexer_precision": "fp32", "num_blocks": 64}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LENS = (5, 127, 40, 90, 1)  # uneven: prefill of one rank beside decode of the other
 

@@ -9,12 +9,12 @@ import json
 import pytest
 
 from engine import LLM
-from tests.engine.parallel.test_dp_engine import _run
 from engine.core.sampling_params import SamplingParams
+from tests.engine.parallel.test_dp_engine import _run
 
 pytestmark = pytest.mark.xdist_group("cp")
 
-EXACT = dict(device="cpu", dtype="float32", kv_cache_dtype="float32", indexer_precision="fp32")
+EXACT = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "indexer_precision": "fp32"}
 TOPK = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
