@@ -41,7 +41,9 @@ proto: install
 demo: install
 	$(PY) -m services.deploy.demo
 
+# Lint and import order first (configured in pyproject.toml [tool.ruff]): a violation fails the run.
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 test-fast: install

@@ -2,7 +2,7 @@
 that defines the semantics. The engine calls the Triton launchers on CUDA and the references on CPU,
 through one switch (`engine.attention.get_attention_backend`, `kernels.moe.moe_impl_for`)."""
 
-from kernels import _jit  # noqa: F401  (first: picks Triton's interpreter on CPU-only torch before triton loads)
+from kernels import _jit  # noqa: F401 - first: picks Triton's interpreter on CPU-only torch before triton loads
 from kernels.formats import (
     dequantize_index_rows_ref,
     dequantize_mla_rows_ref,

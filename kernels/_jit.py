@@ -18,8 +18,8 @@ import torch
 if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 jit = triton.jit
 
@@ -106,7 +106,8 @@ class CompiledKernel:
         if k is None:
             names = list(self.fn.arg_names)
             if names[len(args):] != list(consts):  # the launcher takes every parameter in signature order
-                raise ValueError(f"{self.fn.__name__}: pass positional arguments, then {names[len(args):]} as constexprs")
+                raise ValueError(f"{self.fn.__name__}: pass positional arguments, then {names[len(args):]} "
+                                 "as constexprs")
             self.compiled[key] = self.fn[grid](*args, **consts, num_warps=num_warps)
             return
         g = (*grid, 1, 1)

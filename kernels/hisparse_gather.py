@@ -19,10 +19,10 @@ import torch
 if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
-from kernels._jit import CompiledKernel  # noqa: E402
+from kernels._jit import CompiledKernel
 
 
 @triton.jit

@@ -2,8 +2,8 @@
 updated, the virtual selections for the attention kernel and compact miss-copy slot lists written.
 
 `plan_hot_ref` computes the same with about seventy small torch ops (`resolve_ref` is the LRU plan itself,
-which `engine.hisparse.hot_buffer` runs on CPUs); `tests/unit/engine/hisparse/test_hisparse_plan_kernel.py` checks the two
-agree entry for entry. One program per request:
+which `engine.hisparse.hot_buffer` runs on CPUs); `tests/unit/engine/hisparse/test_hisparse_plan_kernel.py`
+checks the two agree entry for entry. One program per request:
 
     1. gather the request's selected positions (its 1 or 1 + drafts rows of the top-k) and sort them
        (key = position * N_PAD + entry, so duplicates sit together and the entry is recovered)
@@ -29,10 +29,10 @@ import torch
 if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
-from kernels._jit import CompiledKernel  # noqa: E402
+from kernels._jit import CompiledKernel
 
 _BIG = 1 << 40  # sorts after every position (positions are int32) and every plan clock
 

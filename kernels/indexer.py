@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels._jit import check_device, interpreting, jit, next_pow2
-from kernels.formats import dequantize_index_rows_ref, quantize_index_rows_ref
+from kernels.formats import quantize_index_rows_ref
 from kernels.store_kv import cache_views, store_rows
 from kernels.topk import topk_rows
 

@@ -179,13 +179,37 @@ def hisparse_split(spec: KVCacheSpec, context: int, device_rows: int) -> tuple[i
 
 # ---- what fits -----------------------------------------------------------------------------------
 
+@lru_cache(maxsize=16)
+def rank_weight_bytes(cfg: ModelConfig, with_mtp: bool, weight_dtype: str, ep: int) -> dict[str, int]:
+    """Bytes by dtype of one expert-parallel rank's weights (its 1/ep of the routed experts and all the
+    rest), from the engine's own model for that rank built on `meta`: the parameters an engine allocates,
+    FP8 modules and their scales included (engine.model.fp8)."""
+    import dataclasses
+
+    import torch
+
+    from engine.loading.loader import build_model
+    from engine.loading.weight_stats import weight_bytes_by_dtype
+    from engine.parallel.ep import expert_shard
+
+    if weight_dtype == "fp8":
+        cfg = dataclasses.replace(cfg, quantization="fp8", weight_block_size=(FP8_TILE, FP8_TILE))
+    else:
+        cfg = dataclasses.replace(cfg, quantization=None)
+    shard = expert_shard(cfg.n_routed_experts, 0, ep) if ep > 1 and cfg.n_routed_experts else None
+    model = build_model(cfg, device="meta", dtype=torch.bfloat16, with_mtp=with_mtp, expert_shard=shard)
+    return weight_bytes_by_dtype(model)
+
+
 def weights_per_gpu(cfg: ModelConfig, dep: Deployment, role: str) -> int:
-    w = weight_bytes(cfg, dep.with_mtp, dep.weight_dtype)
-    if role == "prefill":
-        return w.per_gpu(tp=dep.tp, ep=dep.gpus)
-    if role == "decode":
-        return w.per_gpu(tp=1, ep=dep.dp)
-    raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    """One rank's weight bytes: the engine's meta model (PCP x EP prefill ranks, DP x EP decode ranks);
+    with TP, which the engine does not build, the split formula of `weight_bytes`."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if role == "prefill" and dep.tp > 1:
+        return weight_bytes(cfg, dep.with_mtp, dep.weight_dtype).per_gpu(tp=dep.tp, ep=dep.gpus)
+    ep = dep.gpus if role == "prefill" else dep.dp
+    return sum(rank_weight_bytes(cfg, dep.with_mtp, dep.weight_dtype, ep).values())
 
 
 def kv_budget(cfg: ModelConfig, dep: Deployment, role: str) -> int:
@@ -261,5 +285,8 @@ def capacity(cfg: ModelConfig, dep: Deployment, contexts: list[int]) -> dict:
                      "host_tier_contexts": int(dep.kv_offloading_gib * GIB) // request_kv(spec, n)})
     return {"num_params": w.num_params, "kv_bytes_per_token": kv_components(cfg, dep),
             "weights_bytes_per_gpu": {r: weights_per_gpu(cfg, dep, r) for r in ("prefill", "decode")},
+            "weights_bytes_by_dtype": {"prefill": rank_weight_bytes(cfg, dep.with_mtp, dep.weight_dtype, dep.gpus)
+                                       if dep.tp == 1 else None,
+                                       "decode": rank_weight_bytes(cfg, dep.with_mtp, dep.weight_dtype, dep.dp)},
             "kv_budget_bytes_per_gpu": budgets, "max_context": max_contexts(cfg, spec, dep, budgets),
             "contexts": rows}

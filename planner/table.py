@@ -36,8 +36,13 @@ def _memory_section(plan: dict) -> list[str]:
              f"{dep['reserve_gib']} GiB; {dep['weight_dtype']} weights, {_count(plan['num_params'])} params)"]
     lines += _table(["", "prefill", "decode"], [["weights", _gib(w["prefill"]), _gib(w["decode"])],
                                                  ["KV budget", _gib(b["prefill"]), _gib(b["decode"])]])
+    by = plan.get("weights_bytes_by_dtype") or {}
+    for role in ("prefill", "decode"):
+        if by.get(role):
+            lines.append(f"  {role} rank weights (engine model on meta): "
+                         + ", ".join(f"{k} {_gib(v)}" for k, v in by[role].items()))
     limit = mc["max_position_embeddings"]
-    note = lambda n: " (= max positions)" if n >= limit else ""  # noqa: E731
+    note = lambda n: " (= max positions)" if n >= limit else ""
     lines.append(f"Largest context: prefill {mc['prefill']:,}{note(mc['prefill'])}; decode {mc['decode']:,}"
                  f"{note(mc['decode'])} (resident {mc['decode_resident']:,}, HiSparse {mc['decode_hisparse']:,} "
                  f"with a {dep['hisparse_pool_gib']} GiB host pool)")
@@ -61,15 +66,16 @@ def _roofline_section(plan: dict) -> list[str]:
     rows = [[str(x["heads"]), f"{x['intensity']:.1f}", f"{x['attainable_fraction']:.1%}", x["bound"],
              tags.get(x["heads"], "")] for x in r["rows"]]
     return [f"Sparse MLA roofline (top-k {m['index_topk']}, {m['mla_row_bytes']} B rows): ridge "
-            f"{r['ridge_flop_per_byte']:.1f} FLOP/B = {r['flops_per_s'] / 1e12:.0f} TFLOP/s / {r['bytes_per_s'] / 1e12:.1f} TB/s",
+            f"{r['ridge_flop_per_byte']:.1f} FLOP/B = {r['flops_per_s'] / 1e12:.0f} TFLOP/s / "
+            f"{r['bytes_per_s'] / 1e12:.1f} TB/s",
             *_table(["heads/GPU", "FLOP/B", "of peak", "bound", ""], rows)]
 
 
 def _flops_section(plan: dict) -> list[str]:
     p = plan["prefill_flops"]
-    rows = [[f"{r['context']:,}", f"{r['total']:.3g}"] + [f"{r['shares'][k]:.1%}" for k in
-                                                            ("indexer", "sparse_mla", "moe", "rest")] for r in p["rows"]]
-    fmt = lambda n: "never (within 2^34 tokens)" if n is None else f"{n:,} token{'s' if n > 1 else ''}"  # noqa: E731
+    parts = ("indexer", "sparse_mla", "moe", "rest")
+    rows = [[f"{r['context']:,}", f"{r['total']:.3g}"] + [f"{r['shares'][k]:.1%}" for k in parts] for r in p["rows"]]
+    fmt = lambda n: "never (within 2^34 tokens)" if n is None else f"{n:,} token{'s' if n > 1 else ''}"
     return ["Prefill FLOPs of a fresh prompt (whole engine)",
             *_table(["context", "FLOPs", "indexer", "sparse MLA", "MoE", "rest"], rows),
             f"Indexer overtakes sparse MLA per GPU: at {fmt(p['crossover_tp'])} under TP={p['n']}, "

@@ -25,13 +25,16 @@ class Command:
 
 
 COMMANDS: dict[tuple[str, ...], Command] = {
-    ("up",): Command("services.deploy.launcher", "up_main", "start a topology (router, prefill, decode, kvstore, redis)"),
+    ("up",): Command("services.deploy.launcher", "up_main",
+                     "start a topology (router, prefill, decode, kvstore, redis)"),
     ("down",): Command("services.deploy.launcher", "down_main", "stop a topology started by `pdserve up`"),
     ("status",): Command("services.deploy.launcher", "status_main", "which processes of a topology are alive"),
     ("make-checkpoint",): Command("engine.loading.checkpoint", "main", "write a checkpoint (random or converted)"),
-    ("bench", "agentx"): Command("bench.serving.agentx", "main", "replay agentic-coding traces at several concurrencies"),
+    ("bench", "agentx"): Command("bench.serving.agentx", "main",
+                                 "replay agentic-coding traces at several concurrencies"),
     ("bench", "serve"): Command("bench.serving.serve", "main", "random/fixed-length prompts, vllm-bench-serve metrics"),
-    ("bench", "load"): Command("bench.serving.loadtest", "main", "N concurrent greedy streams: tokens = offline, no leaks, flat RSS"),
+    ("bench", "load"): Command("bench.serving.loadtest", "main",
+                               "N concurrent greedy streams: tokens = offline, no leaks, flat RSS"),
     ("bench", "compare"): Command("bench.serving.compare", "main", "plot several agentx results with ratios"),
     ("plan",): Command("planner.cli", "main", "KV, capacity and roofline planner for a model and deployment"),
 }
@@ -39,7 +42,8 @@ GROUP_HELP = {"bench": "benchmarks against a running server"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode serving for GLM-5.x DSA.")
+    parser = argparse.ArgumentParser(prog="pdserve",
+                                     description="Disaggregated prefill/decode serving for GLM-5.x DSA.")
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, cmd in COMMANDS.items():
@@ -62,7 +66,7 @@ def resolve(cmd: Command):
                          f"({cmd.module} cannot be imported: {e})") from None
     fn = getattr(module, cmd.function, None)
     if not callable(fn):
-        raise SystemExit(f"pdserve: this command is not available yet ({cmd.module}.{cmd.function} is missing)")
+        raise SystemExit(f"pdserve: {cmd.module}.{cmd.function} is missing from this installation")
     return fn
 
 

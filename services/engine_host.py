@@ -30,6 +30,7 @@ class EngineHost:
         self._tasks: list[asyncio.Task] = []
         self._prefix_seen = (0, 0)
         self._hisparse_seen = (0, 0, 0)
+        self._steps_seen = (0, 0.0)
 
     def load_figures(self) -> dict[str, float]:
         st = self.engine.stats()  # a snapshot the engine loop took between two steps
@@ -83,6 +84,12 @@ class EngineHost:
             m.num_requests_running.set(st.num_running)
             m.num_requests_waiting.set(st.num_waiting)
             m.kv_cache_usage_perc.set(st.kv_usage)
+            for rank, by_dtype in enumerate(st.weight_bytes):
+                for dtype, nbytes in by_dtype.items():
+                    m.weight_bytes.labels(rank=str(rank), dtype=dtype).set(nbytes)
+            m.engine_steps.inc(max(st.num_steps - self._steps_seen[0], 0))
+            m.engine_step_seconds.inc(max(st.step_seconds - self._steps_seen[1], 0.0))
+            self._steps_seen = (st.num_steps, st.step_seconds)
             if hasattr(m, "prefix_cache_queries"):
                 q, h = st.prefix_queries, st.prefix_hits
                 m.prefix_cache_queries.inc(max(q - self._prefix_seen[0], 0))
@@ -95,3 +102,5 @@ class EngineHost:
                                               self._hisparse_seen):
                     counter.inc(max(cur - seen, 0))
                 self._hisparse_seen = now
+                m.hisparse_device_blocks_in_use.set(hs.num_device_blocks - hs.num_free_device_blocks)
+                m.hisparse_requests_placed.set(hs.num_resident + hs.num_mixed + hs.num_host)

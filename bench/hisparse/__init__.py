@@ -1,1 +1,2 @@
-"""HiSparse decode benchmark (`python -m bench.hisparse`): the real-dimension layer stack, the stepped cases, host-time breakdown."""
+"""HiSparse decode benchmark (`python -m bench.hisparse`): the real-dimension layer stack, the stepped cases,
+the host-time breakdown."""

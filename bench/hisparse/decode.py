@@ -33,7 +33,8 @@ from bench.hisparse.stack import TopkStream, stack_config
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.hisparse", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.hisparse", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON results file")
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU (checks the script runs)")
     p.add_argument("--contexts", default="8192,131072,1048448", help="comma list of context lengths")
@@ -54,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="profile every case (host: cProfile top functions; device: torch.profiler top kernels) "
                         "into FILE")
     p.add_argument("--host-breakdown", action="store_true", help="per case, the host microseconds per step of the "
-                   "step's parts and HiSparse's functions (bench.hisparse.host_timer: inclusive wall clock, no profiler)")
+                   "step's parts and HiSparse's functions (bench.hisparse.host_timer: inclusive wall clock, "
+                        "no profiler)")
     p.add_argument("--sync-debug", action="store_true", help="warn, with the stack, at every host synchronisation "
                    "inside a timed step (CUDA)")
     p.add_argument("--pair-contexts", default=None, metavar="A,B", help="paired mode: resident at context A and "
@@ -259,7 +261,8 @@ def _profiled(args, mode, context, batch, device, churn) -> dict:
     import io
     import pstats
 
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    act = torch.profiler.ProfilerActivity
+    acts = [act.CPU] + ([act.CUDA] if device.type == "cuda" else [])
     prof = args.step_profiler = cProfile.Profile()  # enabled by _steps inside the measured steps only
     nsteps = args.offload_steps if mode == "offload" else args.steps
     tp = args.torch_profiler = torch.profiler.profile(activities=acts)  # _steps starts and stops it around the
@@ -275,7 +278,8 @@ def _profiled(args, mode, context, batch, device, churn) -> dict:
               and e.cpu_parent is None)
     with open(args.profile, "a") as f:
         f.write(f"==== {mode} context {context} batch {batch}: {row.get('step_ms')} ms/step; per step: "
-                f"{len(kernels) / nsteps:.0f} kernels, {busy_ms:.3f} ms of kernel time, {ops / nsteps:.0f} top-level ops\n")
+                f"{len(kernels) / nsteps:.0f} kernels, {busy_ms:.3f} ms of kernel time, "
+                f"{ops / nsteps:.0f} top-level ops\n")
         f.write(out.getvalue())
         f.write(tp.key_averages().table(sort_by=sort, row_limit=25))
         f.write("\ntop-level ops per step, by name:\n")

@@ -75,7 +75,8 @@ def finish_case(case: dict, times, host, h2d, hits, misses) -> dict:
     row, inner, mgr, layers = case["row"], case["inner"], case["mgr"], case["layers"]
     n = hits + misses
     ms = statistics.median(times) * 1e3
-    return {**row, "backend": inner.name, "step_ms": round(ms, 3), "mean_step_ms": round(sum(times) / len(times) * 1e3, 3),
+    return {**row, "backend": inner.name, "step_ms": round(ms, 3),
+            "mean_step_ms": round(sum(times) / len(times) * 1e3, 3),
             "host_issue_ms": round(statistics.median(host) * 1e3, 3),
             "ms_per_layer": round(ms / layers, 4),
             "hit_rate": round(hits / n, 4) if n else None, "h2d_bytes_per_step": int(sum(h2d) / len(h2d)),

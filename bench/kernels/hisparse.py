@@ -140,7 +140,8 @@ def bench_launch(dev, n: int = 16, reps: int = 2000) -> list[dict]:
     launcher = CompiledKernel(hisparse_gather._copy_rows_kernel)
     print(json.dumps({"no_launch_hooks": _no_launch_hooks()}), flush=True)
     x = torch.zeros(16, device=dev)
-    ways = {"launcher": lambda: launcher(grid, args, consts, 8),"copy_rows": lambda: hisparse_gather.copy_rows(host, slots, devc, slots),
+    ways = {"launcher": lambda: launcher(grid, args, consts, 8),
+            "copy_rows": lambda: hisparse_gather.copy_rows(host, slots, devc, slots),
             "jit_call": lambda: hisparse_gather._copy_rows_kernel[grid](*args, **consts, num_warps=8),
             "compiled_run": compiled, "torch_add_": lambda: x.add_(1),
             "current_stream": lambda: torch.cuda.current_stream()}
@@ -187,7 +188,8 @@ def main(argv=None) -> None:
     rows = bench_copy(dev, [int(n) for n in args.copy_rows.split(",")], tiles, [int(v) for v in args.vecs.split(",")],
                       [float(x) for x in args.pools_gib.split(",")])
     if args.plan_batches:
-        rows += bench_plan(dev, [int(b) for b in args.plan_batches.split(",")], [int(w) for w in args.plan_warps.split(",")])
+        batches, warps = [int(b) for b in args.plan_batches.split(",")], [int(w) for w in args.plan_warps.split(",")]
+        rows += bench_plan(dev, batches, warps)
     with open(args.out, "w") as f:
         json.dump({"command": "python -m bench.kernels.hisparse " + " ".join(argv or []),
                    "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,

@@ -131,7 +131,7 @@ def sweep_prefill(dev, ceil, T: int, configs: list) -> list[dict]:
     for cfg in configs:
         try:
             t = time_plain(lambda: sparse_mla(q, kv, idx, 0.0625, num_splits=1, config=cfg), dev, rep_ms=100)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a config the device cannot run is reported, the sweep goes on
             out.append({"kernel": f"sweep prefill cfg={cfg}", "error": repr(e)[:200]})
             continue
         out.append(roofline_row(f"sweep prefill T={T} cfg={cfg}", t, T * (R + P) * 2 + q.numel() * 2,
@@ -184,7 +184,7 @@ def sweep_decode(dev, ceil, H: int, B: int, configs: list, splits: list) -> list
             calls = [functools.partial(sparse_mla, q, cache, idx, 0.0625, num_splits=ns, config=cfg) for idx in sets]
             try:
                 t = time_rotating(calls, dev)
-            except Exception as e:  # noqa: BLE001  (e.g. a tile config over the shared-memory limit)
+            except Exception as e:  # noqa: BLE001 - e.g. a tile config over the shared-memory limit
                 out.append({"kernel": f"sweep decode H={H} B={B} cfg={cfg} splits={ns}", "error": repr(e)[:200]})
                 continue
             out.append(roofline_row(f"sweep decode H={H} B={B} cfg={cfg} splits={ns}", t, B * K * (ROW + 4),
@@ -197,7 +197,7 @@ def _guard(rows: list[dict], fn) -> None:
     import traceback
     try:
         rows += fn()
-    except Exception as e:  # noqa: BLE001  (a benchmark run is expensive: keep the other sections)
+    except Exception as e:  # noqa: BLE001 - a benchmark run is expensive: keep the other sections
         traceback.print_exc()
         rows.append({"kernel": f"FAILED {fn.__code__.co_names[:3]}", "error": repr(e)[:300]})
     if torch.cuda.is_available():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from bench.prefill.ranks import RANKS, rank_stats, reset_comm_counters, set_kv_prefetch
+
 TAGS = ("pcp_kv", "pcp_index", "dcp_ctx", "hidden", "ep_dispatch", "ep_meta", "ep_combine", "dcp_q", "dcp_cand", "dcp_merge")
 
 
@@ -34,9 +36,9 @@ def _ids(n: int, seed: int, vocab: int) -> list[int]:
 
 
 def _step_counters(core) -> dict:
-    core.collective_rpc("reset_comm_counters")
+    reset_comm_counters(core)
     core.step()
-    s = core.rank_stats()[0]
+    s = rank_stats(core)[0]
     return {t: (s["comm_calls"].get(t, 0), s["comm_bytes"].get(t, 0)) for t in TAGS}
 
 
@@ -63,13 +65,13 @@ def measure(llm, L: int, P: int, reps: int) -> tuple[dict, list[float], list[flo
     times = {True: [], False: []}
     for i in range(reps):
         for prefetch in (True, False):
-            core.collective_rpc("set_kv_prefetch", prefetch)
+            set_kv_prefetch(core, prefetch)
             core.add_request(Request(f"t{i}{prefetch}", prefix + _ids(L, 10 + 2 * i + prefetch, vocab), sp))
             t0 = time.perf_counter()
             core.step()
             times[prefetch].append(time.perf_counter() - t0)
             _finish(core)
-    core.collective_rpc("set_kv_prefetch", True)
+    set_kv_prefetch(core, True)
     return out, times[True], times[False]
 
 
@@ -94,7 +96,7 @@ def main() -> None:
     timing = []
     for cfg in a.configs.split(","):
         pcp, dcp = (int(x) for x in cfg.split("x"))
-        llm = LLM(model, device="cpu", dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, num_blocks=256,
+        llm = LLM(model, rank_pool=RANKS, device="cpu", dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, num_blocks=256,
                   prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp,
                   enable_expert_parallel=a.expert_parallel)
         out, on, off = measure(llm, a.prompt_len, a.prefix_len, a.reps)
@@ -102,7 +104,7 @@ def main() -> None:
             cells = [f"{b:,} ({c})" if c else "–" for c, b in tags.values()]
             print(f"| {pcp}×{dcp} | {scenario} | {' | '.join(cells)} |")
         timing.append((cfg, statistics.median(on), statistics.median(off)))
-        llm.core.shutdown(keep_workers=True)
+        llm.core.shutdown()  # its ranks go back to RANKS for the next configuration of this size
     print("\n| PCP×DCP | prefill+prefix step, prefetch on (s) | prefetch off (s) |\n|---|---|---|")
     for cfg, on, off in timing:
         print(f"| {cfg} | {on:.3f} | {off:.3f} |")

@@ -87,7 +87,8 @@ def comm_table(runs: list[dict]) -> str:
 def capacity_table(runs: list[dict]) -> str:
     lines = ["| config | KV blocks per rank | tokens that fit (KV) | engine build |", "|---|---|---|---|"]
     for r in runs:
-        lines.append(f"| {_name(r)} | {r['kv_blocks_per_rank']:,} | {r['kv_capacity_tokens']:,} | {r['build_s']:.0f} s |")
+        lines.append(f"| {_name(r)} | {r['kv_blocks_per_rank']:,} | {r['kv_capacity_tokens']:,} "
+                     f"| {r['build_s']:.0f} s |")
     return "\n".join(lines)
 
 

@@ -25,17 +25,18 @@ import os
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_k] = _v  # before any rank starts: the spawned ranks inherit the environment
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from bench.prefill.stack import _ids, _time_prefill, stack_dir  # noqa: E402
+from bench.prefill.ranks import RANKS, rank_stats, reset_comm_counters, set_kv_prefetch
+from bench.prefill.stack import _ids, _time_prefill, stack_dir
 
 TAGS = ("pcp_kv", "pcp_index", "dcp_ctx", "hidden", "ep_dispatch", "ep_combine", "ep_counts")
 EXACT = dict(dtype="float32", kv_cache_dtype="float32", indexer_precision="fp32", attention_backend="torch")
@@ -45,13 +46,14 @@ SERVING = dict(dtype="bfloat16", kv_cache_dtype="fp8_ds_mla")
 def _llm(model: str, a, pcp: int, dcp: int, ep: bool, **kw):
     from engine import LLM
 
-    return LLM(model, device=a.device, prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp,
+    return LLM(model, rank_pool=RANKS, device=a.device, prefill_context_parallel_size=pcp,
+               decode_context_parallel_size=dcp,
                enable_expert_parallel=ep and pcp > 1, **kw)
 
 
 def _free(llm) -> None:
     if hasattr(llm.core, "shutdown"):
-        llm.core.shutdown(keep_workers=True)  # the next multi-rank engine reuses the ranks
+        llm.core.shutdown()  # its ranks go back to RANKS: the next multi-rank engine reuses them
     del llm
     gc.collect()
     if torch.cuda.is_available():
@@ -75,7 +77,8 @@ def _compare(ref: dict, got: dict) -> dict:
                    "cos": float(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean())}
     same = [x == y for x, y in zip(ref["greedy"], got["greedy"])]
     # bf16 GEMMs of other shapes round differently: report how far the sequences agree, not just whether
-    agree = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) for x, y in zip(ref["greedy"], got["greedy"])]
+    agree = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+             for x, y in zip(ref["greedy"], got["greedy"])]
     return {"prompts": rows, "greedy_equal": sum(same), "greedy_total": len(same), "greedy_agree_tokens": agree}
 
 
@@ -126,9 +129,9 @@ def _comm_per_layer(llm, ids: list[int]) -> dict:
     all-gathers per attention layer (the MTP layer's KV is computed too), EP per MoE layer."""
     mc = llm.config.model
     attn, moe = mc.num_hidden_layers + 1, mc.mlp_layer_types.count("sparse") + 1
-    llm.core.collective_rpc("reset_comm_counters")
+    reset_comm_counters(llm.core)
     _time_prefill(llm, ids)
-    s = llm.core.rank_stats()[0]["comm_bytes"]
+    s = rank_stats(llm.core)[0]["comm_bytes"]
     per = {t: s[t] / (moe if t.startswith("ep_") else 1 if t == "hidden" else attn) for t in TAGS if s.get(t)}
     return {"prompt": len(ids), "attn_layers": attn, "moe_layers": moe, "total": sum(s.values()), **per}
 
@@ -158,7 +161,7 @@ def _context_sweep(llm, a, vocab: int, multi: bool) -> dict:
         row = {}
         for prefetch in ((True, False) if multi else (True,)):
             if multi:
-                llm.core.collective_rpc("set_kv_prefetch", prefetch)
+                set_kv_prefetch(llm.core, prefetch)
             times, hits = [], []
             for _ in range(a.reps):
                 seed += 1
@@ -167,7 +170,7 @@ def _context_sweep(llm, a, vocab: int, multi: bool) -> dict:
                 hits.append(hit)
             row["on" if prefetch else "off"] = {"step_s": statistics.median(times), "all_s": times, "hit": min(hits)}
         if multi:
-            llm.core.collective_rpc("set_kv_prefetch", True)
+            set_kv_prefetch(llm.core, True)
         rows[P] = row
         print(json.dumps({"context": {P: row}}), flush=True)
     return rows

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     target = p.add_mutually_exclusive_group()
     target.add_argument("--url", default="http://127.0.0.1:8000", help="OpenAI-compatible server (router) URL")
-    target.add_argument("--fresh-server", metavar="TOPOLOGY", help="`pdserve up TOPOLOGY` before each level, down after")
+    target.add_argument("--fresh-server", metavar="TOPOLOGY",
+                        help="`pdserve up TOPOLOGY` before each level, down after")
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--traces", help="trace folder, glob, or comma-separated files (default ../shared/traces)")
     p.add_argument("--max-traces", type=int, help="use only the first N trace files")
@@ -168,8 +169,8 @@ def write_outputs(out: dict, out_dir: Path) -> dict[str, Path]:
              f"{out['config'].get('think_time_scale')}, {out['config'].get('duration')} s per level"]
     return {"json": results.write_json(out, out_dir / "result.json"),
             "csv": results.write_csv(levels, out_dir / "levels.csv"),
-            "plot": plot_interactivity_vs_throughput([(out["label"], levels)], out_dir / "interactivity_vs_throughput.png",
-                                                     notes=notes),
+            "plot": plot_interactivity_vs_throughput([(out["label"], levels)],
+                                                     out_dir / "interactivity_vs_throughput.png", notes=notes),
             "ttft_cdf": plot_ttft_cdf(levels, out_dir / "ttft_cdf.png", title=f"TTFT CDF ({out['label']})")}
 
 

@@ -67,7 +67,7 @@ class RssSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
 
-    def start(self) -> "RssSampler":
+    def start(self) -> RssSampler:
         self._thread.start()
         return self
 

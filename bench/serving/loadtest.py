@@ -198,7 +198,7 @@ def started_topology(config: str, run_dir: Path) -> dict:
     """The topology file with its own run dir, free ports and a private Redis (never a shared one)."""
     import yaml
 
-    from services.rpc.net import free_port
+    from engine.parallel.dist import free_port
 
     topo = yaml.safe_load(Path(config).read_text())
     topo["run_dir"], topo["redis_url"] = str(run_dir), f"redis://127.0.0.1:{free_port()}/0"

@@ -7,14 +7,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt  # the backend must be chosen first
+import numpy as np
 
 
 def _curve(levels: Sequence[dict]) -> list[dict]:

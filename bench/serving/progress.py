@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 BAR_WIDTH = 24
 

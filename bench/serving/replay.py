@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 from bench.serving.client import RequestRecord
 from bench.serving.synth import PromptSynth

@@ -5,8 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 # CSV / table columns in reading order; any other scalar metric follows, sorted
 LEADING_COLUMNS = ("concurrency", "valid", "throughput_per_gpu", "interactivity", "median_ttft_ms",

@@ -35,7 +35,8 @@ def _launcher():
     try:
         return importlib.import_module("services.deploy.launcher")
     except ImportError as e:
-        raise RuntimeError(f"--fresh-server needs services.deploy.launcher (pdserve up), which is not available: {e}") from e
+        raise RuntimeError(f"--fresh-server needs services.deploy.launcher (pdserve up), which is not available: "
+                           f"{e}") from e
 
 
 class FreshServer:
@@ -46,7 +47,8 @@ class FreshServer:
         self._launcher = _launcher()
         for name in ("up", "down"):
             if not callable(getattr(self._launcher, name, None)):
-                raise RuntimeError(f"services.deploy.launcher has no {name}() function; see bench/serving/target.py for the contract")
+                raise RuntimeError(f"services.deploy.launcher has no {name}() function; see bench/serving/target.py "
+                                   "for the contract")
         self._handle = None
 
     def __enter__(self) -> Endpoint:

@@ -22,7 +22,7 @@ import gzip
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 BLOCK_SIZE = 64
 
@@ -40,13 +40,13 @@ class Turn:
 
 @dataclass(frozen=True)
 class SubagentGroup:
-    sessions: tuple["Session", ...]  # run concurrently
+    sessions: tuple[Session, ...]  # run concurrently
     think_s: float  # wait after the previous step completed before they start
 
 
 @dataclass(frozen=True)
 class Session:
-    steps: tuple[Union[Turn, SubagentGroup], ...]
+    steps: tuple[Turn | SubagentGroup, ...]
 
     def turns(self) -> list[Turn]:
         """Every turn, subagents included, depth first."""
@@ -90,7 +90,7 @@ def parse_trace(data: dict[str, Any], *, token_scale: float = 1.0) -> Trace:
 
 
 def _parse_session(entries: list[dict[str, Any]], scale: float, counter, trace_id: str) -> Session:
-    steps: list[Union[Turn, SubagentGroup]] = []
+    steps: list[Turn | SubagentGroup] = []
     prev_end: float | None = None  # recorded end of the previous step, seconds since session start
     after_subagents = False
     i = 0

@@ -9,6 +9,7 @@ thing everywhere. The reference prefill launch line works as is:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -25,6 +26,7 @@ from engine.config.engine import (
     SpeculativeConfig,
 )
 from engine.config.model import ModelConfig
+from engine.kv.cache import INDEXER_PRECISIONS, KV_CACHE_DTYPES
 
 
 @dataclass
@@ -57,11 +59,12 @@ class EngineArgs:
     data_parallel_size: int = 1
     attention_backend: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None  # "fp8": quantize a bf16 checkpoint's projections at load (block FP8)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
         model_path = Path(self.model)
-        mcfg = ModelConfig.from_pretrained(model_path)
+        mcfg = self._quantized(ModelConfig.from_pretrained(model_path))
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = self.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         kv_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
@@ -82,7 +85,8 @@ class EngineArgs:
                               mtp_kv=self.mtp_kv),
             scheduler=SchedulerConfig(max_model_len=max_len,
                                       max_num_batched_tokens=self.max_num_batched_tokens or max(8192, 1),
-                                      max_num_seqs=self.max_num_seqs, enable_chunked_prefill=self.enable_chunked_prefill),
+                                      max_num_seqs=self.max_num_seqs,
+                                      enable_chunked_prefill=self.enable_chunked_prefill),
             parallel=ParallelConfig(prefill_context_parallel_size=self.prefill_context_parallel_size,
                                     decode_context_parallel_size=self.decode_context_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel,
@@ -93,6 +97,13 @@ class EngineArgs:
             hisparse=HiSparseConfig.from_dict(hisparse) if hisparse is not None else None,
             device=device, dtype=dtype, seed=self.seed, attention_backend=self.attention_backend,
             load_format=self.load_format)
+
+    def _quantized(self, mcfg: ModelConfig) -> ModelConfig:
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or unset, got {self.quantization!r}")
+        if self.quantization == "fp8" and mcfg.quantization != "fp8":
+            return dataclasses.replace(mcfg, quantization="fp8", quantize_at_load=True, weight_block_size=(128, 128))
+        return mcfg
 
     def _speculative(self) -> SpeculativeConfig | None:
         if self.speculative_config:
@@ -108,20 +119,16 @@ class EngineArgs:
         g.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
         g.add_argument("--device", default=None)
         g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-        g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_ds_mla", "bfloat16", "float32"])
-        g.add_argument("--indexer-precision", default=None, choices=["fp8", "fp32"])
+        add_kv_layout_args(g, resolve_auto=True)
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=256)
-        g.add_argument("--block-size", type=int, default=64)
         g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (else from memory)")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--mtp-kv", action=argparse.BooleanOptionalAction, default=True,
-                       help="keep/compute the MTP layer's KV (default on when the model has one)")
         g.add_argument("--speculative-config", type=json.loads, default=None)
         g.add_argument("--attention-config", type=json.loads, default=None)
         g.add_argument("--hisparse-config", dest="hisparse", type=json.loads, default=None,
@@ -134,11 +141,27 @@ class EngineArgs:
         g.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
         g.add_argument("--data-parallel-size", type=int, default=1)
         g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+        g.add_argument("--quantization", default=None, choices=["fp8"],
+                       help="fp8: quantize a bf16 checkpoint to FP8 block-scaled weights at load (an FP8 checkpoint "
+                            "is served in FP8 without it)")
         g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                        help="dummy: random weights of the config's shape (benchmarks without a checkpoint)")
         return p
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def add_kv_layout_args(g, resolve_auto: bool) -> None:
+    """The flags that fix a KV block's layout, declared once for the engines (EngineArgs) and the kvstore,
+    whose blocks must match theirs byte for byte. `resolve_auto`: an engine may take "auto" / no indexer
+    precision and resolve them from its device; the kvstore, which has no model on a device, gets the
+    served layout (fp8_ds_mla, fp8 indexer keys) as defaults instead."""
+    g.add_argument("--kv-cache-dtype", default="auto" if resolve_auto else "fp8_ds_mla",
+                   choices=(("auto",) if resolve_auto else ()) + KV_CACHE_DTYPES)
+    g.add_argument("--indexer-precision", default=None if resolve_auto else "fp8", choices=INDEXER_PRECISIONS)
+    g.add_argument("--block-size", type=int, default=64)
+    g.add_argument("--mtp-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep/compute the MTP layer's KV (default on when the model has one)")

@@ -73,7 +73,7 @@ class SpeculativeConfig:
             raise ValueError(f"synthetic_acceptance_length must be in [1, {1 + self.num_speculative_tokens}], got {L}")
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
+    def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
         if not d:
             return None
         unknown = set(d) - {"method", "num_speculative_tokens", "synthetic_acceptance_length"}
@@ -140,7 +140,7 @@ class HiSparseConfig:
             raise ValueError("hisparse host_pool_blocks must be >= 1")
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "HiSparseConfig | None":
+    def from_dict(cls, d: dict | None) -> HiSparseConfig | None:
         if d is None:
             return None
         unknown = set(d) - {"host_pool_gib", "device_buffer_size", "offload_only", "host_pool_blocks"}

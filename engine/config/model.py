@@ -14,10 +14,6 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 
-# Bytes per cached token row, per layer, by format (DESIGN §3).
-FP8_DS_MLA_ROW_BYTES = 656  # 512 fp8 latent + 4 fp32 tile scales + 64 bf16 rope values
-INDEX_FP8_ROW_BYTES = 132  # 128 fp8 key values + one fp32 scale
-
 
 class ConfigError(ValueError):
     """A config.json that the engine cannot serve; the message names the field."""
@@ -70,6 +66,12 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     # fp8 block-scaled checkpoints: (rows, cols) of one scale tile, None for plain weights
     weight_block_size: tuple[int, int] | None = None
+    # FP8 block-scaled weights (docs/fp8.md): "fp8" when config.json's quantization_config says so or when a
+    # bf16 checkpoint is quantized at load (quantize_at_load); the module-name patterns left unquantized
+    # (quantization_config's modules_to_not_convert / ignored_layers; None: the default list)
+    quantization: str | None = None
+    modules_to_not_convert: tuple[str, ...] | None = None
+    quantize_at_load: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -122,21 +124,9 @@ class ModelConfig:
         """Checkpoint index of the MTP layer (`model.layers.{N}` right after the main layers)."""
         return self.num_hidden_layers
 
-    def num_mla_cache_layers(self, with_mtp: bool) -> int:
-        return self.num_hidden_layers + (1 if with_mtp and self.has_mtp else 0)
-
-    def num_index_cache_layers(self, with_mtp: bool) -> int:
-        return len(self.full_indexer_layers) + (1 if with_mtp and self.has_mtp else 0)
-
-    def kv_bytes_per_token(self, kv_cache_dtype: str = "fp8_ds_mla", indexer_precision: str = "fp8",
-                           with_mtp: bool = True) -> int:
-        """Bytes of KV state one token adds across all layers (54,728 for GLM-5.3 in fp8 with MTP)."""
-        return (self.num_mla_cache_layers(with_mtp) * mla_row_bytes(self, kv_cache_dtype)
-                + self.num_index_cache_layers(with_mtp) * index_row_bytes(self, indexer_precision))
-
     # ---- parsing ---------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         cfg_file = path / "config.json" if path.is_dir() else path
         if not cfg_file.exists():
@@ -148,38 +138,12 @@ class ModelConfig:
         return cls.from_hf_dict(data)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         return _parse_hf_config(d)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json our checkpoint writer emits (HF field names, readable by transformers)."""
         return _to_hf_config(self)
-
-
-def mla_row_bytes(cfg: ModelConfig, kv_cache_dtype: str) -> int:
-    if kv_cache_dtype == "fp8_ds_mla":
-        from kernels.formats import mla_row_bytes as fp8_row_bytes
-
-        try:
-            return fp8_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-    return cfg.kv_cache_dim * _dtype_bytes(kv_cache_dtype)
-
-
-def index_row_bytes(cfg: ModelConfig, indexer_precision: str) -> int:
-    if indexer_precision == "fp8":
-        return cfg.index_head_dim + 4
-    if indexer_precision == "fp32":
-        return cfg.index_head_dim * 4
-    raise ConfigError(f"indexer_precision must be 'fp8' or 'fp32', got {indexer_precision!r}")
-
-
-def _dtype_bytes(kv_cache_dtype: str) -> int:
-    sizes = {"bfloat16": 2, "float32": 4}
-    if kv_cache_dtype not in sizes:
-        raise ConfigError(f"kv_cache_dtype must be fp8_ds_mla, bfloat16 or float32, got {kv_cache_dtype!r}")
-    return sizes[kv_cache_dtype]
 
 
 def _indexer_types(d: dict[str, Any], n: int, model_type: str) -> tuple[str, ...]:
@@ -246,6 +210,8 @@ def _parse_hf_config(d: dict[str, Any]) -> ModelConfig:
     block = quant.get("weight_block_size")
     if quant and quant.get("quant_method") not in ("fp8", None):
         raise ConfigError(f"quantization {quant.get('quant_method')!r} is not supported (only fp8 block scales)")
+    if quant.get("quant_method") == "fp8" and (not block or [int(b) for b in block] != [128, 128]):
+        raise ConfigError(f"fp8 checkpoints need weight_block_size [128, 128] (block scales), got {block!r}")
     q_norm_eps = d.get("q_lora_norm_eps", d.get("q_a_layernorm_eps", 1e-6))
     kv_norm_eps = d.get("kv_lora_norm_eps", d.get("kv_a_layernorm_eps", 1e-6))
     return ModelConfig(
@@ -288,14 +254,29 @@ def _parse_hf_config(d: dict[str, Any]) -> ModelConfig:
         bos_token_id=d.get("bos_token_id"),
         torch_dtype=str(d.get("dtype", d.get("torch_dtype", "bfloat16")) or "bfloat16"),
         weight_block_size=tuple(block) if block else None,
+        quantization="fp8" if quant.get("quant_method") == "fp8" else None,
+        modules_to_not_convert=_not_convert(quant),
         extra={k: v for k, v in d.items() if k in ("architectures", "transformers_version")},
     )
 
 
+def _not_convert(quant: dict[str, Any]) -> tuple[str, ...] | None:
+    names = quant.get("modules_to_not_convert") or quant.get("ignored_layers")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ConfigError(f"quantization_config's modules_to_not_convert must be a list of names, got {names!r}")
+    return tuple(names) if names is not None else None
+
+
 def _to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     d = asdict(cfg)
-    for key in ("extra", "eos_token_ids", "weight_block_size", "rope_theta", "torch_dtype"):
+    for key in ("extra", "eos_token_ids", "weight_block_size", "rope_theta", "torch_dtype", "quantization",
+                "modules_to_not_convert", "quantize_at_load"):
         d.pop(key)
+    if cfg.quantization == "fp8" and not cfg.quantize_at_load:
+        d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": list(cfg.weight_block_size or (128, 128))}
+        if cfg.modules_to_not_convert is not None:
+            d["quantization_config"]["modules_to_not_convert"] = list(cfg.modules_to_not_convert)
     d.update(
         architectures=["GlmMoeDsaForCausalLM"],
         indexer_types=list(cfg.indexer_types),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from engine.config.engine import EngineConfig
@@ -30,6 +31,9 @@ class EngineStats:
     num_preemptions: int
     num_queued_tokens: int = 0  # prompt tokens of waiting requests still to compute (a load figure)
     hisparse: object | None = None  # engine.hisparse.HiSparseStats when HiSparse is on
+    weight_bytes: tuple = ()  # per rank: {dtype name: bytes} of its weights (engine.loading.weight_stats)
+    num_steps: int = 0  # steps that ran a forward
+    step_seconds: float = 0.0  # their wall time, summed (schedule + forward + update)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -58,6 +62,7 @@ class EngineCore:
         if hisparse is not None:  # admission by host blocks (the pool above) and by device room
             self.kv.device_footprint = hisparse.footprint()
         self.scheduler = Scheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
+        self.num_steps, self.step_seconds = 0, 0.0
 
     def validate(self, req: Request) -> None:
         """Raise ValueError for a request the engine cannot serve (nothing is changed)."""
@@ -115,11 +120,15 @@ class EngineCore:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             return []
         result = self.runner.execute(sched)
-        return self.scheduler.update(sched, result)
+        out = self.scheduler.update(sched, result)
+        self.num_steps += 1
+        self.step_seconds += time.perf_counter() - t0
+        return out
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -130,18 +139,31 @@ class EngineCore:
                            spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
                            num_preemptions=s.num_preemptions,
                            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
-                           hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None)
+                           hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None,
+                           weight_bytes=tuple(r["weight_bytes"] for r in self.weight_reports()),
+                           num_steps=self.num_steps, step_seconds=self.step_seconds)
+
+    def weight_reports(self) -> list[dict]:
+        """Per rank: weight bytes by dtype and what loading read (engine.loading.weight_stats); fixed after load."""
+        if getattr(self, "_weight_reports", None) is None:
+            self._weight_reports = self._collect_weight_reports()
+        return self._weight_reports
+
+    def _collect_weight_reports(self) -> list[dict]:
+        from engine.loading.weight_stats import rank_weight_report
+
+        return [rank_weight_report(self.runner)]
 
 
-def make_core(cfg: EngineConfig) -> EngineCore:
-    """The engine core a config asks for: one rank, a DP group (data_parallel_size > 1) or a CP group."""
-    pc = cfg.parallel
-    if pc.data_parallel_size > 1:
+def make_engine_core(cfg: EngineConfig, rank_pool=None) -> EngineCore:
+    """The core a config asks for: one process, or rank 0 of a multi-rank engine (`rank_pool`: an
+    engine.parallel.spawn.RankPool whose idle ranks it may reuse; multi-rank only)."""
+    if cfg.parallel.data_parallel_size > 1:  # a DP x EP group (engine/parallel/dp.py)
         from engine.parallel.dp import DPEngineCore
 
-        return DPEngineCore(cfg)
-    if pc.world_size > 1:
+        return DPEngineCore(cfg, rank_pool=rank_pool)
+    if cfg.parallel.world_size > 1:
         from engine.parallel.executor import MultiRankEngineCore
 
-        return MultiRankEngineCore(cfg)
+        return MultiRankEngineCore(cfg, rank_pool=rank_pool)
     return EngineCore(cfg)

@@ -44,8 +44,10 @@ class SamplingParams:
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0")

@@ -83,6 +83,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def has_finished_to_drop(self) -> bool:
+        """Finished requests whose ids the runner has not been handed yet (the next step does)."""
+        return bool(self._finished_ids)
+
     def held_block_ids(self, req_id: str) -> list[int]:
         if req_id not in self.held:
             raise KeyError(f"request {req_id!r} holds no exported KV (finished without hold, released or unknown)")

@@ -1,1 +1,2 @@
-"""What callers use: the offline LLM, the AsyncEngine, tokenizer, incremental detokenizer, output processing, outputs."""
+"""What callers use: the offline LLM, the AsyncEngine, the tokenizer, the incremental detokenizer, output
+processing, outputs."""

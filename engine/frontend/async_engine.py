@@ -11,12 +11,13 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from engine.config.arg_utils import EngineArgs
 from engine.config.engine import EngineConfig
-from engine.core.core import EngineStats, make_core
+from engine.core.core import EngineStats, make_engine_core
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.frontend.output_processor import OutputProcessor
@@ -33,7 +34,7 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, config: EngineConfig | EngineArgs, core: Any = None, tokenizer: Tokenizer | None = None):
         self.config = config.create_engine_config() if isinstance(config, EngineArgs) else config
-        self.core = core if core is not None else _make_core(self.config)
+        self.core = core if core is not None else make_engine_core(self.config)
         if tokenizer is None:
             try:
                 tokenizer = Tokenizer(self.config.model_path)
@@ -60,7 +61,7 @@ class AsyncEngine:
             self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the loop's own failure was already reported to every stream
                 pass
             self._task = None
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -71,7 +72,7 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None,
-                    **request_kwargs) -> "AsyncIterator[RequestOutput]":
+                    **request_kwargs) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError on bad input), queue for the loop, return the output stream."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead!r}")
@@ -158,7 +159,9 @@ class AsyncEngine:
         try:
             while True:
                 self._apply_commands()
-                if not self.core.has_unfinished():
+                # idle, unless finished requests are still to be dropped by the runner: one more step
+                # hands it their ids, so an idle engine keeps no per-request state (HiSparse pages, rows)
+                if not self.core.has_unfinished() and not self.core.scheduler.has_finished_to_drop:
                     self.last_stats = self.core.stats()
                     self._wake.clear()
                     if not self._commands:
@@ -170,7 +173,7 @@ class AsyncEngine:
                 await asyncio.sleep(0)  # let streams and new requests in between steps
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # noqa: BLE001 - every stream must learn that the engine died
+        except BaseException as e:  # every stream must learn that the engine died
             log.exception("engine loop failed")
             self._dead = e
             for q in self._streams.values():
@@ -204,10 +207,6 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.last_stats
-
-
-def _make_core(cfg: EngineConfig):
-    return make_core(cfg)
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

@@ -71,4 +71,5 @@ class IncrementalDetokenizer:
             return
         i, s = best
         self.stop_hit = s
-        self.output_text = self.output_text[: i + len(s)] if self.params.include_stop_str_in_output else self.output_text[:i]
+        keep = i + len(s) if self.params.include_stop_str_in_output else i
+        self.output_text = self.output_text[:keep]

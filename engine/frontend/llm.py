@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from engine.config.arg_utils import EngineArgs
-from engine.core.core import EngineStats, make_core
+from engine.core.core import EngineStats, make_engine_core
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.frontend.output_processor import OutputProcessor
@@ -17,21 +17,20 @@ from engine.frontend.tokenizer import Tokenizer
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, rank_pool=None, **kwargs):
         """Keyword arguments are `EngineArgs` fields (vLLM's names): device, dtype, kv_cache_dtype,
         indexer_precision, seed, max_model_len, max_num_batched_tokens, max_num_seqs, num_blocks,
-        enable_prefix_caching, num_speculative_tokens, speculative_config, hisparse, ..."""
+        enable_prefix_caching, num_speculative_tokens, speculative_config, hisparse, ...
+        `rank_pool` (engine.parallel.spawn.RankPool): a multi-rank engine reuses its idle ranks and gives
+        them back at `core.shutdown()`."""
         self.args = EngineArgs(model=str(model), **kwargs)
         self.config = self.args.create_engine_config()
-        self.core = self._make_core()
+        self.core = make_engine_core(self.config, rank_pool)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(model)
         except FileNotFoundError:
             self.tokenizer = None
         self._ids = itertools.count()
-
-    def _make_core(self):
-        return make_core(self.config)
 
     # ---- requests ------------------------------------------------------------------------------
     def _to_ids(self, prompt: str | Sequence[int]) -> list[int]:

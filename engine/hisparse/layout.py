@@ -27,7 +27,7 @@ class HotLayout:
 
     @classmethod
     def create(cls, topk: int, device_buffer_size: int | None, num_spec_tokens: int,
-               block_size: int = 64) -> "HotLayout":
+               block_size: int = 64) -> HotLayout:
         max_new = 1 + num_spec_tokens
         lru = max(device_buffer_size or 2 * topk, max_new * topk)
         return cls(topk=topk, lru_rows=lru, max_new_rows=max_new, block_size=block_size)
@@ -53,7 +53,7 @@ class LayerGroups:
     layers: tuple[tuple[int, ...], ...]  # group -> model layer ids (leader first)
 
     @classmethod
-    def from_spec(cls, spec: KVCacheSpec) -> "LayerGroups":
+    def from_spec(cls, spec: KVCacheSpec) -> LayerGroups:
         group_of: dict[int, int] = {}
         layers: list[list[int]] = [[] for _ in range(spec.num_index_layers)]
         g = -1

@@ -7,7 +7,7 @@ so the least recently used cached blocks go first.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class KVBlock:

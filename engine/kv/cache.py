@@ -41,7 +41,7 @@ class KVCacheSpec:
 
     @classmethod
     def from_model(cls, cfg: ModelConfig, *, block_size: int = 64, kv_cache_dtype: str = "fp8_ds_mla",
-                   indexer_precision: str = "fp8", with_mtp: bool = True) -> "KVCacheSpec":
+                   indexer_precision: str = "fp8", with_mtp: bool = True) -> KVCacheSpec:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         if indexer_precision not in INDEXER_PRECISIONS:

@@ -11,7 +11,7 @@ language or machine computes the same 16 bytes:
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash

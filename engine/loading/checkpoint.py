@@ -111,6 +111,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weight-dtype", default=None, choices=["float32", "bfloat16", "fp8"],
+                   help="fp8: FP8 block-scaled projections in GLM-5-FP8's layout (default: --dtype)")
+    p.add_argument("--from", dest="source", default=None, metavar="DIR",
+                   help="quantize this existing checkpoint (with --weight-dtype fp8) instead of random weights")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (JSON value), e.g. --set index_topk=8")
     a = p.parse_args(argv)
@@ -125,6 +129,27 @@ def main(argv: list[str]) -> int:
             overrides[key] = raw
     if a.preset != "tiny" and "num_hidden_layers" not in overrides:
         p.error("only the tiny preset is small enough to write with random weights (override num_hidden_layers etc.)")
-    out = make_checkpoint(a.out, preset=a.preset, seed=a.seed, num_shards=a.shards, dtype=a.dtype, **overrides)
+    if a.source is not None or a.weight_dtype == "fp8":
+        return _write_fp8(p, a, overrides)
+    out = make_checkpoint(a.out, preset=a.preset, seed=a.seed, num_shards=a.shards, dtype=a.weight_dtype or a.dtype,
+                          **overrides)
     print(f"wrote {out}")
+    return 0
+
+
+def _write_fp8(p, a, overrides: dict) -> int:
+    """`--weight-dtype fp8 [--from DIR]`: quantize DIR (or a fresh random bf16 checkpoint) to FP8."""
+    import tempfile
+
+    from engine.loading.fp8_checkpoint import quantize_checkpoint
+
+    if a.weight_dtype != "fp8":
+        p.error("--from quantizes an existing checkpoint: pass --weight-dtype fp8")
+    if a.source is not None:
+        out = quantize_checkpoint(a.source, a.out)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = make_checkpoint(tmp, preset=a.preset, seed=a.seed, num_shards=a.shards, dtype="bfloat16", **overrides)
+            out = quantize_checkpoint(src, a.out)
+    print(f"wrote {out} (fp8 block-scaled)")
     return 0

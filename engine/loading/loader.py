@@ -9,6 +9,7 @@ import torch
 from engine.config.model import ModelConfig
 from engine.loading.weights import FP32_PARAMS, load_weights
 from engine.model import GlmDsaForCausalLM
+from engine.model.fp8 import convert_to_fp8
 from engine.model.moe import Experts, MoE
 
 
@@ -26,14 +27,17 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", dtype: 
             for m in list(model.modules()):
                 if isinstance(m, MoE):
                     m.experts = Experts(cfg, num_local=expert_shard[1], offset=expert_shard[0])
+        if cfg.quantization == "fp8":
+            convert_to_fp8(model, cfg)
         # set dtypes while nothing is allocated: materialising fp32 first would double the peak memory
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             want = torch.float32 if name.endswith(FP32_PARAMS) else dtype
-            if p.is_floating_point() and p.dtype != want:
+            if p.is_floating_point() and p.dtype != want and p.dtype != torch.float8_e4m3fn:
                 p.data = p.data.to(want)
     model = model.to_empty(device=device)
+    model.load_report = None
     if checkpoint is not None:
-        load_weights(model, checkpoint, cfg)
+        model.load_report = load_weights(model, checkpoint, cfg)
     return model.eval().requires_grad_(False)
 
 
@@ -52,10 +56,12 @@ def dummy_init(model: GlmDsaForCausalLM, seed: int = 0, std: float = 0.02) -> No
         for i, (name, p) in enumerate(sorted(list(model.named_parameters()) + list(model.named_buffers()))):
             g = torch.Generator(device=p.device)
             g.manual_seed(seed * 100003 + i)
-            if id(p) in expert_offset:
+            if name.endswith("_scale_inv"):
+                p.fill_(std)  # FP8 codes are drawn N(0, 1): weight = code x scale ~ N(0, std)
+            elif id(p) in expert_offset:
                 for e in range(p.shape[0]):
                     g.manual_seed((seed * 100003 + i) * 4099 + expert_offset[id(p)] + e)
-                    p[e].normal_(0.0, std, generator=g)
+                    _normal(p[e], 1.0 if p.dtype == torch.float8_e4m3fn else std, g)
             elif name.endswith(("norm.weight", "layernorm.weight")):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
@@ -63,14 +69,22 @@ def dummy_init(model: GlmDsaForCausalLM, seed: int = 0, std: float = 0.02) -> No
             elif name.endswith("e_score_correction_bias"):
                 p.normal_(0.0, 0.01, generator=g)
             else:
-                p.normal_(0.0, std, generator=g)
+                _normal(p, 1.0 if p.dtype == torch.float8_e4m3fn else std, g)
+
+
+def _normal(t: torch.Tensor, std: float, g: torch.Generator) -> None:
+    if t.dtype == torch.float8_e4m3fn:  # no RNG for fp8: draw in fp32, one tensor (or expert) at a time
+        t.copy_(torch.empty(t.shape, device=t.device).normal_(0.0, std, generator=g))
+    else:
+        t.normal_(0.0, std, generator=g)
 
 
 def use_kernel_moe(model: GlmDsaForCausalLM, on: bool) -> None:
     """Route every MoE layer through the Triton grouped GEMM (CUDA) or the torch reference."""
     from engine.model.moe import Experts
+    from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref
     from kernels.moe import fused_moe, fused_moe_ref
 
     for m in model.modules():
         if isinstance(m, Experts):
-            m.impl = fused_moe if on else fused_moe_ref
+            m.impl = (fused_moe_fp8 if on else fused_moe_fp8_ref) if m.fp8 else (fused_moe if on else fused_moe_ref)

@@ -1,92 +1,62 @@
 """Loading HF safetensors checkpoints into `GlmDsaForCausalLM`.
 
 Handles a single file or shards indexed by `model.safetensors.index.json`; bf16/fp32 weights and fp8
-e4m3 weights with 128x128 block scales (`weight_scale_inv`, dequantised on the CPU at load); experts as
-per-expert tensors (`experts.{e}.gate_proj.weight`) or HF's merged 3-D tensors (`experts.gate_up_proj`);
-the MTP layer stored as `model.layers.{num_hidden_layers}.*`. Every parameter must be covered exactly:
-a missing or mis-shaped tensor is a `WeightLoadError` naming it.
+e4m3 weights with 128x128 block scales (`weight_scale_inv`, docs/fp8.md); experts as per-expert tensors
+(`experts.{e}.gate_proj.weight`) or HF's merged 3-D tensors (`experts.gate_up_proj`); the MTP layer stored
+as `model.layers.{num_hidden_layers}.*`. Every parameter must be covered exactly: a missing or
+mis-shaped tensor, or scales that do not fit their weight, is a `WeightLoadError` naming it.
+
+FP8 tensors go to the device as FP8 into FP8 parameters (the model's FP8 modules, engine/model/fp8.py);
+an FP8 tensor the model keeps in its own dtype (a module the config lists as unquantized) is
+dequantized on the device; a bf16 tensor
+bound for an FP8 parameter is quantized on the device when the config asks (`quantize_at_load`).
+Reading goes through engine.loading.weight_reader: only this rank's tensors, one at a time.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from engine.config.model import ModelConfig
+from engine.loading.weight_reader import ShardReader, TensorInfo, WeightLoadError, checkpoint_files, read_index
+from kernels.fp8_gemm import dequantize_weight_ref, quantize_weight_ref
+
+__all__ = ["WeightLoadError", "checkpoint_files", "load_weights", "to_hf_state_dict"]
 
 log = logging.getLogger(__name__)
 
-FP32_PARAMS = ("e_score_correction_bias", "indexer.weights_proj.weight")
+FP32_PARAMS = ("e_score_correction_bias", "indexer.weights_proj.weight", "_scale_inv")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+SCALE = "_scale_inv"
 _MERGED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
 # MTP tensors that duplicate the main model's (DeepSeek checkpoints store them): shared, not loaded twice.
 _MTP_SHARED = ("embed_tokens.", "shared_head.head.")
 
 
-class WeightLoadError(ValueError):
-    """A checkpoint that does not fit the model; the message names the tensor."""
-
-
 @dataclass
 class LoadReport:
     loaded: int = 0
     ignored: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    names_read: list[str] = field(default_factory=list)
+    peak_tensor_bytes: int = 0  # the largest single tensor held in host memory (plus the staging buffer)
+    staging_bytes: int = 0
 
 
-def checkpoint_files(path: str | Path) -> list[Path]:
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"no safetensors files in {path}")
-    for f in files:
-        if not f.exists():
-            raise WeightLoadError(f"checkpoint index names {f.name}, which is missing from {path}")
-    return files
-
-
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every weight, fp8 block-scaled weights dequantised to fp32."""
-    files = checkpoint_files(path)
-    where: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                where[k] = f
-    for name, f in where.items():
-        if name.endswith("_scale_inv"):
-            continue
-        with safe_open(str(f), framework="pt") as h:
-            t = h.get_tensor(name)
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale_name = name + "_scale_inv"
-            if scale_name not in where:
-                raise WeightLoadError(f"fp8 tensor {name} has no {scale_name} block scales")
-            with safe_open(str(where[scale_name]), framework="pt") as h:
-                t = dequantize_block_fp8(t, h.get_tensor(scale_name))
-        yield name, t
-
-
-def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """fp8 [..., rows, cols] with scales [..., ceil(rows/br), ceil(cols/bc)] -> fp32."""
-    rows, cols = w.shape[-2:]
-    sr, sc = scale_inv.shape[-2:]
-    br, bc = -(-rows // sr), -(-cols // sc)
-    s = scale_inv.float().repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
-    return w.float() * s
+@dataclass(frozen=True)
+class _Item:
+    name: str  # checkpoint tensor
+    pname: str  # our parameter
+    where: tuple
+    rows: slice | None  # merged experts: this rank's expert range, read alone
 
 
 def _target(name: str, cfg: ModelConfig) -> tuple[str, tuple] | None:
@@ -110,57 +80,134 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, tuple] | None:
 
 
 def load_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> LoadReport:
-    """Copy every checkpoint tensor into `model` (already on its device); verify full coverage."""
+    """Copy the checkpoint tensors this model keeps into it (already on its device); verify full coverage.
+
+    Only planned tensors are read (other ranks' experts are skipped by name, merged expert tensors are
+    sliced to this rank's range before reading), shard by shard, each in its stored dtype."""
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     covered: dict[str, set] = {n: set() for n in params}
-    report = LoadReport()
-    for name, tensor in iter_checkpoint(path):
-        tgt = _target(name, cfg)
-        if tgt is None:
-            continue
-        if tgt[0] not in params:
-            served_without_mtp = tgt[0].startswith("mtp.") and getattr(model, "mtp", None) is None
-            if not served_without_mtp:
-                report.ignored.append(name)
-            continue
-        pname, where = tgt
-        _copy_into(params[pname], tensor, where, name, pname, model, covered[pname])
-        report.loaded += 1
+    index = read_index(path)
+    _check_fp8_claim(cfg, index)
+    plan, report = _plan(model, params, index, cfg)
+    device = next(iter(params.values())).device
+    staging = max((index[it.name].nbytes(it.rows) for it in plan), default=0) if device.type == "cuda" else 0
+    reader = ShardReader(device, staging_bytes=staging)
+    for file in sorted({index[it.name].file for it in plan}):
+        with safe_open(str(file), framework="pt") as h:
+            for it in (it for it in plan if index[it.name].file == file):
+                src = reader.read(h, it.name, it.rows)
+                scale = _read_scale(reader, index, it, src) if src.dtype == torch.float8_e4m3fn else None
+                _place(params, it, src, scale, reader, cfg, covered)
+                report.loaded += 1
     _check_coverage(params, covered)
+    report.bytes_read, report.names_read = reader.bytes_read, reader.names_read
+    report.peak_tensor_bytes, report.staging_bytes = reader.peak_tensor_bytes, staging
     if report.ignored:
         log.warning("ignored %d checkpoint tensors the model has no place for, e.g. %s",
                     len(report.ignored), report.ignored[:3])
     return report
 
 
+def _check_fp8_claim(cfg: ModelConfig, index: dict[str, TensorInfo]) -> None:
+    if cfg.quantization == "fp8" and not cfg.quantize_at_load and not any(n.endswith(SCALE) for n in index):
+        raise WeightLoadError("config.json's quantization_config declares fp8 block-scaled weights, but the "
+                              "checkpoint has no *_scale_inv tensors (a bf16 checkpoint? drop quantization_config, "
+                              "or load it with --quantization fp8)")
+    for name, info in index.items():
+        if info.is_fp8 and not name.endswith(SCALE) and _scale_name(name) not in index:
+            raise WeightLoadError(f"fp8 tensor {name} has no {_scale_name(name)} block scales")
+
+
+def _scale_name(name: str) -> str:
+    return name + SCALE  # x.weight -> x.weight_scale_inv; experts.gate_up_proj -> experts.gate_up_proj_scale_inv
+
+
+def _plan(model: nn.Module, params: dict, index: dict[str, TensorInfo], cfg: ModelConfig):
+    """The tensors to read, by name, before any is read: this rank's experts only."""
+    report = LoadReport()
+    plan = []
+    for name in index:
+        if name.endswith(SCALE):
+            continue  # read beside its weight
+        tgt = _target(name, cfg)
+        if tgt is None:
+            continue
+        pname, where = tgt
+        if pname not in params:
+            if not (pname.startswith("mtp.") and getattr(model, "mtp", None) is None):
+                report.ignored.append(name)
+            continue
+        rows = None
+        if where[0] != "whole":
+            experts = _experts_module(model, pname)
+            n_local = params[pname].shape[0]
+            if where[0] == "all":
+                rows = slice(experts.offset, experts.offset + n_local)
+            elif not 0 <= where[1] - experts.offset < n_local:
+                continue  # another expert-parallel rank owns this expert: never read
+            else:
+                where = ("expert", where[1] - experts.offset, where[2])
+        plan.append(_Item(name, pname, where, rows))
+    return plan, report
+
+
+def _read_scale(reader: ShardReader, index: dict[str, TensorInfo], it: _Item, w: torch.Tensor) -> torch.Tensor:
+    name = _scale_name(it.name)
+    with safe_open(str(index[name].file), framework="pt") as h:
+        s = reader.read(h, name, it.rows)
+    want = (*w.shape[:-2], -(-w.shape[-2] // 128), -(-w.shape[-1] // 128))
+    if tuple(s.shape) != want or not s.is_floating_point():
+        raise WeightLoadError(f"{name}: block scales of shape {tuple(s.shape)} ({s.dtype}) do not fit weight "
+                              f"{it.name} {tuple(w.shape)}: 128x128 blocks need {want}")
+    return s.float()
+
+
+def _place(params: dict, it: _Item, src: torch.Tensor, scale: torch.Tensor | None, reader: ShardReader,
+           cfg: ModelConfig, covered: dict[str, set]) -> None:
+    """src (and its scales) -> the parameter, converting only where the model's dtype differs."""
+    dst = params[it.pname]
+    fp8_dst = dst.dtype == torch.float8_e4m3fn
+    if fp8_dst and scale is None and not cfg.quantize_at_load:
+        raise WeightLoadError(f"{it.name} is {src.dtype} in the checkpoint but the model keeps {it.pname} in FP8 "
+                              "(quantize it at load with --quantization fp8, or list it in modules_to_not_convert)")
+    view, key = _view(dst, it.where, src.shape, it.name, it.pname)
+    dev_src = reader.to_device(src)
+    with torch.no_grad():
+        if fp8_dst:
+            if scale is None:
+                dev_src, scale_dev = quantize_weight_ref(dev_src)  # bf16 checkpoint quantized at load
+            else:
+                scale_dev = reader.to_device(scale)
+            s_name = it.pname + SCALE
+            s_view, _ = _view(params[s_name], it.where, scale_dev.shape, _scale_name(it.name), s_name)
+            s_view.copy_(scale_dev)
+            covered[s_name].add(key)
+        elif scale is not None:  # an FP8 tensor the model keeps in its own dtype: dequantized on the device
+            dev_src = dequantize_weight_ref(dev_src, reader.to_device(scale), view.dtype)
+        view.copy_(dev_src)
+    covered[it.pname].add(key)
+
+
 def _experts_module(model: nn.Module, pname: str) -> nn.Module:
     return model.get_submodule(pname.rsplit(".", 1)[0])
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor, where: tuple, ckpt_name: str, pname: str,
-               model: nn.Module, covered: set) -> None:
+def _view(dst: torch.Tensor, where: tuple, shape, ckpt_name: str, pname: str) -> tuple[torch.Tensor, object]:
+    """The part of dst that a checkpoint tensor fills, and its coverage key; shapes must match."""
     if where[0] == "whole":
         view, key = dst, "whole"
+    elif where[0] == "all":
+        view, key = dst, "all"
     else:
-        experts = _experts_module(model, pname)
-        offset, n_local = experts.offset, dst.shape[0]
-        if where[0] == "all":
-            src = src[offset: offset + n_local]
-            view, key = dst, "all"
-        else:
-            local = where[1] - offset
-            if not 0 <= local < n_local:
-                return  # another expert-parallel rank owns this expert
-            half = dst.shape[1] // 2
-            view = dst[local] if where[2] is None else dst[local, where[2] * half:(where[2] + 1) * half]
-            key = (local, where[2])
-    if tuple(view.shape) != tuple(src.shape):
-        raise WeightLoadError(f"{ckpt_name}: checkpoint shape {tuple(src.shape)} does not match the model's "
+        local = where[1]
+        half = dst.shape[1] // 2
+        view = dst[local] if where[2] is None else dst[local, where[2] * half:(where[2] + 1) * half]
+        key = (local, where[2])
+    if tuple(view.shape) != tuple(shape):
+        raise WeightLoadError(f"{ckpt_name}: checkpoint shape {tuple(shape)} does not match the model's "
                               f"{tuple(view.shape)} for {pname} (wrong config.json for these weights?)")
-    with torch.no_grad():
-        view.copy_(src.to(dtype=view.dtype))
-    covered.add(key)
+    return view, key
 
 
 def _check_coverage(params: dict[str, torch.Tensor], covered: dict[str, set]) -> None:
@@ -169,8 +216,8 @@ def _check_coverage(params: dict[str, torch.Tensor], covered: dict[str, set]) ->
         got = covered[name]
         if "whole" in got or "all" in got:
             continue
-        if name.endswith((".w13", ".w2")) and got:
-            parts = {None} if name.endswith(".w2") else {0, 1}
+        if name.endswith((".w13", ".w2", ".w13" + SCALE, ".w2" + SCALE)) and got:
+            parts = {None} if name.endswith((".w2", ".w2" + SCALE)) else {0, 1}
             if all((e, p) in got for e in range(t.shape[0]) for p in parts):
                 continue
             absent = sorted({e for e in range(t.shape[0]) if any((e, p) not in got for p in parts)})
@@ -190,25 +237,36 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(want)
 
 
-def to_hf_state_dict(model: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our parameters under HF checkpoint names (per-expert tensors, MTP as layer N): the inverse of
-    `load_weights`, used by the checkpoint writer."""
-    out: dict[str, torch.Tensor] = {}
+def hf_name(name: str, cfg: ModelConfig) -> str:
+    """Our parameter name -> the checkpoint's (the MTP layer is stored as layer num_hidden_layers)."""
     mtp_prefix = f"model.layers.{cfg.mtp_layer_index}."
+    if name.startswith("mtp.layer."):
+        return mtp_prefix + name[len("mtp.layer."):]
+    if name.startswith("mtp."):
+        return mtp_prefix + name[len("mtp."):]
+    return name
+
+
+def to_hf_state_dict(model: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our parameters under HF checkpoint names (per-expert tensors, MTP as layer N, FP8 experts' scales
+    split per expert as `{gate,up,down}_proj.weight_scale_inv`): the inverse of `load_weights`."""
+    out: dict[str, torch.Tensor] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith("mtp.layer."):
-            name = mtp_prefix + name[len("mtp.layer."):]
-        elif name.startswith("mtp."):
-            name = mtp_prefix + name[len("mtp."):]
-        if name.endswith(".experts.w13"):
-            base, half = name[: -len(".w13")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{base}.{e}.gate_proj.weight"] = t[e, :half].contiguous()
-                out[f"{base}.{e}.up_proj.weight"] = t[e, half:].contiguous()
-        elif name.endswith(".experts.w2"):
-            base = name[: -len(".w2")]
-            for e in range(t.shape[0]):
-                out[f"{base}.{e}.down_proj.weight"] = t[e].contiguous()
+        name = hf_name(name, cfg)
+        for suffix, part in ((".w13", ".weight"), (".w13" + SCALE, ".weight" + SCALE)):
+            if name.endswith(".experts" + suffix):
+                base, half = name[: -len(suffix)], t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[f"{base}.{e}.gate_proj{part}"] = t[e, :half].contiguous()
+                    out[f"{base}.{e}.up_proj{part}"] = t[e, half:].contiguous()
+                break
         else:
-            out[name] = t.contiguous()
+            for suffix, part in ((".w2", ".weight"), (".w2" + SCALE, ".weight" + SCALE)):
+                if name.endswith(".experts" + suffix):
+                    base = name[: -len(suffix)]
+                    for e in range(t.shape[0]):
+                        out[f"{base}.{e}.down_proj{part}"] = t[e].contiguous()
+                    break
+            else:
+                out[name] = t.contiguous()
     return out

@@ -14,7 +14,9 @@ from torch import nn
 
 from engine.config.model import ModelConfig
 from engine.model.context import ForwardContext
+from engine.model.fp8 import Fp8Linear
 from engine.model.layers import RMSNorm, apply_rope
+from kernels.fp8_absorbed import absorbed_weights
 
 
 class Indexer(nn.Module):
@@ -68,8 +70,12 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=False)
         self.indexer = Indexer(cfg) if has_indexer else None
 
-    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of kv_b_proj: W_UK [H, nope, R] and W_UV [H, v, R] (no copies)."""
+    def _absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of kv_b_proj: W_UK [H, nope, R] and W_UV [H, v, R] (no copies); an FP8 kv_b_proj is
+        dequantized to `dtype` for this forward (kernels.fp8_absorbed; engine/model/fp8.py says why)."""
+        if isinstance(self.kv_b_proj, Fp8Linear):
+            return absorbed_weights(self.kv_b_proj.weight, self.kv_b_proj.weight_scale_inv, self.num_heads,
+                                    self.nope, dtype)
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.latent)
         return w[:, : self.nope], w[:, self.nope:]
 
@@ -92,7 +98,7 @@ class MLAttention(nn.Module):
         else:
             topk = prev_topk
 
-        w_uk, w_uv = self._absorbed()
+        w_uk, w_uv = self._absorbed(x.dtype)
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q_full = torch.cat([q_lat, q_pe], dim=-1)
         out_lat, _ = ctx.backend.sparse_mla(ctx.kv_cache, self.layer_id, q_full, topk, ctx.meta, self.scale)

@@ -7,6 +7,7 @@ from torch import nn
 
 from engine.config.model import ModelConfig
 from engine.model.layers import GatedMLP
+from kernels.fp8_moe import fused_moe_fp8_ref
 from kernels.moe import fused_moe_ref, route_ref
 
 
@@ -29,17 +30,29 @@ class MoEGate(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts held by this rank: ids [offset, offset + num_local) of n_routed_experts."""
+    """The routed experts held by this rank: ids [offset, offset + num_local) of n_routed_experts.
 
-    def __init__(self, cfg: ModelConfig, num_local: int | None = None, offset: int = 0):
+    fp8=True: w13 / w2 are float8_e4m3fn with 128x128 block scales w13_scale_inv [n, 2 ceil(I/128),
+    ceil(H/128)] (gate's scale rows, then up's) and w2_scale_inv [n, ceil(H/128), ceil(I/128)]."""
+
+    def __init__(self, cfg: ModelConfig, num_local: int | None = None, offset: int = 0, fp8: bool = False):
         super().__init__()
         n = cfg.n_routed_experts if num_local is None else num_local
+        H, inner = cfg.hidden_size, cfg.moe_intermediate_size
         self.offset = offset
-        self.w13 = nn.Parameter(torch.empty(n, 2 * cfg.moe_intermediate_size, cfg.hidden_size))
-        self.w2 = nn.Parameter(torch.empty(n, cfg.hidden_size, cfg.moe_intermediate_size))
-        self.impl = fused_moe_ref  # swapped for the Triton grouped GEMM on CUDA
+        self.fp8 = fp8
+        dtype = torch.float8_e4m3fn if fp8 else None
+        self.w13 = nn.Parameter(torch.empty(n, 2 * inner, H, dtype=dtype), requires_grad=not fp8)
+        self.w2 = nn.Parameter(torch.empty(n, H, inner, dtype=dtype), requires_grad=not fp8)
+        if fp8:
+            ib, hb = -(-inner // 128), -(-H // 128)
+            self.w13_scale_inv = nn.Parameter(torch.empty(n, 2 * ib, hb), requires_grad=False)
+            self.w2_scale_inv = nn.Parameter(torch.empty(n, hb, ib), requires_grad=False)
+        self.impl = fused_moe_fp8_ref if fp8 else fused_moe_ref  # the Triton grouped GEMM on CUDA
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return self.impl(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, weights, ids, self.offset)
         return self.impl(x, self.w13, self.w2, weights, ids, self.offset)
 
 

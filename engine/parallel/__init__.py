@@ -1,7 +1,7 @@
 """Context and expert parallelism of one engine over N ranks (DESIGN §4-5).
 
     executor.py    MultiRankEngineCore: EngineCore's interface, rank 0 = the caller's process
-    spawn.py       spawns ranks 1..N-1 (torchrun's environment) / torchrun entry point
+    spawn.py       spawns ranks 1..N-1 (torchrun's environment), RankPool (idle ranks reused), torchrun entry point
     worker.py      a worker rank's loop
     dist.py        process groups, collectives with byte counters
     runner.py      CPModelRunner: own rows, DCP write mapping, EP experts, gathered outputs
@@ -12,5 +12,4 @@
     dcp_decode.py  DCP decode path: sharded indexer + attention, exact merge
     cp_backend.py  the attention backend wrapper the model calls
     ep.py          MoE all-to-all dispatcher
-    export.py      KVPageMap: the KV export hook
 """

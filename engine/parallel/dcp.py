@@ -123,7 +123,8 @@ MERGES = {"ag_rs": merge_ag_rs, "a2a": merge_a2a}
 
 
 # ---- global top-k from per-rank candidates ---------------------------------------------------------
-def local_topk_candidates(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_topk_candidates(scores: torch.Tensor, positions: torch.Tensor,
+                          topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [Tq, S] (−inf = not allowed) of keys at ascending global `positions` [S]
     -> (scores [Tq, topk], positions [Tq, topk] int64, −inf / −1 padded), best first, ties to the
     lower position (the order of a single-rank stable sort)."""

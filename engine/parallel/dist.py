@@ -42,7 +42,7 @@ class DistEnv:
     master_port: int
 
     @classmethod
-    def from_environ(cls) -> "DistEnv":
+    def from_environ(cls) -> DistEnv:
         rank, world, port = envs.dist_rank(), envs.dist_world_size(), envs.dist_master_port()
         if rank is None or world is None or port is None:
             raise ValueError("RANK, WORLD_SIZE and MASTER_PORT must be set (launch with torchrun or "
@@ -51,6 +51,13 @@ class DistEnv:
             raise ValueError(f"RANK {rank} is outside WORLD_SIZE {world}")
         return cls(rank, world, envs.dist_local_rank(), envs.dist_master_addr(), port)
 
+    @classmethod
+    def for_rank(cls, rank: int, world_size: int, master_addr: str, master_port: int, cuda: bool,
+                 local_rank: int | None = None) -> DistEnv:
+        """Rank `rank` of a group; on CUDA it drives GPU `local_rank` (default: GPU r on one host), on CPU 0."""
+        local = (rank if local_rank is None else local_rank) if cuda else 0
+        return cls(rank, world_size, local, master_addr, master_port)
+
     def to_environ(self) -> dict[str, str]:
         """torchrun's variable names, for a process we start ourselves."""
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
@@ -58,9 +65,11 @@ class DistEnv:
                 "MASTER_PORT": str(self.master_port)}
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS may hand it out again: bind soon). The one definition: the
+    ranks' rendezvous, the services, the launcher and the tests all take their free ports here."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -15,6 +15,7 @@ receive: an idle group does not spin.
 from __future__ import annotations
 
 import logging
+import time
 
 from engine.config.engine import EngineConfig
 from engine.core.core import EngineStats
@@ -27,12 +28,12 @@ log = logging.getLogger(__name__)
 
 
 class DPEngineCore(MultiRankEngineCore):
-    def __init__(self, cfg: EngineConfig, check_outputs: bool | None = None):
+    def __init__(self, cfg: EngineConfig, check_outputs: bool | None = None, rank_pool=None):
         pc = cfg.parallel
         if not pc.enable_expert_parallel:
             log.info("data_parallel_size %d without enable_expert_parallel: every rank holds all routed experts "
                      "(replicated), the ranks share no collectives", pc.data_parallel_size)
-        super().__init__(cfg, check_outputs)
+        super().__init__(cfg, check_outputs, rank_pool)
         self.kvs, self.schedulers = [self.kv], [self.scheduler]
         for _ in range(1, pc.data_parallel_size):
             kv = KVCacheManager(self.kv.num_blocks, cfg.cache.block_size, 1, cfg.cache.enable_prefix_caching)
@@ -85,6 +86,7 @@ class DPEngineCore(MultiRankEngineCore):
 
     # ---- stepping --------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         scheds = [s.schedule() for s in self.schedulers]
         if all(s.is_empty and not s.finished_req_ids for s in scheds):
             return []
@@ -97,6 +99,8 @@ class DPEngineCore(MultiRankEngineCore):
         for o in outputs:
             if o.finish_reason is not None:
                 self.rank_of.pop(o.req_id, None)
+        self.num_steps += 1
+        self.step_seconds += time.perf_counter() - t0
         return outputs
 
     def stats(self) -> EngineStats:

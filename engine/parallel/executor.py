@@ -22,21 +22,22 @@ from engine.config.engine import EngineConfig
 from engine.core.core import EngineCore
 from engine.core.scheduler import EngineCoreOutput
 from engine.parallel.dist import DistEnv, RankComm
-from engine.parallel.export import KVPageMap
 from engine.parallel.runner import CPModelRunner, rank_output_digest
 from engine.parallel.spawn import RankPool, RankSpawner, started_by_torchrun
 from engine.parallel.worker import call_rpc
 
 
 class MultiRankEngineCore(EngineCore):
-    def __init__(self, cfg: EngineConfig, check_outputs: bool | None = None):
+    def __init__(self, cfg: EngineConfig, check_outputs: bool | None = None, rank_pool: RankPool | None = None):
+        """`rank_pool`: take idle ranks of this world size from it, and give them back at `shutdown`."""
         world = cfg.parallel.world_size
         if world < 2:
             raise ValueError("a multi-rank engine needs prefill_context_parallel_size or data_parallel_size >= 2; "
                              "use EngineCore")
         device = torch.device(cfg.device)
         self._closed = False
-        pooled = RankPool.take(world, device.type)
+        self.rank_pool = rank_pool
+        pooled = rank_pool.take(world, device.type) if rank_pool is not None else None
         if pooled is not None:
             self.spawner, self.comm = pooled
         else:
@@ -106,37 +107,21 @@ class MultiRankEngineCore(EngineCore):
             raise RuntimeError(f"worker ranks {self.spawner.dead_ranks()} died; see their stderr")
         self.comm.broadcast_object(msg)
 
-    # ---- KV export hook ------------------------------------------------------------------------
-    def kv_page_map(self, req_id: str) -> KVPageMap:
-        """Where a held (or running) request's computed KV lives: per rank, its local blocks and the
-        mapping global token -> (rank, local slot). See engine/parallel/export.py."""
-        req = self.scheduler.held.get(req_id) or self.scheduler.requests.get(req_id)
-        if req is None:
-            raise KeyError(f"request {req_id!r} is neither held nor running")
-        pc = self.cfg.parallel
-        return KVPageMap(req_id, req.num_computed_tokens, tuple(self.kv.block_ids(req_id)), self.cfg.cache.block_size,
-                         pc.decode_context_parallel_size, pc.cp_kv_cache_interleave_size, pc.world_size)
-
-    def rank_kv_rows(self, req_id: str) -> list[dict]:
-        """Every rank's part of a request's KV with the raw cache rows (see CPModelRunner.read_kv_rows)."""
-        m = self.kv_page_map(req_id)
-        return self.collective_rpc("read_kv_rows", list(m.block_ids), m.num_tokens)
-
-    def rank_stats(self) -> list[dict]:
-        return self.collective_rpc("rank_stats")
+    def _collect_weight_reports(self) -> list[dict]:
+        return self.collective_rpc("engine.loading.weight_stats:rank_weight_report")
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def shutdown(self, keep_workers: bool = False) -> None:
-        """Stop the worker ranks; `keep_workers`: keep spawned ranks idle for the next engine of the same
-        world size in this process (engine.parallel.spawn.RankPool)."""
+    def shutdown(self) -> None:
+        """Stop the worker ranks, or, for an engine built with a `rank_pool`, leave its spawned ranks idle in
+        the pool for the next engine of the same world size in this process."""
         if self._closed:
             return
         self._closed = True
         alive = self.spawner is None or not self.spawner.dead_ranks()
-        if keep_workers and alive and self.spawner is not None:
+        if self.rank_pool is not None and alive and self.spawner is not None:
             self.comm.broadcast_object(("release",))
             self.comm.reset_counters()
-            RankPool.put(self.cfg.parallel.world_size, self.comm.device.type, self.spawner, self.comm)
+            self.rank_pool.put(self.cfg.parallel.world_size, self.comm.device.type, self.spawner, self.comm)
             return
         try:
             if alive:

@@ -58,7 +58,7 @@ class RowPlan:
         return len(self.rows_of_rank[self.rank])
 
     @classmethod
-    def from_owners(cls, rows_of_rank: list[list[int]], rank: int, device: torch.device | str) -> "RowPlan":
+    def from_owners(cls, rows_of_rank: list[list[int]], rank: int, device: torch.device | str) -> RowPlan:
         max_rows = max((len(r) for r in rows_of_rank), default=0)
         num_rows = sum(len(r) for r in rows_of_rank)
         index = [0] * num_rows
@@ -67,7 +67,7 @@ class RowPlan:
                 index[row] = k * max_rows + j
         return cls(rank, num_rows, rows_of_rank, max_rows, torch.tensor(index, dtype=torch.int64, device=device))
 
-    def subset(self, rows: list[int]) -> "RowPlan":
+    def subset(self, rows: list[int]) -> RowPlan:
         """The plan of a subset of step rows (given ascending), renumbered 0..len(rows)-1."""
         new_id = {row: i for i, row in enumerate(rows)}
         owners = [[new_id[r] for r in mine if r in new_id] for mine in self.rows_of_rank]

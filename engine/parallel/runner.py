@@ -22,7 +22,7 @@ from engine.kv.cache import KVCacheSpec
 from engine.loading.loader import build_model, dummy_init
 from engine.model.moe import MoE
 from engine.parallel.cp_backend import CPAttentionBackend
-from engine.parallel.dcp import dcp_slot_fn, token_locations
+from engine.parallel.dcp import dcp_slot_fn
 from engine.parallel.dist import RankComm
 from engine.parallel.ep import AllToAllDispatcher, expert_shard
 from engine.parallel.step import CPStep, build_step
@@ -115,26 +115,6 @@ class CPModelRunner(ModelRunner):
             at += len(c.token_ids)
         return rows
 
-    # ---- KV export hook (per rank) ---------------------------------------------------------------
-    def local_kv_pages(self, block_ids: list[int], num_tokens: int) -> dict:
-        """This rank's part of a request's KV: {rank, block_ids (local blocks holding any of its tokens),
-        positions [n] (global tokens held here, ascending), slots [n] (their local slots)}."""
-        ranks, slots = token_locations(num_tokens, block_ids, self.dcp_size, self.interleave, self.block_size)
-        mine = (ranks == self.rank) if self.dcp_size > 1 else torch.ones_like(ranks, dtype=torch.bool)
-        pos, slots = torch.nonzero(mine).flatten(), slots[mine]
-        blocks = sorted(set((slots // self.block_size).tolist()))
-        return {"rank": self.rank, "block_ids": blocks, "positions": pos.tolist(), "slots": slots.tolist()}
-
-    def read_kv_rows(self, block_ids: list[int], num_tokens: int) -> dict:
-        """`local_kv_pages` plus the raw cache rows at those slots: mla [n, mla layers, row] and
-        index [n, index layers, row] (CPU tensors), for export checks."""
-        pages = self.local_kv_pages(block_ids, num_tokens)
-        s = torch.tensor(pages["slots"], dtype=torch.int64, device=self.kv_cache.device)
-        bs = self.block_size
-        pages["mla"] = self.kv_cache.mla[s // bs, :, s % bs].cpu()
-        pages["index"] = self.kv_cache.index[s // bs, :, s % bs].cpu()
-        return pages
-
     def replicate_blocks(self, block_ids: list[int]) -> int:
         """Rank 0's rows of these cache blocks -> the same blocks on every rank: KV that was written into rank
         0's cache alone (a prefix loaded from a kvstore over NIXL) becomes the full replica every rank holds
@@ -148,17 +128,6 @@ class CPModelRunner(ModelRunner):
             self.comm.broadcast(rows.view(torch.uint8), "kv_replicate")  # bytes: any cache dtype, any backend
             cache[idx] = rows
         return len(block_ids)
-
-    def rank_stats(self) -> dict:
-        return {"rank": self.rank, "indexer_rows_scored": self.backend.indexer_rows_scored,
-                "dcp_rows_scored": self.backend.dcp_rows_scored, "comm_bytes": dict(self.comm.bytes),
-                "comm_calls": dict(self.comm.calls)}
-
-    def reset_comm_counters(self) -> None:
-        self.comm.reset_counters()
-
-    def set_kv_prefetch(self, on: bool) -> None:
-        self.kv_prefetch = bool(on)
 
 
 def rank_output_digest(out: RunnerOutput) -> tuple:

@@ -8,6 +8,11 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus PDSERVE_DIST_DEVICE and PDSERVE
 torchrun mode: `torchrun --nproc-per-node N my_driver.py`, where my_driver.py calls
 `run_rank(main)`: rank 0 runs `main` (which builds the engine; it finds RANK/WORLD_SIZE set and spawns
 nothing), every other rank serves as a worker.
+
+Service mode (a multi-rank prefill service, one process per rank with its own log): the launcher or
+`services.deploy.ranks` starts every rank with `--rank/--world-size/--master-addr/--master-port`, which
+`services.rpc.service_args.set_rank_environ` turns into the same torchrun environment (`DistEnv`); rank 0
+serves, the others run `engine.parallel.worker` as in the two modes above.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import atexit
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from engine import envs
 from engine.parallel.dist import DistEnv, free_port
@@ -52,8 +57,7 @@ class RankSpawner:
         return self.env_for(0)
 
     def env_for(self, rank: int) -> DistEnv:
-        local = rank if self.device_type == "cuda" else 0
-        return DistEnv(rank, self.world_size, local, self.master_addr, self.master_port)
+        return DistEnv.for_rank(rank, self.world_size, self.master_addr, self.master_port, self.device_type == "cuda")
 
     def dead_ranks(self) -> list[int]:
         return [i + 1 for i, p in enumerate(self.procs) if p.poll() is not None]
@@ -80,31 +84,31 @@ class RankSpawner:
 
 
 class RankPool:
-    """Idle spawned ranks (and rank 0's process groups) kept after an engine's `shutdown(keep_workers=True)`,
-    so the next engine of the same world size starts without spawning (tests, benchmark sweeps)."""
+    """Idle spawned ranks (and rank 0's process groups) handed back by the engines built with this pool, so the
+    next engine of the same world size in this process starts without spawning (test modules and benchmark
+    sweeps that build engine after engine). Its owner closes it; at the latest it closes at exit."""
 
-    _idle: tuple | None = None  # (world_size, device_type, spawner, comm)
+    def __init__(self):
+        self._idle: tuple | None = None  # (world_size, device_type, spawner, comm)
+        atexit.register(self.close)
 
-    @classmethod
-    def put(cls, world_size: int, device_type: str, spawner: RankSpawner, comm) -> None:
-        cls.close()
-        cls._idle = (world_size, device_type, spawner, comm)
+    def put(self, world_size: int, device_type: str, spawner: RankSpawner, comm) -> None:
+        self.close()
+        self._idle = (world_size, device_type, spawner, comm)
 
-    @classmethod
-    def take(cls, world_size: int, device_type: str) -> tuple | None:
+    def take(self, world_size: int, device_type: str) -> tuple | None:
         """(spawner, comm) of idle ranks of this shape, else None (idle ranks of another shape are closed)."""
-        idle, cls._idle = cls._idle, None
+        idle, self._idle = self._idle, None
         if idle is None:
             return None
         if idle[:2] == (world_size, device_type) and not idle[2].dead_ranks():
             return idle[2], idle[3]
-        cls._idle = idle
-        cls.close()
+        self._idle = idle
+        self.close()
         return None
 
-    @classmethod
-    def close(cls) -> None:
-        idle, cls._idle = cls._idle, None
+    def close(self) -> None:
+        idle, self._idle = self._idle, None
         if idle is None:
             return
         _, _, spawner, comm = idle
@@ -114,9 +118,6 @@ class RankPool:
             comm.shutdown()
         finally:
             spawner.stop()
-
-
-atexit.register(RankPool.close)
 
 
 def started_by_torchrun() -> bool:

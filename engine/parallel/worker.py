@@ -86,7 +86,7 @@ def call_rpc(runner, method: str, args: tuple) -> tuple[bool, object]:
             module, name = method.split(":", 1)
             return True, getattr(importlib.import_module(module), name)(runner, *args)
         return True, getattr(runner, method)(*args)
-    except Exception:  # reported to rank 0, which raises it
+    except Exception:  # noqa: BLE001 - reported to rank 0, which raises it
         return False, traceback.format_exc()
 
 
@@ -107,6 +107,6 @@ def _exit_with_parent() -> None:
 if __name__ == "__main__":
     try:
         worker_main()
-    except Exception:
+    except Exception:  # noqa: BLE001 - printed for the log; rank 0 sees the rank gone
         traceback.print_exc()
         sys.exit(1)

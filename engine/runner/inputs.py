@@ -55,5 +55,6 @@ def build_batch(rows: list[tuple[RunnerRequest, int, list[int]]], block_size: in
     return torch.tensor(input_ids, dtype=torch.long).to(device), meta, layout
 
 
-def chunk_rows(chunks: list[ScheduledChunk], states: dict[str, RunnerRequest]) -> list[tuple[RunnerRequest, int, list[int]]]:
+def chunk_rows(chunks: list[ScheduledChunk],
+               states: dict[str, RunnerRequest]) -> list[tuple[RunnerRequest, int, list[int]]]:
     return [(states[c.req_id], c.start, c.token_ids) for c in chunks]

@@ -38,7 +38,8 @@ class ModelRunner:
             cfg.model, device=self.device, dtype=cfg.torch_dtype, with_mtp=self.with_mtp, checkpoint=cfg.checkpoint)
         if model is None and cfg.checkpoint is None:
             dummy_init(self.model, cfg.seed)
-        self.spec = KVCacheSpec.from_model(cfg.model, block_size=self.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
+        self.spec = KVCacheSpec.from_model(cfg.model, block_size=self.block_size,
+                                           kv_cache_dtype=cfg.cache.kv_cache_dtype,
                                            indexer_precision=cfg.cache.indexer_precision, with_mtp=self.with_mtp)
         num_blocks = num_blocks or num_kv_blocks(cfg, self.spec)
         self.hisparse = None  # HiSparse: host pool + device pages + hot buffers behind a backend wrapper
@@ -139,7 +140,7 @@ class ModelRunner:
                 n = c.num_draft_tokens + 1
                 res = self._sample_one(c, logits[r:r + n], valid.get(c.req_id))
                 r += n
-            res.grammar_terminated = self.structured.advance(st, res.token_ids)
+            self.structured.accept(st, res)  # may end the step's tokens at the grammar's stop token
             out.sampled[c.req_id] = res
             emitted[c.req_id] = res.token_ids
             st.output_token_ids.extend(res.token_ids)

@@ -6,7 +6,8 @@
                from rejected drafts are overwritten here, which is the rollback.
     draft 1:   the last catch-up row's output -> lm_head -> d1
     draft j:   (embed(d_{j-1}), previous MTP output after shared_head.norm) at the next position -> d_j
-Draft-step KV beyond the verified tokens is rewritten by the next step's catch-up.
+Draft-step KV beyond the verified tokens is rewritten by the next step's catch-up. A request with a
+grammar drafts from masked rows (its matcher moves over the drafts, then rolls back before verification).
 """
 
 from __future__ import annotations
@@ -42,28 +43,34 @@ class MTPProposer:
         if not last:
             return {}
         drafts = {c.req_id: [] for c, _, _ in last}
+        advanced = dict.fromkeys(drafts, 0)  # drafts each grammar matcher moved over (rolled back below)
         active = [(c, pos) for c, _, pos in last]
-        for step in range(self.num_steps):
-            tokens = self._draw(active, prev, step)
-            for (c, _), t in zip(active, tokens):
-                drafts[c.req_id].append(t)
-            keep = [i for i, (c, _) in enumerate(active) if len(drafts[c.req_id]) < min(c.max_drafts, self.num_steps)]
-            if not keep:
-                break
-            active = [(active[i][0], active[i][1] + 1) for i in keep]
-            step_rows = [(self.runner.states[c.req_id], pos, [drafts[c.req_id][-1]]) for c, pos in active]
-            prev = self.runner.mtp_forward(step_rows, prev[keep])
+        try:
+            for step in range(self.num_steps):
+                tokens = self._draw(active, prev, step)
+                for (c, _), t in zip(active, tokens):
+                    drafts[c.req_id].append(t)
+                    advanced[c.req_id] += self.runner.structured.advance_draft(self.runner.states[c.req_id], t)
+                keep = [i for i, (c, _) in enumerate(active)
+                        if len(drafts[c.req_id]) < min(c.max_drafts, self.num_steps)]
+                if not keep:
+                    break
+                active = [(active[i][0], active[i][1] + 1) for i in keep]
+                step_rows = [(self.runner.states[c.req_id], pos, [drafts[c.req_id][-1]]) for c, pos in active]
+                prev = self.runner.mtp_forward(step_rows, prev[keep])
+        finally:
+            for rid, n in advanced.items():
+                self.runner.structured.rollback_drafts(self.runner.states[rid], n)
         return drafts
 
     def _draw(self, active, mtp_hidden: torch.Tensor, step: int) -> list[int]:
         r = self.runner
         with torch.inference_mode():
             logits = r.model.compute_logits(mtp_hidden)
-        specs = []
-        for c, _ in active:
-            st = r.states[c.req_id]
-            specs.append(RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.draft_generator,
-                                 r.eos_ids))
+        states = [r.states[c.req_id] for c, _ in active]
+        r.structured.mask_drafts(states, logits)  # constrained requests draft within their grammar
+        specs = [RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.draft_generator, r.eos_ids,
+                         grammar=st.grammar is not None) for st in states]
         probs = r.sampler.probs(logits, specs)
         tokens = r.sampler.draw(probs, [s.generator for s in specs]).tolist()
         for (c, _), row in zip(active, probs):

@@ -56,7 +56,8 @@ class Sampler:
                 if r.prompt_ids:
                     seen[torch.tensor(r.prompt_ids, dtype=torch.long, device=x.device)] = True
                 row = x[i]
-                x[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                x[i] = torch.where(seen, penalised, row)
             x[i] -= p.frequency_penalty * out_counts.float() + p.presence_penalty * (out_counts > 0).float()
         return x
 

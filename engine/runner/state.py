@@ -25,7 +25,7 @@ class RunnerRequest:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def from_new(cls, d: NewRequestData, device: torch.device) -> "RunnerRequest":
+    def from_new(cls, d: NewRequestData, device: torch.device) -> RunnerRequest:
         seed = d.sampling_params.seed
         gen = dgen = None
         if seed is not None:

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from engine.core.scheduler_output import ScheduledChunk
+from engine.core.scheduler_output import SampledOutput, ScheduledChunk
 from engine.runner.state import RunnerRequest
 from engine.structured.grammar import GrammarBackend, backend_for
 from engine.structured.matcher import RequestGrammar, apply_bitmask, build_bitmask
@@ -69,15 +69,46 @@ class StructuredOutputs:
                 apply_bitmask(logits, bitmask, rows)
         return dict(zip(ids, valid))
 
-    def advance(self, state: RunnerRequest, tokens: list[int]) -> bool:
-        """Accept emitted tokens; True when the grammar is complete (the request stops)."""
+    def mask_drafts(self, states: list[RunnerRequest], logits: torch.Tensor) -> None:
+        """MTP: mask row i (request states[i]'s next draft) with its matcher advanced through the drafts
+        proposed so far in this step (`advance_draft`), so drafts follow the grammar too."""
+        entries = [(i, st.grammar, []) for i, st in enumerate(states)
+                   if st.grammar is not None and not st.grammar.is_terminated]
+        if not entries:
+            return
+        bitmask, rows, _ = build_bitmask(entries, logits.shape[0], logits.shape[-1])
+        if bitmask is not None:
+            with torch.inference_mode():
+                apply_bitmask(logits, bitmask, rows)
+
+    @staticmethod
+    def advance_draft(state: RunnerRequest, token: int) -> bool:
+        """Move the matcher over a proposed draft (undone by `rollback_drafts` once proposing ends)."""
+        g = state.grammar
+        return g is not None and not g.is_terminated and g.advance(token)
+
+    @staticmethod
+    def rollback_drafts(state: RunnerRequest, num_tokens: int) -> None:
+        if state.grammar is not None and num_tokens:
+            state.grammar.rollback(num_tokens)
+
+    def accept(self, state: RunnerRequest, res: SampledOutput) -> None:
+        """Accept the emitted tokens into the matcher. Once it accepts a stop token the grammar is complete:
+        later tokens of the step (a bonus token after an accepted stop draft) are dropped and the request
+        stops (`grammar_terminated`)."""
         g = state.grammar
         if g is None:
-            return False
-        for t in tokens:
+            return
+        for n, t in enumerate(res.token_ids, 1):
             if not g.advance(t):  # cannot happen for masked rows; logged and left unconstrained
                 log.error("request %s emitted token %d outside its grammar", state.req_id, t)
                 state.grammar = None
-                return False
-        return g.is_terminated
+                return
+            if g.is_terminated:
+                res.token_ids = res.token_ids[:n]
+                res.num_accepted = min(res.num_accepted, n - 1)
+                if res.logprobs is not None:
+                    res.logprobs = res.logprobs[:n]
+                res.grammar_terminated = True
+                return
 

@@ -133,6 +133,8 @@ def build_bitmask(entries: list[tuple[int, RequestGrammar, list[int]]], num_rows
             if not g.advance(d):
                 break
             n += 1
+            if g.is_terminated:  # a drafted stop token: nothing after it is emitted
+                break
             if g.fill(bitmask, r0 + i + 1):
                 rows.append(r0 + i + 1)
         g.rollback(n)

@@ -35,7 +35,7 @@ class StructuredOutputSpec:
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
         if not isinstance(self.spec, str) or not isinstance(self.reasoning_end, str):
-            raise ValueError("structured output spec and reasoning_end must be strings")  # noqa: TRY004 (bad input)
+            raise ValueError("structured output spec and reasoning_end must be strings")
         if len(self.spec) > MAX_SPEC_CHARS:
             raise ValueError(f"structured output spec is longer than {MAX_SPEC_CHARS} characters")
         if self.kind == "json_object":

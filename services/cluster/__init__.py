@@ -1,1 +1,2 @@
-"""Cluster state in Redis: instance registry, load, prefix-block index, KV events; a private redis-server when none answers."""
+"""Cluster state in Redis: instance registry, load, prefix-block index, KV events; a private redis-server
+when none answers."""

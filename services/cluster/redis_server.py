@@ -1,7 +1,8 @@
 """A Redis for pdserve: use the one answering at a URL, or start a private `redis-server`.
 
-The private server listens on loopback only, keeps no snapshot or AOF (`--save "" --appendonly no`:
-everything in pdserve's Redis is rebuilt by the instances after a restart), and lives in its own
+The private server listens on the address its URL names (loopback by default), keeps no snapshot or AOF
+(`--save "" --appendonly no`: everything in pdserve's Redis is rebuilt by the instances after a restart),
+and lives in its own
 temporary directory and process group so it can be stopped cleanly, even by another process
 (`pdserve down`) that only knows its pid.
 """
@@ -16,8 +17,9 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from engine.parallel.dist import free_port
 from services.deploy.procs import stop_pid, tie_to_parent
-from services.rpc.net import free_port
+from services.rpc.net import is_local_address
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -29,7 +31,7 @@ def ping(url: str, timeout: float = 0.5) -> bool:
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
         return bool(client.ping())
-    except (redis.ConnectionError, redis.TimeoutError, OSError):
+    except (redis.RedisError, OSError):  # no answer, or something that is not Redis answering
         return False
     finally:
         client.close()
@@ -46,7 +48,7 @@ class RedisServer:
 
     @classmethod
     def start(cls, port: int | None = None, *, host: str = "127.0.0.1", binary: str | None = None,
-              workdir: str | None = None, timeout: float = 10.0, die_with_parent: bool = False) -> "RedisServer":
+              workdir: str | None = None, timeout: float = 10.0, die_with_parent: bool = False) -> RedisServer:
         """Start redis-server; `die_with_parent` makes it exit when the calling thread's process dies
         (tests, benchmarks) instead of outliving it (`pdserve up`)."""
         binary = binary or shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -59,8 +61,9 @@ class RedisServer:
         cmd = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
                "--dir", workdir, "--protected-mode", "no", "--daemonize", "no",
                "--logfile", os.path.join(workdir, "redis.log")]
-        proc = subprocess.Popen(tie_to_parent(cmd) if die_with_parent else cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)  # own process group: a Ctrl-C of the parent spares it
+        # own process group (start_new_session): a Ctrl-C of the parent spares it
+        proc = subprocess.Popen(tie_to_parent(cmd) if die_with_parent else cmd, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
         server = cls(url=f"redis://{host}:{port}/0", pid=proc.pid, workdir=workdir, _proc=proc)
         server._wait_ready(timeout)
         return server
@@ -87,16 +90,21 @@ class RedisServer:
 def ensure_redis(url: str | None, **start_kwargs) -> tuple[str, RedisServer | None]:
     """(url, server): the Redis at `url` if it answers; else a private one we started.
 
-    A loopback URL that does not answer gets a private server on that very port, so the URL the
-    topology names stays right; a non-loopback URL that does not answer is an error.
+    A URL naming this machine (loopback, or one of its own addresses) that does not answer gets a
+    private server on that very address and port, so the URL the topology names stays right (and
+    other hosts reach it); a URL of another machine that does not answer is an error.
     """
     if url and ping(url):
         return url, None
     if url:
         parsed = urlparse(url)
-        if parsed.hostname not in LOOPBACK:
-            raise ConnectionError(f"no Redis answers at {url} (only loopback Redis is started automatically)")
-        server = RedisServer.start(parsed.port or 6379, host="127.0.0.1", **start_kwargs)
+        host = parsed.hostname or "127.0.0.1"
+        if host in LOOPBACK:
+            host = "127.0.0.1"
+        elif not is_local_address(host):
+            raise ConnectionError(f"no Redis answers at {url} (a Redis is started automatically only at an "
+                                  "address of this host)")
+        server = RedisServer.start(parsed.port or 6379, host=host, **start_kwargs)
         return url, server
     server = RedisServer.start(**start_kwargs)
     return server.url, server

@@ -21,8 +21,8 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator, Callable, Collection, Iterable, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -70,7 +70,7 @@ class InstanceInfo:
         return {**d, "capacity": json.dumps(d["capacity"]), "extra": json.dumps(d["extra"])}
 
     @classmethod
-    def from_hash(cls, h: dict[str, str]) -> "InstanceInfo":
+    def from_hash(cls, h: dict[str, str]) -> InstanceInfo:
         return cls(role=h["role"], instance_id=h["instance_id"], grpc_address=h["grpc_address"],
                    metrics_address=h.get("metrics_address", ""), capacity=json.loads(h.get("capacity", "{}")),
                    extra=json.loads(h.get("extra", "{}")))
@@ -90,7 +90,7 @@ class KVEvent:
                            "block_hashes": [h.hex() for h in self.block_hashes]})
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> "KVEvent":
+    def from_json(cls, raw: str | bytes) -> KVEvent:
         d = json.loads(raw)
         if d.get("kind") not in EVENT_KINDS:
             raise ValueError(f"unknown KV event kind {d.get('kind')!r}")
@@ -232,7 +232,7 @@ class RedisState:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is not None and msg["type"] == "message":
                         yield KVEvent.from_json(msg["data"])
-            except (RedisConnectionError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, RedisConnectionError, OSError) as exc:
                 log.warning("KV event subscription lost (%s); resubscribing", exc)
                 first = False
                 await asyncio.sleep(retry_s)

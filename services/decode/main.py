@@ -14,6 +14,7 @@ from engine.config.arg_utils import EngineArgs
 from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import decode_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, RedisState
+from services.decode.faults import with_faults
 from services.decode.puller import KVPuller
 from services.decode.server import SERVICE_NAME, DecodeServicer
 from services.engine_host import EngineHost
@@ -47,15 +48,16 @@ async def serve(args: argparse.Namespace) -> None:
     metrics, state = ServiceMetrics("decode", instance_id), RedisState(args.redis_url)
     agent = NixlAgent(f"{instance_id}.{os.getpid()}.{secrets.token_hex(3)}", metrics=metrics)
     runner = engine.core.runner
-    puller = KVPuller(agent, runner.kv_cache, runner.spec, staging_blocks=args.staging_blocks,
-                      timeout_s=args.pull_timeout_s)
+    puller = with_faults(KVPuller(agent, runner.kv_cache, runner.spec, staging_blocks=args.staging_blocks,
+                                  timeout_s=args.pull_timeout_s))
     servicer = DecodeServicer(engine, puller, metrics, admit_timeout_s=args.admit_timeout_s,
                               admission=Admission("decode", args.max_inflight_requests, args.max_queued_requests))
     server.add_service(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, SERVICE_NAME)
     metrics_port = metrics.serve(args.metrics_port, args.host)
     cfg = engine.config
     info = InstanceInfo("decode", instance_id, f"{host}:{port}", f"{host}:{metrics_port}",
-                        capacity={"num_blocks": engine.stats().num_blocks, "max_model_len": cfg.scheduler.max_model_len},
+                        capacity={"num_blocks": engine.stats().num_blocks,
+                                  "max_model_len": cfg.scheduler.max_model_len},
                         extra={"nixl_agent": agent.name, "hisparse": cfg.hisparse is not None,
                                "num_speculative_tokens": cfg.num_spec_tokens})
     host_obj = EngineHost(engine, info, state, metrics, heartbeat_s=args.heartbeat_s,

@@ -1,11 +1,15 @@
 """Pulling a request's KV from the prefill ranks into this engine's blocks over NIXL.
 
 Token i of the prompt lives on prefill rank (i // I) % N at local index (i // (I·N))·I + i % I
-(DCP over N ranks, interleave I; N = 1 is the plain case). When I is a multiple of the block size,
+(DCP over N ranks, interleave I; N = 1 is the plain case; the rule is engine.parallel.dcp's, used here
+as is). When I is a multiple of the block size,
 whole blocks map to whole blocks and are READ straight into place. Otherwise each rank's blocks are
 READ into a registered staging area, chunk by chunk, and their rows scattered into place.
-The READs carry no notification: the decode service confirms the copy with ReleaseKV afterwards
-(page generations, services/prefill/leases.py), which also frees the prefill's pages.
+Under HiSparse the MLA rows live in a host pool and the indexer rows on the GPU: the staging area
+mirrors that (each staged tensor on its destination's device), and every READ is split by memory type
+(services/transfer/nixl_agent.py). The READs carry no notification: the decode service confirms the
+copy with ReleaseKV afterwards (page generations, services/prefill/leases.py), which also frees the
+prefill's pages.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.cache import KVCacheSpec, PagedKVCache
+from engine.parallel.dcp import local_index, num_local, owner_rank
 from services.transfer.nixl_agent import BlockDescList, NixlAgent, deadline_in
 from services.transfer.wire import nixl_peer_from_proto
 
@@ -27,8 +32,8 @@ class PullPlan:
 
 
 def token_home(i: int, dcp: int, interleave: int) -> tuple[int, int]:
-    """Global token -> (rank, rank-local token index)."""
-    return (i // interleave) % dcp, (i // (interleave * dcp)) * interleave + i % interleave
+    """Global token -> (rank, rank-local token index): the engine's own DCP placement rule."""
+    return owner_rank(i, dcp, interleave), local_index(i, dcp, interleave)
 
 
 def direct_plan(num_tokens: int, first_block: int, dcp: int, interleave: int, block_size: int,
@@ -42,11 +47,7 @@ def direct_plan(num_tokens: int, first_block: int, dcp: int, interleave: int, bl
     return PullPlan(direct=plan)
 
 
-def rank_num_tokens(num_tokens: int, rank: int, dcp: int, interleave: int) -> int:
-    """Tokens of a `num_tokens` prompt that rank `rank` holds (whole cycles of interleave·dcp, then
-    the part of the last cycle that reaches this rank)."""
-    cycle = interleave * dcp
-    return num_tokens // cycle * interleave + min(max(num_tokens % cycle - rank * interleave, 0), interleave)
+rank_num_tokens = num_local  # tokens of a prompt that one rank holds (engine.parallel.dcp)
 
 
 def check_rank_blocks(kv, dcp: int, interleave: int, block_size: int) -> None:
@@ -67,7 +68,7 @@ class KVPuller:
         self.agent, self.cache, self.spec = agent, cache, spec
         self.block_size = spec.block_size
         self.local = agent.prep_local(agent.register({"mla": cache.mla, "index": cache.index}))
-        self.staging = PagedKVCache(spec, staging_blocks, cache.device)
+        self.staging = StagingArea(cache, staging_blocks)
         self.staging_local = agent.prep_local(agent.register({"mla": self.staging.mla, "index": self.staging.index}))
         self.timeout_s = timeout_s
         self._remote: dict[tuple[str, tuple], BlockDescList] = {}
@@ -127,8 +128,24 @@ class KVPuller:
                 dst_slot.append(local_blocks[i // bs] * bs + i % bs)
         if not src_slot:
             return
-        s = torch.tensor(src_slot, device=self.cache.device)
-        d = torch.tensor(dst_slot, device=self.cache.device)
         for name in ("mla", "index"):
             src, dst = getattr(self.staging, name), getattr(self.cache, name)
+            s = torch.tensor(src_slot, device=dst.device)  # index each tensor on its own device
+            d = torch.tensor(dst_slot, device=dst.device)
             dst[d // bs, :, d % bs] = src[s // bs, :, s % bs]
+
+
+class StagingArea:
+    """`num_blocks` blocks shaped like the cache's, each tensor on the device of its counterpart (a
+    HiSparse cache: MLA rows in pinned host memory, indexer rows on the GPU)."""
+
+    def __init__(self, cache: PagedKVCache, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError(f"staging_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.mla, self.index = (_like(getattr(cache, name), num_blocks) for name in ("mla", "index"))
+
+
+def _like(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    pin = t.device.type == "cpu" and t.is_pinned()
+    return torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, device=t.device, pin_memory=pin)

@@ -18,7 +18,6 @@ import uuid
 
 import grpc
 
-from engine import envs
 from engine.core.request import Request
 from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -44,7 +43,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.release_timeout_s = release_timeout_s
         self.num_pull_failures = 0
         self.num_local_recomputes = 0
-        self._faults_left = envs.fault_nixl_fail_first_n()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._last_spec = (0, 0)
 
@@ -137,7 +135,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         timed_out = False
         for attempt in range(self.pull_retries + 1):
             try:
-                self._inject_fault()
                 await self.puller.pull(kv, block_ids, n_cached)
                 break
             except (TransferError, ValueError) as exc:
@@ -176,11 +173,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             log.warning("ReleaseKV at %s failed: %s", address, exc.code().name)
             return False
         return reply.intact
-
-    def _inject_fault(self) -> None:
-        if self._faults_left > 0:
-            self._faults_left -= 1
-            raise TransferError("injected NIXL transfer failure (PDSERVE_FAULT_NIXL_FAIL_FIRST_N)")
 
     def _spec_metrics(self) -> None:
         st = self.engine.stats()

@@ -1,1 +1,2 @@
-"""Running a topology: `pdserve up/down/status` (launcher), the topology schema, processes, engine ranks in one container, the demo."""
+"""Running a topology: `pdserve up/down/status` (launcher), the topology schema, processes, the ranks of an
+engine in one container, the demo."""

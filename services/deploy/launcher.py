@@ -21,16 +21,18 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
+from engine.parallel.dist import free_port
 from services.cluster.redis_server import ensure_redis
 from services.deploy import topology as topo_mod
+from services.deploy.placement import check_placement
+from services.deploy.plan import plan_service
 from services.deploy.procs import stop_pid, tie_to_parent
 from services.deploy.topology import ORDER, ROOT, Ports, ServiceSpec, Topology
 from services.rpc.grpc_server import check_health_sync
-from services.rpc.net import free_port
 
 STATE_FILE = "state.json"
 _children: dict[int, subprocess.Popen] = {}  # processes this interpreter started (to reap them)
@@ -78,7 +80,7 @@ class Deployment:
         Path(self.run_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "Deployment":
+    def load(cls, run_dir: str | Path) -> Deployment:
         raw = json.loads(Path(run_dir, STATE_FILE).read_text())
         return cls(**{**raw, "processes": [ProcessRecord(**p) for p in raw["processes"]]})
 
@@ -89,6 +91,7 @@ def up(topology: str | Path | dict, *, run_dir: str | Path | None = None, timeou
     it started and raises RuntimeError with the failing service's log tail. `die_with_parent`: every
     process (and Redis) gets SIGTERM if the calling thread's process dies (tests, benchmarks)."""
     topo = topo_mod.load(topology)
+    check_placement(topo)  # GPUs beyond this host's, over-committed GPUs: refused before anything starts
     run = Path(run_dir) if run_dir else topo.path(topo.run_dir)
     run.mkdir(parents=True, exist_ok=True)
     _refuse_if_running(run)
@@ -137,18 +140,12 @@ def status(handle: Deployment | str | Path | None = None) -> dict[str, bool]:
 
 def _start_service(topo: Topology, spec: ServiceSpec, dep: Deployment, tied: bool) -> list[ProcessRecord]:
     started = []
-    for replica in range(spec.replicas):
-        ports = _ports(topo, spec, replica)
-        for rank in range(spec.ranks):
-            name = f"{spec.kind}-{replica}" + (f".rank{rank}" if spec.ranks > 1 else "")
-            cmd = [sys.executable, "-m", spec.module_name,
-                   *topo_mod.flags(topo, spec, replica, rank, ports, dep.redis_url)]
-            rec = ProcessRecord(name, spec.kind, 0, cmd, str(Path(dep.run_dir, f"{name}.log")),
-                                address=f"{topo.host}:{ports.grpc_port or ports.port}" if rank == 0 else "",
-                                http=f"{topo.host}:{ports.port}" if spec.kind == "router" else "")
-            rec.pid = _spawn(tie_to_parent(cmd) if tied else cmd, rec.log, {**topo.env, **spec.env})
-            dep.processes.append(rec)
-            started.append(rec)
+    for proc in plan_service(topo, spec, dep.redis_url, _ports):
+        rec = ProcessRecord(proc.name, spec.kind, 0, proc.cmd, str(Path(dep.run_dir, f"{proc.name}.log")),
+                            address=proc.address, http=proc.http)
+        rec.pid = _spawn(tie_to_parent(proc.cmd) if tied else proc.cmd, rec.log, proc.env)
+        dep.processes.append(rec)
+        started.append(rec)
     return started
 
 
@@ -251,10 +248,15 @@ def up_main(argv: list[str]) -> int:
     from services.deploy.topology import ROOT
 
     p = argparse.ArgumentParser(prog="pdserve up", description="start every service of a topology, wait until healthy")
-    p.add_argument("--config", default=str(ROOT / "configs" / "topology.cpu.yaml"), help="topology YAML (configs/README.md)")
+    p.add_argument("--config", default=str(ROOT / "configs" / "topology.cpu.yaml"),
+                   help="topology YAML (configs/README.md)")
     p.add_argument("--run-dir", default=None, help="logs + state (default: the topology's run_dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print every process (command line, GPUs, host, ports) and start nothing")
     a = p.parse_args(argv)
+    if a.dry_run:
+        return _dry_run(a.config)
     try:
         dep = up(a.config, run_dir=a.run_dir, timeout_s=a.timeout, echo=print)
     except (RuntimeError, ValueError, OSError) as e:
@@ -263,6 +265,19 @@ def up_main(argv: list[str]) -> int:
     for kind, addresses in dep.endpoints().items():
         print(f"{kind:12s} {'  '.join(addresses)}")
     print(f"logs in {dep.run_dir}; stop with `pdserve down --run-dir {dep.run_dir}`")
+    return 0
+
+
+def _dry_run(config: str) -> int:
+    from services.deploy.plan import describe, plan
+
+    try:
+        topo = topo_mod.load(config)
+        check_placement(topo)
+    except (ValueError, OSError) as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 1
+    print(describe(topo, topo.redis_url, plan(topo, topo.redis_url)))
     return 0
 
 

@@ -14,15 +14,8 @@ import subprocess
 import sys
 import time
 
-from services.rpc.net import free_port
-
-
-def rank_flags(rank: int, world_size: int, master_addr: str, master_port: int) -> list[str]:
-    """The flags that place one process in its engine's torch.distributed group."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world size {world_size}")
-    return ["--rank", str(rank), "--world-size", str(world_size), "--master-addr", master_addr,
-            "--master-port", str(master_port)]
+from engine.parallel.dist import free_port
+from services.rpc.service_args import rank_flags
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ are bounded by `timeout_s` and by the server's expiry, and always give back what
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from engine.kv.cache import KVCacheSpec
 from proto.pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc

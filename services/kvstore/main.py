@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from engine.config.arg_utils import add_kv_layout_args
 from engine.config.model import ModelConfig
-from engine.kv.cache import KV_CACHE_DTYPES, KVCacheSpec, num_blocks_for_bytes
+from engine.kv.cache import KVCacheSpec, num_blocks_for_bytes
 from proto.pdserve.v1 import kvstore_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
 from services.kvstore.server import SERVICE_NAME, KVStoreServicer
@@ -22,10 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (its config.json sizes the blocks)")
     p.add_argument("--pool-gib", type=float, required=True, help="host memory for KV blocks, GiB")
-    p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=KV_CACHE_DTYPES)
-    p.add_argument("--indexer-precision", default="fp8", choices=("fp8", "fp32"))
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--no-mtp-kv", action="store_true", help="blocks without the MTP layer's caches")
+    add_kv_layout_args(p.add_argument_group("KV block layout (the engines' flags)"), resolve_auto=False)
     p.add_argument("--reservation-ttl-ms", type=int, default=10_000)
     p.add_argument("--lease-ttl-ms", type=int, default=30_000)
     p.add_argument("--max-ttl-ms", type=int, default=300_000)
@@ -43,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     spec = KVCacheSpec.from_model(ModelConfig.from_pretrained(args.model), block_size=args.block_size,
                                   kv_cache_dtype=args.kv_cache_dtype, indexer_precision=args.indexer_precision,
-                                  with_mtp=not args.no_mtp_kv)
+                                  with_mtp=args.mtp_kv)
     num_blocks = num_blocks_for_bytes(spec, int(args.pool_gib * (1 << 30)))
     if num_blocks == 0:
         raise SystemExit(f"--pool-gib {args.pool_gib} holds no block of {spec.block_bytes} bytes")

@@ -17,8 +17,8 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from services.rpc.grpc_server import FailedPrecondition, NotFound
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from engine.kv.cache import KVCacheSpec
 from services.cluster.redis_state import RedisState

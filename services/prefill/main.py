@@ -26,7 +26,7 @@ from services.rpc.admission import Admission
 from services.rpc.grpc_server import GrpcServer, run
 from services.rpc.metrics import ServiceMetrics
 from services.rpc.net import advertise_host
-from services.rpc.service_args import add_service_args, setup_logging
+from services.rpc.service_args import add_service_args, set_rank_environ, setup_logging
 
 log = logging.getLogger("services.prefill")
 
@@ -68,7 +68,8 @@ async def serve(args: argparse.Namespace) -> int:
     metrics_port = metrics.serve(args.metrics_port, args.host)
     cfg = engine.config
     info = InstanceInfo("prefill", instance_id, f"{host}:{port}", f"{host}:{metrics_port}",
-                        capacity={"num_blocks": engine.stats().num_blocks, "max_model_len": cfg.scheduler.max_model_len},
+                        capacity={"num_blocks": engine.stats().num_blocks,
+                                  "max_model_len": cfg.scheduler.max_model_len},
                         extra={"nixl_agent": exporter.agent.name, "pcp": cfg.parallel.prefill_context_parallel_size,
                                "dcp": cfg.parallel.decode_context_parallel_size})
     host_obj = EngineHost(engine, info, state, metrics, heartbeat_s=args.heartbeat_s,
@@ -130,21 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
     if args.world_size > 1:  # started rank by rank (launcher / services.deploy.ranks): torchrun's contract
-        _set_rank_environ(args)
+        set_rank_environ(args)
         if args.rank > 0:
             from engine.parallel.worker import worker_main
 
             worker_main()
             return
     sys.exit(run(lambda: serve(args)))
-
-
-def _set_rank_environ(args: argparse.Namespace) -> None:
-    import os
-
-    import torch
-
-    local = args.rank if torch.cuda.is_available() else 0
-    os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(local),
-                      LOCAL_WORLD_SIZE=str(args.world_size), MASTER_ADDR=args.master_addr,
-                      MASTER_PORT=str(args.master_port))

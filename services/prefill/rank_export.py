@@ -13,20 +13,20 @@ import secrets
 from services.transfer.nixl_agent import NixlAgent
 
 _AGENT: NixlAgent | None = None
+_TENSORS: list = []  # this rank's registered cache tensors (BlockTensors), remembered for later calls
 
 
 def setup(runner, instance_id: str) -> dict | None:
     """On a worker rank: create the agent and register this rank's cache (idempotent). Rank 0 (the
     service process) answers None: its exporter owns an agent on the event loop already."""
-    global _AGENT
+    global _AGENT, _TENSORS
     if runner.comm.rank == 0:
         return None
     if _AGENT is None:
         _AGENT = NixlAgent(f"{instance_id}.r{runner.comm.rank}.{os.getpid()}.{secrets.token_hex(3)}",
                            progress_thread=True)
-        tensors = _AGENT.register({"mla": runner.kv_cache.mla, "index": runner.kv_cache.index})
-        _AGENT._tensors = tensors  # noqa: SLF001 - remembered for later calls
-    return {"agent_name": _AGENT.name, "agent_metadata": _AGENT.metadata(), "tensors": _AGENT._tensors}
+        _TENSORS = _AGENT.register({"mla": runner.kv_cache.mla, "index": runner.kv_cache.index})
+    return {"agent_name": _AGENT.name, "agent_metadata": _AGENT.metadata(), "tensors": _TENSORS}
 
 
 def ping(runner) -> int:

@@ -17,8 +17,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine import envs
 from engine.frontend.async_engine import AsyncEngine
+from services import settings
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class EngineDeath:
 async def wait_for_engine_death(engine: AsyncEngine, *, period_s: float = 0.5,
                                 hang_timeout_s: float | None = None) -> EngineDeath:
     """Return once the engine is dead or hung; runs until cancelled otherwise."""
-    hang_timeout_s = envs.rank_hang_timeout_s() if hang_timeout_s is None else hang_timeout_s
+    hang_timeout_s = settings.rank_hang_timeout_s() if hang_timeout_s is None else hang_timeout_s
     multi_rank = engine.config.parallel.world_size > 1
     last_ok = time.monotonic()
     while True:
@@ -45,7 +45,7 @@ async def wait_for_engine_death(engine: AsyncEngine, *, period_s: float = 0.5,
             await asyncio.wait_for(engine.call(lambda core: core.collective_rpc("services.prefill.rank_export:ping")),
                                    hang_timeout_s or 30.0)
             last_ok = time.monotonic()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             stalled = time.monotonic() - last_ok
             if hang_timeout_s and stalled >= hang_timeout_s:
                 return EngineDeath(f"no collective completed for {stalled:.1f} s: a worker rank hangs", hung=True)

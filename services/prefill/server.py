@@ -125,7 +125,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     # ---- steps ---------------------------------------------------------------------------------
     async def _admit(self, req: Request, hashes: list[bytes], hint):
         """Add the request; first load the prefix a kvstore holds beyond our own cache, if any."""
-        n_hint = min(hint.num_blocks if hint.grpc_address else 0, len(hashes), (len(req.prompt_token_ids) - 1) // self.block_size)
+        n_hint = min(hint.num_blocks if hint.grpc_address else 0, len(hashes),
+                     (len(req.prompt_token_ids) - 1) // self.block_size)
         dcp = self.engine.config.parallel.decode_context_parallel_size
         if self.kvstore is None or n_hint == 0 or (dcp > 1 and self.kvstore.staging is None):
             return self.engine.add_request(req.prompt_token_ids, req.sampling_params, req.req_id,

@@ -22,8 +22,8 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import grpc
 
@@ -246,7 +246,7 @@ class Flow:
         wait = min(self.idle_timeout_s, self._left(stats))
         try:
             return await asyncio.wait_for(call.read(), wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if wait == self.idle_timeout_s:
                 self.routing.mark_unhealthy(inst)  # a stopped or wedged decode
                 raise UpstreamError(f"decode {inst.instance_id} sent nothing for {wait:.1f}s") from None
@@ -270,7 +270,8 @@ class Flow:
         stats.completion_tokens += len(ids)
         finish = finish_from_proto(delta.finish_reason)
         text = detok.update(ids)
-        stop_reason: int | str | None = delta.stop_reason or (delta.stop_token_id if delta.HasField("stop_token_id") else None)
+        stop_token = delta.stop_token_id if delta.HasField("stop_token_id") else None
+        stop_reason: int | str | None = delta.stop_reason or stop_token
         if detok.stop_hit is not None:
             finish, stop_reason = "stop", detok.stop_hit
         if finish is not None:
@@ -282,7 +283,8 @@ class Flow:
         now = time.monotonic()
         self.metrics.e2e_request_latency_seconds.observe(now - stats.arrival)
         if stats.first_token is not None and stats.completion_tokens > 1:
-            self.metrics.time_per_output_token_seconds.observe((now - stats.first_token) / (stats.completion_tokens - 1))
+            tpot = (now - stats.first_token) / (stats.completion_tokens - 1)
+            self.metrics.time_per_output_token_seconds.observe(tpot)
 
 
 def new_request_id(prefix: str) -> str:

@@ -1,8 +1,9 @@
 """What the router checks before it parses a request: the API key (which names the tenant) and the
 body size. A pure ASGI middleware, so an oversized or unauthenticated body is never read in full.
 
-/tokenize and /detokenize need the key as /v1/* does. API keys are `key` (the key is its own tenant) or `key:tenant` (several keys share one tenant), from
-`--api-key` (repeatable), `--api-keys-file` (one entry a line, `#` comments) or `PDSERVE_API_KEY`.
+/tokenize and /detokenize need the key as /v1/* does. API keys are `key` (the key is its own tenant) or
+`key:tenant` (several keys share one tenant), from `--api-key` (repeatable), `--api-keys-file` (one entry a
+line, `#` comments) or `PDSERVE_API_KEY`.
 The key comes as `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>` (Anthropic
 clients); on the Anthropic routes (/v1/messages...) the 401 and 413 bodies are in Anthropic's error form.
 /health, /metrics, /docs and /openapi.json stay open: probes and scrapers carry no secret, and they
@@ -15,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from services.router.anthropic.errors import error_body as anthropic_error_body
 from services.router.openai_models import error_body
@@ -40,7 +41,7 @@ class ApiKeys:
             self._keys.append((key.encode(), tenant if sep and tenant else _anonymous_tenant(key)))
 
     @classmethod
-    def from_sources(cls, keys: Sequence[str] = (), keys_file: str | None = None) -> "ApiKeys":
+    def from_sources(cls, keys: Sequence[str] = (), keys_file: str | None = None) -> ApiKeys:
         entries = list(keys)
         if keys_file:
             for line in Path(keys_file).read_text().splitlines():

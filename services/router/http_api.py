@@ -128,8 +128,9 @@ class RouterAPI(ExtraEndpoints):
 
     def _check_model(self, model: str | None) -> None:
         if model and model not in self.model_names:
-            raise BadRequest(f"model {model!r} does not exist; this server serves {', '.join(map(repr, self.model_names))}",
-                             "model", code="model_not_found")
+            served = ", ".join(map(repr, self.model_names))
+            raise BadRequest(f"model {model!r} does not exist; this server serves {served}", "model",
+                             code="model_not_found")
 
     def _request_id(self, prefix: str, request: Request) -> str:
         req_id = new_api_request_id(prefix, request.state.client_request_id)
@@ -175,7 +176,7 @@ class RouterAPI(ExtraEndpoints):
             prep.cache_salt = tenant_cache_salt(request.state.tenant, prep.cache_salt)
             fmt = Formatter("chat", self._request_id("chatcmpl", request), self.model_name, self.tok)
             return await self._respond(fmt, prep, body.top_logprobs or 0, plan.output)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return exception_response(exc)
 
     # ---- running the choices -------------------------------------------------------------------------
@@ -243,7 +244,8 @@ class RouterAPI(ExtraEndpoints):
                     if parser is not None:
                         events = parser.feed(c.text) + (parser.finish() if c.finish_reason else [])
                         choice = chunk["choices"][0]
-                        choice["delta"] = {"role": "assistant", **openai_delta(events)} if first else openai_delta(events)
+                        delta = openai_delta(events)
+                        choice["delta"] = {"role": "assistant", **delta} if first else delta
                         choice["finish_reason"] = parser.finish_reason(c.finish_reason)
                     await queue.put(chunk)
                     offset, first = offset + len(c.text), False

@@ -10,10 +10,10 @@ import logging
 
 import uvicorn
 
-from engine import envs
 from engine.config.model import ModelConfig
 from engine.frontend.tokenizer import Tokenizer
 from proto.pdserve.v1 import router_pb2_grpc
+from services import settings
 from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
 from services.router.chat_request import ChatSettings
 from services.router.chat_template import ChatTemplate
@@ -30,7 +30,7 @@ from services.rpc.admission import Admission
 from services.rpc.grpc_server import GrpcServer, run
 from services.rpc.metrics import ServiceMetrics
 from services.rpc.net import advertise_host
-from services.rpc.service_args import setup_logging
+from services.rpc.service_args import add_admission_args, add_endpoint_args, setup_logging
 
 log = logging.getLogger("services.router")
 
@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (tokenizer, chat template, limits)")
     p.add_argument("--served-model-name", action="extend", nargs="+", default=None,
-                   help="the model ids clients may use, e.g. aliases (default: the dir name); responses carry the first")
+                   help="the model ids clients may use, e.g. aliases (default: the dir name); responses carry "
+                        "the first")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file instead of the checkpoint's")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
@@ -48,19 +49,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reasoning-parser", default=None, choices=["glm45"],
                    help="split <think>...</think> into reasoning_content")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--host", default="0.0.0.0", help="address to bind (the public entry point: all interfaces)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
-    p.add_argument("--grpc-port", type=int, default=50050)
-    p.add_argument("--metrics-port", type=int, default=0, help="separate /metrics port (also served on --port)")
-    p.add_argument("--redis-url", default=envs.redis_url())
-    p.add_argument("--instance-id", default=None)
-    p.add_argument("--advertise-host", default=None)
-    p.add_argument("--api-key", action="append", default=list(envs.api_keys()),
+    g = add_endpoint_args(p, 8000, host="0.0.0.0", host_help="address to bind (the public entry point: all interfaces)",
+                          port_help="HTTP port (OpenAI API)",
+                          metrics_help="separate /metrics port (also served on --port)")
+    g.add_argument("--grpc-port", type=int, default=50050)
+    add_admission_args(g, "requests (choices) in flight before 429 / RESOURCE_EXHAUSTED",
+                       aliases=("--max-num-requests",))
+    p.add_argument("--api-key", action="append", default=list(settings.api_keys()),
                    help="require `Authorization: Bearer <key>` on /v1/* and gRPC; `key` or `key:tenant`; "
                         "repeatable (default: PDSERVE_API_KEY, comma-separated)")
     p.add_argument("--api-keys-file", default=None, help="one `key` or `key:tenant` a line")
-    p.add_argument("--max-inflight-requests", "--max-num-requests", dest="max_inflight_requests", type=int,
-                   default=1024, help="requests (choices) in flight before 429 / RESOURCE_EXHAUSTED")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413")
     p.add_argument("--max-n", type=int, default=16)
     p.add_argument("--prefill-timeout-s", type=float, default=600.0, help="deadline of the Prefill call")

@@ -10,7 +10,7 @@ documents and include_reasoning. Fields not declared here go through services/ro
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,7 +28,7 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
@@ -47,14 +47,14 @@ class _Sampling(BaseModel):
     # structured outputs (services/router/structured.py): OpenAI's, vLLM's and vLLM's older names
     response_format: dict | None = None
     structured_outputs: dict | None = None
-    guided_json: Union[dict, str, None] = None
+    guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -65,7 +65,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict], None] = None
+    content: str | list[dict] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None  # assistant turns: earlier calls, arguments as JSON text
     tool_call_id: str | None = None  # tool turns: the call this result answers
@@ -82,7 +82,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     # agents: tools and reasoning (services/router/chat_request.py)
     tools: list[dict] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None  # passed to the template, e.g. {"enable_thinking": false}
     documents: list[dict] | None = None  # passed to the template

@@ -158,8 +158,8 @@ def prepare_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits) 
     for ids in prompts:
         _check_prompt(ids, limits)
     params = _params(body, body.max_tokens, body.logprobs, max(len(p) for p in prompts), limits)
-    return Prepared(prompts, params, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                    body.cache_salt, body.return_token_ids)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Prepared(prompts, params, body.n, body.stream, include_usage, body.cache_salt, body.return_token_ids)
 
 
 def prepare_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, prompt: str) -> Prepared:

@@ -83,7 +83,7 @@ class Routing:
             try:
                 await self._refresh()
                 await self._check_health()
-            except Exception:  # noqa: BLE001 - the task must outlive any one bad round
+            except Exception:  # the task must outlive any one bad round
                 log.exception("routing refresh failed")
 
     async def _refresh(self) -> None:

@@ -11,8 +11,8 @@ answered at once with "retry after" instead of growing memory and latency withou
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from services.rpc.grpc_server import Overloaded
 

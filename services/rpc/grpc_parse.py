@@ -49,7 +49,7 @@ class _CheckedGeneric(grpc.GenericRpcHandler):
         return self._cache[details.method]
 
 
-class parse_checked:  # noqa: N801 - used like a function: add_to_server(servicer, parse_checked(server))
+class parse_checked:  # used like a function: add_to_server(servicer, parse_checked(server))
     """A stand-in for a grpc.aio.Server that wraps the handlers a generated `add_*_to_server` adds."""
 
     def __init__(self, server: grpc.aio.Server):

@@ -19,7 +19,8 @@ import functools
 import inspect
 import logging
 import signal
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -109,7 +110,7 @@ def grpc_errors(fn: Callable) -> Callable:
                     yield item
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a gRPC status (mapped by _abort)
                 await _abort(exc, context)
         return stream
 
@@ -119,7 +120,7 @@ def grpc_errors(fn: Callable) -> Callable:
             return await fn(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a gRPC status (mapped by _abort)
             await _abort(exc, context)
     return unary
 

@@ -33,6 +33,7 @@ class MetricDef:
     doc: str
     roles: tuple[str, ...]
     buckets: tuple[float, ...] | None = None
+    labels: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:  # prometheus_client appends `_total` to counters itself
@@ -47,6 +48,9 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("e2e_request_latency_seconds", Histogram, "End-to-end request latency.", ("router",), E2E_BUCKETS),
     MetricDef("num_requests_running", Gauge, "Requests being computed.", ("router",) + ENGINES),
     MetricDef("num_requests_waiting", Gauge, "Requests queued.", ("router",) + ENGINES),
+    MetricDef("engine_steps", Counter, "Engine steps that ran a forward.", ENGINES),
+    MetricDef("engine_step_seconds", Counter, "Wall time of those steps (schedule + forward + update), summed.",
+              ENGINES),
     MetricDef("kv_cache_usage_perc", Gauge, "Fraction of KV blocks in use (1 = full).", ENGINES + ("kvstore",)),
     MetricDef("prefix_cache_queries", Counter, "Prefix-cache queries, in tokens.", ("router", "prefill", "kvstore")),
     MetricDef("prefix_cache_hits", Counter, "Prefix-cache hits, in tokens.", ("router", "prefill", "kvstore")),
@@ -61,6 +65,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("hisparse_hits", Counter, "HiSparse top-k rows found in the device hot buffer.", ("decode",)),
     MetricDef("hisparse_misses", Counter, "HiSparse top-k rows copied from host.", ("decode",)),
     MetricDef("hisparse_h2d_bytes", Counter, "HiSparse host-to-device bytes.", ("decode",)),
+    MetricDef("hisparse_device_blocks_in_use", Gauge, "HiSparse device pages held by requests (0 when idle).",
+              ("decode",)),
+    MetricDef("hisparse_requests_placed", Gauge, "Requests holding HiSparse device pages or hot-buffer rows.",
+              ("decode",)),
     MetricDef("kvstore_num_blocks", Gauge, "Blocks in the host KV pool.", ("kvstore",)),
     MetricDef("kvstore_num_stored_blocks", Gauge, "Committed (readable) blocks in the pool.", ("kvstore",)),
     MetricDef("kvstore_evictions", Counter, "Blocks evicted (LRU) to make room.", ("kvstore",)),
@@ -69,6 +77,8 @@ METRICS: tuple[MetricDef, ...] = (
               "reused): never decoded from.", ("decode",)),
     MetricDef("kvstore_failures", Counter, "kvstore loads/offloads that failed or timed out (recomputed instead).",
               ("prefill",)),
+    MetricDef("weight_bytes", Gauge, "Bytes of model weights held by each engine rank, by dtype.", ENGINES,
+              labels=("rank", "dtype")),
     MetricDef("kv_pull_recomputes", Counter, "Requests whose prompt KV was computed locally instead of pulled.",
               ("decode",)),
 )
@@ -88,6 +98,8 @@ class ServiceMetrics:
         for m in METRICS:
             if role in m.roles:
                 kwargs = {"buckets": m.buckets} if m.buckets else {}
+                if m.labels:
+                    kwargs["labelnames"] = m.labels
                 setattr(self, m.attr, m.kind(m.name, m.doc, registry=self.registry, **kwargs))
 
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:

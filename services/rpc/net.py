@@ -1,38 +1,61 @@
-"""Addresses: free loopback ports, the host address a service advertises, `host:port` parsing."""
+"""Addresses: the host address a service advertises (never a wildcard), local addresses, `host:port`
+parsing (free ports: engine.parallel.dist)."""
 
 from __future__ import annotations
 
 import socket
 
-from engine import envs
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS may hand it out again: bind soon)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
+from services import settings
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def advertise_host(explicit: str | None = None, bind_host: str | None = None) -> str:
-    """The address other processes should dial to reach this one. A service bound to loopback
-    advertises loopback (its host IP would not answer).
+    """The address other processes should dial to reach this one (never a wildcard such as 0.0.0.0).
+    A service bound to loopback advertises loopback (its host IP would not answer); one bound to a
+    wildcard advertises this host's routable address; one bound to an address advertises it.
 
     In a container the hostname resolves to the container's IP on the compose network, which is
     what scaled replicas (no fixed name or host port) must register in Redis.
     """
-    host = explicit or envs.advertise_host()
-    if host:
+    host = explicit or settings.advertise_host()
+    if host and host not in WILDCARDS:
         return host
     if bind_host in LOOPBACK:
         return "127.0.0.1"
+    if bind_host and bind_host not in WILDCARDS:
+        return bind_host
+    return routable_address()
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def routable_address() -> str:
+    """This host's address on its default route (what other hosts dial), else its hostname's address.
+    Connecting a UDP socket sends nothing; it only selects the outgoing interface."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            addr = s.getsockname()[0]
+            if addr and addr not in WILDCARDS:
+                return addr
+    except OSError:
+        pass
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def is_local_address(host: str) -> bool:
+    """True when `host` names an address of this machine (a socket can bind it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return True
+    except OSError:
+        return False
 
 
 def split_address(address: str) -> tuple[str, int]:

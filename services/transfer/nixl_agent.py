@@ -13,6 +13,12 @@ a transfer is one descriptor per (tensor, block) and NIXL merges adjacent ones. 
 over *all* blocks of the registered tensors are prepared once per peer (`prep_*`); a transfer then
 names block ids only.
 
+Memory types: NIXL registers and prepares one memory type (DRAM: host memory; VRAM: GPU memory) per
+call, so tensors are registered and prepared per type, and a transfer is split into one NIXL
+transfer per (local type, remote type) pair (a HiSparse decode cache is a host pool of MLA rows
+beside a GPU indexer cache: its pulls land MLA rows in DRAM and indexer rows in VRAM). A split
+transfer's notification is sent by `wait` once every part is done.
+
 Threading: a nixl_agent is not thread-safe. A NixlAgent belongs to the thread that built it (its
 event loop); every call from another thread raises. Calls are non-blocking C calls, so the event
 loop's tasks interleave them safely; only `wait`/`wait_notif` await, polling between sleeps.
@@ -38,23 +44,28 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from engine import envs
+from services import settings
 from services.transfer.nixl_descs import (
     BlockDescList,
     BlockTensor,
+    DescGroup,
     NixlStats,
     PeerDisconnected,
     Transfer,
     TransferError,
     TransferTimeout,
+    by_mem_type,
     deadline_in,
     parse_pulled,
     pulled_notif,
+    region_descs,
+    transfer_parts,
 )
 
 __all__ = ["NixlAgent", "BlockTensor", "BlockDescList", "Transfer", "NixlStats", "TransferError",
@@ -72,8 +83,8 @@ class NixlAgent:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
-        self.backends = tuple(backends or envs.nixl_backends())
-        self.progress_thread = envs.nixl_progress_thread() if progress_thread is None else progress_thread
+        self.backends = tuple(backends or settings.nixl_backends())
+        self.progress_thread = settings.nixl_progress_thread() if progress_thread is None else progress_thread
         self.poll_interval_s = poll_interval_s
         conf = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=list(self.backends),
                                  num_threads=num_threads)
@@ -116,12 +127,15 @@ class NixlAgent:
 
     # ---- memory and peers ----------------------------------------------------------------------
     def register(self, tensors: dict[str, torch.Tensor]) -> list[BlockTensor]:
-        """Register block-major tensors (CPU -> DRAM, CUDA -> VRAM); returns their descriptions."""
+        """Register block-major tensors (CPU -> DRAM, CUDA -> VRAM; one registration per memory type);
+        returns their descriptions."""
         self._check_owner()
         described = [BlockTensor.of(name, t) for name, t in tensors.items()]
-        # Keep the tensors alive as long as NIXL may touch their memory (a freed registered tensor
-        # would be a use-after-free by a peer's one-sided READ/WRITE).
-        self._registered.append((self._agent.register_memory(list(tensors.values())), dict(tensors)))
+        for mem_type, group in by_mem_type(described):
+            reg = self._agent.register_memory(region_descs(group), mem_type)
+            # Keep the tensors alive as long as NIXL may touch their memory (a freed registered tensor
+            # would be a use-after-free by a peer's one-sided READ/WRITE).
+            self._registered.append((reg, {t.name: tensors[t.name] for t in group}))
         return described
 
     def metadata(self) -> bytes:
@@ -172,11 +186,14 @@ class NixlAgent:
 
     def _prep(self, peer: str, tensors: Sequence[BlockTensor]) -> BlockDescList:
         self._check_owner()
-        if not tensors or len({t.mem_type for t in tensors}) != 1:
-            raise ValueError("prep needs >= 1 tensor, all of one memory type (DRAM or VRAM)")
-        descs = np.concatenate([t.descs() for t in tensors])
-        handle = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", descs, tensors[0].mem_type)
-        dl = BlockDescList(peer=peer, tensors=tuple(tensors), handle=handle)
+        if not tensors:
+            raise ValueError("prep needs >= 1 tensor")
+        groups = []
+        for mem_type, group in by_mem_type(tensors):
+            descs = np.concatenate([t.descs() for t in group])
+            groups.append(DescGroup(mem_type, group, self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", descs,
+                                                                                 mem_type)))
+        dl = BlockDescList(peer=peer, tensors=tuple(tensors), groups=tuple(groups))
         self._prepped.append(dl)
         return dl
 
@@ -187,8 +204,9 @@ class NixlAgent:
     def _release_dlist(self, dl: BlockDescList) -> None:
         if any(d is dl for d in self._prepped):
             self._prepped = [d for d in self._prepped if d is not dl]
-            dl.handle.release()
-            dl.handle = None
+            for g in dl.groups:
+                g.handle.release()
+                g.handle = None
 
     # ---- transfers -----------------------------------------------------------------------------
     def read(self, local: BlockDescList, local_block_ids: Sequence[int], remote: BlockDescList,
@@ -204,51 +222,54 @@ class NixlAgent:
     def _post(self, op: str, local: BlockDescList, local_ids: Sequence[int], remote: BlockDescList,
               remote_ids: Sequence[int], notif: bytes) -> Transfer:
         self._check_owner()
-        if local.handle is None or remote.handle is None:
+        if local.released or remote.released:
             raise ValueError(f"descriptor list released (peer {remote.peer or 'local'} removed?): prep it again")
         _check_pairing(local, local_ids, remote, remote_ids)
         now = time.monotonic()
         if len(local_ids) == 0:  # nothing to move; still deliver the notification
             if notif:
                 self.send_notif(remote.peer, notif)
-            return Transfer(None, op, remote.peer, 0, now)
-        local_idx, remote_idx = local.indices(local_ids), remote.indices(remote_ids)
-        try:
-            handle = self._agent.make_prepped_xfer(op, local.handle, local_idx, remote.handle, remote_idx, notif)
-        except Exception as exc:
-            self._failed(1)
-            raise _wrap(exc, f"{op} to {remote.peer}") from exc
-        xfer = Transfer(handle, op, remote.peer, local.num_bytes(len(local_ids)), now)
-        try:
-            state = self._agent.transfer(handle)
-        except Exception as exc:
-            self._finish_failed(xfer)
-            raise _wrap(exc, f"{op} to {remote.peer}") from exc
-        if state == "ERR":
-            self._finish_failed(xfer)
-            raise TransferError(f"NIXL {op} to {remote.peer} failed when posted")
+            return Transfer([], op, remote.peer, 0, now)
+        parts = transfer_parts(local, local_ids, remote, remote_ids)
+        split = len(parts) > 1
+        xfer = Transfer([], op, remote.peer, local.num_bytes(len(local_ids)), now, notif if split else b"")
+        for part in parts:
+            try:
+                handle = self._agent.make_prepped_xfer(op, part.local.handle, part.local_idx, part.remote.handle,
+                                                       part.remote_idx, b"" if split else notif)
+                xfer.handles.append(handle)
+                state = self._agent.transfer(handle)
+            except Exception as exc:
+                self._finish_failed(xfer)
+                raise _wrap(exc, f"{op} to {remote.peer}") from exc
+            if state == "ERR":
+                self._finish_failed(xfer)
+                raise TransferError(f"NIXL {op} to {remote.peer} failed when posted")
         return xfer
 
     async def wait(self, xfer: Transfer, deadline: float) -> None:
         """Poll until `xfer` is done; release its handle. Raises TransferTimeout after `deadline`
         (monotonic clock; the transfer is cancelled), TransferError/PeerDisconnected on failure."""
         self.start()
-        if xfer.handle is None:
+        if not xfer.handles:
             return
         delay = 0.0
         while True:
             self._check_owner()
             try:
-                state = self._agent.check_xfer_state(xfer.handle)
+                states = [self._agent.check_xfer_state(h) for h in xfer.handles]
             except Exception as exc:
                 self._finish_failed(xfer)
                 raise _wrap(exc, f"{xfer.op} to {xfer.peer}") from exc
-            if state == "DONE":
-                xfer.handle.release()
-                xfer.handle = None
+            if all(s == "DONE" for s in states):
+                for h in xfer.handles:
+                    h.release()
+                xfer.handles = []
                 self._count(xfer.num_bytes)
+                if xfer.notif_after:
+                    self.send_notif(xfer.peer, xfer.notif_after)
                 return
-            if state == "ERR":
+            if "ERR" in states:
                 self._finish_failed(xfer)
                 raise TransferError(f"NIXL {xfer.op} to {xfer.peer} failed ({xfer.num_bytes} bytes)")
             if time.monotonic() >= deadline:
@@ -272,13 +293,13 @@ class NixlAgent:
 
     def _finish_failed(self, xfer: Transfer) -> None:
         self._failed(1)
-        if xfer.handle is not None:
+        for handle in xfer.handles:
             try:
-                xfer.handle.release()  # cancels an active transfer when the backend can
-            except Exception:
+                handle.release()  # cancels an active transfer when the backend can
+            except Exception:  # noqa: BLE001 - whatever NIXL raises, the handle is kept and released at close
                 log.warning("NIXL could not cancel %s to %s; keeping its handle", xfer.op, xfer.peer)
-                self._stuck.append(xfer.handle)
-            xfer.handle = None
+                self._stuck.append(handle)
+        xfer.handles = []
 
     # ---- notifications -------------------------------------------------------------------------
     def send_notif(self, peer: str, msg: bytes) -> None:
@@ -327,7 +348,7 @@ class NixlAgent:
         for h in self._stuck:
             try:
                 h.release()
-            except Exception:
+            except Exception:  # noqa: BLE001 - closing: a stuck handle must not stop the rest of the clean-up
                 pass
         for reg, _ in self._registered:
             self._agent.deregister_memory(reg)

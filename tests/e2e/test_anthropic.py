@@ -74,8 +74,8 @@ def test_billing_header_does_not_defeat_the_prefix_cache(client):
 
 def test_forced_tool_use_validates_against_its_schema(client):
     jsonschema = pytest.importorskip("jsonschema")
-    kw = {"model": "tiny-code", "max_tokens": 256, "extra_body": {"temperature": 0}, "messages": USER, "tools": [WEATHER],
-          "tool_choice": {"type": "tool", "name": "get_weather"}}
+    kw = {"model": "tiny-code", "max_tokens": 256, "extra_body": {"temperature": 0}, "messages": USER,
+          "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
     msg = client.messages.create(**kw)
     calls = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use" and calls and calls[0].name == "get_weather"

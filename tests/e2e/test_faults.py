@@ -1,7 +1,8 @@
 """Fault injection on real processes during streaming load (policies in docs/failures.md): NIXL pulls
 that fail, a lease that expires and whose pages are reused under a slow puller, decode killed
 mid-stream or paused, Redis paused and killed, the kvstore paused and killed (a prefill rank dying:
-test_faults_prefill_rank.py). In every case no client call outlives its deadline and the KV block counters return to zero."""
+test_faults_prefill_rank.py). In every case no client call outlives its deadline and the KV block counters
+return to zero."""
 
 from __future__ import annotations
 
@@ -192,7 +193,11 @@ def test_faults_on_one_deployment(tmp_path_factory, offline, corpus):
     try:
         addr = {i.instance_id: i.metrics_address for i in chaos.instances(dep).values()}
         addr["url"] = dep.url
-        for phase in (_nixl_pull_failures_retry_once_then_recompute, _expired_lease_with_reused_pages_is_never_decoded_from, _decode_killed_mid_stream, _decode_paused_streams_end_at_the_idle_timeout, _redis_paused_then_killed_router_keeps_serving_and_state_is_republished, _kvstore_paused_then_killed_prefill_recomputes):
+        for phase in (_nixl_pull_failures_retry_once_then_recompute,
+                      _expired_lease_with_reused_pages_is_never_decoded_from, _decode_killed_mid_stream,
+                      _decode_paused_streams_end_at_the_idle_timeout,
+                      _redis_paused_then_killed_router_keeps_serving_and_state_is_republished,
+                      _kvstore_paused_then_killed_prefill_recomputes):
             t0 = time.monotonic()
             phase(dep, addr, offline, corpus)
             print(f"{phase.__name__}: {time.monotonic() - t0:.1f}s")

@@ -36,7 +36,7 @@ def test_client_leaving_mid_pull_frees_blocks_only_after_the_read(tiny_code):
                                         device="cpu"))
         engine.start()
         try:
-            free = lambda: engine.call(lambda core: core.stats().num_free_blocks)  # noqa: E731
+            free = lambda: engine.call(lambda core: core.stats().num_free_blocks)
             free0 = await free()
             puller = _SlowPuller(engine.core.runner.spec)
             servicer = DecodeServicer(engine, puller, ServiceMetrics("decode"), admit_timeout_s=5)

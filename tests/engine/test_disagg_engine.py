@@ -34,7 +34,8 @@ def test_prefill_then_decode_equals_aggregated(tiny_code, spec):
     pre = LLM(str(tiny_code), num_blocks=64, **kw).core
     dec = LLM(str(tiny_code), num_blocks=64, **kw).core
     for i, ids in enumerate(prompts):
-        r = Request(f"p{i}", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), hold_kv_on_finish=True)
+        r = Request(f"p{i}", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                    hold_kv_on_finish=True)
         pre.add_request(r)
         while pre.has_unfinished():
             outs = pre.step()

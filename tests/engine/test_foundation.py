@@ -71,7 +71,8 @@ def test_loads_merged_3d_expert_tensors(tmp_path, tiny_ckpt):
             [sd.pop(f"{layer}.mlp.experts.{e}.down_proj.weight") for e in range(n)])
     save_file({**sd, **merged}, str(out / "model.safetensors"))
     ids = list(range(30, 50))
-    assert torch.equal(LLM(str(out), num_blocks=8).prompt_logits(ids), LLM(str(tiny_ckpt), num_blocks=8).prompt_logits(ids))
+    assert torch.equal(LLM(str(out), num_blocks=8).prompt_logits(ids),
+                       LLM(str(tiny_ckpt), num_blocks=8).prompt_logits(ids))
 
 
 def test_fp8_block_scaled_weights_are_dequantised(tmp_path, tiny_ckpt):
@@ -82,8 +83,8 @@ def test_fp8_block_scaled_weights_are_dequantised(tmp_path, tiny_ckpt):
     sd = load_file(str(out / "model.safetensors"))
     name = "model.layers.1.self_attn.q_b_proj.weight"
     w = sd[name]
-    scale = torch.tensor([[2.0 ** -6]])  # one 128x128 tile covers this small matrix
-    sd[name] = (w / scale).to(torch.float8_e4m3fn)
+    scale = torch.full((2, 1), 2.0 ** -6)  # [192, 64]: two 128-row blocks by one 128-column block
+    sd[name] = (w / scale[0, 0]).to(torch.float8_e4m3fn)
     sd[name + "_scale_inv"] = scale
     save_file(sd, str(out / "model.safetensors"))
     llm = LLM(str(out), num_blocks=8)

@@ -67,6 +67,46 @@ def test_mtp_greedy_equals_plain_greedy_under_a_grammar(tiny_code):
     assert st.spec_drafts > st.spec_accepted > 0  # drafts were checked: some accepted, some refused
 
 
+def test_mtp_drafts_follow_the_grammar(tiny_code):
+    from engine.runner.structured import engine_backend
+    from engine.structured.matcher import RequestGrammar
+
+    llm = LLM(str(tiny_code), num_blocks=96, num_speculative_tokens=3)
+    spec = Spec.json_schema(SCHEMA)
+    core = llm.core
+    req = Request("r", llm.tokenizer.encode(PROMPTS[2]), SamplingParams(max_tokens=60, temperature=1.0, seed=5,
+                                                                         structured_outputs=spec))
+    core.add_request(req)
+    backend = engine_backend(core.cfg)
+    checked = 0
+    while core.has_unfinished():
+        core.step()
+        if req.is_finished or not req.spec_token_ids:
+            continue
+        g = RequestGrammar(backend, spec, req.prompt_token_ids)
+        assert g.replay(req.output_token_ids)
+        for d in req.spec_token_ids:  # every proposed draft is a valid continuation
+            assert g.advance(d), (req.output_token_ids, req.spec_token_ids)
+            if g.is_terminated:
+                break
+        checked += 1
+    assert checked > 3 and req.status.value == "stop"
+    jsonschema.validate(json.loads(llm.tokenizer.decode(req.output_token_ids)), SCHEMA)
+    st = core.stats()
+    assert st.spec_accepted / st.spec_drafts > 0.25  # unmasked drafts: about 1 in 70 accepted here
+
+
+def test_preempted_requests_replay_their_grammar(tiny_code):
+    spec = Spec.regex(r"(x = [0-9]{1,3}\n){20}")
+    sps = [SamplingParams(max_tokens=150, temperature=0.0, structured_outputs=spec) for _ in PROMPTS]
+    want = [o.token_ids for o in LLM(str(tiny_code), num_blocks=96).generate(PROMPTS, sps)]
+    small = LLM(str(tiny_code), num_blocks=4)  # 256 token slots for three ~110-token requests
+    got = small.generate(PROMPTS, sps)
+    assert small.core.stats().num_preemptions > 0
+    assert [o.token_ids for o in got] == want  # recomputed requests rebuilt their matchers from their tokens
+    assert all(re.fullmatch(r"(x = [0-9]{1,3}\n){20}", o.text) for o in got)
+
+
 def test_grammar_stops_even_with_ignore_eos(tiny_code):
     llm = LLM(str(tiny_code), num_blocks=32)
     (o,) = llm.generate("x = ", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,

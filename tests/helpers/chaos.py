@@ -35,7 +35,7 @@ def record(dep: launcher.Deployment, name: str) -> launcher.ProcessRecord:
 
 def _signal(dep: launcher.Deployment, name: str, sig: int) -> launcher.ProcessRecord:
     rec = record(dep, name)
-    assert launcher._is_ours(rec), f"{name} (pid {rec.pid}) is not running the recorded command"  # noqa: SLF001
+    assert launcher._is_ours(rec), f"{name} (pid {rec.pid}) is not running the recorded command"
     os.kill(rec.pid, sig)
     return rec
 
@@ -44,7 +44,7 @@ def kill(dep: launcher.Deployment, name: str) -> None:
     """SIGKILL: the process gets no chance to deregister or say goodbye."""
     rec = _signal(dep, name, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while launcher._is_ours(rec) and time.monotonic() < deadline:  # noqa: SLF001
+    while launcher._is_ours(rec) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -59,13 +59,14 @@ def resume(dep: launcher.Deployment, name: str) -> None:
 def restart(dep: launcher.Deployment, name: str, env: dict[str, str] | None = None) -> launcher.ProcessRecord:
     """Start the recorded command again (same ports and instance id), tied to this process's life."""
     rec = record(dep, name)
-    assert not launcher._is_ours(rec), f"{name} still runs: kill it first"  # noqa: SLF001
+    assert not launcher._is_ours(rec), f"{name} still runs: kill it first"
     full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else []))
+    path = [str(ROOT)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])
+    full_env["PYTHONPATH"] = os.pathsep.join(path)
     with open(rec.log, "ab") as out:
         proc = subprocess.Popen(tie_to_parent(rec.cmd), cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    launcher._children[proc.pid] = proc  # noqa: SLF001 - reaped and stopped by launcher.down
+    launcher._children[proc.pid] = proc  # reaped and stopped by launcher.down
     rec.pid = proc.pid
     return rec
 
@@ -85,7 +86,7 @@ def kill_redis(dep: launcher.Deployment) -> None:
 
 
 def exit_code(dep: launcher.Deployment, name: str) -> int | None:
-    child = launcher._children.get(record(dep, name).pid)  # noqa: SLF001
+    child = launcher._children.get(record(dep, name).pid)
     return None if child is None else child.poll()
 
 
@@ -160,7 +161,7 @@ class Load:
     _threads: list[threading.Thread] = field(default_factory=list)
     _started: list[threading.Event] = field(default_factory=list)
 
-    def start(self) -> "Load":
+    def start(self) -> Load:
         self.results = [None] * len(self.bodies)
         for i, body in enumerate(self.bodies):
             ev = threading.Event()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from engine.kv.hashing import block_hashes
+from engine.parallel.dist import free_port
 
 
 @dataclass
@@ -107,12 +107,6 @@ async def _send(resp: web.StreamResponse, obj: dict) -> None:
     await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RunningFake:
     """`with RunningFake(FakeOpenAI(...)) as srv:` serves on a loopback port in a background thread."""
 
@@ -124,7 +118,7 @@ class RunningFake:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
 
-    def __enter__(self) -> "RunningFake":
+    def __enter__(self) -> RunningFake:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
         return self

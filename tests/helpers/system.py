@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
+from engine.parallel.dist import free_port
 from services.cluster.redis_state import RedisState
 from services.deploy import launcher
-from services.rpc.net import free_port
 from tests.helpers import ROOT
 
 TOPOLOGY = ROOT / "configs" / "topology.cpu.yaml"

@@ -56,7 +56,7 @@ def test_copy_rows_bitwise(device, pinned, dtype, row):
 def test_copy_whole_pages_and_empty_lists():
     gen = torch.Generator().manual_seed(1)
     src_full, dst_full = _cache(6, 20, torch.uint8, gen), _cache(3, 20, torch.uint8, gen)
-    pages = lambda v: v.view(v.shape[0], 1, v.shape[1] * v.shape[2])  # noqa: E731
+    pages = lambda v: v.view(v.shape[0], 1, v.shape[1] * v.shape[2])
     ss, ds = torch.tensor([4, -1, 0]), torch.tensor([0, 1, 2])
     want = dst_full.clone()
     copy_rows_ref(pages(src_full[:, 0]), ss, pages(want[:, 1]), ds)

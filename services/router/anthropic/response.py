@@ -5,8 +5,8 @@
     message.tool_calls[]      -> {"type": "tool_use", "id", "name", "input": <arguments decoded>}
     finish_reason             -> stop_reason: tool_calls (or any tool call made) "tool_use",
                                  length "max_tokens" (or "model_context_window_exceeded" when
-                                 max_tokens was lowered to fit the context), a stop string of the request "stop_sequence"
-                                 (with `stop_sequence` set), anything else "end_turn"
+                                 max_tokens was lowered to fit the context), a stop string of the request
+                                 "stop_sequence" (with `stop_sequence` set), anything else "end_turn"
     usage                     -> input_tokens (prompt tokens not read from the prefix cache),
                                  cache_read_input_tokens (those read), output_tokens
 Signatures are empty: this server does not sign its thinking, and ignores signatures sent back.

@@ -14,11 +14,14 @@ import dataclasses
 import pytest
 import torch
 
+from bench.prefill.ranks import rank_stats, reset_comm_counters, set_kv_prefetch
 from engine import LLM, SamplingParams
 from engine.core.request import Request
 from engine.parallel.dcp import num_local
 from engine.parallel.pcp import dualchunk_ranges
+from engine.parallel.spawn import RankPool
 from tests.helpers import ROOT
+from tests.helpers.kv_pages import kv_page_map, rank_kv_rows
 
 pytestmark = pytest.mark.xdist_group("cp")  # one process group per process: keep these on one worker
 
@@ -44,16 +47,25 @@ def refs(tiny_ckpt):
     return {0: LLM(str(tiny_ckpt), **EXACT), 2: LLM(str(tiny_ckpt), num_speculative_tokens=2, **EXACT)}
 
 
+@pytest.fixture(scope="module")
+def rank_pool():
+    """Spawned ranks outlive one configuration: the next configuration of the same size reuses them."""
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def cp(request, tiny_ckpt, refs):
+def cp(request, tiny_ckpt, refs, rank_pool):
     c = CONFIGS[request.param]
     kw = dict(EXACT, num_speculative_tokens=c["mtp"]) if c.get("mtp") else EXACT
-    llm = LLM(str(tiny_ckpt), prefill_context_parallel_size=c["pcp"], decode_context_parallel_size=c["dcp"],
+    llm = LLM(str(tiny_ckpt), rank_pool=rank_pool, prefill_context_parallel_size=c["pcp"],
+              decode_context_parallel_size=c["dcp"],
               enable_expert_parallel=c["ep"], dcp_comm_backend=c["merge"],
               cp_kv_cache_interleave_size=c["interleave"], **kw)
     llm.core.check_outputs = True  # every step: all ranks sampled the same tokens
     yield c, llm, refs[c.get("mtp", 0)]
-    llm.core.shutdown(keep_workers=True)  # the next configuration of this size reuses the ranks
+    llm.core.shutdown()  # its ranks go back to rank_pool
 
 
 def _prefill_held(core, ids: list[int], req_id: str) -> torch.Tensor:
@@ -95,16 +107,16 @@ def test_kv_export_bit_exact_and_split_by_dcp(cp):
     N, D = c["pcp"], c["dcp"]
     for n in ((127, 1000) if c.get("long") else (127,)):
         rid = f"held-{n}"
-        before = [s["indexer_rows_scored"] for s in llm.core.rank_stats()]
+        before = [s["indexer_rows_scored"] for s in rank_stats(llm.core)]
         ref_before = ref.core.runner.backend.indexer_rows_scored
         ids = _ids(n, seed=1000 + n)
         _close(_prefill_held(llm.core, ids, rid), _prefill_held(ref.core, ids, rid), f"held prompt of {n}")
-        after = [s["indexer_rows_scored"] for s in llm.core.rank_stats()]
+        after = [s["indexer_rows_scored"] for s in rank_stats(llm.core)]
         _check_indexer_split(c, n, [a - b for a, b in zip(after, before)],
                              ref.core.runner.backend.indexer_rows_scored - ref_before)
         ref_mla, ref_index = _ref_rows(ref.core, rid, n)
-        parts = llm.core.rank_kv_rows(rid)
-        page_map = llm.core.kv_page_map(rid)
+        parts = rank_kv_rows(llm.core, rid)
+        page_map = kv_page_map(llm.core, rid)
         copies = torch.zeros(n, dtype=torch.int64)  # DCP = N: one rank per token; DCP = 1: a full replica each
         for part in parts:
             pos = torch.tensor(part["positions"], dtype=torch.int64)
@@ -179,12 +191,12 @@ def test_context_prefetch_switch_gives_same_bits(cp):
         ids = _ids(100, seed=7)
         results, volumes = [], []
         for prefetch in (True, False):
-            core.collective_rpc("set_kv_prefetch", prefetch)
-            core.collective_rpc("reset_comm_counters")
+            set_kv_prefetch(core, prefetch)
+            reset_comm_counters(core)
             results.append(llm.prompt_logits(ids))
-            volumes.append([s["comm_bytes"].get("dcp_ctx", 0) for s in core.rank_stats()])
+            volumes.append([s["comm_bytes"].get("dcp_ctx", 0) for s in rank_stats(core)])
     finally:
-        core.collective_rpc("set_kv_prefetch", True)
+        set_kv_prefetch(core, True)
         core.scheduler.cfg = dataclasses.replace(core.scheduler.cfg, max_num_batched_tokens=8192)
     assert torch.equal(results[0], results[1])
     assert volumes[0] == volumes[1] and min(volumes[0]) > 0
@@ -291,10 +303,10 @@ def test_kv_written_on_rank0_replicates_to_every_rank(cp):
     def write(block_ids):
         cache = core.runner.kv_cache  # rank 0 is this process
         cache.mla[block_ids[:3]], cache.index[block_ids[:3]] = mla, index
-        before = core.collective_rpc("read_kv_rows", block_ids[:3], 3 * 64)
+        before = core.collective_rpc("tests.helpers.kv_pages:read_kv_rows", block_ids[:3], 3 * 64)
         assert not torch.equal(before[1]["mla"], before[0]["mla"]), "rank 1 must not hold the prefix before"
         assert core.collective_rpc("replicate_blocks", block_ids[:3]) == [3] * c["pcp"]
-        after = core.collective_rpc("read_kv_rows", block_ids[:3], 3 * 64)
+        after = core.collective_rpc("tests.helpers.kv_pages:read_kv_rows", block_ids[:3], 3 * 64)
         for r in after[1:]:
             assert torch.equal(r["mla"], after[0]["mla"]) and torch.equal(r["index"], after[0]["index"])
     _decode_imported(core, ref, prefix + tail, 3 * 64, write)

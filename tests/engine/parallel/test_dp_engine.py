@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
+from engine.parallel.spawn import RankPool
 from tests.helpers.ep_counts import dispatched_rows, routed_pairs
 
 pytestmark = pytest.mark.xdist_group("cp")  # one process group per process: keep these on one worker
@@ -36,13 +37,21 @@ def _run(core, prompts, sp=GREEDY) -> tuple[list[list[int]], list[int]]:
     return [toks[r] for r in rids], ranks
 
 
+@pytest.fixture(scope="module")
+def rank_pool():
+    """The spawned ranks serve both configurations (and the HiSparse module's engines after them)."""
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(scope="module", params=[0, 3], ids=["plain", "mtp3"])
-def engines(request, tiny_ckpt):
+def engines(request, tiny_ckpt, rank_pool):
     kw = dict(EXACT, num_speculative_tokens=request.param) if request.param else EXACT
     ref = LLM(str(tiny_ckpt), **kw)
-    dp = LLM(str(tiny_ckpt), data_parallel_size=2, enable_expert_parallel=True, **kw)
+    dp = LLM(str(tiny_ckpt), rank_pool=rank_pool, data_parallel_size=2, enable_expert_parallel=True, **kw)
     yield ref, dp, request.param
-    dp.core.shutdown(keep_workers=True)
+    dp.core.shutdown()  # its ranks go back to rank_pool
 
 
 def test_batch_spread_over_both_ranks(engines):

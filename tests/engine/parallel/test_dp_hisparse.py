@@ -71,7 +71,7 @@ def test_hisparse_misses_every_step_on_every_rank(code16, prompts, spec):
         stats = dp.core.rank_stats()
         assert all(s["hisparse"].num_host_blocks == 48 for s in stats)
     finally:
-        dp.core.shutdown(keep_workers=True)
+        dp.core.shutdown()
 
 
 def test_bad_dp_configs(code16, tiny_ckpt, caplog):

@@ -121,7 +121,7 @@ def test_indexer_overtakes_sparse_mla(cfg, dep, divisor, approx):
     # for L > 2048: indexer 22 x 4096 x L(L+1); MLA 79 x 139,264 x (2048 L - 2,096,128) / divisor
     # (TP8 replicates the indexer and splits MLA heads: divisor 8; PCP8 splits both: divisor 1)
     a, mla = 22 * 4096, 79 * 139_264
-    crossing = lambda n: a * n * (n + 1) * divisor - mla * (2048 * n - 2_096_128)  # noqa: E731
+    crossing = lambda n: a * n * (n + 1) * divisor - mla * (2048 * n - 2_096_128)
     b, c0 = a * divisor - mla * 2048, mla * 2_096_128
     root = (-b + math.sqrt(b * b - 4 * a * divisor * c0)) / (2 * a * divisor)
     got = indexer_crossover(cfg, kv_spec(cfg, dep), True, mla_divisor=divisor)
@@ -146,3 +146,27 @@ def test_plan_table_on_a_config_file(capsys):
                           "--kv-gib", "1", "--hisparse-pool-gib", "1", "--kv-offloading-gib", "1"]) == 0
     text = capsys.readouterr().out
     assert "KV bytes per token" in text and "Indexer overtakes sparse MLA" in text
+
+
+def test_rank_weights_come_from_the_engine_meta_model(cfg):
+    """PCP8 x EP8 prefill ranks and DP8 x EP8 decode ranks of GLM-5.3 in FP8 fit in 106 GiB (15 GiB of KV
+    left at 0.9 of 140 GiB less the reserve); the bytes are the engine's own parameters for that rank."""
+    import dataclasses
+
+    import torch
+
+    from engine.loading.loader import build_model
+    from engine.model.fp8 import Fp8Linear
+    from planner.capacity import rank_weight_bytes, weights_per_gpu
+
+    dep = Deployment()
+    for role in ("prefill", "decode"):
+        assert weights_per_gpu(cfg, dep, role) <= 106 * GIB
+    by = rank_weight_bytes(cfg, True, "fp8", 8)
+    fp8 = dataclasses.replace(cfg, quantization="fp8", weight_block_size=(128, 128))
+    model = build_model(fp8, device="meta", dtype=torch.bfloat16, with_mtp=True, expert_shard=(0, 32))
+    assert model.model.layers[5].mlp.experts.w13.shape[0] == 32
+    assert isinstance(model.model.layers[5].self_attn.kv_b_proj, Fp8Linear)
+    assert by["float8_e4m3fn"] == sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
+    assert sum(by.values()) == weights_per_gpu(cfg, dep, "decode")
+    assert weights_per_gpu(cfg, Deployment(weight_dtype="bf16"), "prefill") > 200 * GIB  # why FP8 is needed

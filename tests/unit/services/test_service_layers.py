@@ -1,5 +1,5 @@
-"""Pure pieces of the shared service layers (rpc, transfer, cluster): error mapping, conversions, metric names, state records,
-block descriptors."""
+"""Pure pieces of the shared service layers (rpc, transfer, cluster): error mapping, conversions, metric names,
+state records, block descriptors."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_block_tensor_descriptors():
 def test_descriptor_indices_are_tensor_major():
     a = BlockTensor("mla", 0x1000, 64, 10, "DRAM", 0)
     b = BlockTensor("index", 0x9000, 16, 10, "DRAM", 0)
-    dl = BlockDescList("", (a, b), handle=None)
+    dl = BlockDescList("", (a, b))
     assert dl.indices([3, 0, 7]).tolist() == [3, 0, 7, 13, 10, 17]
     assert dl.indices([]).dtype == np.int32 and dl.num_bytes(2) == 160
     with pytest.raises(ValueError, match="out of range"):

@@ -1,5 +1,6 @@
 """`pdserve up`/`down` with real processes: a private Redis it starts itself, the real kvstore, a
-2-rank prefill stand-in and a router stand-in (the real prefill/router do not exist yet)."""
+2-rank prefill stand-in and a router stand-in (stand-ins: they start at once and record their flags; the real
+services run in tests/e2e/test_system.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from engine.parallel.dist import free_port
 from services.cluster.redis_server import ping
 from services.cluster.redis_state import RedisState
 from services.deploy import launcher
 from services.rpc.grpc_server import check_health_sync
-from services.rpc.net import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -166,6 +166,31 @@ def test_vram_blocks_byte_exact(remote_device):
         peer.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hisparse_layout_pull_lands_by_memory_type():
+    """A HiSparse decode cache (MLA rows in pinned host memory, indexer rows on the GPU) READs from a
+    GPU cache: two registrations, and each tensor's bytes land on its own device."""
+    peer = Peer(seed=13, device="cuda")
+    try:
+        async def main():
+            cpu = make_tensors(14)
+            mine = {"mla": cpu["mla"].pin_memory(), "index": cpu["index"].cuda()}
+            agent = NixlAgent(f"hs-{os.getpid()}-{time.monotonic_ns()}")
+            described = agent.register(mine)
+            assert [t.mem_type for t in described] == ["DRAM", "VRAM"]
+            local = agent.prep_local(described)
+            remote = agent.prep_remote(agent.add_peer(peer.metadata), peer.tensors)
+            await agent.wait(agent.read(local, [0, 4], remote, [6, 1]), deadline_in(20))
+            theirs = make_tensors(13)
+            for key in mine:
+                assert torch.equal(mine[key][[0, 4]].cpu(), theirs[key][[6, 1]])
+            agent.close()
+        asyncio.run(main())
+    finally:
+        peer.close()
+
+
 def test_agent_refuses_other_threads():
     agent, _, _ = _local_agent("owner", seed=8)
     with pytest.raises(RuntimeError, match="not thread-safe"):

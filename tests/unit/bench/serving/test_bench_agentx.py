@@ -98,7 +98,8 @@ def test_fresh_server_per_level(trace_dir, tmp_path, monkeypatch):
         handle.running.__exit__(None, None, None)
 
     monkeypatch.setitem(sys.modules, "services.deploy.launcher", types.SimpleNamespace(up=up, down=down))
-    out = agentx.run(agentx.build_parser().parse_args(_argv(["--fresh-server", "topo.yaml"], trace_dir, tmp_path / "f")))
+    argv = _argv(["--fresh-server", "topo.yaml"], trace_dir, tmp_path / "f")
+    out = agentx.run(agentx.build_parser().parse_args(argv))
     assert events == [("up", "topo.yaml"), ("down",)] * 2
     assert all(lv["num_gpus"] == 4 for lv in out["levels"]) and out["label"] == "fake"
 

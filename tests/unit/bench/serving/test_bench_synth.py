@@ -87,7 +87,7 @@ def _req(t, n_in, n_out, ids, think=None, api=1.0):
 
 
 def test_parse_trace_with_parallel_then_sequential_subagents():
-    sub = lambda end, dur, n: {"type": "subagent", "t": end, "duration_ms": dur * 1000,  # noqa: E731
+    sub = lambda end, dur, n: {"type": "subagent", "t": end, "duration_ms": dur * 1000,
                                "requests": [_req(0.0, n, 5, list(range(50, 50 + n // 64)), think=0.0)]}
     data = {"id": "tr", "block_size": 64, "requests": [
         _req(0.0, 640, 20, list(range(10)), think=0.0),

@@ -79,11 +79,13 @@ def test_missing_field_is_named(tmp_path):
 
 
 def test_glm53_kv_bytes_per_token():
-    c = preset("glm-5.3")
-    assert c.kv_bytes_per_token("fp8_ds_mla", "fp8", with_mtp=True) == 78 * 656 + 21 * 132 + 656 + 132 == 54728
+    """78 MLA rows of 656 B and 21 indexer keys of 132 B per token, plus one of each for the MTP layer."""
     from engine.kv.cache import KVCacheSpec
-    spec = KVCacheSpec.from_model(c, kv_cache_dtype="fp8_ds_mla", indexer_precision="fp8", with_mtp=True)
-    assert spec.mla_row == 656 and spec.index_row == 132 and spec.bytes_per_token == 54728
+    spec = KVCacheSpec.from_model(preset("glm-5.3"), kv_cache_dtype="fp8_ds_mla", indexer_precision="fp8",
+                                  with_mtp=True)
+    assert (spec.num_mla_layers, spec.num_index_layers) == (78 + 1, 21 + 1)
+    assert spec.mla_row == 656 and spec.index_row == 132
+    assert spec.bytes_per_token == 78 * 656 + 21 * 132 + 656 + 132 == 54728
 
 
 def test_glm53_instantiates_on_meta_with_hf_parameter_count():

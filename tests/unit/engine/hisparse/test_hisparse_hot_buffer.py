@@ -36,7 +36,7 @@ class Sim:
             for p, r in zip(plan.miss_pos[b].tolist(), plan.miss_row[b].tolist()):
                 if p >= 0:
                     self.content[group, s, r] = p
-            for i, row in enumerate(sels[b]):  # this step writes positions start .. start + rows - 1
+            for i, _row in enumerate(sels[b]):  # this step writes positions start .. start + rows - 1
                 self.content[group, s, R + i] = starts[b] + i
             for p, r, d in zip(pos[b].tolist(), plan.hot_row[b].tolist(), dev[b].tolist()):
                 if p < 0 or d:
@@ -90,7 +90,7 @@ def test_rewritten_positions_are_not_served_stale():
 
 def test_device_pages_bypass_the_lru_and_requests_are_independent():
     sim = Sim(topk=4, buffer=8, slots=3)
-    on_dev = lambda pos: (pos >= 0) & (pos < 16)  # noqa: E731  pages 0..3 resident
+    on_dev = lambda pos: (pos >= 0) & (pos < 16)  # pages 0..3 resident
     p = sim.step([[[1, 20, 21, 2]], [[22, 23, 24, 25]]], starts=[50, 50], on_dev=on_dev, slots=[2, 0])
     assert (int(p.num_hits), int(p.num_misses)) == (2, 6)
     p = sim.step([[[20, 21, 3, 4]], [[20, 21, 22, 23]]], starts=[50, 50], on_dev=on_dev, slots=[2, 0])
@@ -102,7 +102,7 @@ def test_random_streams_read_their_positions():
     sim = Sim(topk=6, buffer=12, spec=2, slots=3, groups=2)
     for step in range(60):
         sels, starts = [], []
-        for b in range(3):
+        for _b in range(3):
             start = 40 + step
             rows = [rng.sample(range(start + i + 1), 6) for i in range(rng.randint(1, 3))]
             sels.append(rows)

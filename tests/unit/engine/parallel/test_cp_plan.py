@@ -18,10 +18,10 @@ from engine.parallel.dcp import (
     owner_rank,
     token_locations,
 )
-from engine.parallel.export import KVPageMap
 from engine.parallel.pcp import dualchunk_ranges, plan_step_rows
 from kernels.indexer import topk_positions_ref
 from kernels.merge import merge_attn_states_ref
+from tests.helpers.kv_pages import KVPageMap
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 127, 1000])

@@ -115,6 +115,14 @@ def test_drafts_masks_follow_the_accepted_prefix(tok, backend):
     assert torch.equal(_allowed(g), torch.isfinite(logits[1]))  # the matcher was rolled back
 
 
+def test_a_drafted_stop_token_ends_the_rows(tok, backend):
+    g = RequestGrammar(backend, Spec.regex("ab"), [5], max_rollback=4)
+    a, b = tok.encode("a")[0], tok.encode("b")[0]
+    _, rows, valid = build_bitmask([(0, g, [a, b, 0])], 4, VOCAB)  # 0: EOS, then nothing may follow
+    assert valid == [3] and rows == [0, 1, 2] and not g.is_terminated  # rolled back: the matcher goes on
+    assert g.advance(a)
+
+
 def test_replay_reaches_the_same_state(tok, backend):
     spec = Spec.json_schema({"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]})
     ids = tok.encode('{"k": "v')

@@ -62,9 +62,9 @@ def test_a_stopped_loop_is_reported():
 
 
 def test_the_hang_timeout_comes_from_the_environment(monkeypatch):
-    from engine import envs
+    from services import settings
     monkeypatch.setenv("PDSERVE_RANK_HANG_TIMEOUT_S", "7.5")
-    assert envs.rank_hang_timeout_s() == 7.5
+    assert settings.rank_hang_timeout_s() == 7.5
     monkeypatch.setenv("PDSERVE_RANK_HANG_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="must be a number"):
-        envs.rank_hang_timeout_s()
+        settings.rank_hang_timeout_s()

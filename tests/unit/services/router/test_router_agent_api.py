@@ -63,8 +63,9 @@ def _chat(client, **body):
 
 
 def _stream(client, **body):
-    with client.stream("POST", "/v1/chat/completions", json={"model": "tiny-code", "max_tokens": 64, "stream": True,
-                                                             "messages": [{"role": "user", "content": "w"}], **body}) as r:
+    body = {"model": "tiny-code", "max_tokens": 64, "stream": True, "messages": [{"role": "user", "content": "w"}],
+            **body}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
@@ -131,7 +132,8 @@ def test_history_with_tool_calls_renders(app):
     flow.script = "ok"
     messages = [{"role": "user", "content": "w"},
                 {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     r = _chat(client, tools=[WEATHER], messages=messages)
     assert r.status_code == 200, r.text

@@ -8,10 +8,10 @@ import asyncio
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from engine.parallel.dist import free_port
 from services.cluster.redis_state import InstanceInfo
 from services.router.routing import NoInstance, Routing
 from services.rpc.grpc_server import GrpcServer
-from services.rpc.net import free_port
 
 
 class _State:

@@ -22,7 +22,8 @@ def _req(**kw) -> MessagesRequest:
 
 def test_an_agent_turn_with_tools_thinking_and_results():
     messages = [
-        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "user",
+         "content": [{"type": "text", "text": "Weather in Paris?", "cache_control": {"type": "ephemeral"}}]},
         {"role": "assistant", "content": [
             {"type": "thinking", "thinking": "I should call the tool.", "signature": "sig"},
             {"type": "text", "text": "Let me check."},
@@ -141,7 +142,8 @@ def test_response_blocks_in_order_with_usage():
     assert msg["content"] == [{"type": "thinking", "thinking": "hmm", "signature": ""},
                               {"type": "text", "text": "Calling."},
                               {"type": "tool_use", "id": "call_9", "name": "get_weather", "input": {"city": "Paris"}}]
-    assert (msg["stop_reason"], msg["stop_sequence"], msg["model"], msg["id"]) == ("tool_use", None, "claude-x", "msg_1")
+    got = (msg["stop_reason"], msg["stop_sequence"], msg["model"], msg["id"])
+    assert got == ("tool_use", None, "claude-x", "msg_1")
     assert msg["usage"] == {"input_tokens": 6, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4,
                             "output_tokens": 7}
 
@@ -176,7 +178,8 @@ def test_empty_output_is_no_blocks():
 @pytest.mark.parametrize("status,body,want", [
     (400, {"error": {"message": "bad", "param": "max_tokens", "code": "invalid_request"}},
      (400, "invalid_request_error", "max_tokens: bad")),
-    (400, {"error": {"message": "at most 16", "param": "stop"}}, (400, "invalid_request_error", "stop_sequences: at most 16")),
+    (400, {"error": {"message": "at most 16", "param": "stop"}},
+     (400, "invalid_request_error", "stop_sequences: at most 16")),
     (400, {"error": {"message": "no model", "code": "model_not_found"}}, (404, "not_found_error", "no model")),
     (429, {"error": {"message": "busy"}}, (429, "rate_limit_error", "busy")),
     (503, {"error": {"message": "no decode"}}, (529, "overloaded_error", "no decode")),

@@ -221,8 +221,9 @@ def test_a_request_shaped_as_claude_code_sends_it(tok):
     headers = {"x-api-key": "sk-a", "anthropic-version": "2023-06-01",
                "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"}
     app = _app(flow, keys=["sk-a"])
-    app_named = RouterAPI(flow, Limits(max_model_len=4096, vocab_size=tok.vocab_size), ["tiny-code", "claude-sonnet-4-5"],
-                          None, keys=ApiKeys(["sk-a"]), chat=_chat_settings()).build()
+    app_named = RouterAPI(flow, Limits(max_model_len=4096, vocab_size=tok.vocab_size),
+                          ["tiny-code", "claude-sonnet-4-5"], None, keys=ApiKeys(["sk-a"]),
+                          chat=_chat_settings()).build()
     assert _post(app, "/v1/messages?beta=true", body, headers).status_code == 404  # not a served name
     r = _post(app_named, "/v1/messages?beta=true", body, headers)
     assert r.status_code == 200, r.text

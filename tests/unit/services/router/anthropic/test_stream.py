@@ -69,7 +69,8 @@ def test_text_only():
 
 def test_thinking_then_text_then_two_tool_calls():
     ev = _run([_chunk(reasoning_content="let me "), _chunk(reasoning_content="think"), _chunk(content="Sure."),
-               _chunk(tool_calls=[_call(0, '{"ci', "call_a", "get_weather")]), _chunk(tool_calls=[_call(0, 'ty": "P"}')]),
+               _chunk(tool_calls=[_call(0, '{"ci', "call_a", "get_weather")]),
+               _chunk(tool_calls=[_call(0, 'ty": "P"}')]),
                _chunk(tool_calls=[_call(1, "", "call_b", "get_time")]), _chunk(tool_calls=[_call(1, "{}")]),
                _chunk(finish="tool_calls")])
     assert _shape(ev) == HEAD + [

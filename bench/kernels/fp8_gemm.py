@@ -1,0 +1,182 @@
+"""FP8 block-scaled GEMMs on the GPU against measured ceilings and the bf16 paths they replace.
+
+    python -m bench.kernels.fp8_gemm --out results.json [--quick] [--no-sweep]
+
+Ceilings, measured in the same run: copy bandwidth (bytes read + written), dense bf16 matmul and dense
+FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's projection shapes:
+* the w8a8 block-scaled GEMM at prefill M = 8192 (TFLOP/s vs the FP8 rate) and decode M = 64, 256
+  (weight bytes per second vs copy bandwidth), activation quantization included, against bf16 `x @ W^T`;
+* the grouped MoE (32 local experts, H 6144, I 2048, top-8): prefill 8,192 tokens and decode 64 tokens,
+  FP8 `fused_moe_fp8` against the bf16 `fused_moe`;
+* the MLA absorbed matmuls on bf16 W_UK / W_UV against the FP8 path (kernels.fp8_absorbed's dequantization,
+  then the same einsums), for the kv_b_proj decision.
+A small config sweep per shape reports the launcher's pick and the best found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from bench.kernels.timing import ceilings, num_sets, time_plain, time_rotating
+from kernels.fp8_absorbed import dequantize_fp8
+from kernels.fp8_gemm import gemm_config, quant_act, quantize_weight_ref, w8a8_block_fp8_matmul
+from kernels.fp8_moe import _config as moe_config
+from kernels.fp8_moe import fused_moe_fp8, merge_gate_up_scales
+from kernels.moe import fused_moe
+
+# (name, N, K) of GLM-5.3's quantized projections (hidden 6144, q_lora 2048, 64 heads, dense width 12288)
+SHAPES = [("q_a_proj", 2048, 6144), ("q_b_proj", 16384, 2048), ("kv_a_proj", 576, 6144),
+          ("o_proj", 6144, 16384), ("dense_gate_up", 24576, 6144), ("dense_down", 6144, 12288),
+          ("shared_gate_up", 4096, 6144), ("shared_down", 6144, 2048), ("indexer_wq_b", 4096, 2048),
+          ("eh_proj", 6144, 12288)]
+PREFILL_SWEEP = [(128, 128, 1, 8, 4), (64, 256, 1, 8, 3), (64, 256, 1, 8, 4), (256, 64, 1, 8, 3), (64, 128, 1, 4, 4)]
+DECODE_SWEEP = [(64, 64, 1, 4, 4, False), (64, 64, 1, 4, 4, True), (64, 64, 2, 4, 4, True), (64, 64, 4, 4, 4, True),
+                (64, 32, 4, 4, 4, True), (16, 64, 1, 4, 4, True), (64, 128, 1, 8, 3, True)]
+MOE_SWEEP = [(32, 64, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4)]
+
+
+def fp8_ceiling(dev) -> float:
+    m = 8192
+    a = torch.randn(m, m, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(m, m, device=dev).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=dev)
+    t = time_plain(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), dev, 300)
+    return 2 * m ** 3 / t / 1e12
+
+
+def _weights(N, K, dev, sets):
+    out = []
+    for _ in range(sets):
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5
+        out.append((w, *quantize_weight_ref(w)))
+    return out
+
+
+def bench_gemm(dev, ceil, name, M, N, K, sweep: bool) -> dict:
+    decode = M < 1024
+    sets = num_sets(N * K, at_most=8) if decode else 1
+    ws = _weights(N, K, dev, sets)
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+
+    def timed(fn):
+        calls = [lambda w=w: fn(w) for w in ws]
+        return time_rotating(calls, dev) if decode else time_plain(calls[0], dev, rep_ms=100)
+
+    pick = gemm_config(M, N, K, dev)
+    t = timed(lambda w: w8a8_block_fp8_matmul(x, w[1], w[2], config=pick))
+    t_bf16 = timed(lambda w: x @ w[0].t())
+    t_quant = time_plain(lambda: quant_act(x), dev, rep_ms=50)
+    tried = {}
+    if sweep:
+        for cfg in (DECODE_SWEEP if decode else PREFILL_SWEEP):
+            try:
+                tried[str(cfg)] = timed(lambda w, c=cfg: w8a8_block_fp8_matmul(x, w[1], w[2], config=c)) * 1e6
+            except Exception as e:  # noqa: BLE001  a config the compiler rejects (shared memory): recorded, not fatal
+                tried[str(cfg)] = f"failed: {type(e).__name__}"
+    best = min([v for v in tried.values() if isinstance(v, float)] + [t * 1e6])
+    flops, wbytes = 2 * M * N * K, N * K
+    return {"name": name, "M": M, "N": N, "K": K, "config": list(pick), "us": t * 1e6, "best_us": best,
+            "quant_us": t_quant * 1e6, "bf16_us": t_bf16 * 1e6, "tflops": flops / t / 1e12,
+            "frac_fp8_rate": flops / t / 1e12 / ceil["fp8_tflops"], "weight_tbps": wbytes / t / 1e12,
+            "frac_copy_bw": wbytes / t / 1e12 / ceil["copy_tbps"], "speedup_vs_bf16": t_bf16 / t,
+            "best_frac_fp8_rate": flops / best * 1e6 / 1e12 / ceil["fp8_tflops"],
+            "best_frac_copy_bw": wbytes / best * 1e6 / 1e12 / ceil["copy_tbps"], "sweep_us": tried}
+
+
+def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    w13 = torch.randn(E, 2 * inner, H, device=dev, dtype=torch.bfloat16) * H ** -0.5
+    w2 = torch.randn(E, H, inner, device=dev, dtype=torch.bfloat16) * inner ** -0.5
+    (qg, sg), (qu, su), (q2, s2) = (quantize_weight_ref(t) for t in (w13[:, :inner], w13[:, inner:], w2))
+    q13, s13 = torch.cat([qg, qu], 1), merge_gate_up_scales(sg, su)
+    ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices  # balanced over the local experts
+    weights = torch.rand(T, k, device=dev, generator=g)
+    pick = moe_config(ids.numel(), E)
+
+    def timed(fn):  # decode: CUDA-graph replays (no host gaps between the routing ops and the GEMMs)
+        return time_rotating([fn], dev) if T < 1024 else time_plain(fn, dev, rep_ms=200)
+
+    t = timed(lambda: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=pick))
+    t_bf16 = timed(lambda: fused_moe(x, w13, w2, weights, ids))
+    tried = {}
+    if sweep:
+        for cfg in MOE_SWEEP:
+            try:
+                tried[str(cfg)] = timed(lambda c=cfg: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=c)) * 1e6
+            except Exception as e:  # noqa: BLE001
+                tried[str(cfg)] = f"failed: {type(e).__name__}"
+    best = min([v for v in tried.values() if isinstance(v, float)] + [t * 1e6])
+    flops = T * k * 3 * 2 * H * inner
+    wbytes = E * 3 * H * inner
+    return {"name": f"moe T={T} E={E} k={k}", "T": T, "E": E, "H": H, "I": inner, "config": list(pick),
+            "us": t * 1e6, "best_us": best, "bf16_us": t_bf16 * 1e6, "tflops": flops / t / 1e12,
+            "frac_fp8_rate": flops / t / 1e12 / ceil["fp8_tflops"], "weight_tbps": wbytes / t / 1e12,
+            "frac_copy_bw": wbytes / t / 1e12 / ceil["copy_tbps"], "speedup_vs_bf16": t_bf16 / t,
+            "best_frac_fp8_rate": flops / best * 1e6 / 1e12 / ceil["fp8_tflops"],
+            "best_frac_copy_bw": wbytes / best * 1e6 / 1e12 / ceil["copy_tbps"], "sweep_us": tried}
+
+
+def bench_absorbed(dev, T, H=64, nope=192, v=256, R=512) -> dict:
+    """MLA's absorbed matmuls on bf16 W_UK / W_UV, and the FP8 path: dequantize kv_b_proj, then the same."""
+    w = torch.randn(H * (nope + v), R, device=dev, dtype=torch.bfloat16) * R ** -0.5
+    wq, ws = quantize_weight_ref(w)
+    w3 = w.view(H, nope + v, R)
+    q = torch.randn(T, H, nope, device=dev, dtype=torch.bfloat16)
+    o = torch.randn(T, H, R, device=dev, dtype=torch.bfloat16)
+    def fp8_both():
+        wd = dequantize_fp8(wq, ws).view(H, nope + v, R)
+        torch.einsum("thn,hnr->thr", q, wd[:, :nope])
+        torch.einsum("thr,hvr->thv", o, wd[:, nope:])
+
+    cases = {"bf16_uk": lambda: torch.einsum("thn,hnr->thr", q, w3[:, :nope]),
+             "bf16_uv": lambda: torch.einsum("thr,hvr->thv", o, w3[:, nope:]),
+             "fp8_dequant": lambda: dequantize_fp8(wq, ws), "fp8_dequant_uk_uv": fp8_both}
+    out = {"T": T, "bf16_bytes": w.numel() * 2, "fp8_bytes": w.numel()}
+    for name, fn in cases.items():
+        out[name + "_us"] = (time_rotating([fn], dev) if T < 1024 else time_plain(fn, dev, rep_ms=50)) * 1e6
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true", help="three shapes only")
+    p.add_argument("--no-sweep", action="store_true")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    ceil = ceilings(dev)
+    ceil["fp8_tflops"] = fp8_ceiling(dev)
+    print(json.dumps(ceil), flush=True)
+    res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "python": platform.python_version(),
+           "date": time.strftime("%Y-%m-%d", time.gmtime()), "ceilings": ceil, "gemm": [], "moe": []}
+    import triton
+    res["triton"] = triton.__version__
+    shapes = SHAPES[:3] if a.quick else SHAPES
+    for M in (8192, 64, 256):
+        for name, N, K in shapes:
+            r = bench_gemm(dev, ceil, name, M, N, K, not a.no_sweep)
+            res["gemm"].append(r)
+            _save(a.out, res, r)
+    for T in (8192, 64):  # ids spread evenly over the 32 local experts (balanced EP8)
+        r = bench_moe(dev, ceil, T, 32, 6144, 2048, 8, not a.no_sweep)
+        res["moe"].append(r)
+        _save(a.out, res, r)
+    res["absorbed"] = [bench_absorbed(dev, T) for T in (64, 256, 8192)]
+    _save(a.out, res, {"absorbed": res["absorbed"]})
+
+
+def _save(path: str, res: dict, row: dict) -> None:
+    """Print the row and rewrite the whole file: a run cut short keeps what it measured."""
+    print(json.dumps({k: v for k, v in row.items() if k != "sweep_us"}), flush=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

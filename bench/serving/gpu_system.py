@@ -1,0 +1,197 @@
+r"""The whole system on one GPU, measured: `bench serve` and `bench agentx` through the router of a
+topology (default configs/topology.gpu-1.yaml), with each engine's own per-step time beside the client's
+figures, so the cost of the hops (router, gRPC, NIXL pull) shows.
+
+    python -m bench.serving.gpu_system --out gpu1-tiny.json                                   # tiny-code
+    python -m bench.serving.gpu_system --random-model --out gpu1-glm.json                     # GLM-5.3 widths
+
+`--random-model` writes a config-only checkpoint of the GLM-5.3 widths cut to 4 layers and 32 routed
+experts (tiny-code's tokenizer and vocabulary) and serves it with random weights (`--load-format dummy`).
+Per run the engines' counters are read before and after (`pdserve:engine_steps_total`,
+`pdserve:engine_step_seconds_total`, the decode TPOT and prefill TTFT histograms, NIXL bytes): the
+server-side figures are means over that run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COUNTERS = ("pdserve:engine_steps_total", "pdserve:engine_step_seconds_total",
+            "pdserve:time_per_output_token_seconds_sum", "pdserve:time_per_output_token_seconds_count",
+            "pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
+            "pdserve:nixl_bytes_transferred_total")
+
+
+def random_model_dir(out: Path, layers: int = 4, experts: int = 32) -> Path:
+    """GLM-5.3 widths, `layers` layers, `experts` routed experts; config + tiny-code's tokenizer only."""
+    from engine.config.presets import preset_dict
+
+    src = ROOT / "checkpoints" / "tiny-code"
+    d = preset_dict("glm-5.3", num_hidden_layers=layers, n_routed_experts=experts, vocab_size=4096,
+                    max_position_embeddings=32768, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    d.pop("indexer_types", None)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(d))
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share: float | None) -> dict:
+    from engine.parallel.dist import free_port
+
+    topo = yaml.safe_load(config.read_text())
+    topo["run_dir"], topo["redis_url"] = str(run_dir), f"redis://127.0.0.1:{free_port()}/0"
+    if model:
+        topo["model"] = model
+    for kind, spec in topo["services"].items():
+        spec["port"] = spec["metrics_port"] = 0
+        if kind == "router":
+            spec["grpc_port"] = 0
+        if kind in ("prefill", "decode"):
+            args = spec.setdefault("args", {})
+            if dummy:
+                args["load-format"] = "dummy"
+            if share:
+                args["gpu-memory-utilization"] = share
+    return topo
+
+
+def scrape(dep) -> dict[str, dict[str, float]]:
+    """{role: {counter: value}} of every engine (and the router's histograms)."""
+    import asyncio
+
+    from services.cluster.redis_state import RedisState
+
+    async def instances():
+        state = RedisState(dep.redis_url)
+        try:
+            return await state.instances()
+        finally:
+            await state.close()
+
+    out = {}
+    for inst in asyncio.run(instances()):
+        out[inst.role] = _counters(inst.metrics_address)
+    out["router"] = _counters(dep.endpoints()["router"][0].removeprefix("http://"))
+    return out
+
+
+def _counters(address: str) -> dict[str, float]:
+    url = address if address.startswith("http") else f"http://{address}"
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    got = {}
+    for name in COUNTERS:
+        m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+        if m:
+            got[name] = float(m.group(1))
+    return got
+
+
+def server_side(before: dict, after: dict) -> dict:
+    """Per-run means from counter deltas: engine step time, decode TPOT, prefill TTFT, NIXL bytes."""
+    def delta(role: str, name: str) -> float:
+        return after.get(role, {}).get(name, 0.0) - before.get(role, {}).get(name, 0.0)
+
+    out = {}
+    for role in ("prefill", "decode"):
+        steps = delta(role, "pdserve:engine_steps_total")
+        out[f"{role}_steps"] = steps
+        out[f"{role}_mean_step_ms"] = 1e3 * delta(role, "pdserve:engine_step_seconds_total") / steps if steps else None
+    n = delta("decode", "pdserve:time_per_output_token_seconds_count")
+    out["decode_mean_tpot_ms"] = 1e3 * delta("decode", "pdserve:time_per_output_token_seconds_sum") / n if n else None
+    n = delta("prefill", "pdserve:time_to_first_token_seconds_count")
+    out["prefill_mean_ttft_ms"] = 1e3 * delta("prefill", "pdserve:time_to_first_token_seconds_sum") / n if n else None
+    n = delta("router", "pdserve:time_to_first_token_seconds_count")
+    out["router_mean_ttft_ms"] = 1e3 * delta("router", "pdserve:time_to_first_token_seconds_sum") / n if n else None
+    out["nixl_pulled_bytes"] = delta("decode", "pdserve:nixl_bytes_transferred_total")
+    return out
+
+
+KEEP = ("completed", "num_errors", "duration", "request_throughput", "output_throughput", "total_token_throughput",
+        "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+        "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
+
+
+def bench_serve(dep, concurrency: int, num_prompts: int, input_len: int, output_len: int) -> dict:
+    from bench.serving import serve
+
+    args = serve.build_parser().parse_args(["--url", dep.url, "--input-len", str(input_len), "--output-len",
+                                            str(output_len), "--num-prompts", str(num_prompts),
+                                            "--max-concurrency", str(concurrency), "--no-progress",
+                                            "--seed", str(concurrency)])
+    before = scrape(dep)
+    res = serve.run(args)
+    return {"concurrency": concurrency, **{k: res.get(k) for k in KEEP}, "server": server_side(before, scrape(dep))}
+
+
+def bench_agentx(dep, traces: str, concurrency: int, duration: float, warmup: float, max_context: int) -> dict:
+    from bench.serving import agentx
+
+    args = agentx.build_parser().parse_args([
+        "--url", dep.url, "--traces", traces, "--concurrency", str(concurrency), "--duration", str(duration),
+        "--warmup", str(warmup), "--token-scale", "0.02", "--think-time-scale", "0.05", "--max-think-time", "2",
+        "--fit-traces", "--max-context", str(max_context), "--seed", "1", "--no-progress",
+        "--output-dir", tempfile.mkdtemp(prefix="agentx-")])
+    before = scrape(dep)
+    res = agentx.run(args)
+    level = res["levels"][-1]
+    keep = {k: v for k, v in level.items() if not isinstance(v, (list, dict))}
+    return {**keep, "server": server_side(before, scrape(dep))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.serving.gpu_system", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs" / "topology.gpu-1.yaml"))
+    p.add_argument("--random-model", action="store_true", help="GLM-5.3 widths, 4 layers, 32 experts, dummy weights")
+    p.add_argument("--share", type=float, help="gpu-memory-utilization of each engine (override)")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--prompts-per-level", default="6,24,64")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--traces", default=str(ROOT.parent / "shared" / "traces"))
+    p.add_argument("--agentx-concurrency", type=int, default=8)
+    p.add_argument("--agentx-duration", type=float, default=30.0)
+    p.add_argument("--warmup-requests", type=int, default=2,
+                   help="requests sent (and not measured) first: they pay for the kernels' compilation")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    from services.deploy import launcher
+
+    work = Path(tempfile.mkdtemp(prefix="gpu-system-"))
+    model = str(random_model_dir(work / "model")) if a.random_model else None
+    topo = topology(Path(a.config), work / "run", model, a.random_model, a.share)
+    t0 = time.perf_counter()
+    dep = launcher.up(topo, timeout_s=400, die_with_parent=True, echo=print)
+    out = {"topology": Path(a.config).name, "model": model or topo["model"], "startup_s": time.perf_counter() - t0,
+           "serve": [], "agentx": None}
+    try:
+        if a.warmup_requests:
+            out["warmup"] = bench_serve(dep, 1, a.warmup_requests, a.input_len, a.output_len)
+        for c, n in zip(map(int, a.concurrency.split(",")), map(int, a.prompts_per_level.split(","))):
+            out["serve"].append(bench_serve(dep, c, n, a.input_len, a.output_len))
+            print(json.dumps(out["serve"][-1]), flush=True)
+            Path(a.out).write_text(json.dumps(out, indent=1))
+        if a.agentx_duration > 0:
+            out["agentx"] = bench_agentx(dep, a.traces, a.agentx_concurrency, a.agentx_duration, 10.0, 4096)
+            print(json.dumps(out["agentx"]), flush=True)
+    finally:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+        launcher.down(dep)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

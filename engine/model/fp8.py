@@ -1,0 +1,92 @@
+"""FP8 block-scaled parameters: `Fp8Linear`, and turning a model built on `meta` into its FP8 form.
+
+A quantized projection stores `weight` float8_e4m3fn [N, K] and `weight_scale_inv` fp32
+[ceil(N/128), ceil(K/128)] (the checkpoint's own tensors, on every device: CPU memory holds the same
+bytes as the GPU's). The forward quantizes activations per token per 128 channels and runs the w8a8
+block-scaled GEMM (Triton on CUDA, the fp32 reference elsewhere). Routed experts get the same format
+(`Experts(fp8=True)`).
+
+Which modules: every nn.Linear except those whose (checkpoint) name matches one of the config's
+`modules_to_not_convert` (quantization_config's `modules_to_not_convert` / `ignored_layers`); a config
+without a list gets `DEFAULT_NOT_CONVERT`, the GLM-5-FP8 convention (embeddings, lm_head, norms, the
+router gate and the indexer's weights_proj stay in the model dtype).
+
+kv_b_proj is stored in FP8 too, by measurement. The absorbed MLA path uses its rows as two per-head
+matrices (W_UK [H, nope, R] applied to q_nope, W_UV [H, v, R] to the attention output) whose head
+boundaries (nope + v = 448 rows) cut across the 128-row scale blocks. Dequantized to bf16 once at load it
+would cost 1.08 GiB per GLM-5.3 rank (79 layers x 14.7 MB) and put a PCP8 x EP8 prefill rank at
+106.09 GiB, over the 106 GiB that leaves 15 GiB of KV; stored in FP8 the rank is at 105.01 GiB
+(`pdserve plan`). Reading FP8 inside a weight-only batched kernel was measured on the H200 at 106 + 56 us
+per layer for 64 decode tokens against 18 + 19 us for the bf16 einsums (BENCHMARKS.md, FP8 weights), so the
+forward dequantizes kv_b_proj (one bandwidth-bound pass over 14.7 MB, kernels.fp8_absorbed) right before
+the same bf16 einsums.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config.model import ModelConfig
+from engine.loading.weights import hf_name
+from kernels.fp8_gemm import BLOCK, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref
+
+DEFAULT_NOT_CONVERT = ("embed_tokens", "lm_head", "norm", "mlp.gate", "weights_proj")
+SCALE_SUFFIX = "_scale_inv"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ (weight * block scales)^T (no bias: the checkpoint's quantized projections have none)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(cdiv(out_features, BLOCK), cdiv(in_features, BLOCK),
+                                                         dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        gemm = w8a8_block_fp8_matmul if x2.is_cuda else w8a8_block_fp8_matmul_ref
+        return gemm(x2, self.weight, self.weight_scale_inv, x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block 128x128"
+
+
+def not_convert_list(cfg: ModelConfig) -> tuple[str, ...]:
+    return cfg.modules_to_not_convert if cfg.modules_to_not_convert is not None else DEFAULT_NOT_CONVERT
+
+
+def is_quantized_name(name: str, not_convert: tuple[str, ...]) -> bool:
+    """Whether module `name` (checkpoint naming) is quantized: no listed pattern matches a run of its
+    dotted components ("mlp.gate" names the router, not "mlp.gate_proj"; "lm_head" or a full name)."""
+    dotted = f".{name}."
+    return not any(f".{p.strip('.')}." in dotted for p in not_convert)
+
+
+def convert_to_fp8(model: nn.Module, cfg: ModelConfig) -> list[str]:
+    """Swap the quantized nn.Linear modules of a model on `meta` for Fp8Linear and the routed experts for
+    their FP8 form. Returns the converted module names."""
+    from engine.model.moe import Experts
+
+    skip = not_convert_list(cfg)
+    done = []
+    for name, mod in list(model.named_modules()):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        quantized = is_quantized_name(hf_name(name, cfg), skip)
+        if isinstance(mod, nn.Linear) and quantized:
+            if mod.bias is not None:
+                raise ValueError(f"{name} has a bias; FP8 projections here have none: add it to modules_to_not_convert")
+            setattr(parent, attr, Fp8Linear(mod.in_features, mod.out_features))
+            done.append(name)
+        elif isinstance(mod, Experts) and quantized:
+            setattr(parent, attr, Experts(cfg, num_local=mod.w13.shape[0], offset=mod.offset, fp8=True))
+            done.append(name)
+    return done

@@ -1,0 +1,221 @@
+"""W8A8 block-scaled FP8 GEMM: y = x @ W^T with FP8 e4m3 weights in 128x128 scale blocks.
+
+Format (the one GLM-5.x / DeepSeek-V3 checkpoints ship, docs/fp8.md):
+  weight  float8_e4m3fn [N, K];  weight_scale_inv fp32 [ceil(N/128), ceil(K/128)];
+  real weight W[n, k] = weight[n, k] * weight_scale_inv[n // 128, k // 128].
+Activations are quantized dynamically per token per 128 channels: x [M, K] -> x_q e4m3 [M, K] and
+x_s fp32 [M, ceil(K/128)], x_s = amax(|x| over the 128 channels) / 448, x_q = round(x / x_s).
+The GEMM walks K in 128-wide blocks; each block's fp8 product (exact in fp32) is scaled by
+x_s[m, kb] * w_s[n // 128, kb] and added to an fp32 accumulator.
+
+Decode shapes (M = batch x (1 + drafts), weight-bandwidth-bound) use small BLOCK_M and split K across
+programs so every multiprocessor streams weight bytes; the partial sums are added in fp32 afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._jit import check_device, interpreting, jit, num_sms, to_e4m3
+
+BLOCK = 128  # scale tile edge (weight_block_size)
+FP8_MAX = 448.0
+MIN_AMAX = 1e-10  # an all-zero block gets a tiny positive scale (its codes are all 0)
+
+
+@jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, sq_m, ss_m,
+                      BLOCK_M: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """One [BLOCK_M, 128] tile of x -> its e4m3 codes (stored as bytes) and one fp32 scale per row."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    k = kb * 128 + tl.arange(0, 128)
+    mask = (m[:, None] < M) & (k[None, :] < K)
+    x = tl.load(x_ptr + m[:, None].to(tl.int64) * sx_m + k[None, :] * sx_k, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+    s = amax / 448.0
+    v = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
+    tl.store(q_ptr + m[:, None].to(tl.int64) * sq_m + k[None, :], to_e4m3(v, ROUND_FIRST), mask=mask)
+    tl.store(s_ptr + m.to(tl.int64) * ss_m + kb, s, mask=m < M)
+
+
+@jit
+def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_kb,
+                      sa_m, sa_k, sas_m, sb_n, sbs_n, sc_s, sc_m,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      QUANT_A: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """c[split, m, n] = sum over this split's k-blocks of (a[m] . b[n]) * as[m, kb] * bs[n // 128, kb].
+
+    QUANT_A: a is the unquantized activation (any float dtype, strides sa_m / sa_k) and each program
+    quantizes its rows per 128 channels itself, exactly as `quant_act` does (one launch, but every column
+    tile repeats the work: measured slower, kept as an option); otherwise a holds e4m3 codes, unit k stride."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n  # grouped ordering: neighbouring programs share rows of a (L2 reuse)
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    a_rows = a_ptr + m[:, None].to(tl.int64) * sa_m
+    b_rows = b_ptr + n[None, :].to(tl.int64) * sb_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(tl.program_id(1), num_kb, SPLIT_K):
+        k = kb * 128 + tl.arange(0, 128)
+        k_ok = k < K
+        if QUANT_A:
+            x = tl.load(a_rows + k[None, :] * sa_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+            v = tl.minimum(tl.maximum(x / a_s[:, None], -448.0), 448.0)
+            a = to_e4m3(v, ROUND_FIRST).to(tl.float8e4nv, bitcast=True)
+        else:
+            a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a_s = tl.load(as_ptr + m.to(tl.int64) * sas_m + kb, mask=m_ok, other=0.0)
+        b = tl.load(b_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if DOT_F32:
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, b)
+        if BLOCK_N <= 128:  # the tile lies in one 128-row block of the weight: one scale per k-block
+            b_s = tl.load(bs_ptr + ((pid_n * BLOCK_N) // 128).to(tl.int64) * sbs_n + kb)
+            acc += part * (a_s * b_s)[:, None]
+        else:
+            b_s = tl.load(bs_ptr + (n // 128).to(tl.int64) * sbs_n + kb, mask=n_ok, other=0.0)
+            acc += part * a_s[:, None] * b_s[None, :]
+    c = c_ptr + tl.program_id(1).to(tl.int64) * sc_s + m[:, None].to(tl.int64) * sc_m + n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype, any strides) -> (x_q float8_e4m3fn [M, K], x_s fp32 [M, ceil(K/128)])."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"quant_act takes a 2-D float tensor, got {tuple(x.shape)} {x.dtype}")
+    check_device(x)
+    M, K = x.shape
+    kb = triton.cdiv(K, BLOCK)
+    q = torch.empty((M, K), dtype=torch.uint8, device=x.device)
+    s = torch.empty((M, kb), dtype=torch.float32, device=x.device)
+    if M and K:
+        block_m = 16 if interpreting() else 32
+        _act_quant_kernel[(triton.cdiv(M, block_m), kb)](x, q, s, M, K, x.stride(0), x.stride(1), q.stride(0),
+                                                         s.stride(0), BLOCK_M=block_m, ROUND_FIRST=interpreting())
+    return q.view(torch.float8_e4m3fn), s
+
+
+def gemm_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for one problem, from the H200 sweeps of
+    bench.kernels.fp8_gemm (BENCHMARKS.md, FP8 weights).
+
+    Prefill (M > 256): 128 x 128 tiles, 8 warps, 4 stages. Decode (M <= 256): 64 x 64 tiles, K split
+    while the grid has fewer than two programs per multiprocessor and each split keeps >= 12 k-blocks
+    (K = 2048 is never split: the split's fp32 partial sums then cost more than they win)."""
+    if interpreting():
+        return 16, 32, 2 if K > BLOCK else 1, 4, 1
+    if M > 256:
+        return 128, 128, 1, 8, 4
+    block_m, block_n = 64, 64
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split = 1
+    num_kb = triton.cdiv(K, BLOCK)
+    while tiles * split < 2 * num_sms(device) and num_kb // (split * 2) >= 12:
+        split *= 2
+    return block_m, block_n, split, 4, 4
+
+
+def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                          out_dtype: torch.dtype | None = None, config: tuple | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ (weight * scales)^T, x quantized per token per 128 channels on the fly.
+
+    x: bf16/fp16/fp32 [M, K] (any strides); weight float8_e4m3fn [N, K] with unit K stride;
+    weight_scale_inv fp32 [ceil(N/128), ceil(K/128)]. out_dtype defaults to x's dtype.
+    `config` overrides `gemm_config` (benchmarks sweep it): (BLOCK_M, BLOCK_N, SPLIT_K, num_warps,
+    num_stages[, fuse_quant]). fuse_quant (quantizing x inside the GEMM) is off by default: on the H200 every
+    program re-quantizing its rows made decode shapes 2-4x slower than the separate `quant_act` launch."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit [M, K] x [N, K]")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
+    M, K = x.shape
+    N = weight.shape[0]
+    want = (triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK))
+    if tuple(weight_scale_inv.shape) != want or weight_scale_inv.dtype != torch.float32:
+        raise ValueError(f"weight_scale_inv must be fp32 {want} for weight {tuple(weight.shape)}, got "
+                         f"{weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}")
+    check_device(x, weight, weight_scale_inv)
+    out_dtype = out_dtype or x.dtype
+    if M == 0:
+        return torch.empty((0, N), dtype=out_dtype, device=x.device)
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    weight_scale_inv = weight_scale_inv if weight_scale_inv.stride(1) == 1 else weight_scale_inv.contiguous()
+    config = config or gemm_config(M, N, K, x.device)
+    fuse_quant = bool(config[5]) if len(config) > 5 else False
+    if fuse_quant:
+        return _gemm(x, None, weight, weight_scale_inv, out_dtype, config[:5], quant_a=True)
+    x_q, x_s = quant_act(x)
+    return _gemm(x_q, x_s, weight, weight_scale_inv, out_dtype, config[:5], quant_a=False)
+
+
+def _gemm(a, a_s, b, b_s, out_dtype, config, quant_a: bool) -> torch.Tensor:
+    M, K = a.shape
+    N = b.shape[0]
+    block_m, block_n, split, warps, stages = config
+    num_kb = triton.cdiv(K, BLOCK)
+    split = max(1, min(split, num_kb))
+    c = torch.empty((split, M, N), dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), split)
+    a_s = a_s if a_s is not None else b_s  # unread with QUANT_A
+    _w8a8_gemm_kernel[grid](a, a_s, b, b_s, c, M, N, K, num_kb, a.stride(0), a.stride(1), a_s.stride(0), b.stride(0),
+                            b_s.stride(0), c.stride(0), c.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
+                            SPLIT_K=split, GROUP_M=8, QUANT_A=quant_a, DOT_F32=interpreting(),
+                            ROUND_FIRST=interpreting(), num_warps=warps, num_stages=stages)
+    return c[0] if split == 1 else c.sum(0).to(out_dtype)
+
+
+# ---- references (fp32) ------------------------------------------------------------------------------
+
+def quant_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The semantics of `quant_act`, in plain torch (fp32 arithmetic)."""
+    M, K = x.shape
+    kb = -(-K // BLOCK)
+    xf = torch.nn.functional.pad(x.float(), (0, kb * BLOCK - K)).view(M, kb, BLOCK)
+    s = xf.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(M, kb * BLOCK)[:, :K].contiguous(), s
+
+
+def dequant_act_ref(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Per-token-per-128 codes and scales -> fp32 values."""
+    return q.float() * s.repeat_interleave(BLOCK, dim=-1)[..., : q.shape[-1]]
+
+
+def quantize_weight_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (e4m3 [..., N, K], fp32 scales [..., ceil(N/128), ceil(K/128)]): the checkpoint
+    format. Works on any device (load-time quantization of a bf16 checkpoint runs on the GPU)."""
+    *lead, N, K = w.shape
+    nb, kb = -(-N // BLOCK), -(-K // BLOCK)
+    wf = torch.nn.functional.pad(w.float(), (0, kb * BLOCK - K, 0, nb * BLOCK - N))
+    tiles = wf.view(*lead, nb, BLOCK, kb, BLOCK)
+    s = tiles.abs().amax(dim=(-3, -1)).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (tiles / s[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(*lead, nb * BLOCK, kb * BLOCK)[..., :N, :K].contiguous(), s
+
+
+def dequantize_weight_ref(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """e4m3 [..., N, K] with block scales [..., ceil(N/128), ceil(K/128)] -> `dtype` (computed in fp32)."""
+    N, K = w.shape[-2:]
+    s = scale_inv.float().repeat_interleave(BLOCK, dim=-2)[..., :N, :].repeat_interleave(BLOCK, dim=-1)[..., :K]
+    return (w.float() * s).to(dtype)
+
+
+def w8a8_block_fp8_matmul_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fp32 reference: quantize x as the kernel does, dequantize both operands, one fp32 matmul."""
+    q, s = quant_act_ref(x)
+    y = dequant_act_ref(q, s) @ dequantize_weight_ref(weight, weight_scale_inv).t()
+    return y.to(out_dtype or x.dtype)

@@ -1,0 +1,185 @@
+"""The w8a8 block-scaled FP8 GEMM and the FP8 grouped MoE against their fp32 references.
+
+Tolerances: under the interpreter both sides do the same fp32 arithmetic up to summation order, so the
+kernels match the references within 1e-5 of the output's scale (the GEMM) and 1e-3 (the MoE: a
+summation-order difference can move h across an e4m3 rounding boundary, one code of 1/16 relative on
+one element). On the GPU the fp8 MMA accumulates each 128-deep block in its own (reduced-precision)
+fp32 registers and bf16 outputs round to 2^-8: 2e-2 of the output scale and a cosine >= 0.9999.
+Against the unquantized fp32 product the quantization error itself is a few percent (checked loosely,
+so a scale applied twice or not at all fails).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fp8_gemm import (
+    quant_act,
+    quant_act_ref,
+    quantize_weight_ref,
+    w8a8_block_fp8_matmul,
+    w8a8_block_fp8_matmul_ref,
+)
+from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref, merge_gate_up_scales
+from kernels.moe import fused_moe_ref, route_ref
+from tests.helpers.kernel_inputs import POISON_BYTE, gpu, interp
+
+
+def _poisoned_fp8(q: torch.Tensor, pad: tuple[int, int]) -> torch.Tensor:
+    """q as a strided view into a bigger buffer whose extra rows/columns are NaN bytes."""
+    buf = torch.full((q.shape[0] + pad[0], q.shape[1] + pad[1]), POISON_BYTE, dtype=torch.uint8, device=q.device)
+    buf[: q.shape[0], : q.shape[1]] = q.view(torch.uint8)
+    return buf.view(torch.float8_e4m3fn)[: q.shape[0], : q.shape[1]]
+
+
+def _activation(M: int, K: int, dtype, device, gen, layout: str) -> torch.Tensor:
+    x = torch.randn(M, K, generator=gen) * 3
+    if layout == "transposed":  # column-major view
+        return x.t().contiguous().to(dtype).to(device).t()
+    if layout == "nan_padded":
+        buf = torch.full((M + 3, K + 70), float("nan"), dtype=dtype, device=device)
+        buf[:M, :K] = x.to(dtype)
+        return buf[:M, :K]
+    return x.to(dtype).to(device)
+
+
+def check_gemm(M, N, K, dtype, device, layout="contiguous", tol=1e-5, cos_min=0.99999, seed=0, config=None):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=gen) * K ** -0.5
+    wq, ws = quantize_weight_ref(w)
+    wq, ws = _poisoned_fp8(wq.to(device), (5, 64)), ws.to(device)
+    x = _activation(M, K, dtype, device, gen, layout)
+    got = w8a8_block_fp8_matmul(x, wq, ws, config=config)
+    want = w8a8_block_fp8_matmul_ref(x.float(), wq, ws, torch.float32).cpu()
+    assert got.shape == (M, N) and got.dtype == dtype and not torch.isnan(got).any()
+    g = got.float().cpu()
+    scale = want.abs().max().clamp(min=1e-6)
+    err = ((g - want).abs().max() / scale).item()
+    assert err <= tol, f"[{M},{N},{K}] {layout}: differs from the reference by {err:.3g} of its scale"
+    cos = torch.nn.functional.cosine_similarity(g.flatten(), want.flatten(), dim=0).item()
+    assert cos >= cos_min, cos
+    exact = (x.float() @ w.to(device).t()).cpu()
+    q_err = ((want - exact).abs().max() / scale).item()
+    assert q_err <= 0.1, f"quantization error {q_err:.3g} of the output scale: a scale is misapplied"
+
+
+@interp
+@pytest.mark.parametrize("M,N,K,fuse_quant", [(37, 200, 300, True), (1, 64, 128, True), (130, 257, 129, False),
+                                                (5, 130, 640, False)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "nan_padded"])
+def test_w8a8_gemm_interp(M, N, K, layout, fuse_quant):
+    check_gemm(M, N, K, torch.float32, "cpu", layout, config=(16, 32, 2, 4, 1, fuse_quant))
+
+
+@interp
+def test_w8a8_gemm_bf16_and_empty_interp():
+    check_gemm(9, 96, 200, torch.bfloat16, "cpu", tol=1e-2, cos_min=0.9999)
+    wq, ws = quantize_weight_ref(torch.randn(64, 128))
+    assert w8a8_block_fp8_matmul(torch.zeros(0, 128), wq, ws).shape == (0, 64)
+
+
+@interp
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "nan_padded"])
+def test_quant_act_matches_ref_bit_for_bit_interp(layout):
+    gen = torch.Generator().manual_seed(1)
+    x = _activation(21, 300, torch.float32, "cpu", gen, layout)
+    x[3, :128] = 0.0  # an all-zero block
+    q, s = quant_act(x)
+    qr, sr = quant_act_ref(x)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    assert not torch.isnan(q.float()).any()
+
+
+def test_launcher_rejects_bad_scales():
+    wq, ws = quantize_weight_ref(torch.randn(200, 300))
+    with pytest.raises(ValueError, match="weight_scale_inv must be fp32"):
+        w8a8_block_fp8_matmul(torch.randn(4, 300), wq, ws[:1])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        w8a8_block_fp8_matmul(torch.randn(4, 300), wq.float(), ws)
+
+
+def make_fp8_moe(T, H, inner, E, k, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen)
+    gate = torch.randn(E, inner, H, generator=gen) * H ** -0.5
+    up = torch.randn(E, inner, H, generator=gen) * H ** -0.5
+    down = torch.randn(E, H, inner, generator=gen) * inner ** -0.5
+    (qg, sg), (qu, su), (q2, s2) = (quantize_weight_ref(t) for t in (gate, up, down))
+    w13, s13 = torch.cat([qg, qu], 1), merge_gate_up_scales(sg, su)
+    weights, ids = route_ref(torch.randn(T, E, generator=gen), torch.randn(E, generator=gen) * 0.1, k, scaling=2.5)
+    fp8 = [t.to(device) for t in (w13, s13, q2, s2)]
+    return x.to(device), fp8, (torch.cat([gate, up], 1), down), weights.to(device), ids.to(device)
+
+
+def check_fp8_moe(T, H, inner, E, k, device, offset=0, num_local=None, dtype=torch.float32, tol=1e-3,
+                  cos_min=0.99999):
+    x, (w13, s13, w2, s2), (w13_f, w2_f), weights, ids = make_fp8_moe(T, H, inner, E, k, device)
+    lo, n = offset, num_local or E
+    local = [t[lo: lo + n] for t in (w13, s13, w2, s2)]
+    got = fused_moe_fp8(x.to(dtype), *local, weights, ids, offset)
+    want = fused_moe_fp8_ref(x.to(dtype).float(), *local, weights, ids, offset).cpu()
+    assert got.shape == (T, H) and got.dtype == dtype and not torch.isnan(got).any()
+    g = got.float().cpu()
+    scale = want.abs().max().clamp(min=1e-6)
+    err = ((g - want).abs().max() / scale).item()
+    assert err <= tol, f"fused_moe_fp8 differs by {err:.3g} of the output scale"
+    live = want.norm(dim=-1) > 0
+    if live.any():
+        cos = torch.nn.functional.cosine_similarity(g[live], want[live], dim=-1).min().item()
+        assert cos >= cos_min, cos
+    exact = fused_moe_ref(x.float().cpu(), w13_f[lo: lo + n], w2_f[lo: lo + n], weights.cpu(), ids.cpu(), offset)
+    assert ((want - exact).abs().max() / scale).item() <= 0.15, "quantization error too large: a scale is misapplied"
+
+
+@interp
+@pytest.mark.parametrize("T,H,inner,offset,num_local", [(13, 200, 160, 0, None), (29, 256, 128, 2, 4),
+                                                         (1, 130, 96, 0, None)])
+def test_fused_moe_fp8_interp(T, H, inner, offset, num_local):
+    check_fp8_moe(T, H, inner, E=8, k=2, device="cpu", offset=offset, num_local=num_local)
+
+
+@interp
+def test_fused_moe_fp8_nothing_local_interp():
+    x, (w13, s13, w2, s2), _, weights, ids = make_fp8_moe(5, 64, 32, 8, 2, "cpu")
+    assert torch.all(fused_moe_fp8(x, w13[:2], s13[:2], w2[:2], s2[:2], weights, ids, expert_offset=100) == 0)
+
+
+@pytest.mark.parametrize("M,N,K", [(8192, 2048, 6144), (64, 6144, 2048), (256, 24576, 6144), (1, 576, 6144),
+                                   (300, 1000, 1100)])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_w8a8_gemm_gpu(M, N, K, mark):
+    check_gemm(M, N, K, torch.bfloat16, "cuda", tol=2e-2, cos_min=0.9999)
+    check_gemm(M, N, K, torch.bfloat16, "cuda", "transposed", tol=2e-2, cos_min=0.9999,
+               config=(64, 64, 2, 4, 4, True) if M <= 256 else (128, 256, 1, 8, 3))
+    check_gemm(min(M, 77), N, K, torch.bfloat16, "cuda", "nan_padded", tol=2e-2, cos_min=0.9999)
+
+
+@pytest.mark.parametrize("T", [7, 64, 2048])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_fused_moe_fp8_gpu(T, mark):
+    check_fp8_moe(T, H=2048, inner=256, E=32, k=8, device="cuda", dtype=torch.bfloat16, tol=2e-2, cos_min=0.999)
+    check_fp8_moe(T, H=200, inner=160, E=16, k=4, device="cuda", offset=4, num_local=8, tol=2e-2, cos_min=0.999)
+
+
+def check_dequant(N, K, dtype, device):
+    from kernels.fp8_absorbed import dequantize_fp8, dequantize_fp8_ref
+
+    gen = torch.Generator().manual_seed(3)
+    wq, ws = quantize_weight_ref(torch.randn(N, K, generator=gen))
+    wq = _poisoned_fp8(wq.to(device), (3, 64))  # strided view, NaN bytes beside it
+    got = dequantize_fp8(wq, ws.to(device), dtype)
+    want = dequantize_fp8_ref(wq.cpu(), ws, dtype)
+    assert got.dtype == dtype and torch.equal(got.cpu(), want), "dequantization must match bit for bit"
+
+
+@interp
+@pytest.mark.parametrize("N,K", [(448 * 3, 200), (100, 64)])
+def test_dequantize_fp8_interp(N, K):
+    check_dequant(N, K, torch.bfloat16, "cpu")
+    check_dequant(N, K, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_dequantize_fp8_gpu(mark):
+    check_dequant(64 * 448, 512, torch.bfloat16, "cuda")
