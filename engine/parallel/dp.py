@@ -57,17 +57,9 @@ class DPEngineCore(MultiRankEngineCore):
                                   -self.kvs[r].num_free_blocks, r))
 
     def validate(self, req: Request) -> None:
-        self._check(req)
-        self.scheduler.validate(req)  # every rank's pool has the same size
-        self._check_structured(req)
-
-    def _check(self, req: Request) -> None:
-        vocab, ids = self.cfg.model.vocab_size, req.prompt_token_ids
-        if not (all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < vocab))):
-            bad = [t for t in ids if not (type(t) is int and 0 <= t < vocab)]
-            raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
         if req.req_id in self.rank_of:
             raise ValueError(f"request id {req.req_id!r} is already in use")
+        super().validate(req)  # rank 0's scheduler: every rank's pool has the same size
 
     def add_request(self, req: Request, rank: int | None = None) -> None:
         self.validate(req)
@@ -80,6 +72,13 @@ class DPEngineCore(MultiRankEngineCore):
     def abort(self, req_id: str) -> bool:
         rank = self.rank_of.pop(req_id, None)
         return rank is not None and self.schedulers[rank].abort(req_id)
+
+    def reserve_import(self, req: Request, num_import_tokens: int):
+        raise NotImplementedError("a DP group does not import KV yet: the decode service runs one engine per "
+                                  "instance (data_parallel_size 1)")
+
+    def drain_kv_events(self) -> list[tuple[str, bytes]]:
+        return [e for kv in self.kvs for e in kv.pool.drain_events()]
 
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished for s in self.schedulers)

@@ -97,12 +97,3 @@ class DPModelRunner(ModelRunner):
         while self.ep and self._agree(False, 0):  # others still run passes: join them with no rows
             self._dummy_pass(self.main_moe if self._round == 1 else self.mtp_moe)
         return out
-
-    # ---- counters --------------------------------------------------------------------------------
-    def rank_stats(self) -> dict:
-        return {"rank": self.rank, "comm_bytes": dict(self.comm.bytes), "comm_calls": dict(self.comm.calls),
-                "dummy_passes": self.dummy_passes,
-                "hisparse": self.hisparse.stats() if self.hisparse is not None else None}
-
-    def reset_comm_counters(self) -> None:
-        self.comm.reset_counters()

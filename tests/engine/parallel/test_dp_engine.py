@@ -10,7 +10,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.request import Request
 from engine.parallel.spawn import RankPool
-from tests.helpers.ep_counts import dispatched_rows, routed_pairs
+from tests.helpers.ep_counts import dispatched_rows, rank_stats, reset_counters, routed_pairs
 
 pytestmark = pytest.mark.xdist_group("cp")  # one process group per process: keep these on one worker
 
@@ -67,13 +67,13 @@ def test_batch_spread_over_both_ranks(engines):
 def test_single_request_other_rank_idle(engines):
     ref, dp, _ = engines
     prompt = _ids(70, seed=3)
-    dp.core.collective_rpc("reset_comm_counters")
-    before = [s["dummy_passes"] for s in dp.core.rank_stats()]
+    reset_counters(dp.core)
+    before = [s["dummy_passes"] for s in rank_stats(dp.core)]
     with routed_pairs(ref, 2) as pairs:
         want = _run(ref.core, [prompt])[0]
     got, ranks = _run(dp.core, [prompt])
     assert got == want and ranks == [0]
-    after = [s["dummy_passes"] for s in dp.core.rank_stats()]
+    after = [s["dummy_passes"] for s in rank_stats(dp.core)]
     assert after[0] == before[0] and after[1] > before[1]  # rank 1 joined every MoE layer with no rows
     # decode DP2 x EP2: one copy per (token, destination rank), every step
     assert pairs[0] > 0 and dispatched_rows(dp.core, dp.config.model.hidden_size) == pairs[0]
@@ -90,3 +90,11 @@ def test_stats_and_abort(engines):
     assert core.abort("a") and core.abort("b") and not core.abort("a")
     core.step()
     assert not core.has_unfinished() and all(kv.num_free_blocks == kv.num_blocks for kv in core.kvs)
+    # an idle group sends nothing: no round, no MoE collective
+    reset_counters(core)
+    assert core.step() == [] and core.step() == []
+    assert all(not s["comm_calls"] for s in rank_stats(core))
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request(Request("c", [1, 2], GREEDY))
+        core.add_request(Request("c", [1, 2], GREEDY))
+    core.abort("c")

@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLM
 from tests.engine.parallel.test_dp_engine import EXACT, _ids, _run
+from tests.helpers.ep_counts import rank_stats
 
 pytestmark = pytest.mark.xdist_group("cp")
 
@@ -26,7 +27,7 @@ def test_dp4_ep(tiny_ckpt, ref):
         assert ranks == [0, 1, 2, 3, 0] and got == _run(ref.core, prompts)[0]
         got, ranks = _run(dp.core, [prompts[2]])
         assert got == _run(ref.core, [prompts[2]])[0]
-        stats = dp.core.rank_stats()
+        stats = rank_stats(dp.core)
         assert all(s["dummy_passes"] > 0 for r, s in enumerate(stats) if r != ranks[0])
     finally:
         dp.core.shutdown()
@@ -40,7 +41,7 @@ def test_dp2_replicated_experts(tiny_ckpt, ref, caplog):
         prompts = [_ids(n, seed=20 + n) for n in (50, 9, 3)]
         got, ranks = _run(dp.core, prompts)
         assert ranks == [0, 1, 0] and got == _run(ref.core, prompts)[0]
-        stats = dp.core.rank_stats()
+        stats = rank_stats(dp.core)
         assert all("ep_dispatch" not in s["comm_bytes"] and "dp_sync" not in s["comm_bytes"] for s in stats)
     finally:
         dp.core.shutdown()

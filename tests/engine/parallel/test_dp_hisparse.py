@@ -11,6 +11,7 @@ import pytest
 from engine import LLM
 from engine.core.sampling_params import SamplingParams
 from tests.engine.parallel.test_dp_engine import _run
+from tests.helpers.ep_counts import rank_stats
 
 pytestmark = pytest.mark.xdist_group("cp")
 
@@ -58,7 +59,7 @@ def test_hisparse_misses_every_step_on_every_rank(code16, prompts, spec):
         def counted_step():
             busy.append([len(s.running) == 2 for s in core.schedulers])  # one alone would fit its pages
             out = step()
-            misses.append([s["hisparse"].misses for s in core.rank_stats()])
+            misses.append([s["hisparse"].misses for s in rank_stats(core)])
             return out
 
         core.step = counted_step
@@ -68,7 +69,7 @@ def test_hisparse_misses_every_step_on_every_rank(code16, prompts, spec):
         decode_steps = [(i, r) for i in range(1, len(misses)) for r in (0, 1) if busy[i][r]]  # step 0: prefill
         assert len(decode_steps) > 8
         assert all(misses[i][r] > misses[i - 1][r] for i, r in decode_steps), f"a decode step without misses: {misses}"
-        stats = dp.core.rank_stats()
+        stats = rank_stats(dp.core)
         assert all(s["hisparse"].num_host_blocks == 48 for s in stats)
     finally:
         dp.core.shutdown()
