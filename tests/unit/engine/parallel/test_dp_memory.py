@@ -3,6 +3,7 @@ it holds 1/8 of the routed experts and every other weight whole."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -44,3 +45,18 @@ def test_glm53_decode_rank_holds_one_eighth_of_the_routed_experts():
     assert 150 < whole_routed / 8 * 2 / GIB < 180 and 25 < whole_rest * 2 / GIB < 40, per_rank_gib
     print(f"\nGLM-5.3 DP8 x EP decode rank, bf16: {per_rank_gib:.1f} GiB "
           f"({whole_routed / 8 * 2 / GIB:.1f} routed experts + {whole_rest * 2 / GIB:.1f} replicated)")
+
+
+def test_glm53_decode_rank_in_fp8_fits_its_budget():
+    """FP8 block-scaled weights (embeddings, lm_head and the router stay bf16/fp32): <= 106 GiB per rank."""
+    from engine.loading.weight_stats import weight_bytes_by_dtype
+
+    def rank_bytes(ep: bool) -> int:
+        cfg = _cfg(8, ep)
+        mc = dataclasses.replace(cfg.model, quantization="fp8", weight_block_size=(128, 128))
+        model = build_rank_model(dataclasses.replace(cfg, model=mc), 3, torch.device("meta"))
+        return sum(weight_bytes_by_dtype(model).values())
+
+    ep_rank, replicated = rank_bytes(True), rank_bytes(False)
+    routed = (replicated - ep_rank) * 8 / 7  # what the other 7/8 of the experts took
+    assert ep_rank <= 106 * GIB and 80 * GIB < routed / 8 < 90 * GIB, (ep_rank / GIB, routed / 8 / GIB)
