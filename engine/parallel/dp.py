@@ -103,17 +103,19 @@ class DPEngineCore(MultiRankEngineCore):
         return outputs
 
     def stats(self) -> EngineStats:
-        """The group's figures: sums over the ranks (kv_usage: the mean)."""
-        per_rank = []
-        for r, (s, kv) in enumerate(zip(self.schedulers, self.kvs)):
-            self.scheduler, self.kv = s, kv
-            per_rank.append(super().stats())
-        self.scheduler, self.kv = self.schedulers[0], self.kvs[0]
-        total = per_rank[0]
-        for st in per_rank[1:]:
-            for f in ("num_running", "num_waiting", "num_held", "num_free_blocks", "num_blocks", "prefix_queries",
-                      "prefix_hits", "spec_drafts", "spec_accepted", "spec_steps", "spec_emitted", "num_preemptions",
-                      "num_queued_tokens"):
-                setattr(total, f, getattr(total, f) + getattr(st, f))
-        total.kv_usage = sum(st.kv_usage for st in per_rank) / len(per_rank)
+        """The group's figures: rank 0's (EngineCore.stats) plus the other ranks' counts; kv_usage is the mean."""
+        total = super().stats()
+        for s, kv in zip(self.schedulers[1:], self.kvs[1:]):
+            total.num_running += len(s.running)
+            total.num_waiting += len(s.waiting)
+            total.num_held += len(s.held)
+            total.num_free_blocks += kv.num_free_blocks
+            total.num_blocks += kv.num_blocks
+            total.prefix_queries += kv.prefix_queries
+            total.prefix_hits += kv.prefix_hits
+            total.num_preemptions += s.num_preemptions
+            total.num_queued_tokens += sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+            for f in ("spec_drafts", "spec_accepted", "spec_steps", "spec_emitted"):
+                setattr(total, f, getattr(total, f) + getattr(s, f))
+        total.kv_usage = sum(kv.usage() for kv in self.kvs) / len(self.kvs)
         return total

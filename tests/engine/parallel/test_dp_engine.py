@@ -14,7 +14,8 @@ from tests.helpers.ep_counts import dispatched_rows, rank_stats, reset_counters,
 
 pytestmark = pytest.mark.xdist_group("cp")  # one process group per process: keep these on one worker
 
-EXACT = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "indexer_precision": "fp32", "num_blocks": 64}
+EXACT = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "indexer_precision": "fp32",
+         "num_blocks": 64}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LENS = (5, 127, 40, 90, 1)  # uneven: prefill of one rank beside decode of the other
 
@@ -98,3 +99,31 @@ def test_stats_and_abort(engines):
         core.add_request(Request("c", [1, 2], GREEDY))
         core.add_request(Request("c", [1, 2], GREEDY))
     core.abort("c")
+
+
+def test_async_engine_streams_from_a_dp_group(engines):
+    """The AsyncEngine (what the services run) over the group: concurrent streams, tokens as offline."""
+    import asyncio
+
+    from engine.frontend.async_engine import AsyncEngine
+
+    ref, dp, _ = engines
+    prompts = [_ids(n, seed=200 + n) for n in (12, 60, 33)]
+    want = _run(ref.core, prompts)[0]
+
+    async def main():
+        eng = AsyncEngine(dp.config, core=dp.core)
+        eng.start()
+
+        async def one(p):
+            toks = []
+            async for out in eng.generate(p, GREEDY):
+                toks = list(out.token_ids)
+            return toks
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await eng.shutdown()
+
+    assert asyncio.run(main()) == want
