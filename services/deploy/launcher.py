@@ -29,7 +29,7 @@ from engine.parallel.dist import free_port
 from services.cluster.redis_server import ensure_redis
 from services.deploy import topology as topo_mod
 from services.deploy.placement import check_placement
-from services.deploy.plan import plan_service
+from services.deploy.process_specs import plan_service
 from services.deploy.procs import stop_pid, tie_to_parent
 from services.deploy.topology import ORDER, ROOT, Ports, ServiceSpec, Topology
 from services.rpc.grpc_server import check_health_sync
@@ -269,7 +269,7 @@ def up_main(argv: list[str]) -> int:
 
 
 def _dry_run(config: str) -> int:
-    from services.deploy.plan import describe, plan
+    from services.deploy.process_specs import describe, plan
 
     try:
         topo = topo_mod.load(config)

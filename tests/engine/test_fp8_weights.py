@@ -199,7 +199,7 @@ def test_ep2_ranks_read_only_their_experts(fp8_tool):
         out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         assert len(out[0].token_ids) == 4
     finally:
-        llm.core.shutdown(keep_workers=True)
+        llm.core.shutdown()
     assert len(reports) == 2
     for rank, rep in enumerate(reports):
         lo, hi = 4 * rank, 4 * rank + 4

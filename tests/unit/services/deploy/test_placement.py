@@ -10,7 +10,7 @@ import pytest
 
 from services.deploy import topology
 from services.deploy.placement import check_placement, placement
-from services.deploy.plan import plan
+from services.deploy.process_specs import plan
 from services.rpc import net
 from tests.helpers import ROOT
 
