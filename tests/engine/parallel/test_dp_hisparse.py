@@ -9,6 +9,7 @@ import json
 import pytest
 
 from engine import LLM
+from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from tests.engine.parallel.test_dp_engine import _run
 from tests.helpers.ep_counts import rank_stats
@@ -71,6 +72,10 @@ def test_hisparse_misses_every_step_on_every_rank(code16, prompts, spec):
         assert all(misses[i][r] > misses[i - 1][r] for i, r in decode_steps), f"a decode step without misses: {misses}"
         stats = rank_stats(dp.core)
         assert all(s["hisparse"].num_host_blocks == 48 for s in stats)
+        # a host pool too small for one request: refused when it arrives, nothing taken
+        with pytest.raises(ValueError, match="needs more KV blocks than the engine has"):
+            core.add_request(Request("big", prompts[0] * 24, GREEDY))
+        assert not core.has_unfinished() and all(kv.num_free_blocks == kv.num_blocks for kv in core.kvs)
     finally:
         dp.core.shutdown()
 
