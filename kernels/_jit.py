@@ -25,7 +25,7 @@ jit = triton.jit
 
 
 def interpreting() -> bool:
-    """True when kernels run in Triton's interpreter (where bf16 `tl.dot` is wrong: STYLE §9)."""
+    """True when kernels run in Triton's interpreter (where bf16 `tl.dot` is wrong: docs/conventions.md, "Kernels")."""
     return bool(triton.knobs.runtime.interpret)
 
 

@@ -1,6 +1,7 @@
 """Byte layouts of the cached rows, as plain torch (the definition every kernel is tested against).
 
-fp8_ds_mla row (DESIGN §3), for a latent of R values (R = 512 for GLM-5.x) and rope of P values (64):
+fp8_ds_mla row (docs/kv-formats.md, "The MLA row"), for a latent of R values (R = 512 for GLM-5.x) and rope of P
+values (64):
 
     bytes [0, R)                 latent, fp8 e4m3, one value per byte
     bytes [R, R + 4·R/128)       one fp32 scale per 128-value tile, scale = 2^ceil(log2(max(amax/448, 1e-4)))

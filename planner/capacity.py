@@ -3,7 +3,7 @@
 All byte counts come from the engine's own definitions: KV rows from `engine.kv.cache.KVCacheSpec`,
 parameters from `engine.model.GlmDsaForCausalLM` built on the `meta` device (no memory, exact shapes).
 
-Deployment model (DESIGN §1, §4-§6):
+Deployment model (docs/parallelism.md, docs/hisparse.md, docs/deployment.md):
 
     prefill engine   `gpus` ranks = PCP × TP; DCP splits persistent KV over `dcp` of them; experts are
                      split over all `gpus` (EP); TP splits q_b/kv_b/o_proj, dense MLPs, shared experts,
@@ -162,7 +162,7 @@ def request_kv(spec: KVCacheSpec, context: int, ranks: int = 1, interleave: int 
 
 def prefill_gather_bytes(spec: KVCacheSpec, context: int, dcp: int) -> int:
     """DCP in prefill all-gathers one layer's shards into a full-context buffer; two of them so the
-    gather of layer l overlaps the compute of layer l-1 (DESIGN §5)."""
+    gather of layer l overlaps the compute of layer l-1 (docs/parallelism.md, "Prefill rows under DCP")."""
     if dcp == 1:
         return 0
     row = spec.mla_row * spec.mla_torch_dtype.itemsize + spec.index_row * spec.index_torch_dtype.itemsize

@@ -29,7 +29,7 @@ from bench.hisparse.stack import (
 from engine.hisparse.layout import LayerGroups
 from engine.kv.cache import KVCacheSpec
 
-GLM_KV_BYTES_PER_TOKEN = 54_728  # DESIGN §3: the whole GLM-5.3 model, fp8
+GLM_KV_BYTES_PER_TOKEN = 54_728  # the whole GLM-5.3 model, fp8 (docs/kv-formats.md, "Bytes per token")
 
 
 def run_case(args, mode: str, context: int, batch: int, device: torch.device, churn: float | None = None) -> dict:

@@ -28,7 +28,7 @@ from kernels.store_kv import gather_kv, gather_kv_ref, store_kv, store_kv_ref
 from kernels.topk import topk_rows
 
 R, P, ROW = 512, 64, mla_row_bytes(512, 64)
-FLOP_PER_ROW_HEAD = 2 * (R + P) + 2 * R  # QK over 576 dims + PV over 512 (DESIGN §8: 2,176)
+FLOP_PER_ROW_HEAD = 2 * (R + P) + 2 * R  # QK over 576 dims + PV over 512 (2,176: docs/metrics.md, "Kernel benchmarks")
 
 
 def fp8_cache(num_tokens: int, device, layers: int = 2, gen=None) -> torch.Tensor:

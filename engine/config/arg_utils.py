@@ -1,4 +1,4 @@
-"""EngineArgs: the user-facing knobs (vLLM's names, DESIGN §10) -> a validated EngineConfig.
+"""EngineArgs: the user-facing knobs (vLLM's names: docs/conventions.md) -> a validated EngineConfig.
 
 Used by the offline `LLM`, the services' command lines and the benchmarks, so a flag means the same
 thing everywhere. The reference prefill launch line works as is:

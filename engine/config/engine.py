@@ -1,4 +1,5 @@
-"""The engine's frozen config tree (STYLE §7): cache, scheduler, parallelism, speculation, HiSparse.
+"""The engine's frozen config tree: cache, scheduler, parallelism, speculation, HiSparse (docs/conventions.md,
+"Architecture").
 
 Values found at run time (how many KV blocks fit) live in `engine.core.core.RuntimeInfo`, not here.
 """
@@ -115,7 +116,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class HiSparseConfig:
-    """Hybrid HiSparse for decode (DESIGN §6, `engine/hisparse/`).
+    """Hybrid HiSparse for decode (docs/hisparse.md, `engine/hisparse/`).
 
     host_pool_gib       host memory for every request's MLA rows (all layers incl. MTP); admission is
                         bounded by it. `host_pool_blocks` overrides it with an exact block count (tests).

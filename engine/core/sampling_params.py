@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.structured.spec import StructuredOutputSpec
 
 MAX_LOGPROBS = 20
+# A temperature in (0, MIN_TEMPERATURE) is raised to it (vLLM does the same): dividing float32 logits by a
+# smaller one overflows to inf and the softmax to NaN.
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass
@@ -36,7 +40,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(all(math.isfinite(v) for v in (self.temperature, self.top_p, self.min_p, self.repetition_penalty,
+                                              self.frequency_penalty, self.presence_penalty)),
+               "temperature, top_p, min_p and the penalties must be finite numbers")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
                f"top_k must be -1 (off) or >= 0, got {self.top_k}")

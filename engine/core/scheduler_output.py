@@ -1,4 +1,4 @@
-"""The two contracts between scheduler and runner (STYLE §1, §6): plain data, no tensors.
+"""The two contracts between scheduler and runner (docs/conventions.md, "Architecture"): plain data, no tensors.
 
 A request is sent in full the first time it is scheduled (or after a preemption); afterwards only
 its diffs: new block ids and the tokens to compute in this step.

@@ -1,4 +1,4 @@
-"""Hybrid HiSparse (DESIGN §6): every request's MLA rows in a host pool, device pages while they fit, and a
+"""Hybrid HiSparse (docs/hisparse.md): every request's MLA rows in a host pool, device pages while they fit, and a
 small per-request hot buffer of selected rows once they do not.
 
     layout.py     sizes of the hot buffer, layer groups (a full indexer layer + the layers sharing its top-k)

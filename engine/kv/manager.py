@@ -1,7 +1,8 @@
 """Which blocks each request holds, prefix-cache hits and slot allocation. Ints only, no tensors.
 
 With decode context parallelism over N ranks a block id names one *virtual* block of 64·N tokens:
-the same local block id on every rank, each rank holding its 1/N of the tokens (DESIGN §5). The
+the same local block id on every rank, each rank holding its 1/N of the tokens (docs/parallelism.md, "DCP: which
+rank holds token i"). The
 prefix hash of a virtual block is the 64-token chained hash of its last sub-block, and its index
 events carry every sub-block's 64-token hash, so the router's 64-token prefix lookups find it.
 """

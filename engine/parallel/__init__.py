@@ -1,4 +1,4 @@
-"""Context and expert parallelism of one engine over N ranks (DESIGN §4-5).
+"""Context and expert parallelism of one engine over N ranks (docs/parallelism.md).
 
     executor.py    MultiRankEngineCore: EngineCore's interface, rank 0 = the caller's process
     spawn.py       spawns ranks 1..N-1 (torchrun's environment), RankPool (idle ranks reused), torchrun entry point

@@ -1,9 +1,9 @@
 """Decode context parallelism: where a token's KV lives, and the exact merge of per-rank attention.
 
-Token i of a request lives on rank (i // I) % N at local index (i // (I·N))·I + i % I (DESIGN §5;
-interleave I divides the block size). The KV manager hands out *virtual* blocks of 64·N tokens: block
-id b names local block b on every rank, and the local index space of a request is an ordinary paged
-sequence over its block table (local index j -> slot block_ids[j // 64]·64 + j % 64):
+Token i of a request lives on rank (i // I) % N at local index (i // (I·N))·I + i % I (docs/parallelism.md, "DCP:
+which rank holds token i"; interleave I divides the block size). The KV manager hands out *virtual* blocks of
+64·N tokens: block id b names local block b on every rank, and the local index space of a request is an ordinary
+paged sequence over its block table (local index j -> slot block_ids[j // 64]·64 + j % 64):
 
     positions:   0 1 2 3 4 5 6 7 ...        N = 2, I = 2
     rank:        0 0 1 1 0 0 1 1

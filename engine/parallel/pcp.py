@@ -1,4 +1,4 @@
-"""Prefill context parallelism: which query rows each rank computes (DualChunkSwap, DESIGN §4).
+"""Prefill context parallelism: which query rows each rank computes (DualChunkSwap; docs/parallelism.md, "PCP").
 
 A request's new tokens in a step are cut into 2N chunks of ceil(n / 2N) rows; rank r computes chunks
 r and 2N-1-r, so every rank gets one early (cheap, short causal context) and one late (expensive)

@@ -1,4 +1,4 @@
-"""The MTP drafter (DESIGN §7), run after the target pass of every step.
+"""The MTP drafter (docs/mtp.md, "Drafting"), run after the target pass of every step.
 
     catch-up:  for every row whose next token is now known (prompt rows, accepted drafts, the newly
                sampled token), run the MTP layer on (embed(next token), target hidden) at that row's

@@ -23,6 +23,7 @@ from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.decode.puller import KVPuller
 from services.rpc.admission import Admission
+from services.rpc.bounds import ModelLimits, check_generate_proto, check_token_ids
 from services.rpc.grpc_server import Overloaded, channel, grpc_errors
 from services.rpc.metrics import ServiceMetrics
 from services.transfer.nixl_agent import TransferError, TransferTimeout
@@ -41,6 +42,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.admit_timeout_s = admit_timeout_s
         self.pull_retries = pull_retries
         self.release_timeout_s = release_timeout_s
+        self.limits = ModelLimits.of(engine.config)
         self.num_pull_failures = 0
         self.num_local_recomputes = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -103,11 +105,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def _request(self, request) -> Request:
         g, kv = request.request, request.kv
+        check_generate_proto(g, self.limits)  # before any block is reserved
         ids = list(g.prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt_token_ids is empty")
         if not request.first.token_ids:
             raise ValueError("the first token(s) from prefill are missing")
+        check_token_ids(request.first.token_ids, self.limits, "first.token_ids")
         if kv.num_tokens != len(ids):
             raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(ids)}")
         check_kv_layout(kv.layout, self.puller.spec, f"prefill {kv.prefill_instance_id}")

@@ -26,6 +26,7 @@ from services.prefill.exporter import KVExporter
 from services.prefill.kvstore_link import KVStoreLink
 from services.prefill.leases import LeaseTable
 from services.rpc.admission import Admission
+from services.rpc.bounds import ModelLimits, check_generate_proto
 from services.rpc.grpc_server import FailedPrecondition, NotFound, Unavailable, grpc_errors
 from services.rpc.metrics import ServiceMetrics
 from services.transfer.wire import delta_to_proto, sampling_from_proto, unix_ms
@@ -44,6 +45,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.grpc_address = grpc_address
         self.kvstore = kvstore
         self.block_size = engine.config.cache.block_size
+        self.limits = ModelLimits.of(engine.config)
         self.leases = LeaseTable(self._release, lease_s, max_lease_s,
                                  on_expired=lambda: metrics.kv_lease_expired.inc())
 
@@ -66,9 +68,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
         t0 = time.monotonic()
         g = request.request
+        check_generate_proto(g, self.limits)  # a caller other than the router is checked just as well
         ids = list(g.prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt_token_ids is empty: the router tokenizes; give at least one token")
         params = sampling_from_proto(g.sampling_params)
         req_id = g.request_id or uuid.uuid4().hex
         wants_kv = params.max_tokens > 1

@@ -1,6 +1,7 @@
 """The router's OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE; tools,
 tool calls and reasoning: chat_request.py, chat_output.py), /v1/models, /tokenize, /detokenize,
 /version, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`.
+Bodies are parsed as strict JSON (strict_json.py) and their numbers checked (validation.py) before use.
 The Anthropic Messages API (/v1/messages) is mounted beside them from services/router/anthropic/."""
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from services.router.openai_models import ChatCompletionRequest, CompletionReque
 from services.router.requests import BadRequest, Limits, Prepared, prepare_chat, prepare_completion
 from services.router.responses import Formatter, sse, usage
 from services.router.routing import NoInstance
+from services.router.strict_json import StrictJSONRoute
 from services.rpc.admission import Admission
+from services.rpc.bounds import seed_for_sample
 from services.rpc.grpc_server import Overloaded, retry_after_s
 
 log = logging.getLogger(__name__)
@@ -102,6 +105,7 @@ class RouterAPI(ExtraEndpoints):
     def build(self) -> FastAPI:
         app = FastAPI(title="pdserve router", version="1.0",
                       description="OpenAI-compatible API of a disaggregated prefill/decode deployment.")
+        app.router.route_class = StrictJSONRoute  # NaN, Infinity, duplicate keys, deep nesting -> 400
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_middleware(Guard, keys=self.keys, max_body_bytes=self.max_body_bytes)
@@ -186,7 +190,7 @@ class RouterAPI(ExtraEndpoints):
             for i in range(prep.n):
                 params = prep.params
                 if i and params.seed is not None:  # n seeded samples must differ from each other
-                    params = type(params)(**{**params.__dict__, "seed": params.seed + i})
+                    params = type(params)(**{**params.__dict__, "seed": seed_for_sample(params.seed, i)})
                 jobs.append((p * prep.n + i, ids, params))
         return jobs
 

@@ -1,23 +1,23 @@
 """Turning an API request into engine work: prompts as token ids and validated SamplingParams.
 
 Every check raises `BadRequest` with a message that names the field, so the HTTP API answers 400 and
-the gRPC API INVALID_ARGUMENT, before anything is sent to an engine.
+the gRPC API INVALID_ARGUMENT, before anything is sent to an engine. Numeric bounds are declared once
+(services/rpc/bounds.py) and applied to a body by services/router/validation.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.frontend.tokenizer import Tokenizer
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest
 from services.router.structured import SpecError, check_spec, structured_from_request
+from services.router.validation import check_body
+from services.rpc.bounds import InvalidArgument as BadRequest
+from services.rpc.bounds import check_min_max_tokens, check_sampling_proto, check_token_ids
 
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
-        super().__init__(message)
-        self.param, self.code = param, code
+__all__ = ["BadRequest", "Limits", "Prepared", "prepare_chat", "prepare_completion", "prepare_generate"]
 
 
 @dataclass(frozen=True)
@@ -57,15 +57,13 @@ def _ids_from_prompt(prompt, tok: Tokenizer, limits: Limits) -> list[list[int]]:
     raise BadRequest("prompt must be a string, a list of strings, token ids, or lists of token ids", "prompt")
 
 
-def _check_prompt(ids: list[int], limits: Limits) -> None:
+def _check_prompt(ids: list[int], limits: Limits, param: str = "prompt") -> None:
     if not ids:
-        raise BadRequest("a prompt is empty: give at least one token", "prompt")
-    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size]
-    if bad:
-        raise BadRequest(f"token ids must be integers in [0, {limits.vocab_size}); got {bad[:5]}", "prompt")
+        raise BadRequest("a prompt is empty: give at least one token", param)
+    check_token_ids(ids, limits, param)
     if len(ids) >= limits.max_model_len:
         raise BadRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has "
-                         f"{len(ids)} tokens", "prompt", code="context_length_exceeded")
+                         f"{len(ids)} tokens", param, code="context_length_exceeded")
 
 
 def _stop(stop, limits: Limits) -> list[str]:
@@ -96,8 +94,9 @@ def prepare_generate(g, tok: Tokenizer, limits: Limits) -> tuple[list[int], Samp
 
     if bool(g.prompt) == bool(g.prompt_token_ids):
         raise BadRequest("give exactly one of prompt and prompt_token_ids", "prompt")
+    check_sampling_proto(g.sampling_params, limits)
     ids = tok.encode(g.prompt) if g.prompt else list(g.prompt_token_ids)
-    _check_prompt(ids, limits)
+    _check_prompt(ids, limits, "prompt" if g.prompt else "prompt_token_ids")
     try:
         params = sampling_from_proto(g.sampling_params)
     except ValueError as e:
@@ -112,19 +111,15 @@ def prepare_generate(g, tok: Tokenizer, limits: Limits) -> tuple[list[int], Samp
 
 
 def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int, limits: Limits) -> SamplingParams:
-    if body.n < 1 or body.n > limits.max_n:
-        raise BadRequest(f"n must be between 1 and {limits.max_n}, got {body.n}", "n")
+    """Bodies reach here checked by `check_body`; what is left depends on the prompt's length."""
     room = limits.max_model_len - prompt_len
     if max_tokens is None:
         max_tokens = room
-    if max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if max_tokens > room:
         raise BadRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has "
                          f"{prompt_len} tokens and max_tokens is {max_tokens}", "max_tokens",
                          code="context_length_exceeded")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    check_min_max_tokens(body.min_tokens, max_tokens)
     stop = _stop(body.stop, limits)  # outside the try: keeps its own param name
     try:
         gate = limits.reasoning_end if isinstance(body, ChatCompletionRequest) else ""
@@ -139,7 +134,7 @@ def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int,
             ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            min_tokens=min(body.min_tokens, max_tokens), skip_special_tokens=body.skip_special_tokens,
+            min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=structured)
     except ValueError as e:
         raise BadRequest(str(e)) from e
@@ -152,6 +147,7 @@ def prepare_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits) 
         raise BadRequest("echo is not supported", "echo")
     if body.suffix:
         raise BadRequest("suffix is not supported", "suffix")
+    check_body(body, "completions", limits)
     prompts = _ids_from_prompt(body.prompt, tok, limits)
     if len(prompts) > limits.max_prompts:
         raise BadRequest(f"at most {limits.max_prompts} prompts per request", "prompt")
@@ -165,9 +161,8 @@ def prepare_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits) 
 def prepare_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, prompt: str) -> Prepared:
     """`prompt`: the rendered chat template (services/router/chat_request.py)."""
     ids = tok.encode(prompt)
+    check_body(body, "chat", limits)
     _check_prompt(ids, limits)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _params(body, max_tokens, logprobs, len(ids), limits)

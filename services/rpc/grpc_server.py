@@ -85,6 +85,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         if isinstance(exc, cls):
             code, details = c, str(exc) or cls.__name__
             break
+    param = getattr(exc, "param", None)  # bounds.InvalidArgument: the details name the field
+    if param and not details.startswith(param):
+        details = f"{param}: {details}"
     if len(details) > MAX_DETAILS_CHARS:
         details = details[: MAX_DETAILS_CHARS - 15] + " ...[truncated]"
     return code, details

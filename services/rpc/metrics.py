@@ -1,4 +1,5 @@
-"""Prometheus metrics of one service process: names per DESIGN §10 (vLLM's, `pdserve:` prefix).
+"""Prometheus metrics of one service process: vLLM's names with a `pdserve:` prefix (docs/metrics.md, "Prometheus
+metrics").
 
     m = ServiceMetrics("kvstore", instance_id="kvstore-0")
     m.kv_cache_usage_perc.set(0.25)

@@ -2,6 +2,9 @@
 
 - the HTTP API from its own OpenAPI description (schemathesis; a bounded number of examples per
   operation): every answer is < 500, and the services stay up;
+- every POST endpoint with bodies built at the edges on purpose (tests/helpers/fuzz_bodies.py:
+  integer-width edges and one past them, NaN / Infinity as JSON literals, 1 MiB strings, wrong types,
+  duplicate keys, deep nesting): every answer is < 500, with a count of requests per endpoint and status;
 - every gRPC method with corrupt bytes, out-of-range fields, huge numbers, empty ids and invalid KV
   handles: each answers OK or a declared error code with a reason (INVALID_ARGUMENT, NOT_FOUND, ...),
   never UNKNOWN / INTERNAL / a crash; afterwards no engine holds a block and the kvstore pool adds up.
@@ -10,13 +13,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import random
+import time
 from collections import Counter
+from types import SimpleNamespace
 
 import grpc
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
@@ -34,6 +43,8 @@ from services.rpc.grpc_server import check_health
 from services.transfer.wire import sampling_to_proto
 from tests.helpers import hardened as h
 from tests.helpers import system
+from tests.helpers.fuzz_bodies import ENDPOINTS, any_body, endpoint_for, inside_body, numeric_body, raw_bodies
+from tests.helpers.hardened import HARDENED_LIMITS
 
 pytestmark = pytest.mark.xdist_group("hardened")
 
@@ -45,11 +56,14 @@ DECLARED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCod
 
 
 def _bounded(case) -> None:
-    """Cap generation lengths that the schema allows (the prompt and every other field stay fuzzed)."""
+    """Cap generation lengths that the schema allows (the prompt and every other field stay fuzzed); on an
+    endpoint that serves every size (ENDPOINTS[...].cap), any size."""
     if isinstance(case.body, dict):
+        capped = ENDPOINTS[case.path].cap if case.path in ENDPOINTS else {}
         for key in ("max_tokens", "max_completion_tokens"):
             value = case.body.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and MAX_FUZZ_TOKENS < value <= 4096:
+            top = math.inf if key in capped else 4096
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and MAX_FUZZ_TOKENS < value <= top:
                 case.body[key] = MAX_FUZZ_TOKENS
         if "messages" in case.body and case.body.get("max_tokens") is None:
             case.body["max_tokens"] = MAX_FUZZ_TOKENS
@@ -82,6 +96,80 @@ def test_http_api_never_answers_5xx(hardened, mode):
     assert len(calls) >= len(operations)
     if mode == GenerationMode.NEGATIVE:  # schema violations are refused, not served
         assert any(status == 400 for _, status in calls), calls
+
+
+BOUNDARY_EXAMPLES = 120  # per endpoint with numeric fields (a quarter for others); 400s take milliseconds,
+# the served ones (<= 2 tokens) ~0.2 s on two cores
+ISSUE_CASES = [("seed", 2 ** 63), ("seed", -1180591620717411303424), ("seed", 18446744073709551621),
+               ("top_k", 1099511627776), ("top_k", 2147483648), ("temperature", "Infinity"), ("min_tokens", 2 ** 63)]
+
+
+def _post(client: httpx.Client, path: str, text: str) -> tuple[int, dict]:
+    r = client.post(path, content=text.encode("utf-8", "surrogatepass"),
+                    headers={"content-type": "application/json", **h.auth("beta")})
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, {"raw": r.text[:200]}
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+@pytest.mark.parametrize("field,value", ISSUE_CASES)
+def test_out_of_range_numbers_of_the_issue_get_400(hardened, path, field, value):
+    with httpx.Client(base_url=hardened.url, timeout=60) as client:
+        body = json.dumps(ENDPOINTS[path].base)[:-1] + f', "{field}": {value}}}'
+        status, out = _post(client, path, body)
+        assert status == 400 and _names(out, field), out
+        base = {**ENDPOINTS[path].base, "min_tokens": 50, "max_tokens": 2}
+        status, out = _post(client, path, json.dumps(base))
+        assert status == 400 and _names(out, "min_tokens"), out
+
+
+def _names(out: dict, field: str) -> bool:
+    """The error names the field: OpenAI's body in `param` (and its message), others in the message."""
+    err = out["error"]
+    return err.get("param", field) == field and field in err["message"]
+
+
+def test_http_boundary_values_never_answer_5xx(hardened):
+    """Every POST endpoint of /openapi.json, none answering a body built at the edges with a 5xx. One
+    without an entry in tests/helpers/fuzz_bodies.ENDPOINTS is fuzzed from its schema alone (no valid
+    base body, so mostly 400s: give it an entry)."""
+    spec = json.loads(httpx.get(hardened.url + "/openapi.json", timeout=30).text)
+    posts = {path for path, ops in spec["paths"].items() if "post" in ops}
+    print("boundary fuzz: endpoints without a table entry (schema only):", sorted(posts - set(ENDPOINTS)))
+    model = httpx.get(hardened.url + "/v1/models", headers=h.auth(), timeout=30).json()["data"][0]
+    limits = SimpleNamespace(max_model_len=model["max_model_len"], vocab_size=model["vocab_size"],
+                             max_n=HARDENED_LIMITS["max_n"])
+    counts: Counter = Counter()
+    t0 = time.monotonic()
+    with httpx.Client(base_url=hardened.url, timeout=60) as client:
+        for path in sorted(posts):
+            ep = endpoint_for(spec, path)
+            bodies = [numeric_body(ep), any_body(ep)] + ([inside_body(ep, limits)] if ep.numeric else [])
+
+            @given(text=st.one_of(*bodies))
+            @settings(max_examples=BOUNDARY_EXAMPLES if ep.numeric else BOUNDARY_EXAMPLES // 4, deadline=None,
+                      derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            def fuzz(text):
+                status, out = _post(client, path, text)
+                counts[(path, status)] += 1
+                assert status < 500, (text[:300], status, out)
+                if status >= 400:
+                    assert out["error"]["message"], out
+            fuzz()
+            for text in raw_bodies():
+                status, out = _post(client, path, text)
+                counts[(path, status)] += 1
+                assert 400 <= status < 500, (text[:40], status, out)
+    for path in sorted(posts):
+        per = {s: n for (p, s), n in counts.items() if p == path}
+        print(f"boundary fuzz {path}: {sum(per.values())} requests, by status {dict(sorted(per.items()))}")
+        assert sum(per.values()) >= BOUNDARY_EXAMPLES // 4 and 400 in per, per
+        assert 200 in per or not endpoint_for(spec, path).numeric, (path, per)
+    print(f"boundary fuzz: {sum(counts.values())} requests in {time.monotonic() - t0:.1f}s")
+    _assert_nothing_leaked(hardened)
 
 
 def test_services_up_after_http_fuzzing(hardened):
@@ -152,6 +240,10 @@ def _structured(prompt: list[int]) -> list[tuple[str, object, set]]:
         ("/pdserve.v1.Prefill/Prefill", prefill_pb2.PrefillRequest(request=gen(temperature=float("nan"))), inv),
         ("/pdserve.v1.Prefill/Prefill", prefill_pb2.PrefillRequest(request=gen(top_p=-3.0)), inv),
         ("/pdserve.v1.Prefill/Prefill", prefill_pb2.PrefillRequest(request=gen(min_tokens=2 ** 31)), inv),
+        ("/pdserve.v1.Prefill/Prefill", prefill_pb2.PrefillRequest(request=gen(top_k=2 ** 31 - 1)), inv),
+        ("/pdserve.v1.Prefill/Prefill", prefill_pb2.PrefillRequest(request=gen(temperature=float("inf"))), inv),
+        ("/pdserve.v1.Prefill/Prefill", prefill_pb2.PrefillRequest(request=gen(repetition_penalty=1e-30)), inv),
+        ("/pdserve.v1.Prefill/Prefill", prefill_pb2.PrefillRequest(request=gen(max_tokens=2 ** 32 - 1)), inv),
         ("/pdserve.v1.Prefill/Prefill", prefill_pb2.PrefillRequest(
             request=gen(rid="fz-hint", max_tokens=1), kvstore=prefill_pb2.KVStoreHint(
                 grpc_address="127.0.0.1:1", num_blocks=2 ** 32 - 1)), {grpc.StatusCode.OK}),
@@ -162,6 +254,12 @@ def _structured(prompt: list[int]) -> list[tuple[str, object, set]]:
         ("/pdserve.v1.Decode/Generate", decode_pb2.DecodeRequest(request=gen()), inv),
         ("/pdserve.v1.Decode/Generate", decode_pb2.DecodeRequest(
             request=gen(), first=common_pb2.TokenDelta(token_ids=[1]), kv=prefill_pb2.KVHandle(num_tokens=3)), inv),
+        ("/pdserve.v1.Decode/Generate", decode_pb2.DecodeRequest(
+            request=gen(top_k=2 ** 31 - 1), first=common_pb2.TokenDelta(token_ids=[1]),
+            kv=prefill_pb2.KVHandle(num_tokens=len(prompt))), inv),
+        ("/pdserve.v1.Decode/Generate", decode_pb2.DecodeRequest(
+            request=gen(), first=common_pb2.TokenDelta(token_ids=[2 ** 32 - 1]),
+            kv=prefill_pb2.KVHandle(num_tokens=len(prompt))), inv),
         ("/pdserve.v1.KVStore/Lookup", kvstore_pb2.LookupRequest(block_hashes=[b"abc"]), inv),
         ("/pdserve.v1.KVStore/Reserve", kvstore_pb2.ReserveRequest(block_hashes=[b"\0" * 16], ttl_ms=2 ** 32 - 1), inv),
         ("/pdserve.v1.KVStore/Reserve", kvstore_pb2.ReserveRequest(block_hashes=[b"x" * 17]), inv),
@@ -173,6 +271,9 @@ def _structured(prompt: list[int]) -> list[tuple[str, object, set]]:
         ("/pdserve.v1.Router/Generate", common_pb2.GenerateRequest(prompt_token_ids=[2 ** 32 - 1]), inv),
         ("/pdserve.v1.Router/Generate", gen(max_tokens=2 ** 32 - 1), inv),
         ("/pdserve.v1.Router/Generate", gen(stop=["s"] * 100), inv),
+        ("/pdserve.v1.Router/Generate", gen(top_k=2 ** 31 - 1), inv),
+        ("/pdserve.v1.Router/Generate", gen(temperature=float("-inf")), inv),
+        ("/pdserve.v1.Router/Generate", gen(min_tokens=5, max_tokens=4), inv),
         ("/pdserve.v1.Router/Generate", common_pb2.GenerateRequest(prompt="x", model="nope"), inv),
     ]
 

@@ -51,10 +51,14 @@ def offline(tiny_code):
     return LLM(str(tiny_code), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_ds_mla", num_blocks=512)
 
 
+# tiny-code never closes <think>: the chats are asked without thinking, as the router renders them.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
 def stream_chat(url: str, messages: list[dict], max_tokens: int) -> tuple[list[int], dict]:
     """Token ids streamed by /v1/chat/completions (return_token_ids), and the final usage."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}
+            "stream_options": {"include_usage": True}, "return_token_ids": True, **NO_THINKING}
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     ids, usage = [], {}
@@ -72,9 +76,12 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int) -> tuple[list[i
 
 def test_streamed_chat_equals_the_offline_engine(deployment, offline):
     from engine import SamplingParams
+    from services.router.chat_template import ChatTemplate
 
-    tok = offline.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True)) for m in CHATS]
+    template = ChatTemplate.load(ROOT / "checkpoints" / "tiny-code")
+    texts = [template.render(m, add_generation_prompt=True, template_kwargs=NO_THINKING["chat_template_kwargs"])
+             for m in CHATS]
+    prompts = [offline.tokenizer.encode(t) for t in texts]
     want = offline.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
     for messages, expected in zip(CHATS, want):
         got, usage = stream_chat(deployment.url, messages, 48)

@@ -86,7 +86,7 @@ _TOO_BIG = [
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
     ({"prompt": "x", "logprobs": -1}, 400, "logprobs", None),
     ({"prompt": [[1, 2]] * 65}, 400, "prompt", None),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "logprobs", None),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs", None),
     ({"prompt": "x" * (LIM["max_body_bytes"] + 10)}, 413, None, None),
 ]

@@ -132,6 +132,8 @@ def _body(model) -> dict:
 
 def mount(app: FastAPI, api) -> None:
     routes = AnthropicAPI(api)
+    # a body that is not strict JSON (services/router/strict_json.py) is refused in Anthropic's error form
+    app.state.error_forms = {**(getattr(app.state, "error_forms", None) or {}), "/v1/messages": convert_error_response}
     app.post("/v1/messages", summary="Anthropic Messages API (text, tools, thinking; SSE when stream)",
              openapi_extra=_body(MessagesRequest))(routes.messages)
     app.post("/v1/messages/count_tokens", summary="Anthropic token counting",

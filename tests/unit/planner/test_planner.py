@@ -1,4 +1,5 @@
-"""`pdserve plan` against numbers derived by hand from the glm-5.3 config (DESIGN §2, §3, §8).
+"""`pdserve plan` against numbers derived by hand from the glm-5.3 config (docs/model.md, docs/kv-formats.md,
+docs/deployment.md).
 
 glm-5.3: hidden 6144, 78 layers (first 3 dense), 64 heads, q_lora 2048, kv_lora 512, qk_nope 192,
 qk_rope 64, v 256, 256 experts (top-8, one shared, width 2048), indexer 32 heads x 128, top-k 2048,
@@ -33,7 +34,8 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def dep():
-    # the reference deployment with the KV budget pinned at 15 GiB (DESIGN §8) so the fits are exact
+    # the reference deployment with the KV budget pinned at 15 GiB (docs/deployment.md, "Memory per GPU") so the
+    # fits are exact
     return Deployment(gpus=8, pcp=8, dcp=8, tp=1, dp=8, kv_gib=15.0, hisparse_pool_gib=48.0)
 
 
@@ -126,7 +128,8 @@ def test_indexer_overtakes_sparse_mla(cfg, dep, divisor, approx):
     root = (-b + math.sqrt(b * b - 4 * a * divisor * c0)) / (2 * a * divisor)
     got = indexer_crossover(cfg, kv_spec(cfg, dep), True, mla_divisor=divisor)
     assert crossing(got - 1) < 0 <= crossing(got) and abs(got - root) < 1
-    assert got == approx  # DESIGN §8: near 32K under TP8, near 256K under PCP8
+    # docs/deployment.md, "Rooflines that shape the layout": near 32K under TP8, near 256K under PCP8
+    assert got == approx
 
 
 def test_plan_cli_json_and_errors(capsys, tmp_path):

@@ -14,6 +14,8 @@ from services.rpc.metrics import ServiceMetrics
 
 
 class _Engine:
+    config = SimpleNamespace(scheduler=SimpleNamespace(max_model_len=4096), model=SimpleNamespace(vocab_size=4096))
+
     def __init__(self):
         self.calls: list[tuple] = []
         self.stream_closed = False
