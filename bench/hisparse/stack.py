@@ -161,7 +161,7 @@ def decode_meta(table: torch.Tensor, seq_len: int, req_ids: list[str], block_siz
                         seq_lens=torch.full((B,), seq_len, dtype=torch.int32, device=dev), block_table=table,
                         token_req_idx=torch.arange(B, dtype=torch.int32, device=dev),
                         query_start_loc_cpu=list(range(B + 1)), seq_lens_cpu=[seq_len] * B, block_size=block_size)
-    meta.scratch["req_ids"] = list(req_ids)
+    meta.req_ids = list(req_ids)
     return meta
 
 

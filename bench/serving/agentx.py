@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--fresh-server", metavar="TOPOLOGY",
                         help="`pdserve up TOPOLOGY` before each level, down after")
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
-    p.add_argument("--traces", help="trace folder, glob, or comma-separated files (default ../shared/traces)")
+    p.add_argument("--traces", help="trace folder, glob, or comma-separated files (recorded agent sessions)")
     p.add_argument("--max-traces", type=int, help="use only the first N trace files")
     p.add_argument("--concurrency", type=int_list, default=[8, 16, 32, 64], help="concurrent sessions per level")
     p.add_argument("--duration", type=float, default=600.0, help="measured seconds per level")

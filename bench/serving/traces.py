@@ -165,15 +165,12 @@ def scale_hash_ids(ids: list[int], scaled_len: int, scale: float) -> tuple[int, 
 
 # ---- loading -------------------------------------------------------------------------------------
 
-def default_trace_dir() -> Path:
-    """`../shared/traces` relative to the project root."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-
-
 def trace_files(spec: str | None) -> list[Path]:
     """A folder, a glob, a file, or a comma-separated list of these -> sorted trace files."""
     paths: list[Path] = []
-    for part in (spec.split(",") if spec else [str(default_trace_dir())]):
+    if not spec:
+        raise ValueError("no traces given: pass --traces DIR|GLOB|FILES (recorded agent sessions, *.json[.gz])")
+    for part in spec.split(","):
         p = Path(part)
         if p.is_dir():
             paths.extend(sorted(p.glob("*.json.gz")) + sorted(p.glob("*.json")))
@@ -182,7 +179,7 @@ def trace_files(spec: str | None) -> list[Path]:
         else:
             paths.extend(Path(x) for x in sorted(glob.glob(part)))
     if not paths:
-        raise ValueError(f"no trace files found at {spec or default_trace_dir()} (pass --traces DIR|GLOB|FILES)")
+        raise ValueError(f"no trace files found at {spec} (pass --traces DIR|GLOB|FILES)")
     return paths
 
 

@@ -14,9 +14,14 @@ write). `block_table[b]` lists request b's blocks; position p of request b lives
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.hisparse.forward import ForwardState
+    from engine.parallel.step import CPStep
 
 
 @dataclass
@@ -30,8 +35,13 @@ class AttnMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
-    # per-step scratch shared by the layers of one forward (e.g. gathered workspaces)
-    scratch: dict = field(default_factory=dict)
+    # per-forward state of the wrapping backends, typed (set by the builder / begin_forward)
+    req_ids: list[str] | None = None  # the batch's request ids (backends keeping per-request state)
+    hisparse: ForwardState | None = None  # HiSparse: this forward's routing, plans and copies
+    cp: CPStep | None = None  # context parallelism: this rank's plan of the step
+    # graph-captured steps: launches must not depend on this step's host lists; a backend that can
+    # (graph_safe) sizes its work by this bound on every seq len instead (None: use the lists)
+    max_seq_len_bound: int | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.base import BaseAttentionBackend
 from engine.attention.metadata import AttnMetadata
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from kernels.formats import quantize_index_q_ref
@@ -21,12 +22,11 @@ from kernels.store_kv import gather_kv_ref, store_kv_ref
 _MAX_TILE = 1 << 24
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(BaseAttentionBackend):
     name = "torch"
 
     def __init__(self, spec: KVCacheSpec):
-        self.spec = spec
-        self.indexer_rows_scored = 0  # instrumented: query rows this backend ran the indexer for
+        super().__init__(spec)  # indexer_rows_scored: query rows this backend ran the indexer for
 
     # ---- writes -------------------------------------------------------------------------------
     def store_kv(self, cache: PagedKVCache, layer: int, latent: torch.Tensor, k_rope: torch.Tensor,

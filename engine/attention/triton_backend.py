@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.base import BaseAttentionBackend
 from engine.attention.metadata import AttnMetadata
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from kernels.indexer import indexer_topk, store_index_k
@@ -18,12 +19,12 @@ from kernels.sparse_mla import sparse_mla
 from kernels.store_kv import store_kv
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(BaseAttentionBackend):
     name = "triton"
+    graph_safe = True  # with meta.max_seq_len_bound every launch is shaped by device tensors and the bound
 
     def __init__(self, spec: KVCacheSpec):
-        self.spec = spec
-        self.indexer_rows_scored = 0  # instrumented like the torch backend: rows whose request needs scores
+        super().__init__(spec)  # indexer_rows_scored instrumented like the torch backend's
 
     # ---- writes -------------------------------------------------------------------------------
     def store_kv(self, cache: PagedKVCache, layer: int, latent: torch.Tensor, k_rope: torch.Tensor,
@@ -39,6 +40,11 @@ class TritonAttentionBackend:
         """q [T, H, D] float, weights [T, H] fp32 (scales folded) -> positions int32 [T, min(topk, max S)].
 
         Valid positions come first in ascending order (the torch backend orders them by score)."""
+        if meta.max_seq_len_bound is not None:  # graph-capturable: one row per tile, built on the device
+            bound = max(meta.max_seq_len_bound, 1)
+            return indexer_topk(q, weights, cache.index_layer(layer), meta.block_table, meta.token_req_idx,
+                                meta.positions, topk, return_slots=False, max_seq_len=bound,
+                                out_width=min(topk, bound))
         K = min(topk, max(meta.max_seq_len, 1))
         qsl = meta.query_start_loc_cpu
         self.indexer_rows_scored += sum(qsl[b + 1] - qsl[b] for b, S in enumerate(meta.seq_lens_cpu) if S > topk)

@@ -20,6 +20,7 @@ import torch
 from engine.config.engine import (
     CacheConfig,
     EngineConfig,
+    GraphConfig,
     HiSparseConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -60,6 +61,8 @@ class EngineArgs:
     attention_backend: str | None = None
     load_format: str = "auto"
     quantization: str | None = None  # "fp8": quantize a bf16 checkpoint's projections at load (block FP8)
+    enforce_eager: bool | None = None  # None: eager (graphs are opt-in: --cuda-graphs); see GraphConfig
+    cuda_graph_sizes: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -96,7 +99,9 @@ class EngineArgs:
             speculative=self._speculative(),
             hisparse=HiSparseConfig.from_dict(hisparse) if hisparse is not None else None,
             device=device, dtype=dtype, seed=self.seed, attention_backend=self.attention_backend,
-            load_format=self.load_format)
+            load_format=self.load_format,
+            graphs=GraphConfig(enforce_eager=self.enforce_eager,
+                               cuda_graph_sizes=tuple(self.cuda_graph_sizes) if self.cuda_graph_sizes else None))
 
     def _quantized(self, mcfg: ModelConfig) -> ModelConfig:
         if self.quantization not in (None, "fp8"):
@@ -146,6 +151,13 @@ class EngineArgs:
                             "is served in FP8 without it)")
         g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                        help="dummy: random weights of the config's shape (benchmarks without a checkpoint)")
+        g.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="decode without the padded static-buffer path and CUDA graphs")
+        g.add_argument("--cuda-graphs", dest="enforce_eager", action="store_false",
+                       help="decode through the padded static-buffer path, captured as CUDA graphs on CUDA "
+                            "(opt-in until the graph path has passed its GPU tests)")
+        g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
+                       help="decode batch sizes to pad to and capture (default 1 2 4 8 16 24 ... max-num-seqs)")
         return p
 
     @classmethod

@@ -152,6 +152,42 @@ class HiSparseConfig:
 
 
 @dataclass(frozen=True)
+class GraphConfig:
+    """The decode step's static-buffer path and CUDA graphs (vLLM's capture-size convention).
+
+    Decode batches are padded to the next capture size (`capture_sizes`) and run from buffers
+    allocated once; on CUDA each size is captured once as a CUDA graph and replayed. enforce_eager
+    None (the default): the plain eager path on every device, until the graph path has passed its GPU
+    tests on an H200 (docs/decode_graphs.md); False: the padded static path, captured on CUDA
+    (`--cuda-graphs`), run eagerly on the CPU (what the CPU tests compare); True: eager."""
+
+    enforce_eager: bool | None = None
+    cuda_graph_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, then every 8 up to max_num_seqs
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_sizes is not None:
+            sizes = tuple(self.cuda_graph_sizes)
+            if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
+                raise ValueError(f"cuda_graph_sizes must be positive integers, got {self.cuda_graph_sizes!r}")
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
+
+    def capture_sizes(self, max_num_seqs: int) -> list[int]:
+        """Batch sizes (requests) a decode step is padded to, ascending, none above max_num_seqs."""
+        if self.cuda_graph_sizes is not None:
+            sizes = [n for n in self.cuda_graph_sizes if n <= max_num_seqs]
+            return sizes or [min(self.cuda_graph_sizes)]
+        sizes = [n for n in (1, 2, 4) if n < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+        if not sizes or sizes[-1] < max_num_seqs:
+            sizes.append(max_num_seqs)  # the largest batch the scheduler forms always has a bucket
+        return sizes
+
+    def use_static_path(self, device: str) -> bool:
+        if self.enforce_eager is None:
+            return False  # opt-in until validated on the GPU: see the class docstring
+        return not self.enforce_eager
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: Path
     model: ModelConfig
@@ -165,6 +201,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None  # None: torch on CPU, triton on CUDA
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):

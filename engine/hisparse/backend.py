@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.base import WrappingAttentionBackend
 from engine.attention.metadata import AttnMetadata
 from engine.hisparse.forward import STAGED, ForwardState, Workspace, plan_forward
 from kernels.hisparse_plan import plan_hot, plan_hot_ref
@@ -41,22 +42,21 @@ class _OneLayer:
         return self.view
 
 
-class HiSparseBackend:
+class HiSparseBackend(WrappingAttentionBackend):
     def __init__(self, inner, mgr):
-        self.inner = inner
+        super().__init__(inner)
         self.mgr = mgr
-        self.spec = inner.spec
         self.name = f"hisparse+{inner.name}"
 
-    @property
-    def indexer_rows_scored(self) -> int:
-        return self.inner.indexer_rows_scored
+    def begin_forward(self, meta: AttnMetadata) -> None:
+        """This forward's routing (resident / hot / staged requests), device slots and sub-batches."""
+        self.inner.begin_forward(meta)
+        meta.hisparse = plan_forward(self.mgr, meta)
 
     def state(self, meta: AttnMetadata) -> ForwardState:
-        fw = meta.scratch.get("hisparse")
-        if fw is None:
-            fw = meta.scratch["hisparse"] = plan_forward(self.mgr, meta)
-        return fw
+        if meta.hisparse is None:  # a caller that drives the layers itself (benchmarks) may skip begin_forward
+            self.begin_forward(meta)
+        return meta.hisparse
 
     # ---- writes -------------------------------------------------------------------------------
     def store_kv(self, cache, layer: int, latent: torch.Tensor, k_rope: torch.Tensor, meta: AttnMetadata) -> None:

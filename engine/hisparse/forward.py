@@ -130,9 +130,9 @@ class BatchRouting:
 
 
 def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:
-    req_ids = meta.scratch.get("req_ids")
+    req_ids = meta.req_ids
     if req_ids is None or len(req_ids) != meta.num_reqs:
-        raise RuntimeError("hisparse needs the batch's request ids in meta.scratch['req_ids'] "
+        raise RuntimeError("hisparse needs the batch's request ids in meta.req_ids "
                            "(set by engine.runner.inputs.build_batch)")
     qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     num_pages = [-(-s // meta.block_size) for s in lens]

@@ -14,26 +14,29 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.base import WrappingAttentionBackend
+from engine.attention.metadata import AttnMetadata
 from engine.parallel.step import CPStep
 
 
-class CPAttentionBackend:
+class CPAttentionBackend(WrappingAttentionBackend):
+    """indexer_rows_scored: query rows this rank ran the indexer for over a whole context (its 1/PCP of
+    the prefill rows)."""
+
     name = "cp"
 
     def __init__(self, inner, comm):
-        self.inner = inner
+        super().__init__(inner)
         self.comm = comm
-        self.spec = inner.spec
         self.dcp_rows_scored = 0  # decode rows scored against this rank's key shard (DCP decode path)
 
-    @property
-    def indexer_rows_scored(self) -> int:
-        """Query rows this rank ran the indexer for over a whole context (its 1/PCP of the prefill rows)."""
-        return self.inner.indexer_rows_scored
+    def begin_forward(self, meta: AttnMetadata) -> None:
+        _step(meta)  # the rank runner's step builder attached the plan
+        self.inner.begin_forward(meta)
 
     # ---- writes -------------------------------------------------------------------------------
     def store_kv(self, cache, layer: int, latent: torch.Tensor, k_rope: torch.Tensor, meta) -> None:
-        step: CPStep = meta.scratch["cp"]
+        step: CPStep = _step(meta)
         rows = step.rows.gather(self.comm, torch.cat([latent, k_rope], dim=-1), "pcp_kv")
         latent_all, rope_all = rows[:, : latent.shape[1]], rows[:, latent.shape[1]:]
         self.inner.store_kv(cache, layer, latent_all, rope_all, step.write_meta)
@@ -42,7 +45,7 @@ class CPAttentionBackend:
             step.context.store_kv(self.inner, layer, latent_all, rope_all)
 
     def store_index_k(self, cache, layer: int, k: torch.Tensor, meta) -> None:
-        step: CPStep = meta.scratch["cp"]
+        step: CPStep = _step(meta)
         k_all = step.rows.gather(self.comm, k, "pcp_index")
         self.inner.store_index_k(cache, layer, k_all, step.write_meta)
         if step.context is not None:
@@ -50,7 +53,7 @@ class CPAttentionBackend:
 
     # ---- indexer -----------------------------------------------------------------------------
     def indexer_topk(self, cache, layer: int, q: torch.Tensor, weights: torch.Tensor, meta, topk: int) -> torch.Tensor:
-        step: CPStep = meta.scratch["cp"]
+        step: CPStep = _step(meta)
         if step.dcp_size == 1:
             if not q.shape[0]:  # this rank computes no rows in this step
                 return torch.full((0, step.topk_width(topk)), -1, dtype=torch.int32, device=q.device)
@@ -75,7 +78,7 @@ class CPAttentionBackend:
     # ---- attention ---------------------------------------------------------------------------
     def sparse_mla(self, cache, layer: int, q: torch.Tensor, topk_pos: torch.Tensor, meta,
                    sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        step: CPStep = meta.scratch["cp"]
+        step: CPStep = _step(meta)
         T, H, _ = q.shape
         if step.dcp_size == 1 and T:
             return self.inner.sparse_mla(cache, layer, q, topk_pos, meta, sm_scale)
@@ -98,3 +101,9 @@ class CPAttentionBackend:
             o, l = step.decode.sparse_mla(cache, layer, q[didx], decode_sel, sm_scale)
             out[didx], lse[didx] = o.to(q.dtype), l
         return out, lse
+
+
+def _step(meta: AttnMetadata) -> CPStep:
+    if meta.cp is None:
+        raise RuntimeError("the CP backend needs the step plan in meta.cp (engine.parallel.step.build_step)")
+    return meta.cp

@@ -44,11 +44,8 @@ class CPModelRunner(ModelRunner):
                                       indexer_precision=cfg.cache.indexer_precision, with_mtp=with_mtp)
         # block ids name the same local block on every rank: every rank needs the same pool size
         num_blocks = comm.all_reduce_min(num_kv_blocks(cfg, spec))
-        super().__init__(cfg, num_blocks=num_blocks, model=model)
-        self.backend = CPAttentionBackend(self.backend, comm)
         self.dcp_size, self.interleave = pc.decode_context_parallel_size, pc.cp_kv_cache_interleave_size
-        if self.dcp_size > 1:
-            self.slot_fn = dcp_slot_fn(self.rank, self.dcp_size, self.interleave)
+        super().__init__(cfg, num_blocks=num_blocks, model=model)
         if shard is not None:
             dispatcher = AllToAllDispatcher(comm, mc.n_routed_experts)
             for m in self.model.modules():
@@ -58,6 +55,17 @@ class CPModelRunner(ModelRunner):
         self.main_layers = list(range(mc.num_hidden_layers))
         self.mtp_layers = [mc.mtp_layer_index]
         self._need_rows: list[int] | None = None
+
+    # ---- the backend stack and write mapping of a CP rank ---------------------------------------
+    static_decode = False  # the step plan (row split, DCP paths) is rebuilt per forward: eager
+
+    def make_attention_backend(self):
+        return CPAttentionBackend(super().make_attention_backend(), self.comm)
+
+    def write_slot_fn(self):
+        if self.dcp_size > 1:
+            return dcp_slot_fn(self.rank, self.dcp_size, self.interleave)
+        return super().write_slot_fn()
 
     # ---- forward passes ------------------------------------------------------------------------
     def forward(self, rows):
@@ -73,7 +81,10 @@ class CPModelRunner(ModelRunner):
             hidden = full
         return hidden, layout, ctx
 
-    def mtp_forward(self, rows, prev_hidden: torch.Tensor, keep: list[int] | None = None) -> torch.Tensor:
+    def mtp_forward(self, rows, prev_hidden: torch.Tensor, keep: list[int] | None = None,
+                    input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids is not None:  # CP builds its own rows from host ids: read the drafts back here
+            rows = [(st, start, ids) for (st, start, _), ids in zip(rows, _split(input_ids.tolist(), rows))]
         own_ids, meta, step, _ = build_step(self, rows, self.mtp_layers)
         own_idx = torch.tensor(step.rows.own_rows, dtype=torch.int64, device=prev_hidden.device)
         ctx = self.make_context(meta)
@@ -128,6 +139,14 @@ class CPModelRunner(ModelRunner):
             self.comm.broadcast(rows.view(torch.uint8), "kv_replicate")  # bytes: any cache dtype, any backend
             cache[idx] = rows
         return len(block_ids)
+
+
+def _split(flat: list[int], rows) -> list[list[int]]:
+    out, at = [], 0
+    for _, _, tokens in rows:
+        out.append(flat[at: at + len(tokens)])
+        at += len(tokens)
+    return out
 
 
 def rank_output_digest(out: RunnerOutput) -> tuple:

@@ -14,7 +14,7 @@ and attends locally):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,7 +56,6 @@ class CPStep:
     context: object | None = None  # dcp_context.ContextGather (DCP > 1, prefill-path requests)
     decode: object | None = None  # dcp_decode.DecodeAttention (DCP > 1, decode-path requests)
     last_topk: tuple | None = None  # (tensor handed to the model, its decode rows' global selection)
-    scratch: dict = field(default_factory=dict)
 
     def topk_width(self, topk: int) -> int:
         return min(topk, max([r.seq_len for r in self.requests] + [1]))
@@ -80,7 +79,7 @@ def select_rows(meta: AttnMetadata, rows: list[int], counts: list[int], device) 
 
 def build_step(runner, rows, layer_ids: list[int]) -> tuple[torch.Tensor, AttnMetadata, CPStep, BatchRows]:
     """rows (request state, start, token ids) of one forward -> (own input ids, own metadata with the
-    plan in `scratch["cp"]`, the plan, the layout of all step rows)."""
+    plan in `meta.cp`, the plan, the layout of all step rows)."""
     from engine.parallel.dcp_context import ContextGather
     from engine.parallel.dcp_decode import DecodeAttention
 
@@ -109,7 +108,7 @@ def build_step(runner, rows, layer_ids: list[int]) -> tuple[torch.Tensor, AttnMe
             step.context = ContextGather(step, runner.kv_cache, runner.comm, runner.kv_prefetch)
         if any(r.decode for r in requests):
             step.decode = DecodeAttention(step, runner.comm, runner.backend.inner, pc.dcp_comm_backend)
-    own_meta.scratch["cp"] = step
+    own_meta.cp = step
     own_ids = input_ids[torch.tensor(own, dtype=torch.int64, device=input_ids.device)]
     return own_ids, own_meta, step, layout
 

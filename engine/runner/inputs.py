@@ -51,8 +51,28 @@ def build_batch(rows: list[tuple[RunnerRequest, int, list[int]]], block_size: in
         tables.append(req.block_ids)
     meta = build_metadata(positions=positions, slot_mapping=slot_mapping, query_lens=query_lens, seq_lens=seq_lens,
                           block_tables=tables, block_size=block_size, device=device)
-    meta.scratch["req_ids"] = layout.req_ids  # backends that keep per-request state (HiSparse) look them up
+    meta.req_ids = layout.req_ids  # backends that keep per-request state (HiSparse) look them up
     return torch.tensor(input_ids, dtype=torch.long).to(device), meta, layout
+
+
+def device_index(idx: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices for a gather on `device`: through pinned memory on CUDA, so the copy does not wait
+    for the stream (indexing a CUDA tensor with a Python list would copy synchronously)."""
+    host = torch.tensor(idx, dtype=torch.int64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+def rows_layout(rows: list[tuple[RunnerRequest, int, list[int]]]) -> BatchRows:
+    """The row layout `build_batch` gives the same rows."""
+    layout, at = BatchRows([], [], []), 0
+    for req, _, tokens in rows:
+        layout.req_ids.append(req.req_id)
+        layout.row_starts.append(at)
+        layout.num_rows.append(len(tokens))
+        at += len(tokens)
+    return layout
 
 
 def chunk_rows(chunks: list[ScheduledChunk],

@@ -18,11 +18,12 @@ from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.loading.loader import build_model, dummy_init, use_kernel_moe
 from engine.model.context import ForwardContext
 from engine.model.layers import rope_cos_sin, rope_inv_freq
-from engine.runner.inputs import BatchRows, build_batch, chunk_rows, slots_for
+from engine.runner.inputs import BatchRows, build_batch, chunk_rows, device_index, rows_layout, slots_for
 from engine.runner.mtp import MTPProposer
 from engine.runner.sampler import RowSpec, Sampler, top_logprobs
 from engine.runner.spec import SyntheticAcceptance, verify_drafts
 from engine.runner.state import RunnerRequest
+from engine.runner.static_decode import StaticDecode
 from engine.runner.structured import StructuredOutputs
 
 
@@ -50,10 +51,7 @@ class ModelRunner:
             self.kv_cache = self.hisparse.cache
         else:
             self.kv_cache = PagedKVCache(self.spec, num_blocks, self.device)
-        self.backend = get_attention_backend(self.spec, self.device, cfg.attention_backend)
-        use_kernel_moe(self.model, self.backend.name == "triton")  # one switch for every kernel
-        if self.hisparse is not None:
-            self.backend = self.hisparse.wrap(self.backend)
+        self.backend = self.make_attention_backend()
         self.inv_freq = rope_inv_freq(cfg.model.qk_rope_head_dim, cfg.model.rope_theta, self.device)
         self.sampler = Sampler(self.device, cfg.seed)
         self.states: dict[str, RunnerRequest] = {}
@@ -63,28 +61,56 @@ class ModelRunner:
                                               cfg.seed) if spec_cfg and spec_cfg.synthetic_acceptance_length else None)
         self.mtp = MTPProposer(self) if self.with_mtp else None
         self.structured = StructuredOutputs(cfg)  # grammar matchers of constrained requests
-        self.slot_fn = slots_for  # context parallelism substitutes its rank-local mapping
+        self.slot_fn = self.write_slot_fn()
+        self.static = StaticDecode(self) if self.static_decode and cfg.graphs.use_static_path(cfg.device) else None
+
+    # ---- what subclasses specialise (built once, never swapped) ----------------------------------
+    static_decode = True  # decode forwards padded to capture sizes from static buffers (CUDA graphs on CUDA)
+
+    def make_attention_backend(self):
+        """The attention backend stack of this runner (engine.attention.base.AttentionBackend)."""
+        backend = get_attention_backend(self.spec, self.device, self.cfg.attention_backend)
+        use_kernel_moe(self.model, backend.name == "triton")  # one switch for every kernel
+        if self.hisparse is not None:
+            backend = self.hisparse.wrap(backend)
+        return backend
+
+    def write_slot_fn(self):
+        """(block ids, positions, block size) -> write slots; context parallelism maps to rank-local ones."""
+        return slots_for
 
     # ---- forward helpers -----------------------------------------------------------------------
     def make_context(self, meta, rope_offset: int = 0) -> ForwardContext:
+        self.backend.begin_forward(meta)
         cos, sin = rope_cos_sin(meta.positions + rope_offset, self.inv_freq)
         return ForwardContext(meta, self.kv_cache, self.backend, cos, sin)
 
     def forward(self, rows) -> tuple[torch.Tensor, BatchRows, object]:
+        batch = self.static.prepare(rows) if self.static is not None else None
+        if batch is not None:
+            return self.static.run("target", batch), rows_layout(rows), None
         input_ids, meta, layout = build_batch(rows, self.block_size, self.device, self.slot_fn)
         ctx = self.make_context(meta)
         with torch.inference_mode():
             hidden = self.model(input_ids, ctx)
         return hidden, layout, ctx
 
-    def mtp_forward(self, rows, prev_hidden: torch.Tensor, keep: list[int] | None = None) -> torch.Tensor:
+    def mtp_forward(self, rows, prev_hidden: torch.Tensor, keep: list[int] | None = None,
+                    input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The MTP layer over `rows` (one prev_hidden row per token) -> its output rows (only `keep`'s
-        when given: context parallelism then gathers just those)."""
-        input_ids, meta, _ = build_batch(rows, self.block_size, self.device, self.slot_fn)
-        ctx = self.make_context(meta)
-        with torch.inference_mode():
-            out = self.model.mtp_forward(input_ids, prev_hidden, ctx)
-        return out if keep is None else out[keep]
+        when given: context parallelism then gathers just those). `input_ids` (device, one per row)
+        replaces the rows' host token ids: the drafts stay on the device between draft steps."""
+        batch = self.static.prepare(rows) if self.static is not None else None
+        if batch is not None:
+            if input_ids is not None:
+                batch.input_ids.index_copy_(0, batch.real_idx, input_ids.to(batch.input_ids.dtype))
+            out = self.static.run("mtp", batch, prev_hidden)
+        else:
+            ids, meta, _ = build_batch(rows, self.block_size, self.device, self.slot_fn)
+            ctx = self.make_context(meta)
+            with torch.inference_mode():
+                out = self.model.mtp_forward(ids if input_ids is None else input_ids.to(ids.dtype), prev_hidden, ctx)
+        return out if keep is None else out[device_index(keep, out.device)]
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -127,7 +153,7 @@ class ModelRunner:
             last_known = s + len(c.token_ids) - c.num_draft_tokens - 1
             row_idx.extend(range(last_known, last_known + c.num_draft_tokens + 1))
         with torch.inference_mode():
-            logits = self.model.compute_logits(hidden[row_idx])
+            logits = self.model.compute_logits(hidden[device_index(row_idx, hidden.device)])
         valid = self.structured.mask([c for c, _ in todo], self.states, logits)  # in place, before sampling
         greedy = self._plain_greedy(todo, logits, row_idx)
         r = 0
@@ -158,7 +184,8 @@ class ModelRunner:
             r += c.num_draft_tokens + 1
         if not rows:
             return {}
-        return dict(zip(ids, logits[rows].argmax(dim=-1).tolist()))
+        tokens = logits[device_index(rows, logits.device)].argmax(dim=-1)
+        return dict(zip(ids, tokens.tolist()))  # the step's read of its sampled tokens
 
     def _sample_one(self, c: ScheduledChunk, logits: torch.Tensor, valid_drafts: int | None = None) -> SampledOutput:
         """valid_drafts: with a grammar, how many drafts it accepts (the rows are masked already)."""

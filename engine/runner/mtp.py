@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.scheduler_output import ScheduledChunk
-from engine.runner.inputs import BatchRows
+from engine.runner.inputs import BatchRows, device_index
 from engine.runner.sampler import RowSpec
 
 
@@ -39,31 +39,38 @@ class MTPProposer:
             if c.sample and c.max_drafts > 0:
                 last.append((c, len(hid_idx) - 1, c.start + n_valid - 1))
         # the catch-up pass writes the MTP cache for every row; only the last rows' outputs are drafted from
-        prev = self.runner.mtp_forward(rows, hidden[hid_idx], keep=[i for _, i, _ in last])
+        prev = self.runner.mtp_forward(rows, hidden[device_index(hid_idx, hidden.device)], keep=[i for _, i, _ in last])
         if not last:
             return {}
-        drafts = {c.req_id: [] for c, _, _ in last}
-        advanced = dict.fromkeys(drafts, 0)  # drafts each grammar matcher moved over (rolled back below)
+        counts = {c.req_id: 0 for c, _, _ in last}
+        advanced = dict.fromkeys(counts, 0)  # drafts each grammar matcher moved over (rolled back below)
+        constrained = any(self.runner.states[c.req_id].grammar is not None for c, _, _ in last)
+        steps = []  # per draft step: (request ids in row order, their draft tokens on the device)
         active = [(c, pos) for c, _, pos in last]
         try:
             for step in range(self.num_steps):
                 tokens = self._draw(active, prev, step)
-                for (c, _), t in zip(active, tokens):
-                    drafts[c.req_id].append(t)
-                    advanced[c.req_id] += self.runner.structured.advance_draft(self.runner.states[c.req_id], t)
-                keep = [i for i, (c, _) in enumerate(active)
-                        if len(drafts[c.req_id]) < min(c.max_drafts, self.num_steps)]
+                steps.append(([c.req_id for c, _ in active], tokens))
+                if constrained:  # the matchers move over every draft: this step's tokens are read now
+                    for (c, _), t in zip(active, tokens.tolist()):
+                        advanced[c.req_id] += self.runner.structured.advance_draft(self.runner.states[c.req_id], t)
+                for c, _ in active:
+                    counts[c.req_id] += 1
+                keep = [i for i, (c, _) in enumerate(active) if counts[c.req_id] < min(c.max_drafts, self.num_steps)]
                 if not keep:
                     break
+                if len(keep) < len(active):
+                    idx = torch.tensor(keep, dtype=torch.int64, device=tokens.device)
+                    tokens, prev = tokens[idx], prev[idx]
                 active = [(active[i][0], active[i][1] + 1) for i in keep]
-                step_rows = [(self.runner.states[c.req_id], pos, [drafts[c.req_id][-1]]) for c, pos in active]
-                prev = self.runner.mtp_forward(step_rows, prev[keep])
+                step_rows = [(self.runner.states[c.req_id], pos, [0]) for c, pos in active]  # ids: `tokens`
+                prev = self.runner.mtp_forward(step_rows, prev, input_ids=tokens)
         finally:
             for rid, n in advanced.items():
                 self.runner.structured.rollback_drafts(self.runner.states[rid], n)
-        return drafts
+        return _read_back(steps)
 
-    def _draw(self, active, mtp_hidden: torch.Tensor, step: int) -> list[int]:
+    def _draw(self, active, mtp_hidden: torch.Tensor, step: int) -> torch.Tensor:
         r = self.runner
         with torch.inference_mode():
             logits = r.model.compute_logits(mtp_hidden)
@@ -72,7 +79,7 @@ class MTPProposer:
         specs = [RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.draft_generator, r.eos_ids,
                          grammar=st.grammar is not None) for st in states]
         probs = r.sampler.probs(logits, specs)
-        tokens = r.sampler.draw(probs, [s.generator for s in specs]).tolist()
+        tokens = r.sampler.draw(probs, [s.generator for s in specs])
         for (c, _), row in zip(active, probs):
             st = r.states[c.req_id]
             if step == 0:
@@ -80,3 +87,15 @@ class MTPProposer:
             else:
                 st.draft_probs = torch.cat([st.draft_probs, row[None]], dim=0)
         return tokens
+
+
+def _read_back(steps: list[tuple[list[str], torch.Tensor]]) -> dict[str, list[int]]:
+    """Every draft step's tokens -> {request: drafts}, with one device -> host read for all of them."""
+    flat = torch.cat([t.reshape(-1) for _, t in steps]).tolist()
+    drafts: dict[str, list[int]] = {}
+    at = 0
+    for rids, _ in steps:
+        for rid in rids:
+            drafts.setdefault(rid, []).append(flat[at])
+            at += 1
+    return drafts

@@ -100,7 +100,7 @@ def _record_selections(llm: LLM) -> list:
 def _distinct_hot_selections(calls) -> int:
     n = 0
     for sel, meta in calls:
-        fw = meta.scratch["hisparse"]
+        fw = meta.hisparse
         qsl = meta.query_start_loc_cpu
         for b, path in enumerate(fw.paths):
             if path == HOT:
@@ -120,7 +120,7 @@ def test_host_resident_decode_equals_resident(code16, prompts, reference, spec):
 
     def on_step(core):
         st = core.stats().hisparse
-        hot = any(HOT in meta.scratch["hisparse"].paths for _, meta in calls[prev[1]:])
+        hot = any(HOT in meta.hisparse.paths for _, meta in calls[prev[1]:])
         steps.append((st.misses - prev[0], hot))
         prev[:] = [st.misses, len(calls)]
 
@@ -133,6 +133,29 @@ def test_host_resident_decode_equals_resident(code16, prompts, reference, spec):
     assert st.hits > 0 and st.spilled_pages > 0
     row = llm.core.runner.hisparse.row_bytes
     assert st.h2d_bytes >= st.misses * row * 2, "each miss of a full layer is copied for its shared layer too"
+    _assert_nothing_leaked(llm, len(prompts) * hot_blocks + 1)
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_static_decode_path_with_misses_equals_resident(code16, prompts, reference, spec):
+    """The static-buffer decode path (what CUDA graphs read; HiSparse forwards are not padded and stay
+    eager) with a device pool of hot buffers only: misses every step, the same greedy tokens."""
+    hot_blocks = 1 if spec == 0 else 2
+    kw = {"num_speculative_tokens": spec} if spec else {}
+    llm = LLM(str(code16), num_blocks=len(prompts) * hot_blocks + 1, hisparse={"host_pool_blocks": 48},
+              enforce_eager=False, **EXACT, **kw)
+    steps, prev = [], [0]
+
+    def on_step(core):
+        st = core.stats().hisparse
+        steps.append(st.misses - prev[0])
+        prev[0] = st.misses
+
+    assert _run(llm, prompts, on_step=on_step) == reference[spec]
+    static = llm.core.runner.static
+    assert static.num_static > 0 and static.num_captures == 0
+    assert all(b == bp for b, bp, _ in static.shapes), "HiSparse forwards are never padded"
+    assert sum(m > 0 for m in steps) >= NEW_TOKENS // (1 + spec) - 1, f"decode steps without misses: {steps}"
     _assert_nothing_leaked(llm, len(prompts) * hot_blocks + 1)
 
 
@@ -251,8 +274,8 @@ def test_bad_configs_are_refused(code16):
 def test_cuda_hisparse_decode_equals_resident(code16, prompts, spec):
     """The GPU path (Triton kernels, fp8 KV, fused plan, pinned host pool read in place): the same greedy
     tokens as resident decode on the GPU, with misses every step and nothing leaked."""
-    kw = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_ds_mla",
-              **({"num_speculative_tokens": spec} if spec else {}))
+    kw = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_ds_mla", enforce_eager=True,
+              **({"num_speculative_tokens": spec} if spec else {}))  # both eager: graphs are tested apart
     ref = _run(LLM(str(code16), num_blocks=64, **kw), prompts)
     llm = LLM(str(code16), num_blocks=7, hisparse={"host_pool_blocks": 48}, **kw)
     mgr = llm.core.runner.hisparse

@@ -118,3 +118,57 @@ def test_tiny_model_forward_matches_torch_backend_interp():
             hidden.append(model(ids, ctx))
     assert T > cfg.index_topk  # the sparse selection is active
     torch.testing.assert_close(hidden[1], hidden[0], rtol=1e-4, atol=1e-5)
+
+
+def check_contract(kv_dtype: str, indexer_precision: str, device, seq_lens, num_blocks: int, topk: int):
+    """The contract (engine.attention.base) for the Triton backend: a decode step from the static builder,
+    padded by a request, with `max_seq_len_bound` set (the graph-capturable launches: no host layout)
+    selects and attends like the torch backend on plain metadata."""
+    from engine.attention.base import AttentionBackend
+
+    cfg = preset("tiny", index_topk=topk)
+    spec = KVCacheSpec.from_model(cfg, block_size=BLOCK, kv_cache_dtype=kv_dtype, indexer_precision=indexer_precision)
+    tri, ref = TritonAttentionBackend(spec), TorchAttentionBackend(spec)
+    assert isinstance(tri, AttentionBackend) and tri.graph_safe
+    gen = torch.Generator().manual_seed(11)
+    perm = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()  # block 0: the padding request's
+    tables, at = [], 0
+    for S in seq_lens:
+        n = -(-S // BLOCK)
+        tables.append(perm[at: at + n])
+        at += n
+    cache = PagedKVCache(spec, num_blocks, device, fill=0.0)
+    hist = _meta([(list(range(S)), S) for S in seq_lens], tables, device)
+    T = hist.num_tokens
+    ref.store_kv(cache, 0, torch.randn(T, spec.latent_dim, generator=gen).to(device),
+                 torch.randn(T, spec.rope_dim, generator=gen).to(device), hist)
+    ref.store_index_k(cache, 0, torch.randn(T, spec.index_head_dim, generator=gen).to(device), hist)
+    width = -(-max(seq_lens) // BLOCK) + 1
+    builder = tri.metadata_builder(max_rows=8, max_reqs=8, max_blocks=width, device=device)
+    B = len(seq_lens)
+    rows = [(t, [S - 1], S, [0], [-1]) for t, S in zip(tables, seq_lens)] + [([], [0], 1, [0], [-1])]
+    _, meta, _ = builder.build(rows)
+    meta.max_seq_len_bound = width * BLOCK
+    plain = _meta([([S - 1], S) for S in seq_lens], tables, device)
+    H = cfg.index_n_heads
+    q = torch.randn(B + 1, H, spec.index_head_dim, generator=gen).to(device)
+    w = (torch.rand(B + 1, H, generator=gen) * 0.2).to(device)
+    sel = tri.indexer_topk(cache, 0, q, w, meta, topk)
+    sel_ref = ref.indexer_topk(cache, 0, q[:B], w[:B], plain, topk)
+    allowed = 0 if device == "cpu" else (2 if indexer_precision == "fp32" else topk // 50)  # near-ties
+    for t, (a, b) in enumerate(zip(as_sets(sel[:B]), as_sets(sel_ref))):
+        assert len(a) == len(b) and len(set(a) ^ set(b)) <= 2 * allowed, f"row {t}: selections differ"
+    qa = torch.randn(B + 1, cfg.num_attention_heads, spec.latent_dim + spec.rope_dim, generator=gen).to(device)
+    out, lse = tri.sparse_mla(cache, 0, qa, sel, meta, 0.2)
+    ref_out, ref_lse = ref.sparse_mla(cache, 0, qa[:B], sel_ref, plain, 0.2)
+    assert_attention_close(out[:B], lse[:B], ref_out, ref_lse)
+
+
+@interp
+def test_triton_backend_contract_interp():
+    check_contract("float32", "fp32", "cpu", seq_lens=[40, 30, 5], num_blocks=9, topk=16)
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_triton_backend_contract_gpu(mark):
+    check_contract("fp8_ds_mla", "fp8", "cuda", seq_lens=[3000, 700, 40], num_blocks=400, topk=512)

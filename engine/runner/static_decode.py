@@ -1,0 +1,117 @@
+"""The decode forwards padded to a capture size, run from static buffers (and, on CUDA, as CUDA graphs).
+
+A forward qualifies when every request continues a sequence (start > 0) with at most R rows, R = 1 +
+the speculative tokens for the target pass and the MTP catch-up, 1 for the draft steps:
+
+    padded rows      each request gets exactly R rows; the extra ones repeat its last row (same token and
+                     position, slot -1: they write nothing and their outputs are dropped)
+    padded requests  up to the next capture size, each R rows at positions 0..R-1 of an empty block
+                     table (block 0), slot -1
+    buffers          engine.attention.static: one pinned host buffer, one H2D copy, fixed device tensors
+
+Rows never interact inside a layer (attention reads the cache, every other op is per row), so the real
+rows compute what they would unpadded. On CUDA, with a graph-safe backend, each (kind, size, R) is
+captured once and replayed; elsewhere the same padded forward runs eagerly. HiSparse forwards use the
+static buffers but are neither padded (its routing is per real request) nor captured (its plan reads
+host state per step).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttnMetadata
+
+
+@dataclass
+class PaddedBatch:
+    input_ids: torch.Tensor  # [T_pad] static view
+    meta: AttnMetadata
+    real_idx: torch.Tensor  # [T] padded row of each real row, in the rows' order
+    src_idx: torch.Tensor  # [T_pad] real row each padded row takes its MTP input hidden state from
+    key: tuple  # (num padded requests, rows per request)
+
+
+class StaticDecode:
+    def __init__(self, runner):
+        cfg = runner.cfg
+        self.runner = runner
+        self.sizes = cfg.graphs.capture_sizes(cfg.scheduler.max_num_seqs)
+        self.rows_per_req = 1 + cfg.num_spec_tokens
+        self.pad = runner.hisparse is None
+        bs = runner.block_size
+        self.max_blocks = -(-(cfg.scheduler.max_model_len + self.rows_per_req) // bs) + 1
+        self.builder = runner.backend.metadata_builder(self.sizes[-1] * self.rows_per_req, self.sizes[-1],
+                                                       self.max_blocks, runner.device)
+        self.graph_safe = runner.backend.graph_safe and runner.hisparse is None
+        self.capture = self.graph_safe and runner.device.type == "cuda"
+        self.bound = self.max_blocks * bs if self.graph_safe else None
+        self.graphs = None
+        if self.capture:
+            from engine.runner.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(runner)
+        self.num_static = 0  # forwards that took this path (instrumented for the tests)
+        self.shapes: Counter = Counter()  # (real requests, padded requests, rows per request) of each forward
+
+    @property
+    def num_captures(self) -> int:
+        return self.graphs.num_captures if self.graphs is not None else 0
+
+    def bucket(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n), None)
+
+    def prepare(self, rows) -> PaddedBatch | None:
+        """rows: (request state, start, token ids) -> the padded static batch, or None (run eagerly)."""
+        if not rows or any(start == 0 or not tokens for _, start, tokens in rows):
+            return None
+        R = 1 if all(len(t) == 1 for _, _, t in rows) else self.rows_per_req
+        B = len(rows)
+        B_pad = self.bucket(B) if self.pad else B
+        if B_pad is None or B_pad > self.sizes[-1] or any(len(t) > R for _, _, t in rows) \
+                or any(len(st.block_ids) > self.max_blocks for st, _, _ in rows):
+            return None
+        bs, slot_fn = self.runner.block_size, self.runner.slot_fn
+        entries, real_idx, src_idx, req_ids = [], [], [], []
+        for st, start, tokens in rows:
+            n = len(tokens)
+            extra = R - n if self.pad else 0
+            pos = list(range(start, start + n))
+            slots = list(slot_fn(st.block_ids, pos, bs))
+            real_idx.extend(range(len(src_idx), len(src_idx) + n))  # padded rows of its real rows
+            r0 = len(real_idx) - n  # this request's first real row
+            src_idx.extend(list(range(r0, r0 + n)) + [r0 + n - 1] * extra)
+            entries.append((st.block_ids, pos + [pos[-1]] * extra, start + n, list(tokens) + [tokens[-1]] * extra,
+                            slots + [-1] * extra))
+            req_ids.append(st.req_id)
+        for _ in range(B_pad - B):
+            entries.append(([], list(range(R)), R, [0] * R, [-1] * R))
+            src_idx.extend([0] * R)
+            req_ids.append("")
+        ids, meta, (real_t, src_t) = self.builder.build(entries, (real_idx, src_idx))
+        meta.req_ids = req_ids
+        meta.max_seq_len_bound = self.bound
+        self.num_static += 1
+        self.shapes[(B, B_pad, R)] += 1
+        return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R))
+
+    def run(self, kind: str, batch: PaddedBatch, prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The model (kind "target") or its MTP layer ("mtp") over the padded batch -> the real rows' outputs."""
+        prev = None if prev_hidden is None else prev_hidden[batch.src_idx]
+        if self.graphs is not None:
+            out = self.graphs.run(kind, batch, prev)
+        else:
+            out = eager_forward(self.runner, kind, batch.input_ids, batch.meta, prev)
+        return out[batch.real_idx]
+
+
+def eager_forward(runner, kind: str, input_ids: torch.Tensor, meta: AttnMetadata,
+                  prev: torch.Tensor | None) -> torch.Tensor:
+    ctx = runner.make_context(meta)
+    with torch.inference_mode():
+        if kind == "target":
+            return runner.model(input_ids, ctx)
+        return runner.model.mtp_forward(input_ids, prev, ctx)

@@ -1,0 +1,132 @@
+"""CUDA graphs of the decode step on tiny-code (GPU only): graph replay equals the same padded forwards
+run eagerly token for token, with MTP3 and with HiSparse forcing misses, across batch sizes that need
+padding; one capture per bucket, none when requests join or leave. Also against --enforce-eager in
+fp32 (the exact kernel modes)."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.request import Request
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SIZES = [1, 2, 4, 8]
+_SEQ = itertools.count()
+BF16 = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_ds_mla")
+FP32 = dict(device="cuda", dtype="float32", kv_cache_dtype="float32", indexer_precision="fp32")
+
+
+def _prompts(tok, n: int, base: int = 17) -> list[list[int]]:
+    import difflib
+
+    ids = tok.encode(inspect.getsource(difflib))
+    return [ids[i * 300: i * 300 + base + 9 * i] for i in range(n)]
+
+
+def _run(llm: LLM, prompts, late: int = 0, tokens: int = 12) -> list[list[int]]:
+    """Greedy; request i generates tokens + 3 i (they leave one by one); the last `late` join after two
+    steps (the batch grows mid-decode)."""
+    core = llm.core
+    rids = [f"g{next(_SEQ)}" for _ in prompts]
+    toks = {r: [] for r in rids}
+
+    def add(i):
+        core.add_request(Request(rids[i], list(prompts[i]),
+                                 SamplingParams(max_tokens=tokens + 3 * i, temperature=0.0, ignore_eos=True)))
+
+    for i in range(len(prompts) - late):
+        add(i)
+    steps = 0
+    while core.has_unfinished() or steps < 2:
+        if steps == 2:
+            for i in range(len(prompts) - late, len(prompts)):
+                add(i)
+        for o in core.step():
+            toks[o.req_id].extend(o.new_token_ids)
+        steps += 1
+    core.step()
+    return [toks[r] for r in rids]
+
+
+def _graph_llm(path, capture: bool = True, **kw) -> LLM:
+    llm = LLM(str(path), enforce_eager=False, max_num_seqs=8, cuda_graph_sizes=SIZES, **kw)
+    st = llm.core.runner.static
+    assert st is not None and st.capture and st.graphs is not None
+    if not capture:  # the same padded static forwards, run eagerly
+        st.graphs = None
+    return llm
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_graph_replay_equals_eager_static(tiny_code, spec):
+    kw = dict(num_blocks=256, **BF16, **({"num_speculative_tokens": spec} if spec else {}))
+    eager = _graph_llm(tiny_code, capture=False, **kw)
+    prompts = _prompts(eager.tokenizer, 5)
+    ref = _run(eager, prompts, late=2)
+    llm = _graph_llm(tiny_code, **kw)
+    got = _run(llm, prompts, late=2)
+    assert got == ref
+    st = llm.core.runner.static
+    assert st.graphs.failed is None, st.graphs.failed
+    keys = set(st.graphs.graphs)
+    assert st.num_captures == len(keys) > 0, "one capture per (pass, bucket, rows)"
+    assert any(bp > b for b, bp, _ in st.shapes), f"no padded batch: {dict(st.shapes)}"
+    assert st.graphs.num_replays == st.num_static > st.num_captures, "every static forward replays a graph"
+    # new requests of the same batch sizes, joining and leaving: replay only, nothing captured again
+    before = st.num_captures
+    more = _prompts(llm.tokenizer, 5, base=23)
+    assert _run(llm, more, late=2) == _run(eager, more, late=2)
+    assert st.num_captures == before, "a request joining or leaving re-captured a graph"
+    assert llm.get_stats().num_free_blocks == 256
+
+
+def test_graphs_equal_enforce_eager_fp32(tiny_code):
+    """fp32 weights and KV: the graph path (padded, bound-sized indexer launches) gives the plain eager
+    path's greedy tokens with MTP3."""
+    kw = dict(num_blocks=256, num_speculative_tokens=3, **FP32)
+    eager = LLM(str(tiny_code), enforce_eager=True, **kw)
+    assert eager.core.runner.static is None
+    prompts = _prompts(eager.tokenizer, 5)
+    ref = _run(eager, prompts, late=2)
+    llm = _graph_llm(tiny_code, **kw)
+    assert _run(llm, prompts, late=2) == ref
+    assert llm.core.runner.static.graphs.failed is None, llm.core.runner.static.graphs.failed
+    assert llm.core.runner.static.num_captures > 0
+
+
+@pytest.fixture(scope="module")
+def code16(tmp_path_factory, tiny_code):
+    """tiny-code with index_topk 16: long prompts really select, and a small device pool misses."""
+    out = tmp_path_factory.mktemp("code16g")
+    for f in tiny_code.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    cfg = json.loads((tiny_code / "config.json").read_text())
+    cfg["index_topk"] = 16
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_hisparse_under_graphs_stays_eager_and_exact(code16, spec):
+    """HiSparse decodes read host-side routing per step: they run the static buffers eagerly (never padded,
+    never captured) and give the tokens of --enforce-eager, with misses every step."""
+    kw = dict(hisparse={"host_pool_blocks": 48}, **BF16, **({"num_speculative_tokens": spec} if spec else {}))
+    hot_blocks = 1 if spec == 0 else 2
+    tok_llm = LLM(str(code16), num_blocks=4 * hot_blocks + 1, enforce_eager=True, **kw)
+    prompts = _prompts(tok_llm.tokenizer, 4, base=8 * 16 + 2)  # >= 8x top-k: misses every step
+    ref = _run(tok_llm, prompts)
+    llm = LLM(str(code16), num_blocks=4 * hot_blocks + 1, enforce_eager=False, **kw)
+    st = llm.core.runner.static
+    assert st is not None and not st.capture
+    assert _run(llm, prompts) == ref
+    assert st.num_static > 0 and st.num_captures == 0
+    assert all(b == bp for b, bp, _ in st.shapes)
+    assert llm.get_stats().hisparse.misses > 0

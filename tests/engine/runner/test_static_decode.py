@@ -1,0 +1,80 @@
+"""The padded-bucket static-buffer decode path on CPU (what CUDA graphs replay, run without capture):
+greedy tokens identical to the plain eager path, with and without MTP3, across batch sizes that need
+padding and requests joining and leaving; --enforce-eager turns it off."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.request import Request
+
+SIZES = [1, 2, 4, 8]
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    import difflib
+
+    ids = tok.encode(inspect.getsource(difflib))
+    return [ids[i * 300: i * 300 + 17 + 9 * i] for i in range(n)]
+
+
+def _run(llm: LLM, prompts, late: int = 0) -> list[list[int]]:
+    """Greedy, ignore_eos, each request a different length (requests leave one by one); the last `late`
+    prompts join two steps after the others (the batch grows mid-decode)."""
+    core = llm.core
+    rids = [f"r{i}" for i in range(len(prompts))]
+    toks = {r: [] for r in rids}
+
+    def add(i):
+        core.add_request(Request(rids[i], list(prompts[i]),
+                                 SamplingParams(max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True)))
+
+    for i in range(len(prompts) - late):
+        add(i)
+    steps = 0
+    while core.has_unfinished() or steps < 2:
+        if steps == 2:
+            for i in range(len(prompts) - late, len(prompts)):
+                add(i)
+        for o in core.step():
+            toks[o.req_id].extend(o.new_token_ids)
+        steps += 1
+    core.step()
+    return [toks[r] for r in rids]
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_static_padded_decode_equals_eager(tiny_code, spec):
+    kw = dict(num_blocks=128, max_num_seqs=8, cuda_graph_sizes=SIZES)
+    if spec:
+        kw["num_speculative_tokens"] = spec
+    eager = LLM(str(tiny_code), enforce_eager=True, **kw)
+    assert eager.core.runner.static is None
+    prompts = _prompts(eager.tokenizer, 5)
+    ref = _run(eager, prompts, late=2)
+    llm = LLM(str(tiny_code), enforce_eager=False, **kw)
+    got = _run(llm, prompts, late=2)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i} diverged on the static path"
+    st = llm.core.runner.static
+    assert st.num_captures == 0  # CPU: the same padded forwards, eagerly
+    padded = {(b, bp, r) for b, bp, r in st.shapes if bp > b}
+    assert padded, f"no forward needed padding: {dict(st.shapes)}"
+    assert all(bp in SIZES for _, bp, _ in st.shapes)
+    assert {b for b, _, _ in st.shapes} >= {3, 5}, "the batch grew and shrank across steps"
+    if spec:
+        assert {r for _, _, r in st.shapes} == {1, 1 + spec}  # verify / catch-up rows, and draft steps
+        assert llm.get_stats().spec_accepted > 0
+    assert st.builder.num_h2d == st.num_static, "one host -> device copy per static forward"
+    assert llm.get_stats().num_free_blocks == 128
+
+
+def test_enforce_eager_and_cpu_default(tiny_code):
+    assert LLM(str(tiny_code), num_blocks=16).core.runner.static is None  # CPU default: eager
+    assert LLM(str(tiny_code), num_blocks=16, enforce_eager=True).core.runner.static is None
+    st = LLM(str(tiny_code), num_blocks=16, enforce_eager=False, max_num_seqs=20).core.runner.static
+    assert st.sizes == [1, 2, 4, 8, 16, 20]
+    assert [st.bucket(n) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
