@@ -39,6 +39,7 @@ def build_rank_model(cfg, rank: int, device: torch.device):
 
 
 class DPModelRunner(ModelRunner):
+    static_decode = False  # MoE all-to-alls of data-dependent sizes inside the pass: eager
     def __init__(self, cfg, comm: RankComm):
         self.comm, self.rank = comm, comm.rank
         pc, mc = cfg.parallel, cfg.model
@@ -86,10 +87,10 @@ class DPModelRunner(ModelRunner):
             self._agree(True, sum(len(t) for _, _, t in rows))
         return super().forward(rows)
 
-    def mtp_forward(self, rows, prev_hidden, keep=None):
+    def mtp_forward(self, rows, prev_hidden, keep=None, input_ids=None):
         if self.ep:
             self._agree(True, sum(len(t) for _, _, t in rows))
-        return super().mtp_forward(rows, prev_hidden, keep)
+        return super().mtp_forward(rows, prev_hidden, keep, input_ids)
 
     def execute(self, sched):
         self._round = 0
