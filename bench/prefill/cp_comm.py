@@ -28,7 +28,8 @@ import torch
 
 from bench.prefill.ranks import RANKS, rank_stats, reset_comm_counters, set_kv_prefetch
 
-TAGS = ("pcp_kv", "pcp_index", "dcp_ctx", "hidden", "ep_dispatch", "ep_combine", "dcp_q", "dcp_cand", "dcp_merge")
+TAGS = ("pcp_kv", "pcp_index", "dcp_ctx", "hidden", "ep_dispatch", "ep_meta", "ep_combine",
+        "dcp_q", "dcp_cand", "dcp_merge")
 
 
 def _ids(n: int, seed: int, vocab: int) -> list[int]:

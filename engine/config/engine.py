@@ -102,10 +102,16 @@ class ParallelConfig:
             raise ValueError(f"dcp_comm_backend must be 'ag_rs' or 'a2a', got {self.dcp_comm_backend!r}")
         if self.cp_kv_cache_interleave_size < 1 or 64 % self.cp_kv_cache_interleave_size:
             raise ValueError("cp_kv_cache_interleave_size must divide the block size (64)")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and pcp > 1:
+            raise ValueError("data_parallel_size > 1 runs one rank per DP replica: use it without the context "
+                             "parallel sizes (PCP x DCP is the prefill engine's, DP x EP the decode engine's)")
 
     @property
     def world_size(self) -> int:
-        return self.prefill_context_parallel_size
+        """Processes (ranks) of one engine: its PCP ranks, or its DP ranks."""
+        return self.prefill_context_parallel_size * self.data_parallel_size
 
 
 @dataclass(frozen=True)
@@ -202,16 +208,18 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.hisparse is not None and self.parallel.world_size > 1:
-            raise ValueError("hisparse runs on single-rank decode engines: drop it or the context parallel sizes")
+        if self.hisparse is not None and self.parallel.prefill_context_parallel_size > 1:
+            raise ValueError("hisparse runs on single-rank decode engines and DP ranks: drop it or the context "
+                             "parallel sizes")
         if self.speculative is not None and not self.model.has_mtp:
             raise ValueError("speculative decoding with MTP needs a checkpoint with an MTP layer")
         if self.speculative is not None and not self.cache.mtp_kv:
             raise ValueError("speculative decoding needs the MTP layer's KV: drop --no-mtp-kv")
         pc = self.parallel
         if pc.enable_expert_parallel and pc.world_size > 1 and self.model.n_routed_experts % pc.world_size:
+            what = "--data-parallel-size" if pc.data_parallel_size > 1 else "the number of ranks"
             raise ValueError(f"expert parallelism over {pc.world_size} ranks needs n_routed_experts "
-                             f"({self.model.n_routed_experts}) divisible by {pc.world_size}")
+                             f"({self.model.n_routed_experts}) divisible by {what} ({pc.world_size})")
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
             raise ValueError(f"max_model_len {self.scheduler.max_model_len} exceeds the model's "
                              f"max_position_embeddings {self.model.max_position_embeddings}")

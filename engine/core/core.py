@@ -165,6 +165,10 @@ class EngineCore:
 def make_engine_core(cfg: EngineConfig, rank_pool=None) -> EngineCore:
     """The core a config asks for: one process, or rank 0 of a multi-rank engine (`rank_pool`: an
     engine.parallel.spawn.RankPool whose idle ranks it may reuse; multi-rank only)."""
+    if cfg.parallel.data_parallel_size > 1:  # a DP x EP group (engine/parallel/dp.py)
+        from engine.parallel.dp import DPEngineCore
+
+        return DPEngineCore(cfg, rank_pool=rank_pool)
     if cfg.parallel.world_size > 1:
         from engine.parallel.executor import MultiRankEngineCore
 

@@ -176,6 +176,12 @@ class RankComm:
         dist.gather_object(obj, out, dst=0, group=self.control)
         return out
 
+    def scatter_objects(self, objs: list | None = None):
+        """Rank 0's objs[r] -> rank r (the others pass nothing)."""
+        box = [None]
+        dist.scatter_object_list(box, objs if self.rank == 0 else None, src=0, group=self.control)
+        return box[0]
+
     def all_gather_objects(self, obj) -> list:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.control)

@@ -32,7 +32,8 @@ class MultiRankEngineCore(EngineCore):
         """`rank_pool`: take idle ranks of this world size from it, and give them back at `shutdown`."""
         world = cfg.parallel.world_size
         if world < 2:
-            raise ValueError("MultiRankEngineCore needs prefill_context_parallel_size >= 2; use EngineCore")
+            raise ValueError("a multi-rank engine needs prefill_context_parallel_size or data_parallel_size >= 2; "
+                             "use EngineCore")
         device = torch.device(cfg.device)
         self._closed = False
         self.rank_pool = rank_pool
@@ -43,13 +44,16 @@ class MultiRankEngineCore(EngineCore):
             self.spawner, self.comm = self._start_ranks(world, device)
         try:
             self.comm.broadcast_object(("engine", cfg))
-            super().__init__(cfg, runner_factory=lambda c: CPModelRunner(c, self.comm))
+            super().__init__(cfg, runner_factory=self._make_runner)
         except BaseException:
             self._abandon()
             raise
         self.check_outputs = envs.cp_check_outputs() if check_outputs is None else check_outputs
         ref = weakref.ref(self)  # not a strong reference: the engine may be collected before exit
         atexit.register(lambda: ref() is not None and ref().shutdown())
+
+    def _make_runner(self, cfg: EngineConfig):
+        return CPModelRunner(cfg, self.comm)
 
     def _start_ranks(self, world: int, device: torch.device) -> tuple[RankSpawner | None, RankComm]:
         if torch.distributed.is_initialized():

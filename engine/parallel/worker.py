@@ -1,10 +1,12 @@
 """A worker rank: `python -m engine.parallel.worker` (torchrun's environment, see launcher.py).
 
 It joins the process groups, then serves engines one after another: ("engine", EngineConfig) builds its
-CPModelRunner, whose messages it then runs, in order:
+CPModelRunner (a DPModelRunner with data_parallel_size > 1), whose messages it then runs, in order:
 
     ("step", SchedulerOutput, check)  run the step (collectives with the other ranks); with `check`,
                                       all-gather what was sampled so rank 0 can compare
+    ("dpstep",)                       data parallel: receive this rank's SchedulerOutput (scatter), run it,
+                                      gather the RunnerOutputs on rank 0
     ("rpc", method, args)             call a runner method (or "module:function" with the runner first)
                                       and gather the results on rank 0
     ("release",)                      drop the runner, wait for the next ("engine", cfg) or ("exit",)
@@ -35,17 +37,26 @@ def worker_main() -> None:
         device = torch.device("cuda", env.local_rank)
     _exit_with_parent()
     comm = RankComm(env, device)
-    from engine.parallel.runner import CPModelRunner
-
     while True:  # one engine after another (a pooled rank waits here between engines)
         msg = comm.broadcast_object()
         if msg[0] == "exit":
             break
         assert msg[0] == "engine", f"expected an engine config from rank 0, got {msg[0]!r}"
-        if serve(CPModelRunner(msg[1], comm), comm) == "shutdown":
+        if serve(rank_runner(msg[1], comm), comm) == "shutdown":
             break
         comm.reset_counters()
     comm.shutdown()
+
+
+def rank_runner(cfg, comm: RankComm):
+    """This rank's runner: a DP rank's (data_parallel_size > 1) or a CP rank's."""
+    if cfg.parallel.data_parallel_size > 1:
+        from engine.parallel.dp_runner import DPModelRunner
+
+        return DPModelRunner(cfg, comm)
+    from engine.parallel.runner import CPModelRunner
+
+    return CPModelRunner(cfg, comm)
 
 
 def serve(runner, comm: RankComm) -> str:
@@ -58,6 +69,8 @@ def serve(runner, comm: RankComm) -> str:
             out = runner.execute(msg[1])
             if msg[2]:
                 comm.all_gather_objects(rank_output_digest(out))
+        elif msg[0] == "dpstep":  # data parallel: this rank's own SchedulerOutput, its RunnerOutput back
+            comm.gather_objects(runner.execute(comm.scatter_objects()))
         elif msg[0] == "rpc":
             comm.gather_objects(call_rpc(runner, msg[1], msg[2]))
         elif msg[0] in ("release", "shutdown"):

@@ -310,3 +310,19 @@ def test_kv_written_on_rank0_replicates_to_every_rank(cp):
         for r in after[1:]:
             assert torch.equal(r["mla"], after[0]["mla"]) and torch.equal(r["index"], after[0]["index"])
     _decode_imported(core, ref, prefix + tail, 3 * 64, write)
+
+
+def test_ep_dispatch_moves_one_copy_per_token_and_rank(cp):
+    """PCP x EP prefill: the dispatcher's rows over all MoE layers = the (token, destination rank) pairs of
+    the single-rank engine's routing of the same prompt (its tokens split over the ranks)."""
+    from tests.helpers.ep_counts import dispatched_rows, reset_counters, routed_pairs
+
+    c, llm, ref = cp
+    if not c["ep"]:
+        pytest.skip("no expert parallelism")
+    ids = _ids(127, seed=5)
+    reset_counters(llm.core)
+    with routed_pairs(ref, c["pcp"]) as pairs:
+        ref.prompt_logits(ids)
+    llm.prompt_logits(ids)
+    assert pairs[0] > 0 and dispatched_rows(llm.core, llm.config.model.hidden_size) == pairs[0]

@@ -1,0 +1,129 @@
+"""DP x EP decode group over real ranks (gloo, one process per rank) against the single-rank engine: greedy
+tokens equal for a batch spread over the ranks, one request (the other rank idle throughout), uneven
+prompts; with MTP3; the dispatcher's rows = one copy per (token, destination rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.request import Request
+from engine.parallel.spawn import RankPool
+from tests.helpers.ep_counts import dispatched_rows, rank_stats, reset_counters, routed_pairs
+
+pytestmark = pytest.mark.xdist_group("cp")  # one process group per process: keep these on one worker
+
+EXACT = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "indexer_precision": "fp32",
+         "num_blocks": 64}
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LENS = (5, 127, 40, 90, 1)  # uneven: prefill of one rank beside decode of the other
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(1, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(core, prompts, sp=GREEDY) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens by stepping the core; also the rank each request went to."""
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts):
+        core.add_request(Request(rid, list(p), sp))
+    ranks = [core.rank_of[r] for r in rids] if hasattr(core, "rank_of") else []
+    toks = {rid: [] for rid in rids}
+    while core.has_unfinished():
+        for o in core.step():
+            toks[o.req_id].extend(o.new_token_ids)
+    core.step()  # the runners drop the finished requests' state
+    return [toks[r] for r in rids], ranks
+
+
+@pytest.fixture(scope="module")
+def rank_pool():
+    """The spawned ranks serve both configurations (and the HiSparse module's engines after them)."""
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module", params=[0, 3], ids=["plain", "mtp3"])
+def engines(request, tiny_ckpt, rank_pool):
+    kw = dict(EXACT, num_speculative_tokens=request.param) if request.param else EXACT
+    ref = LLM(str(tiny_ckpt), **kw)
+    dp = LLM(str(tiny_ckpt), rank_pool=rank_pool, data_parallel_size=2, enable_expert_parallel=True, **kw)
+    yield ref, dp, request.param
+    dp.core.shutdown()  # its ranks go back to rank_pool
+
+
+def test_batch_spread_over_both_ranks(engines):
+    ref, dp, spec = engines
+    prompts = [_ids(n, seed=n) for n in LENS]
+    got, ranks = _run(dp.core, prompts)
+    assert sorted(set(ranks)) == [0, 1] and ranks[:2] == [0, 1]  # least loaded: alternating
+    assert got == _run(ref.core, prompts)[0]
+    if spec:
+        assert dp.get_stats().spec_drafts > 0
+
+
+def test_single_request_other_rank_idle(engines):
+    ref, dp, _ = engines
+    prompt = _ids(70, seed=3)
+    reset_counters(dp.core)
+    before = [s["dummy_passes"] for s in rank_stats(dp.core)]
+    with routed_pairs(ref, 2) as pairs:
+        want = _run(ref.core, [prompt])[0]
+    got, ranks = _run(dp.core, [prompt])
+    assert got == want and ranks == [0]
+    after = [s["dummy_passes"] for s in rank_stats(dp.core)]
+    assert after[0] == before[0] and after[1] > before[1]  # rank 1 joined every MoE layer with no rows
+    # decode DP2 x EP2: one copy per (token, destination rank), every step
+    assert pairs[0] > 0 and dispatched_rows(dp.core, dp.config.model.hidden_size) == pairs[0]
+
+
+def test_stats_and_abort(engines):
+    _, dp, _ = engines
+    core = dp.core
+    core.add_request(Request("a", _ids(20, seed=1), GREEDY))
+    core.add_request(Request("b", _ids(30, seed=2), GREEDY))
+    core.step()
+    st = dp.get_stats()
+    assert st.num_running == 2 and st.num_blocks == 2 * core.kv.num_blocks
+    assert core.abort("a") and core.abort("b") and not core.abort("a")
+    core.step()
+    assert not core.has_unfinished() and all(kv.num_free_blocks == kv.num_blocks for kv in core.kvs)
+    # an idle group sends nothing: no round, no MoE collective
+    reset_counters(core)
+    assert core.step() == [] and core.step() == []
+    assert all(not s["comm_calls"] for s in rank_stats(core))
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request(Request("c", [1, 2], GREEDY))
+        core.add_request(Request("c", [1, 2], GREEDY))
+    core.abort("c")
+
+
+def test_async_engine_streams_from_a_dp_group(engines):
+    """The AsyncEngine (what the services run) over the group: concurrent streams, tokens as offline."""
+    import asyncio
+
+    from engine.frontend.async_engine import AsyncEngine
+
+    ref, dp, _ = engines
+    prompts = [_ids(n, seed=200 + n) for n in (12, 60, 33)]
+    want = _run(ref.core, prompts)[0]
+
+    async def main():
+        eng = AsyncEngine(dp.config, core=dp.core)
+        eng.start()
+
+        async def one(p):
+            toks = []
+            async for out in eng.generate(p, GREEDY):
+                toks = list(out.token_ids)
+            return toks
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await eng.shutdown()
+
+    assert asyncio.run(main()) == want
