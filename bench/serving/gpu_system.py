@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts-per-level", default="6,24,64")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--traces", default=str(ROOT.parent / "shared" / "traces"))
+    p.add_argument("--traces", help="recorded agent sessions for the agentx level (folder, glob or files); "
+                                    "without it the agentx level is skipped")
     p.add_argument("--agentx-concurrency", type=int, default=8)
     p.add_argument("--agentx-duration", type=float, default=30.0)
     p.add_argument("--warmup-requests", type=int, default=2,
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             out["serve"].append(bench_serve(dep, c, n, a.input_len, a.output_len))
             print(json.dumps(out["serve"][-1]), flush=True)
             Path(a.out).write_text(json.dumps(out, indent=1))
-        if a.agentx_duration > 0:
+        if a.agentx_duration > 0 and a.traces:
             out["agentx"] = bench_agentx(dep, a.traces, a.agentx_concurrency, a.agentx_duration, 10.0, 4096)
             print(json.dumps(out["agentx"]), flush=True)
     finally:
