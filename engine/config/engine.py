@@ -1,7 +1,8 @@
 """The engine's frozen config tree: cache, scheduler, parallelism, speculation, HiSparse (docs/conventions.md,
 "Architecture").
 
-Values found at run time (how many KV blocks fit) live in `engine.core.core.RuntimeInfo`, not here.
+Values found at run time (how many KV blocks fit) are the runner's (`ModelRunner.kv_cache.num_blocks`, reported in
+`EngineCore.get_stats()`), not here.
 """
 
 from __future__ import annotations
