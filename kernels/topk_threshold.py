@@ -43,13 +43,12 @@ def _ordered(x):
 
 
 @jit
-def _kth_largest(key, valid, k):
-    """int64 T with count(key >= T) >= k > count(key > T) over key[valid] (at least k valid): the k-th
-    largest key, or a value with exactly k keys above or at it and none equal (the bisection's early exit)."""
-    lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
-    hi = tl.max(tl.where(valid, key, _KEY_MIN), axis=0).to(tl.int64)
-    key = tl.where(valid, key, _KEY_MIN)  # every probe is > lo >= the smallest valid key
-    while lo < hi:  # count(key >= lo) >= k, count(key > hi) < k
+def _kth_largest(key, k):
+    """int64 T with count(key >= T) >= k > count(key > T), over the keys that are not _KEY_MIN (at least
+    k of them): the k-th largest key, or, when a probe leaves exactly k keys at or above it, that probe."""
+    lo = tl.min(tl.where(key != _KEY_MIN, key, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64)
+    while lo < hi:  # count(key >= lo) >= k > count(key > hi); every probe is > lo, so _KEY_MIN never counts
         mid = lo + (hi - lo + 1) // 2
         c = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
         hi = tl.where(c >= k, tl.where(c == k, mid, hi), mid - 1)
@@ -68,7 +67,7 @@ def _folded_maxima(n, GROUP: tl.constexpr, SUM_CAP: tl.constexpr):
 @jit
 def _candidates_kernel(score_ptr, gmax_ptr, pos_ptr, cand_ptr, cpos_ptr, count_ptr, row_offset, ss_row, sg_row, k,
                        GROUP: tl.constexpr, SUM_CAP: tl.constexpr, CAP: tl.constexpr, NCHUNK: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       SCAN: tl.constexpr):
     """Program (row r, chunk c): theta from the row's maxima, then its positions' keys >= theta -> the
     chunk's candidate slots [r, c, 0..CAP) and its count (uncapped) -> count[r, c]."""
     r = tl.program_id(0).to(tl.int64)
@@ -82,14 +81,14 @@ def _candidates_kernel(score_ptr, gmax_ptr, pos_ptr, cand_ptr, cpos_ptr, count_p
             g = i * fold + j
             m = tl.maximum(m, tl.load(gmax_ptr + r * sg_row + g, mask=(i < num_folded) & (g < num_groups),
                                       other=float("-inf")))
-        theta = _kth_largest(_ordered(m), i < num_folded, k).to(tl.int32)
-        span = tl.cdiv(tl.cdiv(n, NCHUNK), BLOCK) * BLOCK
+        theta = _kth_largest(tl.where(i < num_folded, _ordered(m), _KEY_MIN), k).to(tl.int32)
+        span = tl.cdiv(tl.cdiv(n, NCHUNK), SCAN) * SCAN
         lo = chunk * span
         hi = tl.minimum(n, lo + span)
         slot = (r * NCHUNK + chunk) * CAP
         count = 0
-        for c0 in range(lo, hi, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
+        for c0 in range(lo, hi, SCAN):
+            cols = c0 + tl.arange(0, SCAN)
             key = _ordered(tl.load(score_ptr + r * ss_row + cols, mask=cols < hi, other=0.0))
             take = (cols < hi) & (key >= theta)
             dst = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
@@ -100,20 +99,46 @@ def _candidates_kernel(score_ptr, gmax_ptr, pos_ptr, cand_ptr, cpos_ptr, count_p
 
 
 @jit
-def _emit_selected(key, cand_pos, valid, k, bt_row, o_row, AS_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The k largest of key[valid] -> o_row[0, k) in the order of the entries (ascending positions);
-    among keys equal to the k-th largest, the first ones win."""
-    thr = _kth_largest(key, valid, k).to(tl.int32)
-    gt = valid & (key > thr)
-    eq = valid & (key == thr)
+def _gather_chunks_kernel(cand_ptr, cpos_ptr, count_ptr, pos_ptr, row_offset, k, GROUP: tl.constexpr,
+                          SUM_CAP: tl.constexpr, CAP: tl.constexpr, NCHUNK: tl.constexpr):
+    """Program (row r, chunk c >= 1): chunk c's candidates -> row r's chunk-0 slots, after those of chunks
+    < c (position order), where they fit. Chunk 0's own candidates stay; no program reads another's writes."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) + 1
+    n = tl.load(pos_ptr + row_offset + r).to(tl.int32) + 1
+    _, _, num_folded = _folded_maxima(n, GROUP, SUM_CAP)
+    if (n > k) & (num_folded >= k):
+        j = tl.arange(0, NCHUNK)
+        counts = tl.load(count_ptr + r * NCHUNK + j)
+        start = tl.sum(tl.where(j < c, counts, 0), axis=0)
+        cnt = tl.sum(tl.where(j == c, counts, 0), axis=0)
+        i = tl.arange(0, CAP)
+        ok = (i < cnt) & (start + i < CAP)
+        src = (r * NCHUNK + c) * CAP + i
+        dst = r * NCHUNK * CAP + start + i
+        tl.store(cand_ptr + dst, tl.load(cand_ptr + src, mask=ok), mask=ok)
+        tl.store(cpos_ptr + dst, tl.load(cpos_ptr + src, mask=ok), mask=ok)
+
+
+@jit
+def _emit_selected(key, cpos_row, k, bt_row, o_row, AS_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   FROM_ROW: tl.constexpr):
+    """The k largest of the keys that are not _KEY_MIN -> o_row[0, k), in the order of the entries
+    (ascending positions); of the keys equal to the k-th largest, the first ones win. An entry's position
+    is its index (FROM_ROW) or cpos_row[index], loaded only for the entries taken."""
+    thr = _kth_largest(key, k).to(tl.int32)
+    gt = key > thr
+    eq = key == thr
     k_eq = k - tl.sum(gt.to(tl.int32), axis=0)
-    take = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= k_eq))
-    dst = tl.cumsum(take.to(tl.int32), axis=0) - 1
-    val = cand_pos.to(tl.int64)
-    if AS_SLOTS:
-        page = tl.load(bt_row + val // BLOCK_SIZE, mask=take, other=0).to(tl.int64)
-        val = page * BLOCK_SIZE + val % BLOCK_SIZE
-    tl.store(o_row + dst, val.to(tl.int32), mask=take)
+    seen = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)  # <= CAP < 2^15 of each, one scan
+    take = gt | (eq & ((seen >> 16) <= k_eq))
+    dst = (seen & 0xFFFF) + tl.minimum(seen >> 16, k_eq) - 1
+    val = tl.arange(0, key.shape[0])
+    if not FROM_ROW:
+        val = tl.load(cpos_row + val, mask=take, other=0)
+    if AS_SLOTS:  # slots fit int32 (the output's type)
+        val = tl.load(bt_row + val // BLOCK_SIZE, mask=take, other=0) * BLOCK_SIZE + val % BLOCK_SIZE
+    tl.store(o_row + dst, val, mask=take)
 
 
 @jit
@@ -132,23 +157,15 @@ def _select_kernel(score_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, cand_ptr, cpos_
     if n <= k:
         _emit_all(n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
     elif num_folded >= k:
-        total = 0
-        src = i
-        for c in tl.static_range(NCHUNK):  # chunk c's candidates follow those of chunks < c
-            cnt = tl.load(count_ptr + r * NCHUNK + c)
-            src = tl.where((i >= total) & (i < total + cnt), c * CAP + i - total, src)
-            total += cnt
-        if total <= CAP:
-            ok = i < total
-            slot = r * NCHUNK * CAP + src
-            key = tl.load(cand_ptr + slot, mask=ok, other=0)
-            cand_pos = tl.load(cpos_ptr + slot, mask=ok, other=0)
-            _emit_selected(key, cand_pos, ok, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE)
+        total = tl.sum(tl.load(count_ptr + r * NCHUNK + tl.arange(0, NCHUNK)), axis=0)
+        if total <= CAP:  # else a chunk overflowed its slots, or they do not fit the registers together
+            key = tl.load(cand_ptr + r * NCHUNK * CAP + i, mask=i < total, other=_KEY_MIN)
+            _emit_selected(key, cpos_ptr + r * NCHUNK * CAP, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, False)
         else:
             _radix_select_row(score_ptr + r * ss_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
     elif n <= CAP:
-        key = _ordered(tl.load(score_ptr + r * ss_row + i, mask=i < n, other=0.0))
-        _emit_selected(key, i, i < n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE)
+        key = tl.where(i < n, _ordered(tl.load(score_ptr + r * ss_row + i, mask=i < n, other=0.0)), _KEY_MIN)
+        _emit_selected(key, cpos_ptr, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, True)
     else:
         _radix_select_row(score_ptr + r * ss_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
 
@@ -156,19 +173,23 @@ def _select_kernel(score_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, cand_ptr, cpos_
 @dataclass(frozen=True)
 class SelectConfig:
     """`group` positions per maximum (the score kernel's GROUP), at most `sum_cap` folded maxima and `cap`
-    candidates per row held in registers, `block` scores per streaming step, `num_chunks` compaction
-    programs per row (None: enough to fill the GPU)."""
+    candidates per row held in registers, `scan` scores per step of the compaction pass (several KB in
+    flight per program), `block` per step of the radix fallback, `num_chunks` compaction programs per row
+    (None: enough to fill the GPU)."""
     group: int = 16
     sum_cap: int = 8192
     cap: int = 8192
+    scan: int = 8192
     block: int = 2048
     num_chunks: int | None = None
 
     def __post_init__(self):
-        for name in ("group", "sum_cap", "cap", "block", "num_chunks"):
+        for name in ("group", "sum_cap", "cap", "scan", "block", "num_chunks"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"SelectConfig.{name} = {v} must be a power of two")
+        if self.cap > 1 << 15:
+            raise ValueError(f"SelectConfig.cap = {self.cap}: at most 32768 (the emission packs two counts in int32)")
 
 
 def _num_chunks(rows: int, cfg: SelectConfig, device: torch.device) -> int:
@@ -200,12 +221,15 @@ def topk_threshold_rows(scores: torch.Tensor, gmax: torch.Tensor, positions: tor
     cand = torch.empty((rows, nchunk, cfg.cap), dtype=torch.int32, device=scores.device)
     cand_pos = torch.empty_like(cand)
     counts = torch.empty((rows, nchunk), dtype=torch.int32, device=scores.device)
-    consts = dict(GROUP=cfg.group, SUM_CAP=cfg.sum_cap, CAP=cfg.cap, NCHUNK=nchunk, BLOCK=cfg.block)
+    consts = dict(GROUP=cfg.group, SUM_CAP=cfg.sum_cap, CAP=cfg.cap, NCHUNK=nchunk)
     _candidates_kernel[(rows, nchunk)](scores, gmax, positions, cand, cand_pos, counts, row_offset, scores.stride(0),
-                                       gmax.stride(0), k, **consts, num_warps=4)
+                                       gmax.stride(0), k, **consts, SCAN=cfg.scan, num_warps=16)
+    if nchunk > 1:
+        _gather_chunks_kernel[(rows, nchunk - 1)](cand, cand_pos, counts, positions, row_offset, k, GROUP=cfg.group,
+                                                  SUM_CAP=cfg.sum_cap, CAP=cfg.cap, NCHUNK=nchunk, num_warps=16)
     _select_kernel[(rows,)](scores, positions, req, table, out, cand, cand_pos, counts, row_offset, scores.stride(0),
                             out.stride(0), table.stride(0) if as_slots else 0, k, BLOCK_SIZE=block_size,
-                            AS_SLOTS=as_slots, **consts, num_warps=8)
+                            AS_SLOTS=as_slots, **consts, BLOCK=cfg.block, num_warps=16)
 
 
 def num_maxima(seq_len: int, cfg: SelectConfig) -> int:

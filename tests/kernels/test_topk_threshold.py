@@ -84,13 +84,13 @@ def check_threshold(device, S: int, k: int, cfg: SelectConfig, positions: list[i
 
 
 CASES = {  # name: (S, k, config, positions, branches that must be hit)
-    "threshold": (700, 20, SelectConfig(group=4, sum_cap=256, cap=128, block=64, num_chunks=1),
+    "threshold": (700, 20, SelectConfig(group=4, sum_cap=256, cap=128, scan=64, block=64, num_chunks=1),
                   [699, 650, 600, 699, 680, 699, 19, 18, 20], {"all", "threshold", "radix"}),
-    "chunks": (700, 20, SelectConfig(group=4, sum_cap=256, cap=128, block=32, num_chunks=4),
+    "chunks": (700, 20, SelectConfig(group=4, sum_cap=256, cap=128, scan=32, block=32, num_chunks=4),
                [699, 650, 600, 699, 680, 699, 300], {"threshold", "radix"}),
-    "folded": (900, 16, SelectConfig(group=4, sum_cap=64, cap=128, block=64, num_chunks=2),
+    "folded": (900, 16, SelectConfig(group=4, sum_cap=64, cap=128, scan=128, block=64, num_chunks=2),
                [899, 880, 870, 899, 700, 899], {"threshold folded"}),
-    "direct": (300, 40, SelectConfig(group=16, sum_cap=64, cap=256, block=64, num_chunks=2),
+    "direct": (300, 40, SelectConfig(group=16, sum_cap=64, cap=256, scan=64, block=64, num_chunks=2),
                [255, 250, 200, 299, 255, 255, 39], {"all", "direct", "radix"}),
 }
 
