@@ -66,9 +66,10 @@ def _fused_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr,
     num_rows = tl.load(tile_ptr + 2 * tl.program_id(0) + 1)
     t = tl.arange(0, BLOCK_T)
     t_ok = t < num_rows
-    pos = tl.load(pos_ptr + row0 + t, mask=t_ok, other=-1)
+    pos = tl.load(pos_ptr + row0 + t, mask=t_ok, other=-1).to(tl.int32)
     s_lo = tl.program_id(1) * KEYS_PER_PROG
     s_end = tl.minimum(tl.max(pos, axis=0) + 1, s_lo + KEYS_PER_PROG)
+    pos_min = tl.min(tl.where(t_ok, pos, 2147483647), axis=0)
     if s_lo < s_end:
         c = tl.arange(0, N)
         c_ok = (c // H_PAD < num_rows) & (c % H_PAD < num_heads)
@@ -78,32 +79,43 @@ def _fused_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr,
         if DOT_F32:
             q = q.to(tl.float32)
         bt_row = bt_ptr + tl.load(req_ptr + row0).to(tl.int64) * s_bt
-        out_rows = row0 - row_offset + t
+        score_rows = score_ptr + (row0 - row_offset + t) * ss_row
+        gmax_rows = gmax_ptr + (row0 - row_offset + t) * sg_row
+        # BLOCK_N divides BLOCK_SIZE and tiles start at multiples of BLOCK_N: a tile lies in one cache block,
+        # so its keys sit at one base plus loop-invariant offsets (132-byte rows: 4-byte aligned)
+        n = tl.arange(0, BLOCK_N)
+        row_off = tl.multiple_of(n * sk_tok, 4)
         for s0 in range(s_lo, s_end, BLOCK_N):
-            s = s0 + tl.arange(0, BLOCK_N)
-            s_ok = s < s_end
-            page = tl.load(bt_row + s // BLOCK_SIZE, mask=s_ok, other=0).to(tl.int64)
-            base = tl.multiple_of(page * sk_blk + (s % BLOCK_SIZE) * sk_tok, 4)  # 132-byte rows: 4-byte aligned
-            k = tl.load(k_ptr + base[:, None] + tl.arange(0, D)[None, :], mask=s_ok[:, None], other=0.0)
-            k_scale = tl.load(ks_ptr + (base + D) // 4, mask=s_ok, other=0.0)
+            page = tl.load(bt_row + s0 // BLOCK_SIZE).to(tl.int64)
+            base = tl.multiple_of(page * sk_blk + (s0 % BLOCK_SIZE) * sk_tok, 4)
+            # keys past s_end in the tile's block are read (valid memory), their scores never stored
+            k = tl.load(k_ptr + base + row_off[:, None] + tl.arange(0, D)[None, :])
+            k_scale = tl.load(ks_ptr + (base + D) // 4 + row_off // 4)
             if DOT_F32:
                 k = k.to(tl.float32)
             logits = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, N]
             x = tl.maximum(logits, 0.0) * w[None, :]
             score = tl.sum(tl.reshape(x, [BLOCK_N, BLOCK_T, H_PAD]), axis=2) * k_scale[:, None]
-            valid = (s[:, None] <= pos[None, :]) & t_ok[None, :]
-            tl.store(score_ptr + out_rows[None, :] * ss_row + s[:, None], score, mask=valid)
-            masked = tl.where(valid, score, float("-inf"))
-            gmax = tl.max(tl.reshape(masked, [BLOCK_N // GROUP, GROUP, BLOCK_T]), axis=1)
+            s = s0 + n
             g = s0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
-            tl.store(gmax_ptr + out_rows[None, :] * sg_row + g[:, None], gmax,
-                     mask=(g[:, None] * GROUP <= pos[None, :]) & t_ok[None, :])
+            if s0 + BLOCK_N <= pos_min + 1:  # every key of the tile is causal for every row: no masks
+                tl.store(score_rows[None, :] + s[:, None], score, mask=t_ok[None, :])
+                gmax = tl.max(tl.reshape(score, [BLOCK_N // GROUP, GROUP, BLOCK_T]), axis=1)
+                tl.store(gmax_rows[None, :] + g[:, None], gmax, mask=t_ok[None, :])
+            else:
+                valid = (s[:, None] <= pos[None, :]) & t_ok[None, :]
+                tl.store(score_rows[None, :] + s[:, None], score, mask=valid)
+                masked = tl.where(valid, score, float("-inf"))
+                gmax = tl.max(tl.reshape(masked, [BLOCK_N // GROUP, GROUP, BLOCK_T]), axis=1)
+                tl.store(gmax_rows[None, :] + g[:, None], gmax,
+                         mask=(g[:, None] * GROUP <= pos[None, :]) & t_ok[None, :])
 
 
 @dataclass(frozen=True)
 class FusedConfig:
     """Tiles of the fused path: `block_t` caps the query rows per tile (N = block_t x H_PAD), `block_n` keys
-    per MMA, `keys_per_prog` keys per program; `select` the top-k's (its `group` is the kernel's GROUP)."""
+    per MMA (at most the cache block size), `keys_per_prog` keys per program; `select` the top-k's (its
+    `group` is the kernel's GROUP)."""
     block_t: int = 4
     block_n: int = 64
     num_warps: int = 4
@@ -121,7 +133,7 @@ class FusedConfig:
 
 
 PREFILL = FusedConfig()
-DECODE = FusedConfig(block_t=1, block_n=128, num_stages=4, keys_per_prog=4096)
+DECODE = FusedConfig(block_t=1, block_n=64, num_stages=4, keys_per_prog=4096)
 INTERPRETED = FusedConfig(block_t=4, block_n=16, num_stages=1, keys_per_prog=64,
                           select=SelectConfig(group=4, sum_cap=64, cap=64, scan=32, block=32))
 
@@ -198,6 +210,11 @@ def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, bl
         raise ValueError("key cache blocks and rows must start on 4-byte boundaries")
     if scores.stride(1) != 1 or gmax.stride(1) != 1 or gmax.shape[1] * cfg.select.group < scores.shape[1]:
         raise ValueError("scores and gmax need contiguous rows, gmax one column per group of scores")
+    bs = index_cache.shape[1]
+    block_n = min(cfg.block_n, bs)  # a key tile never spans two cache blocks
+    if bs & (bs - 1) or block_n % cfg.select.group:
+        raise ValueError(f"the fused indexer needs a power-of-two cache block size of at least the group "
+                         f"({cfg.select.group}), got {bs}")
     if tiles.shape[0] == 0:
         return
     span = sb * (index_cache.shape[0] - 1) + st * (index_cache.shape[1] - 1) + D + 4
@@ -208,6 +225,6 @@ def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, bl
         q, w, flat.view(torch.float8_e4m3fn), flat.view(torch.float32), block_table, tiles, token_req_idx,
         positions, scores, gmax, row_offset, H, q.stride(0), q.stride(1), w.stride(0), sb, st,
         block_table.stride(0), scores.stride(0), gmax.stride(0),
-        BLOCK_SIZE=index_cache.shape[1], D=D, H_PAD=h_pad, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=bs, D=D, H_PAD=h_pad, BLOCK_T=block_t, BLOCK_N=block_n,
         KEYS_PER_PROG=cfg.keys_per_prog, GROUP=cfg.select.group, DOT_F32=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -149,8 +149,8 @@ def _cfg_str(cfg: FusedConfig) -> str:
     return f"block_t={cfg.block_t} block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages}"
 
 
-SWEEP_PREFILL = [(4, 64, 4, 3), (4, 64, 8, 3), (4, 128, 8, 3), (8, 64, 8, 3), (4, 64, 4, 4), (2, 128, 4, 3)]
-SWEEP_DECODE = [(1, 128, 4, 4), (1, 64, 4, 4), (1, 128, 4, 3), (1, 256, 8, 3), (1, 128, 8, 4)]
+SWEEP_PREFILL = [(4, 64, 4, 3), (4, 64, 8, 3), (8, 64, 8, 3), (4, 64, 4, 4), (2, 64, 4, 3), (4, 32, 4, 3)]
+SWEEP_DECODE = [(1, 64, 4, 4), (1, 64, 4, 3), (1, 64, 4, 6), (1, 32, 4, 4), (1, 64, 8, 4)]
 
 
 def sweep(dev, ceil, kind: str, best: dict, S: int = 131072, n: int | None = None, topk: int = 2048,
