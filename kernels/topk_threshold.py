@@ -100,7 +100,7 @@ def _candidates_kernel(score_ptr, gmax_ptr, pos_ptr, cand_ptr, cpos_ptr, count_p
 
 @jit
 def _gather_chunks_kernel(cand_ptr, cpos_ptr, count_ptr, pos_ptr, row_offset, k, GROUP: tl.constexpr,
-                          SUM_CAP: tl.constexpr, CAP: tl.constexpr, NCHUNK: tl.constexpr):
+                          SUM_CAP: tl.constexpr, CAP: tl.constexpr, NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row r, chunk c >= 1): chunk c's candidates -> row r's chunk-0 slots, after those of chunks
     < c (position order), where they fit. Chunk 0's own candidates stay; no program reads another's writes."""
     r = tl.program_id(0).to(tl.int64)
@@ -111,34 +111,49 @@ def _gather_chunks_kernel(cand_ptr, cpos_ptr, count_ptr, pos_ptr, row_offset, k,
         j = tl.arange(0, NCHUNK)
         counts = tl.load(count_ptr + r * NCHUNK + j)
         start = tl.sum(tl.where(j < c, counts, 0), axis=0)
-        cnt = tl.sum(tl.where(j == c, counts, 0), axis=0)
-        i = tl.arange(0, CAP)
-        ok = (i < cnt) & (start + i < CAP)
-        src = (r * NCHUNK + c) * CAP + i
-        dst = r * NCHUNK * CAP + start + i
-        tl.store(cand_ptr + dst, tl.load(cand_ptr + src, mask=ok), mask=ok)
-        tl.store(cpos_ptr + dst, tl.load(cpos_ptr + src, mask=ok), mask=ok)
+        cnt = tl.minimum(tl.sum(tl.where(j == c, counts, 0), axis=0), CAP - start)
+        for i0 in range(0, cnt, BLOCK):
+            i = i0 + tl.arange(0, BLOCK)
+            ok = i < cnt
+            src = (r * NCHUNK + c) * CAP + i
+            dst = r * NCHUNK * CAP + start + i
+            tl.store(cand_ptr + dst, tl.load(cand_ptr + src, mask=ok), mask=ok)
+            tl.store(cpos_ptr + dst, tl.load(cpos_ptr + src, mask=ok), mask=ok)
 
 
 @jit
-def _emit_selected(key, cpos_row, k, bt_row, o_row, AS_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   FROM_ROW: tl.constexpr):
-    """The k largest of the keys that are not _KEY_MIN -> o_row[0, k), in the order of the entries
-    (ascending positions); of the keys equal to the k-th largest, the first ones win. An entry's position
-    is its index (FROM_ROW) or cpos_row[index], loaded only for the entries taken."""
+def _emit_selected(key, src_ptr, cpos_row, num, k, bt_row, o_row, AS_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   FROM_SCORES: tl.constexpr, BLOCK: tl.constexpr):
+    """The k largest of `key` (the `num` entries of src_ptr in registers, _KEY_MIN elsewhere) -> o_row[0, k)
+    in entry order (ascending positions); of the keys equal to the k-th largest, the first ones win. The
+    emission streams the entries again, BLOCK at a time, so the registers hold only the one [CAP] tensor:
+    src_ptr holds scores (FROM_SCORES: an entry's position is its index) or candidate keys (its position is
+    cpos_row[index])."""
     thr = _kth_largest(key, k).to(tl.int32)
-    gt = key > thr
-    eq = key == thr
-    k_eq = k - tl.sum(gt.to(tl.int32), axis=0)
-    seen = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)  # <= CAP < 2^15 of each, one scan
-    take = gt | (eq & ((seen >> 16) <= k_eq))
-    dst = (seen & 0xFFFF) + tl.minimum(seen >> 16, k_eq) - 1
-    val = tl.arange(0, key.shape[0])
-    if not FROM_ROW:
-        val = tl.load(cpos_row + val, mask=take, other=0)
-    if AS_SLOTS:  # slots fit int32 (the output's type)
-        val = tl.load(bt_row + val // BLOCK_SIZE, mask=take, other=0) * BLOCK_SIZE + val % BLOCK_SIZE
-    tl.store(o_row + dst, val, mask=take)
+    k_eq = k - tl.sum((key > thr).to(tl.int32), axis=0)
+    gt_seen = 0
+    eq_seen = 0
+    for c0 in range(0, num, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        ok = cols < num
+        if FROM_SCORES:
+            kk = _ordered(tl.load(src_ptr + cols, mask=ok, other=0.0))
+        else:
+            kk = tl.load(src_ptr + cols, mask=ok, other=0)
+        gt = ok & (kk > thr)
+        eq = ok & (kk == thr)
+        seen = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)  # both counts < 2^15: one scan
+        eq_rank = eq_seen + (seen >> 16)
+        take = gt | (eq & (eq_rank <= k_eq))
+        dst = gt_seen + (seen & 0xFFFF) + tl.minimum(eq_rank, k_eq) - 1
+        val = cols
+        if not FROM_SCORES:
+            val = tl.load(cpos_row + cols, mask=take, other=0)
+        if AS_SLOTS:  # slots fit int32 (the output's type)
+            val = tl.load(bt_row + val // BLOCK_SIZE, mask=take, other=0) * BLOCK_SIZE + val % BLOCK_SIZE
+        tl.store(o_row + dst, val, mask=take)
+        gt_seen += tl.sum(gt.to(tl.int32), axis=0)
+        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
 
 
 @jit
@@ -154,20 +169,23 @@ def _select_kernel(score_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, cand_ptr, cpos_
     o_row = out_ptr + row * so_row
     _, _, num_folded = _folded_maxima(n, GROUP, SUM_CAP)
     i = tl.arange(0, CAP)
+    s_row = score_ptr + r * ss_row
     if n <= k:
         _emit_all(n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
     elif num_folded >= k:
         total = tl.sum(tl.load(count_ptr + r * NCHUNK + tl.arange(0, NCHUNK)), axis=0)
         if total <= CAP:  # else a chunk overflowed its slots, or they do not fit the registers together
-            key = tl.load(cand_ptr + r * NCHUNK * CAP + i, mask=i < total, other=_KEY_MIN)
-            _emit_selected(key, cpos_ptr + r * NCHUNK * CAP, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, False)
+            c_row = cand_ptr + r * NCHUNK * CAP
+            key = tl.load(c_row + i, mask=i < total, other=_KEY_MIN)
+            _emit_selected(key, c_row, cpos_ptr + r * NCHUNK * CAP, total, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE,
+                           False, BLOCK)
         else:
-            _radix_select_row(score_ptr + r * ss_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
+            _radix_select_row(s_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
     elif n <= CAP:
-        key = tl.where(i < n, _ordered(tl.load(score_ptr + r * ss_row + i, mask=i < n, other=0.0)), _KEY_MIN)
-        _emit_selected(key, cpos_ptr, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, True)
+        key = tl.where(i < n, _ordered(tl.load(s_row + i, mask=i < n, other=0.0)), _KEY_MIN)
+        _emit_selected(key, s_row, cpos_ptr, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, True, BLOCK)
     else:
-        _radix_select_row(score_ptr + r * ss_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
+        _radix_select_row(s_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
 
 
 @dataclass(frozen=True)
@@ -188,8 +206,8 @@ class SelectConfig:
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"SelectConfig.{name} = {v} must be a power of two")
-        if self.cap > 1 << 15:
-            raise ValueError(f"SelectConfig.cap = {self.cap}: at most 32768 (the emission packs two counts in int32)")
+        if self.block > 1 << 14:
+            raise ValueError(f"SelectConfig.block = {self.block}: at most 16384 (the emission packs two counts)")
 
 
 def _num_chunks(rows: int, cfg: SelectConfig, device: torch.device) -> int:
@@ -225,11 +243,11 @@ def topk_threshold_rows(scores: torch.Tensor, gmax: torch.Tensor, positions: tor
     _candidates_kernel[(rows, nchunk)](scores, gmax, positions, cand, cand_pos, counts, row_offset, scores.stride(0),
                                        gmax.stride(0), k, **consts, SCAN=cfg.scan, num_warps=16)
     if nchunk > 1:
-        _gather_chunks_kernel[(rows, nchunk - 1)](cand, cand_pos, counts, positions, row_offset, k, GROUP=cfg.group,
-                                                  SUM_CAP=cfg.sum_cap, CAP=cfg.cap, NCHUNK=nchunk, num_warps=16)
+        _gather_chunks_kernel[(rows, nchunk - 1)](cand, cand_pos, counts, positions, row_offset, k, **consts,
+                                                  BLOCK=cfg.block, num_warps=4)
     _select_kernel[(rows,)](scores, positions, req, table, out, cand, cand_pos, counts, row_offset, scores.stride(0),
                             out.stride(0), table.stride(0) if as_slots else 0, k, BLOCK_SIZE=block_size,
-                            AS_SLOTS=as_slots, **consts, BLOCK=cfg.block, num_warps=16)
+                            AS_SLOTS=as_slots, **consts, BLOCK=cfg.block, num_warps=4)
 
 
 def num_maxima(seq_len: int, cfg: SelectConfig) -> int:
