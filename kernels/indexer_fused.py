@@ -22,20 +22,29 @@ Why this shape (the legacy `_index_scores_kernel` put the (row, head) pairs on t
   256 KB, more than shared memory) or reload them for every key tile (256 KB per 128 keys, about 260
   FLOP per byte of L2 traffic), and would run 32 MMAs of K = 128 each followed by a serial epilogue.
 * N = 128 keeps the wgmma's shared-memory reads (A 64x32 + B Nx32 bytes per instruction) under the
-  128 B/clk an SM can feed at the fp8 rate; the default prefill tile (BLOCK_T 4, BLOCK_N 64, 4 warps)
-  compiles to about 200 registers and 34 KB of shared memory, so two independent programs share an SM
-  and one's epilogue (ReLU, weight, head sum: ~2.5 instructions per logit against 256 MMA FLOPs)
-  overlaps the other's MMA. Triton places the wgmma wait right after each dot, so a program cannot
-  overlap its own epilogue (that needs warp specialisation).
+  128 B/clk an SM can feed at the fp8 rate. Triton places the wgmma wait right after each dot, so a
+  program cannot overlap its own epilogue with its MMA (that needs warp specialisation); overlap comes
+  from several small programs per SM instead: the default prefill tile (BLOCK_T 4, BLOCK_N 64, 4 warps,
+  3 stages) compiles for sm_90a to 168 registers and 34 KB of shared memory under Triton 3.6 (three
+  programs per SM) and 226 registers under 3.9 (two).
+* A key tile never spans two cache blocks (BLOCK_N <= block size): one page lookup per tile, offsets
+  that do not change across tiles, and unmasked copies (keys past the row's end are read from the same
+  block and their scores dropped); masks are computed only on the tiles that cross a row's position.
+* What bounds it, by instruction count (sm_90a SASS, not a measurement): the loop body for a full tile is
+  383 (3.6) / 411 (3.9) instructions per warp against 4 wgmma that keep the SM's tensor cores busy for
+  256 clocks, so with three programs interleaved the issue slots allow at most ~65% of the fp8 rate.
+  About 55% of those instructions are the epilogue (ReLU, weight, head sum, group maxima: ~3 per
+  logit), ~15% the copies and addresses of the 132-byte rows.
 * Keys keep the 132-byte row (docs/kv-formats.md): rows are 4-byte aligned, so keys move as 4-byte
-  cp.async (pipelined, `num_stages`). In prefill a 64-key tile is 8 such copies per thread against ~500
-  clocks of MMA per SM; in decode the key stream needs about 18 B/clk per SM, which 128-byte coalesced
-  warp copies deliver at under one instruction per 7 clocks. Neither is the limit by this count, so the
-  cache format (and store_kv, HiSparse's gather, the KV spec and the planner) stays as it is. This is
-  reasoning, not a measurement: `bench.kernels --only indexer` times it.
+  cp.async (17 per thread per tile, pipelined). A layout with 16-byte aligned values (block-major: all
+  values of a cache block, then its scales) would make that 4 copies and free most of the ~15%, at the
+  price of changing every reader and writer of the row (store_kv, HiSparse's gather, the KV spec, the
+  docs); decode needs only ~18 B/clk per SM of key stream, which these copies give at a fraction of the
+  issue rate. The format stays until a measurement says the 15% is worth it
+  (`python -m bench.kernels --only indexer`).
 * Decode is the same kernel with BLOCK_T = 1 (N = 32 heads): one request's row over its whole context,
-  split into KEYS_PER_PROG ranges over many programs, 4 pipeline stages of 128-key tiles; at 62 FLOP
-  per key byte it is bound by the key stream.
+  split into KEYS_PER_PROG ranges over many programs, 4 pipeline stages of 64-key tiles, 80-106
+  registers; at 62 FLOP per key byte it is bound by the key stream.
 
 Tensors: q fp8 [T, H, D] (rows 4-byte aligned), w fp32 [T, H] with the q scale folded in; the key cache
 layer [num_blocks, block_size, D + 4] uint8 read through fp8 / fp32 views of its bytes; scores fp32
