@@ -8,10 +8,16 @@ k scores are >= theta, and every score of the top-k is. Selection per row t (n_t
     1. theta    the k-th largest of the row's ceil(n_t / GROUP) maxima (folded by max to <= SUM_CAP
                 values first: a max over several groups is still a max over a disjoint set)
     2. compact  one pass over the scores: those >= theta, in ascending position order, into a
-                candidate buffer (NCHUNK programs per row, each a contiguous range of positions)
+                candidate buffer (NCHUNK programs per row, each a contiguous range of positions; a small
+                kernel then appends chunk c's candidates after those of chunks < c)
     3. select   the exact k-th largest of the <= CAP candidates in registers (bisection on the 32-bit
-                key that orders like the float), then every key above it and the lowest positions of
-                the keys equal to it: the set a stable descending sort takes.
+                key that orders like the float: one count over the registers per halving, ~15-20 of
+                them), then every key above it and the lowest positions of the keys equal to it: the
+                set a stable descending sort takes, written by a second pass over the candidates.
+
+Costs (sm_90a, Triton 3.6): the compaction program has 16 warps streaming 32 KB of scores per step; the
+selection 4 warps and under 170 registers, three per SM, so their reductions' latencies overlap. At
+S = 128K the pass reads the 1 GB of scores once (the radix select read them five times).
 
 With random-like scores and about 4k maxima per row, ~1.15 k scores pass theta (2,048 -> ~2,400). A
 row with fewer than k maxima skips the threshold: with n_t <= CAP the selection reads the row itself
