@@ -102,3 +102,16 @@ def test_fused_decode_gpu(mark):
     # a decode batch over a 128K context and shorter ones (threshold, direct and all-positions rows)
     check_decode("cuda", [131_072, 100_000, 7_000, 1_500, 65_536, 2_049], H=32, D=128, topk=2048, block_size=64,
                  config=None)
+
+
+@interp
+def test_fused_rejects_bad_input_interp():
+    bt = make_batch("fp32", [40], [[39]], H=16, D=32, block_size=16, spare_blocks=1, device="cpu")
+    with pytest.raises(ValueError, match="fp32 index cache"):
+        indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, 8, impl="fused")
+    with pytest.raises(ValueError, match="impl must be"):
+        indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, 8, impl="bitonic")
+    with pytest.raises(ValueError, match="power of two"):
+        SelectConfig(cap=1000)
+    with pytest.raises(ValueError, match="must divide"):
+        FusedConfig(block_n=16, select=SelectConfig(group=32))
