@@ -48,6 +48,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     mtp_kv: bool = True
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
     num_speculative_tokens: int | None = None
     speculative_config: dict | None = None
     hisparse: dict | None = None
@@ -89,7 +90,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_model_len=max_len,
                                       max_num_batched_tokens=self.max_num_batched_tokens or max(8192, 1),
                                       max_num_seqs=self.max_num_seqs,
-                                      enable_chunked_prefill=self.enable_chunked_prefill),
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      async_scheduling=self.async_scheduling),
             parallel=ParallelConfig(prefill_context_parallel_size=self.prefill_context_parallel_size,
                                     decode_context_parallel_size=self.decode_context_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel,
@@ -134,6 +136,9 @@ class EngineArgs:
         g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--async-scheduling", action="store_true",
+                       help="plan the next step while the current one runs on the GPU; its tokens are read back "
+                            "after the next step is launched (single-rank engines)")
         g.add_argument("--speculative-config", type=json.loads, default=None)
         g.add_argument("--attention-config", type=json.loads, default=None)
         g.add_argument("--hisparse-config", dest="hisparse", type=json.loads, default=None,

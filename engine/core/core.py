@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from engine.config.engine import EngineConfig
+from engine.core.async_scheduler import AsyncScheduler
 from engine.core.request import Request
 from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.kv.export import KVExport, kv_exports
@@ -62,7 +63,10 @@ class EngineCore:
         hisparse = getattr(self.runner, "hisparse", None)
         if hisparse is not None:  # admission by host blocks (the pool above) and by device room
             self.kv.device_footprint = hisparse.footprint()
-        self.scheduler = Scheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
+        self.async_scheduling = cfg.scheduler.async_scheduling
+        sched_cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = sched_cls(cfg.scheduler, self.kv, cfg.num_spec_tokens)
+        self._inflight = None  # async scheduling: (SchedulerOutput, the runner's StepHandle) still running
         self.num_steps, self.step_seconds = 0, 0.0
 
     def validate(self, req: Request) -> None:
@@ -101,6 +105,10 @@ class EngineCore:
         self._check_structured(req)
         if not req.eos_token_ids:
             req.eos_token_ids = self.cfg.model.eos_token_ids
+        if self._inflight is not None:
+            # blocks freed while a step runs (a request it ends) may still be written by it; the caller's
+            # transfer into them is not ordered behind the GPU's work, so that step must be done first
+            self._inflight[1].wait()
         return self.scheduler.reserve_import(req, num_import_tokens)
 
     def import_done(self, req_id: str, ok: bool, num_tokens: int | None = None) -> None:
@@ -124,16 +132,30 @@ class EngineCore:
         return self.kv.pool.drain_events()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step: schedule, run, apply. With async scheduling the step scheduled now is launched first
+        and the outputs returned are the previous step's (docs/async_scheduling.md)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
-            return []
-        result = self.runner.execute(sched)
-        out = self.scheduler.update(sched, result)
-        self.num_steps += 1
+            sched = None
+        if not self.async_scheduling:
+            if sched is None:
+                return []
+            out = self.scheduler.update(sched, self.runner.execute(sched))
+        else:
+            if sched is None and self._inflight is None:
+                return []
+            launched = (sched, self.runner.execute_async(sched)) if sched is not None else None
+            out = []
+            if self._inflight is not None:  # N+1 is queued behind it: reading N's tokens keeps the GPU busy
+                prev_sched, handle = self._inflight
+                out = self.scheduler.update(prev_sched, handle.get())
+            self._inflight = launched
+        if sched is not None:
+            self.num_steps += 1
         self.step_seconds += time.perf_counter() - t0
         return out
 
