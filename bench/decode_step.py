@@ -1,12 +1,14 @@
 """`python -m bench.decode_step`: the engine's decode step time, eager against the padded static path
-(CUDA graphs on CUDA), at several batch sizes, with or without MTP.
+(CUDA graphs on CUDA), and with `--async-scheduling` also that path with the next step launched before the
+last one's tokens are read, at several batch sizes, with or without MTP.
 
 Per batch size and mode: B greedy requests are prefilled, a few decode steps warm up (and capture the
-graphs), then every `EngineCore.step()` of the measured decode steps is timed by wall clock after a
-device synchronisation; the median is reported with the number of graph captures. On CPU the static
-path runs without capture (the same padded forwards).
+graphs), then the wall-clock interval between consecutive `EngineCore.step()` returns is recorded (a
+synchronous step ends with its tokens read, so that is its time; with async scheduling it is the pipeline's
+period); the median is reported with the number of graph captures. On CPU the static path runs without
+capture (the same padded forwards).
 
-    python -m bench.decode_step --model checkpoints/tiny-code --batches 1,16,64 --spec 3 --out decode.json
+    python -m bench.decode_step --model checkpoints/tiny-code --batches 1,16,64 --spec 3 --async-scheduling
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ def time_decode(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int) 
     for _ in range(warmup + 2):  # prefill, then warm-up decode steps (captures happen here)
         core.step()
     times = []
+    _sync()
+    t0 = time.perf_counter()
     for _ in range(steps):
-        _sync()
-        t0 = time.perf_counter()
         core.step()
-        _sync()
-        times.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
     for i in range(batch):
         core.abort(f"b{batch}-{i}")
     core.step()
@@ -61,6 +64,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--async-scheduling", action="store_true", help="also time the static path with async scheduling")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
@@ -68,8 +72,11 @@ def main(argv=None) -> dict:
     if a.spec:
         kw["num_speculative_tokens"] = a.spec
     rows = []
-    for mode, eager in (("eager", True), ("graphs", False)):
-        llm = LLM(a.model, enforce_eager=eager, **kw)
+    modes = [("eager", True, False), ("graphs", False, False)]
+    if a.async_scheduling:
+        modes.append(("async", False, True))
+    for mode, eager, pipelined in modes:
+        llm = LLM(a.model, enforce_eager=eager, async_scheduling=pipelined, **kw)
         for b in batches:
             t = time_decode(llm, b, a.prompt_len, a.steps, a.warmup)
             st = llm.core.runner.static
