@@ -144,3 +144,25 @@ def test_async_hisparse_misses_equal_resident(code16):
 def test_async_scheduling_refuses_multi_rank(tiny_code):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(str(tiny_code), num_blocks=16, async_scheduling=True, data_parallel_size=2)
+
+
+def test_async_structured_outputs_equal_sync(tiny_code):
+    """Grammar requests (host-path sampling, MTP3 drafts within the grammar) finish when their grammar does;
+    the step planned after that runs with a complete grammar and is dropped."""
+    from engine.structured import StructuredOutputSpec as Spec
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    prompts = ["import os\n", "def main():\n    ", "class Parser:\n", "x = "]
+    sps = [SamplingParams(max_tokens=60, temperature=t, seed=i, structured_outputs=Spec.json_schema(schema))
+           for i, t in enumerate((0.0, 1.0, 0.0))]
+    sps.append(SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                              structured_outputs=Spec.choice(["yes", "no"])))
+    kw = dict(num_blocks=96, num_speculative_tokens=3, enforce_eager=False, cuda_graph_sizes=[1, 2, 4])
+    ref = LLM(str(tiny_code), **kw).generate(prompts, sps)
+    got = LLM(str(tiny_code), async_scheduling=True, **kw).generate(prompts, sps)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [(o.token_ids, o.text, o.finish_reason)
+                                                                        for o in ref]
+    assert all(o.finish_reason == "stop" for o in got)
+    assert all(json.loads(o.text) for o in got[:3]) and got[3].text in ("yes", "no")
