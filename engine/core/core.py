@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from engine.config.engine import EngineConfig
 from engine.core.async_scheduler import AsyncScheduler
 from engine.core.request import Request
-from engine.core.scheduler import EngineCoreOutput, Scheduler
+from engine.core.scheduler import EngineCoreOutput
 from engine.kv.export import KVExport, kv_exports
 from engine.kv.manager import KVCacheManager
 
@@ -63,9 +63,10 @@ class EngineCore:
         hisparse = getattr(self.runner, "hisparse", None)
         if hisparse is not None:  # admission by host blocks (the pool above) and by device room
             self.kv.device_footprint = hisparse.footprint()
+        # the scheduler plans like the synchronous one while no step is in flight, and ahead of the one in
+        # flight with async scheduling; the mode may change between steps with none in flight (benchmarks)
         self.async_scheduling = cfg.scheduler.async_scheduling
-        sched_cls = AsyncScheduler if self.async_scheduling else Scheduler
-        self.scheduler = sched_cls(cfg.scheduler, self.kv, cfg.num_spec_tokens)
+        self.scheduler = AsyncScheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
         self._inflight = None  # async scheduling: (SchedulerOutput, the runner's StepHandle) still running
         self.num_steps, self.step_seconds = 0, 0.0
 

@@ -32,9 +32,8 @@ from engine.runner.step_output import LastStep, StepHandle
 class DeviceDecode:
     def __init__(self, runner):
         self.runner = runner
-        self.static = runner.static
         self.k = runner.cfg.num_spec_tokens if runner.mtp is not None else 0
-        self.exact = not self.static.graph_safe  # the metadata's host lists must be exact (see above)
+        self.exact = not runner.static.graph_safe  # the metadata's host lists must be exact (see above)
         self.num_steps = 0  # steps that took this path
         self.num_placeholders = 0  # placeholder chunks filled in on the device
         self.num_syncs = 0  # host reads inside a step on a GPU (0 with a graph-safe backend)
@@ -53,6 +52,10 @@ class DeviceDecode:
                     and s.grammar is None and not s.return_prompt_logits and len(s.block_ids) <= st.max_blocks):
                 return False
         return True
+
+    @property
+    def static(self):
+        return self.runner.static
 
     def run(self, chunks: list[ScheduledChunk], last: LastStep | None) -> tuple[StepHandle, LastStep]:
         with torch.inference_mode():

@@ -67,6 +67,8 @@ class ModelRunner:
         self.structured = StructuredOutputs(cfg)  # grammar matchers of constrained requests
         self.slot_fn = self.write_slot_fn()
         self.static = StaticDecode(self) if self.static_decode and cfg.graphs.use_static_path(cfg.device) else None
+        if self.static is not None:
+            self.static.capture_all()  # CUDA graphs of every bucket, before the first request
         # decode steps with no host sync, from the static buffers (engine/runner/device_step.py)
         self.device_decode = DeviceDecode(self) if self.static is not None else None
         self.last: LastStep | None = None  # where the last step's sampled requests continue (placeholders)
@@ -130,7 +132,8 @@ class ModelRunner:
         nothing back while it runs: get() waits for its one copy (docs/async_scheduling.md)."""
         self._update_states(sched)
         last, self.last = self.last, None
-        device = self.device_decode is not None and self.device_decode.eligible(sched.chunks)
+        dd = self.device_decode if self.static is not None else None  # benchmarks switch the static path off
+        device = dd is not None and dd.eligible(sched.chunks)
         on_device = last is not None and last.on_device
         if any(c.placeholder for c in sched.chunks) and not (device and on_device and self.hisparse is None):
             sched = self._fill_placeholders(sched, last)  # HiSparse places pages by exact starts
