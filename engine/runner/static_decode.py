@@ -34,7 +34,7 @@ class PaddedBatch:
     src_idx: torch.Tensor  # [T_pad] real row each padded row takes its MTP input hidden state from
     key: tuple  # (num padded requests, rows per request)
     extras: list[torch.Tensor] = field(default_factory=list)  # the caller's lists, on the device (one copy)
-    num_reqs: int = 0  # real requests (the first ones)
+    runs: int = 0  # forwards run on it so far
 
     def place(self, start: torch.Tensor, built: torch.Tensor) -> None:
         """Move every real request's rows to start at `start` [B] (device) instead of `built` [B] (the host
@@ -73,7 +73,8 @@ class StaticDecode:
             from engine.runner.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(runner)
-        self.num_static = 0  # forwards that took this path (instrumented for the tests)
+        self.num_static = 0  # forwards built on this path, one H2D copy each (instrumented for the tests)
+        self.num_reruns = 0  # forwards run again on a built batch (the device step's MTP catch-up)
         self.shapes: Counter = Counter()  # (real requests, padded requests, rows per request) of each forward
 
     @property
@@ -116,7 +117,7 @@ class StaticDecode:
         meta.max_seq_len_bound = self.bound
         self.num_static += 1
         self.shapes[(B, B_pad, R)] += 1
-        return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R), extra_t, B)
+        return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R), extra_t)
 
     def keys(self) -> list[tuple[str, int, int]]:
         """Every (kind, padded requests, rows per request) a decode forward can take: the target pass and
@@ -152,6 +153,8 @@ class StaticDecode:
     def run(self, kind: str, batch: PaddedBatch, prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The model (kind "target") or its MTP layer ("mtp") over the padded batch -> the real rows' outputs."""
         prev = None if prev_hidden is None else prev_hidden[batch.src_idx]
+        self.num_reruns += batch.runs > 0
+        batch.runs += 1
         if self.graphs is not None:
             out = self.graphs.run(kind, batch, prev)
         else:

@@ -87,6 +87,7 @@ def test_async_equals_sync(tiny_code, spec, static):
     runner = llm.core.runner
     if static:  # decode steps ran on the device path, their placeholders filled in there
         assert runner.device_decode.num_steps > 0 and runner.device_decode.num_placeholders > 0
+        assert runner.static.num_reruns > 0, "the MTP catch-up runs on the target pass's batch"
     else:
         assert runner.device_decode is None and runner.num_host_placeholders > 0
     if spec:
