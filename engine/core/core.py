@@ -135,6 +135,11 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
 
+    @property
+    def in_flight(self) -> bool:
+        """Async scheduling: a step was launched whose result is not applied yet."""
+        return self._inflight is not None
+
     def step(self) -> list[EngineCoreOutput]:
         """One step: schedule, run, apply. With async scheduling the step scheduled now is launched first
         and the outputs returned are the previous step's (docs/async_scheduling.md)."""

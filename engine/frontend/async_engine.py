@@ -35,6 +35,7 @@ from engine.frontend.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 0.05  # how stale stats() may be while the engine is busy
+IDLE_POLL_S = 0.005  # with requests that cannot be scheduled yet, how often the engine thread looks again
 
 
 class EngineDeadError(RuntimeError):
@@ -184,9 +185,13 @@ class AsyncEngine:
                     if idle and not self._stop:
                         self._wake.wait()
                     continue
+                n, in_flight = core.num_steps, getattr(core, "in_flight", False)
                 outputs = core.step()
                 if outputs:
                     self._post(self._dispatch, outputs)
+                elif core.num_steps == n and not in_flight:  # nothing could run (blocks a command frees): no spin
+                    self._wake.wait(IDLE_POLL_S)
+                    self._wake.clear()
                 if time.monotonic() - self._stats_at >= STATS_PERIOD_S:
                     self._take_stats()
         except BaseException as e:  # every stream must learn that the engine died
