@@ -120,6 +120,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _admit_and_pull(self, req: Request, kv, rank: int = 0):
         with self.ranks[rank].admission.queued():  # bounded: requests waiting for KV room
             stream, block_ids, n_cached = await self._admit(req, kv.num_tokens, rank)
+        self.metrics.dp_rank_requests.labels(dp_rank=str(rank)).inc()
         try:
             return stream, await self._pull(kv, block_ids, n_cached, self.ranks[rank].puller)
         except BaseException:
