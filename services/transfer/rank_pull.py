@@ -63,8 +63,9 @@ class _PullThread:
     def _main(self, runner, driver_metadata: bytes, staging_blocks: int, timeout_s: float) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            if runner.device.type == "cuda":
-                torch.cuda.set_device(runner.device)  # the staged re-layout's copies run on this rank's GPU
+            gpu = runner.kv_cache.index.device  # (a tensor's device names its GPU; cfg.device may not)
+            if gpu.type == "cuda":  # a new thread starts on GPU 0: the staged re-layout runs on this rank's
+                torch.cuda.set_device(gpu)
             self.agent = NixlAgent(self.name)
             self.puller = KVPuller(self.agent, runner.kv_cache, runner.spec, staging_blocks=staging_blocks,
                                    timeout_s=timeout_s)

@@ -9,9 +9,7 @@ the hang timeout (docs/failures.md)."""
 from __future__ import annotations
 
 import inspect
-import re
 import time
-import urllib.request
 
 import pytest
 
@@ -64,21 +62,14 @@ def _loads(dep) -> dict[str, dict]:
     return system.with_state(dep.redis_url, lambda s: s.loads(list(RANKS)))
 
 
-def _admitted(address: str) -> list[float]:
-    """Requests each DP rank admitted (pdserve:dp_rank_requests_total{dp_rank=...})."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    return [float(m.group(1)) if (m := re.search(rf'^pdserve:dp_rank_requests_total{{dp_rank="{r}"}} (\S+)$',
-                                                 text, re.M)) else 0.0 for r in range(len(RANKS))]
-
-
 def _serves_equal_to_offline(dep, offline, address: str, chats: list[dict]) -> None:
     want = _expected(dep, offline, chats)
-    before = _admitted(address)
+    before = system.admitted_per_rank(address, len(RANKS))
     results = chaos.Load(dep.url, chats, CLIENT_TIMEOUT_S, path="/v1/chat/completions").start().join()
     for r, ids in zip(results, want):
         assert r.ok and r.text, r
         assert r.token_ids == ids, "streamed chat differs from the offline engine"
-    gained = [a - b for a, b in zip(_admitted(address), before)]
+    gained = [a - b for a, b in zip(system.admitted_per_rank(address, len(RANKS)), before)]
     assert sum(gained) == len(chats) and min(gained) >= 1, f"the router did not use both DP ranks: {gained}"
 
 

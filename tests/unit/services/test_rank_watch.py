@@ -1,5 +1,6 @@
-"""The rank watch of multi-rank engines (prefill PCP, decode DP groups): a dead rank (the ping fails), a hung rank (no ping completes within the hang
-timeout) and a healthy busy engine (pings complete, if late) are told apart."""
+"""The rank watch of multi-rank engines (PCP prefill, DP decode groups): a dead rank (the ping fails), a hung
+rank (no ping completes within the hang timeout) and a healthy busy engine (pings complete, if late) are
+told apart."""
 
 from __future__ import annotations
 
