@@ -62,8 +62,8 @@ def _ranks(args, engine: AsyncEngine, agent: NixlAgent, instance_id: str) -> lis
         pullers += rank_pullers(engine, agent, instance_id, staging_blocks=args.staging_blocks,
                                 timeout_s=args.pull_timeout_s)
         ids = [f"{instance_id}-dp{r}" for r in range(num_ranks)]
-    return [DecodeRank(i, with_faults(p), Admission(f"decode {i}", args.max_inflight_requests,
-                                                    args.max_queued_requests))
+    return [DecodeRank(i, with_faults(p), Admission(f"decode {i}" if num_ranks > 1 else "decode",
+                                                    args.max_inflight_requests, args.max_queued_requests))
             for i, p in zip(ids, pullers)]
 
 

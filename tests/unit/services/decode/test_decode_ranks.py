@@ -105,3 +105,14 @@ def test_one_instance_takes_any_id_and_no_rank_argument():
     s._release = lambda kv, gens: asyncio.sleep(0, result=True)
     _call(s, "decode-0")
     assert engine.reserved == [("one", None)]  # add_import_request(req, n): no rank for a one-rank engine
+
+
+def test_a_group_needs_one_process_per_dp_rank(capsys):
+    from services.decode.main import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--data-parallel-size", "2", "--world-size", "4"])
+    assert "--world-size 4 must equal --data-parallel-size 2" in capsys.readouterr().err
+    args = parse_args(["--model", "m", "--data-parallel-size", "2", "--enable-expert-parallel", "--world-size", "2",
+                       "--rank", "1"])
+    assert (args.data_parallel_size, args.world_size, args.rank) == (2, 2, 1)
