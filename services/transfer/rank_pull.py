@@ -48,6 +48,7 @@ class _PullThread:
     """One thread with its own event loop, NIXL agent and KVPuller over this rank's cache."""
 
     def __init__(self, runner, instance_id: str, driver_metadata: bytes, staging_blocks: int, timeout_s: float):
+        self.runner = runner
         self.name = f"{instance_id}.dp{runner.comm.rank}.{os.getpid()}.{secrets.token_hex(3)}"
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -110,6 +111,8 @@ def setup(runner, instance_id: str, driver_metadata: bytes, staging_blocks: int,
         return None
     if _THREAD is None:
         _THREAD = _PullThread(runner, instance_id, driver_metadata, staging_blocks, timeout_s)
+    elif _THREAD.runner is not runner:  # its puller writes the first engine's cache: never another's
+        raise RuntimeError("this worker rank already pulls KV for another engine: one decode group per process")
     return _THREAD.name
 
 
