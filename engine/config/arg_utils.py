@@ -61,7 +61,7 @@ class EngineArgs:
     attention_backend: str | None = None
     load_format: str = "auto"
     quantization: str | None = None  # "fp8": quantize a bf16 checkpoint's projections at load (block FP8)
-    enforce_eager: bool | None = None  # None: eager (graphs are opt-in: --cuda-graphs); see GraphConfig
+    enforce_eager: bool | None = None  # None: CUDA graphs on CUDA, eager on the CPU; see GraphConfig
     cuda_graph_sizes: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -154,8 +154,8 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true", default=None,
                        help="decode without the padded static-buffer path and CUDA graphs")
         g.add_argument("--cuda-graphs", dest="enforce_eager", action="store_false",
-                       help="decode through the padded static-buffer path, captured as CUDA graphs on CUDA "
-                            "(opt-in until the graph path has passed its GPU tests)")
+                       help="decode through the padded static-buffer path, captured as CUDA graphs on CUDA (the "
+                            "default there; on the CPU the same padded forwards run eagerly)")
         g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
                        help="decode batch sizes to pad to and capture (default 1 2 4 8 16 24 ... max-num-seqs)")
         return p

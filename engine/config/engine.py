@@ -157,10 +157,10 @@ class GraphConfig:
     """The decode step's static-buffer path and CUDA graphs (vLLM's capture-size convention).
 
     Decode batches are padded to the next capture size (`capture_sizes`) and run from buffers
-    allocated once; on CUDA each size is captured once as a CUDA graph and replayed. enforce_eager
-    None (the default): the plain eager path on every device, until the graph path has passed its GPU
-    tests on an H200 (docs/decode_graphs.md); False: the padded static path, captured on CUDA
-    (`--cuda-graphs`), run eagerly on the CPU (what the CPU tests compare); True: eager."""
+    allocated once; on CUDA each size is captured once, at start-up, as a CUDA graph and replayed.
+    enforce_eager None (the default): graphs on CUDA (as in vLLM), the plain eager path on the CPU;
+    False: the padded static path on every device, run eagerly on the CPU (what the CPU tests compare);
+    True: eager everywhere (`--enforce-eager`)."""
 
     enforce_eager: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, then every 8 up to max_num_seqs
@@ -184,7 +184,7 @@ class GraphConfig:
 
     def use_static_path(self, device: str) -> bool:
         if self.enforce_eager is None:
-            return False  # opt-in until validated on the GPU: see the class docstring
+            return torch.device(device).type == "cuda"
         return not self.enforce_eager
 
 

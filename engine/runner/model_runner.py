@@ -63,6 +63,8 @@ class ModelRunner:
         self.structured = StructuredOutputs(cfg)  # grammar matchers of constrained requests
         self.slot_fn = self.write_slot_fn()
         self.static = StaticDecode(self) if self.static_decode and cfg.graphs.use_static_path(cfg.device) else None
+        if self.static is not None:
+            self.static.capture_all()  # CUDA graphs of every bucket, before the first request
 
     # ---- what subclasses specialise (built once, never swapped) ----------------------------------
     static_decode = True  # decode forwards padded to capture sizes from static buffers (CUDA graphs on CUDA)

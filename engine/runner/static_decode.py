@@ -98,6 +98,37 @@ class StaticDecode:
         self.shapes[(B, B_pad, R)] += 1
         return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R))
 
+    def keys(self) -> list[tuple[str, int, int]]:
+        """Every (kind, padded requests, rows per request) a decode forward can take: the target pass and
+        the MTP catch-up with one row per request or 1 + the speculative tokens, the draft steps with one."""
+        rows = sorted({1, self.rows_per_req})
+        kinds = ["target"] + (["mtp"] if self.runner.mtp is not None and self.rows_per_req > 1 else [])
+        return [(kind, size, R) for kind in kinds for R in rows for size in self.sizes]
+
+    def dummy(self, B_pad: int, R: int) -> PaddedBatch:
+        """A batch of padding requests only (R rows at positions 0..R-1 of block 0, slot -1: nothing written)."""
+        entries = [([], list(range(R)), R, [0] * R, [-1] * R) for _ in range(B_pad)]
+        ids, meta, (real_t, src_t) = self.builder.build(entries, ([], [0] * (B_pad * R)))
+        meta.req_ids = [""] * B_pad
+        meta.max_seq_len_bound = self.bound
+        return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R))
+
+    def capture_all(self) -> None:
+        """Capture every key at start-up (vLLM's convention), so serving never pauses to capture and a
+        request joining or leaving only ever replays."""
+        if self.graphs is None:
+            return
+        mc = self.runner.cfg.model
+        for kind, size, R in self.keys():
+            prev = None
+            if kind == "mtp":
+                prev = self.graphs.static_prev(torch.zeros((size * R, mc.hidden_size), device=self.runner.device,
+                                                           dtype=self.runner.cfg.torch_dtype))
+            self.graphs.capture(kind, self.dummy(size, R), prev)
+            if self.graphs.failed is not None:
+                return
+        torch.cuda.synchronize()
+
     def run(self, kind: str, batch: PaddedBatch, prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The model (kind "target") or its MTP layer ("mtp") over the padded batch -> the real rows' outputs."""
         prev = None if prev_hidden is None else prev_hidden[batch.src_idx]

@@ -42,7 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="deadline of each kvstore call/transfer; past it the prefix is recomputed")
     g.add_argument("--kvstore-staging-blocks", type=int, default=64,
                    help="DCP > 1: whole blocks staged on rank 0 per kvstore transfer (its GPU memory)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.enforce_eager is None:  # a prefill engine emits one token per request: no decode graphs to capture
+        args.enforce_eager = True
+    return args
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -32,7 +32,8 @@ def test_cuda_graph_sizes_override():
 
 
 def test_when_the_static_path_runs():
-    assert not GraphConfig().use_static_path("cpu") and not GraphConfig().use_static_path("cuda")
+    assert not GraphConfig().use_static_path("cpu") and GraphConfig().use_static_path("cuda")
+    assert GraphConfig().use_static_path("cuda:1")
     assert GraphConfig(enforce_eager=False).use_static_path("cpu")
     assert not GraphConfig(enforce_eager=True).use_static_path("cuda")
 
@@ -46,9 +47,9 @@ def test_cli_flags(tiny_code):
     assert cfg.graphs.enforce_eager is None and cfg.graphs.cuda_graph_sizes is None
 
 
-def test_graphs_are_opt_in(tiny_code):
+def test_graphs_by_default_on_cuda_only(tiny_code):
     p = EngineArgs.add_cli_args(argparse.ArgumentParser())
     cfg = EngineArgs.from_cli_args(p.parse_args(["--model", str(tiny_code), "--cuda-graphs"])).create_engine_config()
-    assert cfg.graphs.enforce_eager is False and cfg.graphs.use_static_path("cuda")
+    assert cfg.graphs.enforce_eager is False and cfg.graphs.use_static_path("cpu")
     cfg = EngineArgs.from_cli_args(p.parse_args(["--model", str(tiny_code)])).create_engine_config()
-    assert not cfg.graphs.use_static_path("cuda")
+    assert cfg.graphs.use_static_path("cuda") and not cfg.graphs.use_static_path("cpu")
