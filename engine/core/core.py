@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from engine.config.engine import EngineConfig
 from engine.core.async_scheduler import AsyncScheduler
 from engine.core.request import Request
-from engine.core.scheduler import EngineCoreOutput
+from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.kv.export import KVExport, kv_exports
 from engine.kv.manager import KVCacheManager
 
@@ -36,6 +36,8 @@ class EngineStats:
     weight_bytes: tuple = ()  # per rank: {dtype name: bytes} of its weights (engine.loading.weight_stats)
     num_steps: int = 0  # steps that ran a forward
     step_seconds: float = 0.0  # their wall time, summed (schedule + forward + update)
+    dp_ranks: tuple = ()  # a DP group (engine/parallel/dp.py): each rank's own EngineStats; the fields above
+    # are then the group's (counts summed, kv_usage the mean)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -100,17 +102,20 @@ class EngineCore:
     # ---- disaggregation hooks (services/prefill, services/decode) --------------------------------
     def reserve_import(self, req: Request, num_import_tokens: int) -> tuple[list[int], int] | None:
         """Admit a request whose first `num_import_tokens` tokens' KV the caller writes (see Scheduler)."""
+        self._prepare_import(req)
+        if self._inflight is not None:
+            # blocks freed while a step runs (a request it ends) may still be written by it; the caller's
+            # transfer into them is not ordered behind the GPU's work, so that step must be done first
+            self._inflight[1].wait()
+        return self.scheduler.reserve_import(req, num_import_tokens)
+
+    def _prepare_import(self, req: Request) -> None:
         vocab = self.cfg.model.vocab_size
         if any(not (0 <= t < vocab) for t in req.all_token_ids):
             raise ValueError(f"token ids must be integers in [0, {vocab})")
         self._check_structured(req)
         if not req.eos_token_ids:
             req.eos_token_ids = self.cfg.model.eos_token_ids
-        if self._inflight is not None:
-            # blocks freed while a step runs (a request it ends) may still be written by it; the caller's
-            # transfer into them is not ordered behind the GPU's work, so that step must be done first
-            self._inflight[1].wait()
-        return self.scheduler.reserve_import(req, num_import_tokens)
 
     def import_done(self, req_id: str, ok: bool, num_tokens: int | None = None) -> None:
         self.scheduler.import_done(req_id, ok, num_tokens)
@@ -132,6 +137,10 @@ class EngineCore:
         """("stored" | "removed", 16-byte block hash) since the last call, for the Redis prefix index."""
         return self.kv.pool.drain_events()
 
+    def drain_rank_kv_events(self) -> list[list[tuple[str, bytes]]]:
+        """`drain_kv_events` per rank with a pool of its own (a DP group's ranks; here one)."""
+        return [self.drain_kv_events()]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
 
@@ -139,6 +148,10 @@ class EngineCore:
     def in_flight(self) -> bool:
         """Async scheduling: a step was launched whose result is not applied yet."""
         return self._inflight is not None
+
+    def has_finished_to_drop(self) -> bool:
+        """Finished requests the runner has not dropped yet (one more step hands it their ids)."""
+        return self.scheduler.has_finished_to_drop
 
     def step(self) -> list[EngineCoreOutput]:
         """One step: schedule, run, apply. With async scheduling the step scheduled now is launched first
@@ -166,17 +179,11 @@ class EngineCore:
         return out
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), num_held=len(s.held),
-                           kv_usage=self.kv.usage(), num_free_blocks=self.kv.num_free_blocks,
-                           num_blocks=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
-                           prefix_hits=self.kv.prefix_hits, spec_drafts=s.spec_drafts, spec_accepted=s.spec_accepted,
-                           spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
-                           num_preemptions=s.num_preemptions,
-                           num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
-                           hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None,
-                           weight_bytes=tuple(r["weight_bytes"] for r in self.weight_reports()),
-                           num_steps=self.num_steps, step_seconds=self.step_seconds)
+        hisparse = getattr(self.runner, "hisparse", None)
+        st = scheduler_stats(self.scheduler, hisparse.stats() if hisparse is not None else None)
+        st.weight_bytes = tuple(r["weight_bytes"] for r in self.weight_reports())
+        st.num_steps, st.step_seconds = self.num_steps, self.step_seconds
+        return st
 
     def weight_reports(self) -> list[dict]:
         """Per rank: weight bytes by dtype and what loading read (engine.loading.weight_stats); fixed after load."""
@@ -188,6 +195,18 @@ class EngineCore:
         from engine.loading.weight_stats import rank_weight_report
 
         return [rank_weight_report(self.runner)]
+
+
+def scheduler_stats(s: Scheduler, hisparse=None) -> EngineStats:
+    """The figures of one scheduler and its KV manager (one rank's requests and pool)."""
+    kv = s.kv
+    return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), num_held=len(s.held),
+                       kv_usage=kv.usage(), num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
+                       prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits, spec_drafts=s.spec_drafts,
+                       spec_accepted=s.spec_accepted, spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
+                       num_preemptions=s.num_preemptions,
+                       num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+                       hisparse=hisparse)
 
 
 def make_engine_core(cfg: EngineConfig, rank_pool=None) -> EngineCore:

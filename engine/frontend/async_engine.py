@@ -102,16 +102,18 @@ class AsyncEngine:
         self._submit(lambda core: core.add_request(req))
         return self._stream(req.req_id, queue)
 
-    async def add_import_request(self, req: Request, num_import_tokens: int):
+    async def add_import_request(self, req: Request, num_import_tokens: int, rank: int | None = None):
         """Decode/prefill services: admit `req` whose first `num_import_tokens` tokens' KV the caller
         will write. Returns (output stream, all block ids, tokens already cached locally), or None when
-        the KV pool is short right now. Call `import_done` once the bytes are in (or failed)."""
+        the KV pool is short right now. Call `import_done` once the bytes are in (or failed). `rank`: the
+        DP rank of a DP group that takes it (its block ids are that rank's); None for any other engine."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead!r}")
         self.core.validate(req)
         if req.req_id in self._streams:
             raise ValueError(f"request id {req.req_id!r} is already running")
-        reserved = await self.call(lambda core: core.reserve_import(req, num_import_tokens))
+        where = {} if rank is None else {"rank": rank}
+        reserved = await self.call(lambda core: core.reserve_import(req, num_import_tokens, **where))
         if reserved is None:
             return None
         queue: asyncio.Queue = asyncio.Queue()
@@ -177,7 +179,7 @@ class AsyncEngine:
                 self._apply_commands()
                 # idle, unless finished requests are still to be dropped by the runner: one more step
                 # hands it their ids, so an idle engine keeps no per-request state (HiSparse pages, rows)
-                if not core.has_unfinished() and not core.scheduler.has_finished_to_drop:
+                if not core.has_unfinished() and not core.has_finished_to_drop():
                     self._take_stats()
                     self._wake.clear()
                     with self._lock:
