@@ -1,25 +1,45 @@
-"""`python -m bench.decode_step`: the engine's decode step time, eager against the padded static path
-(CUDA graphs on CUDA), at several batch sizes, with or without MTP.
-
-Per batch size and mode: B greedy requests are prefilled, a few decode steps warm up (and capture the
-graphs), then every `EngineCore.step()` of the measured decode steps is timed by wall clock after a
-device synchronisation; the median is reported with the number of graph captures. On CPU the static
-path runs without capture (the same padded forwards).
+"""`python -m bench.decode_step`: the engine's decode step, eager against the padded static path (CUDA
+graphs on CUDA), with the GPU's busy time and the step's memory floor beside the wall time.
 
     python -m bench.decode_step --model checkpoints/tiny-code --batches 1,16,64 --spec 3 --out decode.json
+    python -m bench.decode_step --random-model 4 --batches 1,16,64 --spec 3        # GLM-5.3 widths, 4 layers
+    python -m bench.decode_step --standin --batches 1,16,64 --out standin.json    # one EP8 rank, FP8, MTP3
+    ... --hisparse-pool-gib 16    # also a HiSparse engine (its forwards run the static buffers, never captured)
+
+One engine per model serves every mode, so the weights are built once: `eager` runs the plain path
+(`runner.static` off), `graphs` the padded static path, captured on CUDA at start-up (on the CPU the
+same padded forwards run eagerly), and with `--async-scheduling` also `async`: that path with the next
+step launched before the last one's tokens are read (docs/async_scheduling.md). Per (mode, batch): B
+greedy requests of `--prompt-len` tokens are prefilled, a few decode steps warm up, then each measured
+`EngineCore.step()` is timed by wall clock between device synchronisations (median); `async` steps run
+back to back instead, and a step's wall time is the measured steps' total over their number. The GPU's
+busy time of a step is the union of its kernels' intervals under torch.profiler (median over
+`--profile-steps` steps; `async`: one profile over them all, divided by their number). The memory floor is the bytes one
+step must read at least (below) over the device-to-device copy bandwidth measured in the same run:
+
+    weights   every parameter of the model but the embedding table, once per pass that uses it: the
+              target pass (all layers), each MTP pass (the MTP layer and the shared head); routed
+              experts counted at the expected share a pass touches, E * (1 - (1 - 1/E)^(rows * top-k))
+              of E local experts
+    KV        per request and attention layer of the target pass: min(context, top-k) MLA rows and the
+              whole context's indexer keys (bytes per token of the engine's KV format)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
+from engine.model.moe import MoE
 
 
 def _sync() -> None:
@@ -27,59 +47,226 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_decode(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int) -> list[float]:
-    """Seconds of each measured decode step of `batch` requests (all prefilled before timing)."""
-    core = llm.core
-    vocab = llm.core.runner.cfg.model.vocab_size
+def _fill(core, batch: int, prompt_len: int, max_tokens: int, tag: str) -> list[str]:
+    """B greedy requests of random prompts, stepped until every one of them decodes."""
+    vocab = core.cfg.model.vocab_size
     g = torch.Generator().manual_seed(batch)
-    sp = SamplingParams(max_tokens=10 * (warmup + steps + 2), temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        ids = torch.randint(10, vocab, (prompt_len,), generator=g).tolist()
-        core.add_request(Request(f"b{batch}-{i}", ids, sp))
-    for _ in range(warmup + 2):  # prefill, then warm-up decode steps (captures happen here)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rids = [f"{tag}-b{batch}-{i}" for i in range(batch)]
+    for r in rids:
+        core.add_request(Request(r, torch.randint(10, vocab, (prompt_len,), generator=g).tolist(), sp))
+    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
         core.step()
-    times = []
-    for _ in range(steps):
+    return rids
+
+
+def busy_seconds(prof) -> float:
+    """Union of the CUDA kernels' [start, end] intervals recorded by a torch.profiler session (s)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > 0)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total / 1e6
+
+
+def time_steps(core, batch: int, prompt_len: int, steps: int, warmup: int, profile_steps: int, tag: str) -> dict:
+    rids = _fill(core, batch, prompt_len, 12 * (warmup + steps + profile_steps + 4), tag)
+    for _ in range(warmup):
+        core.step()
+    walls, tokens = [], 0
+    if core.async_scheduling:  # a pipeline: one interval over the measured steps
         _sync()
         t0 = time.perf_counter()
-        core.step()
+        for _ in range(steps):
+            tokens += sum(len(o.new_token_ids) for o in core.step())
         _sync()
-        times.append(time.perf_counter() - t0)
-    for i in range(batch):
-        core.abort(f"b{batch}-{i}")
+        walls = [(time.perf_counter() - t0) / steps] * steps
+    for _ in range(0 if core.async_scheduling else steps):
+        _sync()
+        t0 = time.perf_counter()
+        outs = core.step()
+        _sync()
+        walls.append(time.perf_counter() - t0)
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    busy = []
+    if torch.cuda.is_available() and profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        for _ in range(1 if core.async_scheduling else profile_steps):
+            n = profile_steps if core.async_scheduling else 1
+            _sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    core.step()
+                _sync()
+            busy.append(busy_seconds(prof) / n)
+    for r in rids:
+        core.abort(r)
+    while core.has_unfinished():  # the step in flight too (async)
+        core.step()
     core.step()
-    return times
+    wall = statistics.median(walls)
+    row = {"batch": batch, "wall_ms": 1e3 * wall, "tokens_per_step": tokens / steps,
+           "tok_s": tokens / sum(walls)}
+    if busy:
+        row["busy_ms"] = 1e3 * statistics.median(busy)
+        row["wall_over_busy"] = wall / statistics.median(busy)
+    return row
+
+
+def floor_bytes(core, batch: int, context: int) -> dict:
+    """The bytes one decode step reads at least (module docstring), by part."""
+    runner, cfg = core.runner, core.cfg
+    mc, k = cfg.model, cfg.num_spec_tokens
+    model = runner.model
+    rows = 1 + k
+
+    def nbytes(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    def pass_bytes(module, rows_per_req: int) -> float:
+        experts = [m.experts for m in module.modules() if isinstance(m, MoE)]
+        expert_ids = {id(p) for e in experts for p in e.parameters()}
+        dense = nbytes(p for n, p in module.named_parameters() if "embed" not in n and id(p) not in expert_ids)
+        total = float(dense)
+        for e in experts:
+            E = e.w13.shape[0]
+            share = 1 - (1 - 1 / E) ** (batch * rows_per_req * mc.num_experts_per_tok)
+            total += nbytes(e.parameters()) * share
+        return total
+
+    head = nbytes(model.lm_head.parameters())
+    target = pass_bytes(model.model, rows) + head
+    mtp = (pass_bytes(model.mtp, rows) + head) * k if getattr(model, "mtp", None) is not None and k else 0.0
+    spec = runner.spec
+    mla_b = spec.mla_row * torch.empty((), dtype=spec.mla_torch_dtype).element_size()
+    idx_b = spec.index_row * torch.empty((), dtype=spec.index_torch_dtype).element_size()
+    kv = batch * spec.num_mla_layers * (min(context, mc.index_topk) * mla_b + context * idx_b)
+    return {"target_weights": target, "mtp_weights": mtp, "kv": float(kv), "total": target + mtp + kv}
+
+
+def run_modes(core, modes: list[str], batches: list[int], a, copy_tbps: float | None, label: str) -> list[dict]:
+    runner = core.runner
+    static = runner.static
+    rows = []
+    for mode in modes:
+        runner.static = static if mode in ("graphs", "static", "async") else None
+        core.async_scheduling = mode == "async"  # between steps, with none in flight
+        for b in batches:
+            row = {"engine": label, "mode": mode, **time_steps(core, b, a.prompt_len, a.steps, a.warmup,
+                                                                 a.profile_steps, f"{label}-{mode}")}
+            row["captures"] = static.num_captures if static is not None else 0
+            hs = core.stats().hisparse
+            if hs is not None:
+                row["hisparse"] = {"hits": hs.hits, "misses": hs.misses}
+            fb = floor_bytes(core, b, a.prompt_len + 8 * a.steps)
+            row["floor_bytes"] = fb
+            if copy_tbps:
+                row["floor_ms"] = 1e3 * fb["total"] / (copy_tbps * 1e12)
+                row["wall_over_floor"] = row["wall_ms"] / row["floor_ms"]
+            rows.append(row)
+            busy = f"busy {row['busy_ms']:8.2f} ms ({row['wall_over_busy']:.2f}x)" if "busy_ms" in row else ""
+            floor = f"floor {row['floor_ms']:8.2f} ms ({row['wall_over_floor']:.2f}x)" if "floor_ms" in row else ""
+            print(f"{label:9s} {mode:6s} B={b:3d}  wall {row['wall_ms']:8.2f} ms  {busy}  {floor}  "
+                  f"{row['tokens_per_step']:.1f} tok/step  captures {row['captures']}", flush=True)
+    runner.static = static
+    core.async_scheduling = False
+    return rows
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="checkpoints/tiny-code")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="checkpoints/tiny-code")
+    src.add_argument("--random-model", type=int, metavar="LAYERS", help="GLM-5.3 widths, LAYERS layers, random")
+    src.add_argument("--standin", action="store_true", help="one EP8 rank of the full GLM-5.3 in FP8 (random)")
+    p.add_argument("--experts", type=int, default=32, help="routed experts of --random-model")
     p.add_argument("--device", default=None)
     p.add_argument("--batches", default="1,16,64")
-    p.add_argument("--spec", type=int, default=0, help="MTP draft tokens per step (0: none)")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--spec", type=int, default=3, help="MTP draft tokens per step (0: none; the stand-in: 3)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--num-blocks", type=int, default=2048)
+    p.add_argument("--hisparse-pool-gib", type=float, default=None, help="also time a HiSparse engine")
+    p.add_argument("--hisparse-buffer", type=int, default=None, help="its device_buffer_size (rows per request)")
+    p.add_argument("--hisparse-batches", default=None, help="its batch sizes (default: --batches)")
+    p.add_argument("--hisparse-prompt-len", type=int, default=None,
+                   help="its prompt length (default: --prompt-len; above the top-k, a step misses)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="also the static path with async scheduling (mode `async`)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
-    kw = {"num_blocks": a.num_blocks, "max_num_seqs": max(batches), "device": a.device}
-    if a.spec:
-        kw["num_speculative_tokens"] = a.spec
-    rows = []
-    for mode, eager in (("eager", True), ("graphs", False)):
-        llm = LLM(a.model, enforce_eager=eager, **kw)
-        for b in batches:
-            t = time_decode(llm, b, a.prompt_len, a.steps, a.warmup)
-            st = llm.core.runner.static
-            rows.append({"mode": mode, "batch": b, "median_step_ms": 1e3 * statistics.median(t),
-                         "captures": st.num_captures if st is not None else 0})
-            print(f"{mode:6s} B={b:3d}  step {rows[-1]['median_step_ms']:8.2f} ms  captures {rows[-1]['captures']}")
-    result = {"model": a.model, "spec": a.spec, "device": str(llm.core.runner.device), "rows": rows}
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ceil = {}
+    if device.startswith("cuda"):
+        from bench.kernels.timing import ceilings
+
+        ceil = ceilings(torch.device(device))
+        print(f"copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s", flush=True)
+    graph_kw = {"enforce_eager": False, "cuda_graph_sizes": sorted(set(batches))}
+    hs_kw = {"hisparse": {"host_pool_gib": a.hisparse_pool_gib}} if a.hisparse_pool_gib else None
+    if hs_kw and a.hisparse_buffer:
+        hs_kw["hisparse"]["device_buffer_size"] = a.hisparse_buffer
+    hs_batches = [int(b) for b in a.hisparse_batches.split(",")] if a.hisparse_batches else batches
+    hs_prompt = a.hisparse_prompt_len or a.prompt_len
+    rows, info = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.standin:
+            from bench.prefill import standin
+
+            sa = argparse.Namespace(device=device, kv_cache_dtype="fp8_ds_mla", gpu_memory_utilization=0.9,
+                                    prefill_tokens=max(a.prompt_len, hs_prompt) + 64 * a.steps, chunk=8192,
+                                    batches=batches, num_blocks=a.num_blocks)
+            path = standin.rank_config_dir(Path(tmp))
+            t0 = time.perf_counter()
+            core, info = standin._engine(sa, path, **graph_kw)
+            info["build_s"] = time.perf_counter() - t0
+            model = core.runner.model
+
+            def make_hisparse():
+                return standin._engine(sa, path, model=model, **hs_kw, **graph_kw)[0]
+        else:
+            path = a.model
+            kw = {"num_blocks": a.num_blocks, "max_num_seqs": max(batches), "device": device,
+                  "max_model_len": max(a.prompt_len, hs_prompt) + 64 * a.steps + 64}
+            if a.random_model:
+                from bench.serving.gpu_system import random_model_dir
+
+                path = str(random_model_dir(Path(tmp) / "model", layers=a.random_model, experts=a.experts))
+                kw["load_format"] = "dummy"
+            if a.spec:
+                kw["num_speculative_tokens"] = a.spec
+            core = LLM(path, **kw, **graph_kw).core
+
+            def make_hisparse():
+                return LLM(path, **kw, **hs_kw, **graph_kw).core
+        st = core.runner.static
+        info["captures_at_start"] = st.num_captures if st is not None else 0
+        modes = ["eager", "graphs"] + (["async"] if a.async_scheduling and st is not None else [])
+        rows += run_modes(core, modes, batches, a, ceil.get("copy_tbps"), "resident")
+        if hs_kw:
+            del core, st
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            core = make_hisparse()  # its forwards run the static buffers eagerly: HiSparse is never captured
+            a.prompt_len = hs_prompt
+            hs_modes = ["eager"] + (["static"] + (["async"] if a.async_scheduling else [])
+                                    if core.runner.static is not None else [])
+            rows += run_modes(core, hs_modes, hs_batches, a, ceil.get("copy_tbps"), "hisparse")
+    result = {"model": "standin" if a.standin else (f"random-{a.random_model}" if a.random_model else a.model),
+              "spec": a.spec, "device": device, "ceilings": ceil, "info": info, "rows": rows,
+              "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(result, f, indent=1, default=str)
     return result
 
 

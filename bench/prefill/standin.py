@@ -49,22 +49,40 @@ class LocalLoad:
         return experts(x, weights, experts.offset + ids % n)
 
 
-def _engine(a, model_dir: Path) -> tuple[EngineCore, dict]:
+def build_rank_model(cfg):
+    """One EP8 rank's model of `cfg` (an EngineConfig): every weight but the routed experts, 32 of 256 of
+    those, random, routing folded onto them (LocalLoad)."""
+    mc = cfg.model
+    model = build_model(mc, device=torch.device(cfg.device), dtype=cfg.torch_dtype, with_mtp=True,
+                        expert_shard=(0, mc.n_routed_experts // EP))
+    dummy_init(model, cfg.seed)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.dispatcher = LocalLoad()
+    return model
+
+
+def rank_config_dir(tmp: Path, preset_name: str = "glm-5.3", weight_dtype: str = "fp8", **overrides) -> Path:
+    """A config.json of the preset (FP8 block-scaled weights unless weight_dtype is bf16) in `tmp`."""
+    cfg = preset(preset_name, **overrides)
+    if weight_dtype == "fp8":
+        cfg = dataclasses.replace(cfg, quantization="fp8", weight_block_size=(128, 128))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    return tmp
+
+
+def _engine(a, model_dir: Path, model=None, **engine_kw) -> tuple[EngineCore, dict]:
+    """The stand-in engine; `model` reuses an already built rank model (another engine over the same
+    weights), `engine_kw` are further EngineArgs (graphs, HiSparse)."""
     args = EngineArgs(model=str(model_dir), device=a.device, load_format="dummy", kv_cache_dtype=a.kv_cache_dtype,
                       gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.prefill_tokens + 1024,
                       max_num_batched_tokens=a.chunk, max_num_seqs=max(a.batches),
                       speculative_config={"method": "mtp", "num_speculative_tokens": 3,
                                           "synthetic_acceptance_length": 2.99},
-                      num_blocks=a.num_blocks)
+                      num_blocks=a.num_blocks, **engine_kw)
     cfg = args.create_engine_config()
-    mc = cfg.model
-    n_local = mc.n_routed_experts // EP
-    model = build_model(mc, device=torch.device(cfg.device), dtype=cfg.torch_dtype, with_mtp=True,
-                        expert_shard=(0, n_local))
-    dummy_init(model, cfg.seed)
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.dispatcher = LocalLoad()
+    n_local = cfg.model.n_routed_experts // EP
+    model = model if model is not None else build_rank_model(cfg)
     core = EngineCore(cfg, runner_factory=lambda c: ModelRunner(c, model=model))
     info = {"weight_bytes": weight_bytes_by_dtype(model), "num_local_experts": n_local,
             "kv_blocks": core.kv.num_blocks, "kv_tokens": core.kv.num_blocks * cfg.cache.block_size}
@@ -128,12 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--decode-steps", type=int, default=10)
     a = p.parse_args(argv)
     overrides = {k: json.loads(v) for k, _, v in (s.partition("=") for s in a.set)}
-    cfg = preset(a.preset, **overrides)
-    if a.weight_dtype == "fp8":
-        cfg = dataclasses.replace(cfg, quantization="fp8", weight_block_size=(128, 128))
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
-        core, info = _engine(a, Path(tmp))
+        core, info = _engine(a, rank_config_dir(Path(tmp), a.preset, a.weight_dtype, **overrides))
     res = {"preset": a.preset, "overrides": overrides, "weight_dtype": a.weight_dtype, "device": a.device, **info,
            "weight_gib": sum(info["weight_bytes"].values()) / 2**30,
            "kv_gib": info["kv_blocks"] * core.runner.spec.block_bytes / 2**30}

@@ -48,7 +48,10 @@ def random_model_dir(out: Path, layers: int = 4, experts: int = 32) -> Path:
     return out
 
 
-def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share: float | None) -> dict:
+def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share: float | None,
+             hisparse: bool = True) -> dict:
+    """The topology file for one benchmark run: fresh ports and Redis; the model, dummy weights, memory
+    share and (hisparse False) a decode without HiSparse, whose decode step is then graph-captured."""
     from engine.parallel.dist import free_port
 
     topo = yaml.safe_load(config.read_text())
@@ -65,6 +68,11 @@ def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share:
                 args["load-format"] = "dummy"
             if share:
                 args["gpu-memory-utilization"] = share
+            if kind == "decode" and not hisparse:
+                attn = dict(args.pop("attention-config", None) or {})
+                attn.pop("hisparse_config", None)
+                if attn:
+                    args["attention-config"] = attn
     return topo
 
 
@@ -157,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=str(ROOT / "configs" / "topology.gpu-1.yaml"))
     p.add_argument("--random-model", action="store_true", help="GLM-5.3 widths, 4 layers, 32 experts, dummy weights")
     p.add_argument("--share", type=float, help="gpu-memory-utilization of each engine (override)")
+    p.add_argument("--no-hisparse", action="store_true",
+                   help="decode without HiSparse (its steps are then CUDA graphs; HiSparse steps never are)")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--prompts-per-level", default="6,24,64")
     p.add_argument("--input-len", type=int, default=1024)
@@ -173,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="gpu-system-"))
     model = str(random_model_dir(work / "model")) if a.random_model else None
-    topo = topology(Path(a.config), work / "run", model, a.random_model, a.share)
+    topo = topology(Path(a.config), work / "run", model, a.random_model, a.share, hisparse=not a.no_hisparse)
     t0 = time.perf_counter()
     dep = launcher.up(topo, timeout_s=400, die_with_parent=True, echo=print)
-    out = {"topology": Path(a.config).name, "model": model or topo["model"], "startup_s": time.perf_counter() - t0,
+    out = {"topology": Path(a.config).name, "hisparse": not a.no_hisparse, "model": model or topo["model"],
+           "startup_s": time.perf_counter() - t0,
            "serve": [], "agentx": None}
     try:
         if a.warmup_requests:

@@ -48,6 +48,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     mtp_kv: bool = True
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
     num_speculative_tokens: int | None = None
     speculative_config: dict | None = None
     hisparse: dict | None = None
@@ -61,7 +62,7 @@ class EngineArgs:
     attention_backend: str | None = None
     load_format: str = "auto"
     quantization: str | None = None  # "fp8": quantize a bf16 checkpoint's projections at load (block FP8)
-    enforce_eager: bool | None = None  # None: eager (graphs are opt-in: --cuda-graphs); see GraphConfig
+    enforce_eager: bool | None = None  # None: CUDA graphs on CUDA, eager on the CPU; see GraphConfig
     cuda_graph_sizes: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -89,7 +90,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_model_len=max_len,
                                       max_num_batched_tokens=self.max_num_batched_tokens or max(8192, 1),
                                       max_num_seqs=self.max_num_seqs,
-                                      enable_chunked_prefill=self.enable_chunked_prefill),
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      async_scheduling=self.async_scheduling),
             parallel=ParallelConfig(prefill_context_parallel_size=self.prefill_context_parallel_size,
                                     decode_context_parallel_size=self.decode_context_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel,
@@ -134,6 +136,9 @@ class EngineArgs:
         g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--async-scheduling", action="store_true",
+                       help="plan the next step while the current one runs on the GPU; its tokens are read back "
+                            "after the next step is launched (single-rank engines)")
         g.add_argument("--speculative-config", type=json.loads, default=None)
         g.add_argument("--attention-config", type=json.loads, default=None)
         g.add_argument("--hisparse-config", dest="hisparse", type=json.loads, default=None,
@@ -154,8 +159,8 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true", default=None,
                        help="decode without the padded static-buffer path and CUDA graphs")
         g.add_argument("--cuda-graphs", dest="enforce_eager", action="store_false",
-                       help="decode through the padded static-buffer path, captured as CUDA graphs on CUDA "
-                            "(opt-in until the graph path has passed its GPU tests)")
+                       help="decode through the padded static-buffer path, captured as CUDA graphs on CUDA (the "
+                            "default there; on the CPU the same padded forwards run eagerly)")
         g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
                        help="decode batch sizes to pad to and capture (default 1 2 4 8 16 24 ... max-num-seqs)")
         return p

@@ -51,6 +51,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    # plan step N+1 while step N runs on the GPU (vLLM's --async-scheduling; docs/async_scheduling.md)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -157,10 +159,10 @@ class GraphConfig:
     """The decode step's static-buffer path and CUDA graphs (vLLM's capture-size convention).
 
     Decode batches are padded to the next capture size (`capture_sizes`) and run from buffers
-    allocated once; on CUDA each size is captured once as a CUDA graph and replayed. enforce_eager
-    None (the default): the plain eager path on every device, until the graph path has passed its GPU
-    tests on an H200 (docs/decode_graphs.md); False: the padded static path, captured on CUDA
-    (`--cuda-graphs`), run eagerly on the CPU (what the CPU tests compare); True: eager."""
+    allocated once; on CUDA each size is captured once, at start-up, as a CUDA graph and replayed.
+    enforce_eager None (the default): graphs on CUDA (as in vLLM), the plain eager path on the CPU;
+    False: the padded static path on every device, run eagerly on the CPU (what the CPU tests compare);
+    True: eager everywhere (`--enforce-eager`)."""
 
     enforce_eager: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, then every 8 up to max_num_seqs
@@ -184,7 +186,7 @@ class GraphConfig:
 
     def use_static_path(self, device: str) -> bool:
         if self.enforce_eager is None:
-            return False  # opt-in until validated on the GPU: see the class docstring
+            return torch.device(device).type == "cuda"
         return not self.enforce_eager
 
 
@@ -217,6 +219,9 @@ class EngineConfig:
         if self.speculative is not None and not self.cache.mtp_kv:
             raise ValueError("speculative decoding needs the MTP layer's KV: drop --no-mtp-kv")
         pc = self.parallel
+        if self.scheduler.async_scheduling and pc.world_size > 1:
+            raise ValueError("async_scheduling runs single-rank engines for now: drop --async-scheduling or the "
+                             "context / data parallel sizes")
         if pc.enable_expert_parallel and pc.world_size > 1 and self.model.n_routed_experts % pc.world_size:
             what = "--data-parallel-size" if pc.data_parallel_size > 1 else "the number of ranks"
             raise ValueError(f"expert parallelism over {pc.world_size} ranks needs n_routed_experts "

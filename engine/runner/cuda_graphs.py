@@ -1,6 +1,8 @@
 """CUDA graphs of the padded decode forwards: one capture per (kind, padded requests, rows per request).
 
-    first use of a key   one eager warm-up on a side stream (Triton compiles and picks its configs
+    start-up             every key is captured (`StaticDecode.capture_all`; a key first met later, which
+                         start-up covers, would be captured then)
+    capture of a key     one eager warm-up on a side stream (Triton compiles and picks its configs
                          outside the capture), then torch.cuda.graph captures the same forward on the
                          static buffers; every graph shares one memory pool
     every use            the caller has refilled the static buffers (one H2D copy); the MTP input hidden
@@ -11,8 +13,9 @@ eagerly from then on (`failed` says why; the GPU tests assert it stays None).
 
 A request joining or leaving changes only the buffers' contents and, across a capture size, the key:
 nothing is captured twice. The captured forwards are the model's target pass and the MTP layer's
-catch-up and draft passes; sampling and rejection stay eager (per-request generators, grammars and
-penalties are host-side state).
+catch-up and draft passes; sampling and rejection run between them, on the device for a batch of greedy
+decode requests (engine/runner/device_step.py), on the host for any other (per-request generators, grammars
+and penalties are host-side state).
 """
 
 from __future__ import annotations
@@ -39,15 +42,10 @@ class DecodeGraphs:
     def run(self, kind: str, batch: PaddedBatch, prev: torch.Tensor | None) -> torch.Tensor:
         key = (kind, *batch.key)
         if prev is not None:
-            prev = self._static_prev(prev)
+            prev = self.static_prev(prev)
         entry = self.graphs.get(key)
-        if entry is None and self.failed is None:
-            try:
-                entry = self.graphs[key] = self._capture(kind, batch, prev)
-            except Exception as e:  # noqa: BLE001 - any capture error: serve eagerly, say why once
-                self.failed = f"{key}: {type(e).__name__}: {e}"
-                log.warning("CUDA graph capture failed, decoding eagerly: %s", self.failed)
-                torch.cuda.synchronize()
+        if entry is None:
+            entry = self.capture(kind, batch, prev)
         if entry is None:
             return eager_forward(self.runner, kind, batch.input_ids, batch.meta, prev)
         graph, out = entry
@@ -55,7 +53,21 @@ class DecodeGraphs:
         self.num_replays += 1
         return out
 
-    def _static_prev(self, prev: torch.Tensor) -> torch.Tensor:
+    def capture(self, kind: str, batch: PaddedBatch, prev: torch.Tensor | None):
+        """Capture (kind, batch's key) once -> (graph, static output), or None after a failed capture.
+        `prev`: the MTP passes' input hidden rows, already in the static buffer (`static_prev`)."""
+        key = (kind, *batch.key)
+        if key in self.graphs or self.failed is not None:
+            return self.graphs.get(key)
+        try:
+            self.graphs[key] = self._capture(kind, batch, prev)
+        except Exception as e:  # noqa: BLE001 - any capture error: serve eagerly, say why once
+            self.failed = f"{key}: {type(e).__name__}: {e}"
+            log.warning("CUDA graph capture failed, decoding eagerly: %s", self.failed)
+            torch.cuda.synchronize()
+        return self.graphs.get(key)
+
+    def static_prev(self, prev: torch.Tensor) -> torch.Tensor:
         rows = self.runner.static.builder.max_rows
         if self.prev_buf is None or self.prev_buf.dtype != prev.dtype or self.prev_buf.shape[1] != prev.shape[1]:
             self.prev_buf = torch.zeros((rows, prev.shape[1]), dtype=prev.dtype, device=prev.device)

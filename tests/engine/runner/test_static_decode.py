@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
@@ -78,3 +79,27 @@ def test_enforce_eager_and_cpu_default(tiny_code):
     st = LLM(str(tiny_code), num_blocks=16, enforce_eager=False, max_num_seqs=20).core.runner.static
     assert st.sizes == [1, 2, 4, 8, 16, 20]
     assert [st.bucket(n) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
+
+
+def test_start_up_keys_and_padding_only_batches_write_nothing(tiny_code):
+    """The keys captured at start-up on CUDA (every bucket of the target and MTP passes, with 1 and 1 + k
+    rows per request); a batch of padding requests only runs through both passes and writes no KV."""
+    from engine.runner.static_decode import eager_forward
+
+    llm = LLM(str(tiny_code), num_blocks=16, enforce_eager=False, max_num_seqs=4, num_speculative_tokens=3)
+    runner = llm.core.runner
+    st = runner.static
+    assert st.graphs is None and st.num_captures == 0  # CPU: nothing to capture
+    assert st.keys() == [(kind, size, R) for kind in ("target", "mtp") for R in (1, 4) for size in (1, 2, 4)]
+    before = [runner.kv_cache.mla.clone(), runner.kv_cache.index.clone()]
+    hidden_size = llm.core.cfg.model.hidden_size
+    for kind, size, R in st.keys():
+        batch = st.dummy(size, R)
+        assert batch.key == (size, R) and batch.real_idx.numel() == 0
+        assert (batch.meta.slot_mapping == -1).all()
+        prev = torch.zeros((size * R, hidden_size)) if kind == "mtp" else None
+        out = eager_forward(runner, kind, batch.input_ids, batch.meta, prev)
+        assert out.shape[0] == size * R  # padding rows read block 0, whatever it holds
+    after = [runner.kv_cache.mla, runner.kv_cache.index]
+    same = all(a.view(torch.uint8).equal(b.view(torch.uint8)) for a, b in zip(before, after))
+    assert same, "a padding-only batch wrote KV"

@@ -1,5 +1,5 @@
-"""Capture sizes (vLLM's convention), the --enforce-eager / --cuda-graph-sizes flags and when the static
-decode path is on."""
+"""Capture sizes (vLLM's convention), the --enforce-eager / --cuda-graph-sizes flags, when the static
+decode path is on, and --async-scheduling."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_cuda_graph_sizes_override():
 
 
 def test_when_the_static_path_runs():
-    assert not GraphConfig().use_static_path("cpu") and not GraphConfig().use_static_path("cuda")
+    assert not GraphConfig().use_static_path("cpu") and GraphConfig().use_static_path("cuda")
+    assert GraphConfig().use_static_path("cuda:1")
     assert GraphConfig(enforce_eager=False).use_static_path("cpu")
     assert not GraphConfig(enforce_eager=True).use_static_path("cuda")
 
@@ -46,9 +47,20 @@ def test_cli_flags(tiny_code):
     assert cfg.graphs.enforce_eager is None and cfg.graphs.cuda_graph_sizes is None
 
 
-def test_graphs_are_opt_in(tiny_code):
+def test_graphs_by_default_on_cuda_only(tiny_code):
     p = EngineArgs.add_cli_args(argparse.ArgumentParser())
     cfg = EngineArgs.from_cli_args(p.parse_args(["--model", str(tiny_code), "--cuda-graphs"])).create_engine_config()
-    assert cfg.graphs.enforce_eager is False and cfg.graphs.use_static_path("cuda")
+    assert cfg.graphs.enforce_eager is False and cfg.graphs.use_static_path("cpu")
     cfg = EngineArgs.from_cli_args(p.parse_args(["--model", str(tiny_code)])).create_engine_config()
-    assert not cfg.graphs.use_static_path("cuda")
+    assert cfg.graphs.use_static_path("cuda") and not cfg.graphs.use_static_path("cpu")
+
+
+def test_async_scheduling_flag(tiny_code):
+    p = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = p.parse_args(["--model", str(tiny_code), "--async-scheduling"])
+    cfg = EngineArgs.from_cli_args(ns).create_engine_config()
+    assert cfg.scheduler.async_scheduling is True
+    assert EngineArgs(model=str(tiny_code)).create_engine_config().scheduler.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling runs single-rank engines"):
+        EngineArgs(model=str(tiny_code), async_scheduling=True, prefill_context_parallel_size=2,
+                   decode_context_parallel_size=2).create_engine_config()

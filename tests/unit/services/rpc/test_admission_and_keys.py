@@ -222,3 +222,14 @@ def test_kvstore_index_backlog_is_bounded_while_redis_is_away(monkeypatch):
     calls = asyncio.run(run())
     # the backlog collapsed into one re-publish of what the pool holds now (then the later updates)
     assert ("stored", sorted(sv.pool.stored_hashes())) in calls and len(calls) <= 8
+
+
+def test_decode_graphs_default_to_the_decode_service_only():
+    """A prefill engine emits one token per request: it decodes eagerly unless asked; the decode service
+    keeps the engine default (CUDA graphs on CUDA)."""
+    from services.decode.main import parse_args as decode_args
+    from services.prefill.main import parse_args as prefill_args
+
+    assert prefill_args(["--model", "m"]).enforce_eager is True
+    assert prefill_args(["--model", "m", "--cuda-graphs"]).enforce_eager is False
+    assert decode_args(["--model", "m"]).enforce_eager is None
