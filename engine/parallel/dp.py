@@ -22,6 +22,7 @@ from engine.core.core import EngineStats
 from engine.core.request import Request
 from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.kv.manager import KVCacheManager
+from engine.kv.offload import sum_stats
 from engine.parallel.executor import MultiRankEngineCore
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ class DPEngineCore(MultiRankEngineCore):
         super().__init__(cfg, check_outputs, rank_pool)
         self.kvs, self.schedulers = [self.kv], [self.scheduler]
         for _ in range(1, pc.data_parallel_size):
-            kv = KVCacheManager(self.kv.num_blocks, cfg.cache.block_size, 1, cfg.cache.enable_prefix_caching)
+            kv = KVCacheManager(self.kv.num_blocks, cfg.cache.block_size, 1, cfg.cache.enable_prefix_caching,
+                                offload=self.new_offload_tier())  # every rank's offload buffer has rank 0's shape
             hisparse = getattr(self.runner, "hisparse", None)  # every rank's device pool has rank 0's shape
             if hisparse is not None:
                 kv.device_footprint = hisparse.footprint()
@@ -80,6 +82,13 @@ class DPEngineCore(MultiRankEngineCore):
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         return [e for kv in self.kvs for e in kv.pool.drain_events()]
 
+    def flush_kv_copies(self) -> None:
+        """Every rank's queued KV offload copies, run by that rank's runner now (before a caller writes the
+        blocks a rank reserved: call it after `schedulers[r].reserve_import`)."""
+        by_rank = [kv.take_copies() for kv in self.kvs]
+        if any(by_rank):
+            self.collective_rpc("apply_rank_kv_copies", by_rank)
+
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished for s in self.schedulers)
 
@@ -118,4 +127,5 @@ class DPEngineCore(MultiRankEngineCore):
             for f in ("spec_drafts", "spec_accepted", "spec_steps", "spec_emitted"):
                 setattr(total, f, getattr(total, f) + getattr(s, f))
         total.kv_usage = sum(kv.usage() for kv in self.kvs) / len(self.kvs)
+        total.kv_offload = sum_stats([kv.offload_stats() for kv in self.kvs])
         return total

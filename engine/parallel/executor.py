@@ -91,6 +91,12 @@ class MultiRankEngineCore(EngineCore):
                 raise RuntimeError(f"ranks {bad} sampled differently from rank 0: {digests[bad[0]]} vs {digests[0]}")
         return self.scheduler.update(sched, result)
 
+    def flush_kv_copies(self) -> None:
+        """EngineCore.flush_kv_copies on every rank: each copies its share of the blocks."""
+        copies = self.kv.take_copies()
+        if copies:
+            self.collective_rpc("apply_kv_copies", copies)
+
     def collective_rpc(self, method: str, *args) -> list:
         """Call runner `method` (or "module:function", runner first) on every rank -> results by rank."""
         self._send(("rpc", method, args))
