@@ -121,3 +121,17 @@ def test_an_abort_after_the_loads_holds_nothing_and_leaves_the_prefix_intact(tin
     assert core.stats().num_free_blocks == NUM_BLOCKS and not core.runner.states
     (out,) = llm.generate([turns[3]], SP)
     assert out.num_cached_tokens == 256 and out.token_ids == cold[3]
+
+
+def test_preemption_with_the_tier_completes_identically_and_holds_nothing(tiny_code, turns):
+    """A pool too small for the batch: requests are preempted, their prefixes evicted to the tier and loaded
+    back when they are readmitted; outputs equal an engine that never preempts, and nothing is held."""
+    prompts = [turns[0][:128] + t[i * 40:i * 40 + 30] for i, t in enumerate(turns[1:3] * 3)]
+    sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    ref = LLM(str(tiny_code), num_blocks=128).generate(prompts, sp)
+    llm = LLM(str(tiny_code), num_blocks=9, kv_offloading_size=TIER_GIB)
+    got = llm.generate(prompts, sp)
+    st = llm.get_stats()
+    assert st.num_preemptions > 0 and st.kv_offload.num_loaded > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert st.num_free_blocks == 9 and st.num_running == 0 and not llm.core.kv.req_blocks
