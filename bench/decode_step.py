@@ -8,10 +8,13 @@ graphs on CUDA), with the GPU's busy time and the step's memory floor beside the
 
 One engine per model serves every mode, so the weights are built once: `eager` runs the plain path
 (`runner.static` off), `graphs` the padded static path, captured on CUDA at start-up (on the CPU the
-same padded forwards run eagerly). Per (mode, batch): B greedy requests of `--prompt-len` tokens are
-prefilled, a few decode steps warm up, then each measured `EngineCore.step()` is timed by wall clock
-between device synchronisations (median). The GPU's busy time of a step is the union of its kernels'
-intervals under torch.profiler (median over `--profile-steps` steps). The memory floor is the bytes one
+same padded forwards run eagerly), and with `--async-scheduling` also `async`: that path with the next
+step launched before the last one's tokens are read (docs/async_scheduling.md). Per (mode, batch): B
+greedy requests of `--prompt-len` tokens are prefilled, a few decode steps warm up, then each measured
+`EngineCore.step()` is timed by wall clock between device synchronisations (median); `async` steps run
+back to back instead, and a step's wall time is the measured steps' total over their number. The GPU's
+busy time of a step is the union of its kernels' intervals under torch.profiler (median over
+`--profile-steps` steps; `async`: one profile over them all, divided by their number). The memory floor is the bytes one
 step must read at least (below) over the device-to-device copy bandwidth measured in the same run:
 
     weights   every parameter of the model but the embedding table, once per pass that uses it: the
@@ -75,7 +78,14 @@ def time_steps(core, batch: int, prompt_len: int, steps: int, warmup: int, profi
     for _ in range(warmup):
         core.step()
     walls, tokens = [], 0
-    for _ in range(steps):
+    if core.async_scheduling:  # a pipeline: one interval over the measured steps
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tokens += sum(len(o.new_token_ids) for o in core.step())
+        _sync()
+        walls = [(time.perf_counter() - t0) / steps] * steps
+    for _ in range(0 if core.async_scheduling else steps):
         _sync()
         t0 = time.perf_counter()
         outs = core.step()
@@ -86,14 +96,18 @@ def time_steps(core, batch: int, prompt_len: int, steps: int, warmup: int, profi
     if torch.cuda.is_available() and profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
-        for _ in range(profile_steps):
+        for _ in range(1 if core.async_scheduling else profile_steps):
+            n = profile_steps if core.async_scheduling else 1
             _sync()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                core.step()
+                for _ in range(n):
+                    core.step()
                 _sync()
-            busy.append(busy_seconds(prof))
+            busy.append(busy_seconds(prof) / n)
     for r in rids:
         core.abort(r)
+    while core.has_unfinished():  # the step in flight too (async)
+        core.step()
     core.step()
     wall = statistics.median(walls)
     row = {"batch": batch, "wall_ms": 1e3 * wall, "tokens_per_step": tokens / steps,
@@ -140,7 +154,8 @@ def run_modes(core, modes: list[str], batches: list[int], a, copy_tbps: float | 
     static = runner.static
     rows = []
     for mode in modes:
-        runner.static = static if mode in ("graphs", "static") else None
+        runner.static = static if mode in ("graphs", "static", "async") else None
+        core.async_scheduling = mode == "async"  # between steps, with none in flight
         for b in batches:
             row = {"engine": label, "mode": mode, **time_steps(core, b, a.prompt_len, a.steps, a.warmup,
                                                                  a.profile_steps, f"{label}-{mode}")}
@@ -159,6 +174,7 @@ def run_modes(core, modes: list[str], batches: list[int], a, copy_tbps: float | 
             print(f"{label:9s} {mode:6s} B={b:3d}  wall {row['wall_ms']:8.2f} ms  {busy}  {floor}  "
                   f"{row['tokens_per_step']:.1f} tok/step  captures {row['captures']}", flush=True)
     runner.static = static
+    core.async_scheduling = False
     return rows
 
 
@@ -182,6 +198,8 @@ def main(argv=None) -> dict:
     p.add_argument("--hisparse-batches", default=None, help="its batch sizes (default: --batches)")
     p.add_argument("--hisparse-prompt-len", type=int, default=None,
                    help="its prompt length (default: --prompt-len; above the top-k, a step misses)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="also the static path with async scheduling (mode `async`)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
@@ -231,7 +249,8 @@ def main(argv=None) -> dict:
                 return LLM(path, **kw, **hs_kw, **graph_kw).core
         st = core.runner.static
         info["captures_at_start"] = st.num_captures if st is not None else 0
-        rows += run_modes(core, ["eager", "graphs"], batches, a, ceil.get("copy_tbps"), "resident")
+        modes = ["eager", "graphs"] + (["async"] if a.async_scheduling and st is not None else [])
+        rows += run_modes(core, modes, batches, a, ceil.get("copy_tbps"), "resident")
         if hs_kw:
             del core, st
             gc.collect()
@@ -239,8 +258,9 @@ def main(argv=None) -> dict:
                 torch.cuda.empty_cache()
             core = make_hisparse()  # its forwards run the static buffers eagerly: HiSparse is never captured
             a.prompt_len = hs_prompt
-            rows += run_modes(core, ["eager", "static"] if core.runner.static is not None else ["eager"], hs_batches,
-                              a, ceil.get("copy_tbps"), "hisparse")
+            hs_modes = ["eager"] + (["static"] + (["async"] if a.async_scheduling else [])
+                                    if core.runner.static is not None else [])
+            rows += run_modes(core, hs_modes, hs_batches, a, ceil.get("copy_tbps"), "hisparse")
     result = {"model": "standin" if a.standin else (f"random-{a.random_model}" if a.random_model else a.model),
               "spec": a.spec, "device": device, "ceilings": ceil, "info": info, "rows": rows,
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}

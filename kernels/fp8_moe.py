@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels._jit import check_device, interpreting, jit, to_e4m3
 from kernels.fp8_gemm import BLOCK, dequant_act_ref, dequantize_weight_ref, quant_act, quant_act_ref
-from kernels.moe import align_by_expert
+from kernels.moe import align_by_expert, sort_assignments
 
 
 @jit
@@ -189,17 +189,10 @@ def fused_moe_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     E, two_i, _ = w13.shape
     inner = two_i // 2
     out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-    flat_e = ids.reshape(-1) - expert_offset
-    local = (flat_e >= 0) & (flat_e < E)
-    tok = torch.arange(T, device=x.device).repeat_interleave(ids.shape[1])[local]
-    e = flat_e[local]
-    if e.numel() == 0:
+    sorted_ = sort_assignments(ids, weights, E, expert_offset)
+    if sorted_ is None:
         return out.to(x.dtype)
-    w = weights.reshape(-1)[local].float()
-    order = torch.argsort(e, stable=True)
-    e, tok, w = e[order], tok[order], w[order]
-    counts = torch.bincount(e, minlength=E)
-    slot = torch.arange(e.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[e]
+    e, tok, w, slot, counts = sorted_
     xd = dequant_act_ref(*quant_act_ref(x))
     batch = torch.zeros((E, int(counts.max()), H), dtype=torch.float32, device=x.device)
     batch[e, slot] = xd[tok]

@@ -8,6 +8,12 @@ Score of query row t (position p, request b) against past position s <= p:
 where `w` already holds weights_proj(x)/sqrt(H), the 1/sqrt(D) softmax scale and the per-(token, head)
 query scale (all positive, so they fold through the ReLU). Top-k is exact for the computed scores; ties
 go to the lower position. Rows with fewer than k candidates are padded with -1.
+
+Two implementations (`impl`): "fused" (`kernels.indexer_fused`: all heads in one fp8 MMA per key tile,
+group maxima, then the one-pass threshold top-k of `kernels.topk_threshold`), picked for fp8 keys on
+compute capability >= 9.0 and under the interpreter; "radix" (`_index_scores_kernel` below, then the
+radix top-k of `kernels.topk`) for fp32 keys and older GPUs, and the baseline the fused path is
+benchmarked against.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import triton.language as tl
 
 from kernels._jit import check_device, interpreting, jit, next_pow2
 from kernels.formats import quantize_index_rows_ref
+from kernels.indexer_fused import FusedConfig, default_config, fused_indexer_topk, fused_scores, tile_tensor
 from kernels.store_kv import cache_views, store_rows
 from kernels.topk import topk_rows
+from kernels.topk_threshold import num_maxima
 
 # Bytes of fp32 scores materialised at once ([rows, S] per chunk of query rows).
 _MAX_SCORE_BYTES = 1 << 30
@@ -98,31 +106,6 @@ def quantize_index_q(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             flat[:, D:].view(torch.float32).view(T, H))
 
 
-def _tiles(lo: int, hi: int, query_start_loc_cpu: list[int], seq_lens_cpu: list[int] | None, topk: int,
-           block_t: int) -> list[tuple[int, int]]:
-    """(first row, rows) tiles of rows [lo, hi) that never cross a request; requests whose whole context
-    fits in the top-k need no scores (every position is selected)."""
-    tiles = []
-    for b in range(len(query_start_loc_cpu) - 1):
-        r0, r1 = max(lo, query_start_loc_cpu[b]), min(hi, query_start_loc_cpu[b + 1])
-        if r0 >= r1 or (seq_lens_cpu is not None and seq_lens_cpu[b] <= topk):
-            continue
-        tiles += [(r, min(block_t, r1 - r)) for r in range(r0, r1, block_t)]
-    return tiles
-
-
-def _tile_tensor(lo: int, hi: int, query_start_loc_cpu, seq_lens_cpu, topk: int, block_t: int,
-                 device: torch.device) -> torch.Tensor:
-    if query_start_loc_cpu is None:  # no host-side layout: one row per tile, built on the device
-        rows = torch.arange(lo, hi, dtype=torch.int32, device=device)
-        return torch.stack([rows, torch.ones_like(rows)], dim=1)
-    tiles = _tiles(lo, hi, query_start_loc_cpu, seq_lens_cpu, topk, block_t)
-    host = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2)
-    if device.type == "cuda":  # pinned + non_blocking: no host synchronisation
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
-
-
 def _score_config(num_heads: int, query_start_loc_cpu, fp8: bool) -> tuple[int, int, int, int]:
     """(H_PAD, BLOCK_T, BLOCK_N, KEYS_PER_PROG): about 128 (row, head) pairs per fp8 dot; the fp32 mode
     (exact tests, no tensor cores) keeps one row per tile so its operands stay in registers."""
@@ -137,7 +120,7 @@ def _score_config(num_heads: int, query_start_loc_cpu, fp8: bool) -> tuple[int, 
 
 def _prepare(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
              q_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(q as the kernel reads it, w with the q scale folded in, fp8?)."""
+    """(q fp8 with 4-byte aligned rows or fp32, w with the q scale folded in, fp8?)."""
     fp8 = index_cache.dtype == torch.uint8
     w = weights.float()
     if fp8 and q.dtype != torch.float8_e4m3fn:
@@ -146,9 +129,20 @@ def _prepare(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         w = w * q_scale.float()
     if not fp8:
         q = q.float()
-    if q.stride(2) != 1:
+    if q.stride(2) != 1 or (fp8 and (q.stride(0) % 4 or q.stride(1) % 4)):
         q = q.contiguous()
-    return (q.view(torch.uint8) if fp8 else q), w.contiguous(), fp8
+    return q, w.contiguous(), fp8
+
+
+def _use_fused(impl: str | None, fp8: bool, device: torch.device) -> bool:
+    """impl None: fused for fp8 keys on compute capability >= 9.0 and under the interpreter."""
+    if impl not in (None, "fused", "radix"):
+        raise ValueError(f"impl must be 'fused', 'radix' or None (pick), got {impl!r}")
+    if impl == "fused" and not fp8:
+        raise ValueError("the fused indexer reads fp8 keys; an fp32 index cache needs impl='radix'")
+    if impl is not None:
+        return impl == "fused"
+    return fp8 and (interpreting() or torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def _launch_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
@@ -158,6 +152,7 @@ def _launch_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
         return
     T, H, D = q.shape
     h_pad, block_t, block_n, keys_per_prog = cfg
+    q = q.view(torch.uint8) if fp8 else q
     (k8, k32, _), sb, st = cache_views(index_cache, D, 0, D)
     grid = (tiles.shape[0], triton.cdiv(scores.shape[1], keys_per_prog))
     _index_scores_kernel[grid](
@@ -170,14 +165,21 @@ def _launch_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
                  token_req_idx: torch.Tensor, positions: torch.Tensor, max_seq_len: int, *,
-                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The scores `indexer_topk` selects from, [T, max_seq_len] fp32 (-inf past each row's position):
-    `index_scores_ref` computed by the kernel, for tests and benchmarks."""
+                 q_scale: torch.Tensor | None = None, impl: str | None = None,
+                 config: FusedConfig | None = None) -> torch.Tensor:
+    """The scores `indexer_topk` (without a host layout: one row per tile) selects from, [T, max_seq_len]
+    fp32 (-inf past each row's position): `index_scores_ref` computed by the kernel, for tests and benchmarks."""
     check_device(q, weights, index_cache, block_table, token_req_idx, positions)
     qk, w, fp8 = _prepare(q, weights, index_cache, q_scale)
     scores = torch.full((q.shape[0], max_seq_len), float("-inf"), dtype=torch.float32, device=q.device)
-    if q.shape[0]:
-        tiles = _tile_tensor(0, q.shape[0], None, None, 0, 1, q.device)
+    if q.shape[0] == 0:
+        return scores
+    tiles = tile_tensor(0, q.shape[0], None, None, 0, 1, q.device)
+    if _use_fused(impl, fp8, q.device):
+        cfg = config or default_config(None)
+        gmax = torch.empty((q.shape[0], num_maxima(max_seq_len, cfg.select)), dtype=torch.float32, device=q.device)
+        fused_scores(qk, w, index_cache, block_table, token_req_idx, positions, tiles, scores, gmax, 0, 1, cfg)
+    else:
         _launch_scores(qk, w, index_cache, block_table, token_req_idx, positions, tiles, scores, 0,
                        _score_config(q.shape[1], None, fp8), fp8)
     return scores
@@ -187,7 +189,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
                  token_req_idx: torch.Tensor, positions: torch.Tensor, topk: int, *,
                  q_scale: torch.Tensor | None = None, return_slots: bool = True, max_seq_len: int | None = None,
                  query_start_loc_cpu: list[int] | None = None, seq_lens_cpu: list[int] | None = None,
-                 out_width: int | None = None) -> torch.Tensor:
+                 out_width: int | None = None, impl: str | None = None,
+                 config: FusedConfig | None = None) -> torch.Tensor:
     """Triton `indexer_topk_ref` -> int32 [T, out_width or topk] global slots (or positions), -1 padded.
 
     q [T, H, D]: fp8 with `q_scale` [T, H], or float (quantised here when the cache is fp8; used as fp32
@@ -195,6 +198,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     lets rows of one request share key loads and skips requests that need no scores; without it every
     row is its own tile and the longest context is read from `positions` (one host sync).
     Valid entries come first in ascending position order (`indexer_topk_ref` orders them by score).
+    `impl` and `config` (tests, benchmarks): the module docstring and `kernels.indexer_fused.FusedConfig`.
     """
     T, H, D = q.shape
     width = out_width or topk
@@ -204,12 +208,16 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
         return out
     qk, w, fp8 = _prepare(q, weights, index_cache, q_scale)
     S = max(1, int(positions.max()) + 1 if max_seq_len is None else max_seq_len)
+    if _use_fused(impl, fp8, q.device):
+        fused_indexer_topk(qk, w, index_cache, block_table, token_req_idx, positions, out, S, query_start_loc_cpu,
+                           seq_lens_cpu, config, _MAX_SCORE_BYTES, return_slots)
+        return out
     cfg = _score_config(H, query_start_loc_cpu, fp8)
     rows_per_chunk = max(cfg[1], _MAX_SCORE_BYTES // (4 * S))
     for lo in range(0, T, rows_per_chunk):
         hi = min(T, lo + rows_per_chunk)
         scores = torch.empty((hi - lo, S), dtype=torch.float32, device=q.device)
-        tiles = _tile_tensor(lo, hi, query_start_loc_cpu, seq_lens_cpu, width, cfg[1], q.device)
+        tiles = tile_tensor(lo, hi, query_start_loc_cpu, seq_lens_cpu, width, cfg[1], q.device)
         _launch_scores(qk, w, index_cache, block_table, token_req_idx, positions, tiles, scores, lo, cfg, fp8)
         topk_rows(scores, positions, width, out, lo, token_req_idx=token_req_idx if return_slots else None,
                   block_table=block_table if return_slots else None, block_size=index_cache.shape[1])

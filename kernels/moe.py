@@ -177,6 +177,26 @@ def route_ref(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
     return weights * scaling, ids
 
 
+def sort_assignments(ids: torch.Tensor, weights: torch.Tensor, num_local: int, expert_offset: int = 0):
+    """The (token, expert) assignments of this rank's experts sorted by expert, for padded per-expert
+    batches: ids [T, k] global expert ids (those outside [offset, offset + num_local) are skipped, for EP)
+    -> (local expert, token, fp32 weight, slot within its expert's batch, counts per expert), or None when
+    no assignment is local."""
+    T = ids.shape[0]
+    flat_e = ids.reshape(-1) - expert_offset
+    local = (flat_e >= 0) & (flat_e < num_local)
+    tok = torch.arange(T, device=ids.device).repeat_interleave(ids.shape[1])[local]
+    e = flat_e[local]
+    if e.numel() == 0:
+        return None
+    w = weights.reshape(-1)[local].float()
+    order = torch.argsort(e, stable=True)
+    e, tok, w = e[order], tok[order], w[order]
+    counts = torch.bincount(e, minlength=num_local)
+    slot = torch.arange(e.numel(), device=ids.device) - (torch.cumsum(counts, 0) - counts)[e]
+    return e, tok, w, slot, counts
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
     """x [T, H]; ids [T, k] global expert ids (ids outside [offset, offset + E_local) are skipped, for EP).
@@ -188,18 +208,10 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     E, two_i, _ = w13.shape
     inner = two_i // 2
     out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-    flat_e = ids.reshape(-1) - expert_offset
-    local = (flat_e >= 0) & (flat_e < E)
-    tok = torch.arange(T, device=x.device).repeat_interleave(ids.shape[1])[local]
-    e = flat_e[local]
-    w = weights.reshape(-1)[local].float()
-    if e.numel() == 0:
+    sorted_ = sort_assignments(ids, weights, E, expert_offset)
+    if sorted_ is None:
         return out.to(x.dtype)
-    order = torch.argsort(e, stable=True)
-    e, tok, w = e[order], tok[order], w[order]
-    counts = torch.bincount(e, minlength=E)
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(e.numel(), device=x.device) - starts[e]
+    e, tok, w, slot, counts = sorted_
     batch = torch.zeros((E, int(counts.max()), H), dtype=x.dtype, device=x.device)
     batch[e, slot] = x[tok]
     h = torch.bmm(batch, w13.transpose(1, 2))

@@ -1,6 +1,11 @@
 """What the prefill and decode services share around their AsyncEngine: Redis presence (registry,
 load figures, re-publication), mirroring the engine's prefix-cache events into the Redis block index,
-and engine gauges in Prometheus."""
+and engine gauges in Prometheus.
+
+An engine is one instance in Redis, or, for a DP group (engine/parallel/dp.py), one instance per DP rank:
+each with its own registration, load figures (that rank's requests and KV pool) and held blocks (that
+rank's prefix cache), so routers balance across the ranks as across independent replicas. The gauges
+are the group's (one /metrics endpoint per process)."""
 
 from __future__ import annotations
 
@@ -17,29 +22,35 @@ log = logging.getLogger(__name__)
 
 
 class EngineHost:
-    def __init__(self, engine: AsyncEngine, info: InstanceInfo, state: RedisState, metrics: ServiceMetrics, *,
-                 heartbeat_s: float = 1.0, instance_ttl_s: float = 5.0, block_ttl_s: float = 600.0,
-                 publish_blocks: bool = True):
-        self.engine, self.info, self.state, self.metrics = engine, info, state, metrics
+    def __init__(self, engine: AsyncEngine, info: InstanceInfo | list[InstanceInfo], state: RedisState,
+                 metrics: ServiceMetrics, *, heartbeat_s: float = 1.0, instance_ttl_s: float = 5.0,
+                 block_ttl_s: float = 600.0, publish_blocks: bool = True):
+        """`info`: the engine's instance, or a DP group's instances (rank r's is info[r])."""
+        self.infos = list(info) if isinstance(info, list) else [info]
+        self.engine, self.info, self.state, self.metrics = engine, self.infos[0], state, metrics
         self.publish_blocks = publish_blocks
         self.block_ttl_s = block_ttl_s
-        self.cached: set[bytes] = set()  # mirror of the engine's prefix-cache hashes
-        self.presence = InstancePresence(state, info, ttl_s=instance_ttl_s, heartbeat_s=heartbeat_s,
-                                         block_ttl_s=block_ttl_s, held_blocks=lambda: list(self.cached),
-                                         load=self.load_figures)
+        self.cached: list[set[bytes]] = [set() for _ in self.infos]  # per instance: its prefix-cache hashes
+        self.presences = [InstancePresence(state, i, ttl_s=instance_ttl_s, heartbeat_s=heartbeat_s,
+                                           block_ttl_s=block_ttl_s, held_blocks=lambda r=r: list(self.cached[r]),
+                                           load=lambda r=r: self.load_figures(r))
+                          for r, i in enumerate(self.infos)]
         self._tasks: list[asyncio.Task] = []
         self._prefix_seen = (0, 0)
         self._hisparse_seen = (0, 0, 0)
         self._steps_seen = (0, 0.0)
         self._offload_seen = (0, 0, 0, 0)
 
-    def load_figures(self) -> dict[str, float]:
+    def load_figures(self, rank: int = 0) -> dict[str, float]:
         st = self.engine.stats()  # a snapshot the engine loop took between two steps
+        if len(self.infos) > 1:
+            st = st.dp_ranks[rank]
         return {"running": st.num_running, "waiting": st.num_waiting, "kv_usage": st.kv_usage,
                 "free_blocks": st.num_free_blocks, "queued_tokens": st.num_queued_tokens}
 
     async def start(self) -> None:
-        await self.presence.start()
+        for presence in self.presences:
+            await presence.start()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._events_loop(), name="kv-events"))
         self._tasks.append(loop.create_task(self._gauges_loop(), name="engine-gauges"))
@@ -48,34 +59,36 @@ class EngineHost:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.presence.stop(deregister=True)
+        await asyncio.gather(*[p.stop(deregister=True) for p in self.presences])
 
     async def _events_loop(self, period_s: float = 0.1) -> None:
-        pending: list[tuple[str, bytes]] = []
         while True:
             await asyncio.sleep(period_s)
             if not self.engine.is_running:
                 continue
-            events = await self.engine.call(lambda core: core.drain_kv_events())
-            for kind, h in events:
-                (self.cached.add if kind == "stored" else self.cached.discard)(h)
+            if len(self.infos) > 1:
+                by_rank = await self.engine.call(lambda core: core.drain_rank_kv_events())
+            else:
+                by_rank = [await self.engine.call(lambda core: core.drain_kv_events())]
+            for cached, events in zip(self.cached, by_rank):
+                for kind, h in events:
+                    (cached.add if kind == "stored" else cached.discard)(h)
             if not self.publish_blocks:
                 continue
-            pending.extend(events)
             try:
-                await self._publish(pending)
-                pending = []
+                for r, events in enumerate(by_rank):
+                    await self._publish(r, events)
             except (RedisError, OSError) as exc:  # presence re-publishes everything once Redis is back
                 log.debug("block index update deferred: %s", exc)
-                pending = []
 
-    async def _publish(self, events: list[tuple[str, bytes]]) -> None:
-        stored = [h for k, h in events if k == "stored" and h in self.cached]
-        removed = [h for k, h in events if k == "removed" and h not in self.cached]
+    async def _publish(self, rank: int, events: list[tuple[str, bytes]]) -> None:
+        cached, instance_id = self.cached[rank], self.infos[rank].instance_id
+        stored = [h for k, h in events if k == "stored" and h in cached]
+        removed = [h for k, h in events if k == "removed" and h not in cached]
         if stored:
-            await self.state.add_blocks(self.info.instance_id, stored, self.block_ttl_s)
+            await self.state.add_blocks(instance_id, stored, self.block_ttl_s)
         if removed:
-            await self.state.remove_blocks(self.info.instance_id, removed)
+            await self.state.remove_blocks(instance_id, removed)
 
     async def _gauges_loop(self, period_s: float = 0.5) -> None:
         m = self.metrics

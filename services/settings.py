@@ -45,9 +45,10 @@ def nixl_progress_thread() -> bool:
 
 
 def rank_hang_timeout_s() -> float:
-    """`PDSERVE_RANK_HANG_TIMEOUT_S`: a multi-rank prefill whose ranks complete no collective for this long
-    (a worker hung, not dead) goes out of service and exits for a restart (default 120; 0 = never). A step
-    is bounded by the chunked-prefill token budget, so a healthy engine completes one far sooner."""
+    """`PDSERVE_RANK_HANG_TIMEOUT_S`: a multi-rank engine (a PCP prefill, a DP decode group) whose ranks
+    complete no collective for this long (a worker hung, not dead) goes out of service and exits for a
+    restart (default 120; 0 = never). A step is bounded by the chunked-prefill token budget, so a healthy
+    engine completes one far sooner."""
     raw = os.environ.get("PDSERVE_RANK_HANG_TIMEOUT_S", "")
     try:
         value = float(raw) if raw else 120.0

@@ -18,14 +18,13 @@ import platform
 
 import torch
 
+from bench.kernels import indexer as indexer_bench
 from bench.kernels.timing import ceilings, num_sets, roofline_row, sync, time_plain, time_rotating
 from kernels.formats import mla_row_bytes
-from kernels.indexer import indexer_topk, indexer_topk_ref, store_index_k
 from kernels.merge import merge_attn_states, merge_attn_states_ref
 from kernels.moe import fused_moe, fused_moe_ref, route_ref
 from kernels.sparse_mla import sparse_mla, sparse_mla_decode, sparse_mla_ref
 from kernels.store_kv import gather_kv, gather_kv_ref, store_kv, store_kv_ref
-from kernels.topk import topk_rows
 
 R, P, ROW = 512, 64, mla_row_bytes(512, 64)
 FLOP_PER_ROW_HEAD = 2 * (R + P) + 2 * R  # QK over 576 dims + PV over 512 (2,176: docs/metrics.md, "Kernel benchmarks")
@@ -76,36 +75,6 @@ def bench_prefill(dev, ceil, T: int, K: int, kind: str, ref_rows: int, config: t
     unique = T * row_bytes + q.numel() * 2 + idx.numel() * 4 + T * H * (R * 2 + 4)
     return roofline_row(f"sparse_mla_prefill {kind} T={T}", t, unique, T * H * K * FLOP_PER_ROW_HEAD, ceil, t_ref,
                         T=T, K=K, gathered_bytes=T * K * row_bytes, ref_rows=n, config=config or "default")
-
-
-def bench_indexer(dev, ceil, S: int, T: int, ref_rows: int, H: int = 32, D: int = 128, topk: int = 2048) -> dict:
-    """T query rows at the end of an S-token context (a prefill chunk), fp8 keys; top-k 2048."""
-    blocks = -(-S // 64)
-    cache = torch.empty((blocks, 1, 64, D + 4), dtype=torch.uint8, device=dev)[:, 0]
-    step = 1 << 20
-    for s0 in range(0, blocks * 64, step):
-        n = min(step, blocks * 64 - s0)
-        store_index_k(torch.randn(n, D, device=dev), cache, torch.arange(s0, s0 + n, device=dev))
-    table = torch.randperm(blocks, device=dev, dtype=torch.int32)[None]
-    pos = torch.arange(S - T, S, device=dev)
-    req = torch.zeros(T, dtype=torch.int32, device=dev)
-    q = torch.randn(T, H, D, device=dev)
-    w = torch.rand(T, H, device=dev) * 0.1
-    run = functools.partial(indexer_topk, q, w, cache, table, req, pos, topk, return_slots=False, max_seq_len=S,
-                            query_start_loc_cpu=[0, T], seq_lens_cpu=[S])
-    t = time_plain(run, dev, rep_ms=200)
-    rows_per_chunk = max(1, (1 << 30) // (4 * S))
-    chunk = min(T, rows_per_chunk)
-    scores = torch.randn(chunk, S, device=dev)
-    out = torch.empty(T, topk, dtype=torch.int32, device=dev)
-    t_topk = time_plain(lambda: topk_rows(scores, pos, topk, out, 0), dev, rep_ms=100) * T / chunk
-    n = min(T, ref_rows)
-    t_ref = time_plain(lambda: indexer_topk_ref(q[:n], w[:n], cache, table, req[:n], pos[:n], topk,
-                                                return_slots=False), dev, rep_ms=50) * T / n
-    flops = 2 * H * D * int((pos + 1).sum())
-    bytes_min = S * (D + 4) + q.numel() * 4 + w.numel() * 4 + T * topk * 4
-    return roofline_row(f"indexer_topk S={S} T={T}", t, bytes_min, flops, ceil, t_ref, peak_scale=2.0, S=S, T=T,
-                        score_tflops=flops / max(t - t_topk, 1e-9) / 1e12, topk_share=t_topk / t, ref_rows=n)
 
 
 def bench_store_gather(dev, ceil, T: int) -> list[dict]:
@@ -213,18 +182,27 @@ def print_table(rows: list[dict]) -> None:
             continue
         sp = f"{r['speedup']:.1f}x" if "speedup" in r else "-"
         extra = f"  topk {r['topk_share']:.0%}, score {r['score_tflops']:.0f} TF/s" if "topk_share" in r else ""
+        if "key_copy_frac" in r:
+            extra += f"  keys at {r['key_copy_frac']:.0%} of copy"
+        if "agreement" in r:
+            extra += f"  {r['speedup_vs_radix']:.1f}x radix, same picks {r['agreement']:.2%}"
         print(f"{r['kernel']:54s} {r['us']:10.1f} {r['tbps']:6.2f} {r['tflops']:8.1f} {100 * r['roofline_frac']:6.1f}% "
               f"{r['bound']:>7s} {sp:>8s}{extra}")
 
 
-def run(dev: torch.device, quick: bool, sweep: bool) -> dict:
+def run(dev: torch.device, quick: bool, sweep: bool, only: str = "all") -> dict:
     ceil = ceilings(dev)
     print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s", flush=True)
     rows: list[dict] = []
     sweeps: list[dict] = []
+    if only == "indexer":
+        rows, sweeps = indexer_bench.run(dev, ceil, quick, sweep, _guard)
+        if sweeps:
+            print_table(sweeps)
+        return {"ceilings": ceil, "rows": rows, "sweep": sweeps}
     if quick:
         rows += bench_decode(dev, ceil, 5, 2, [2], K=32, ctx=256, ref=True)
-        rows.append(bench_indexer(dev, ceil, S=300, T=8, ref_rows=4, H=16, D=32, topk=32))
+        _guard(rows, lambda: indexer_bench.run(dev, ceil, True, False, _guard)[0])
         rows += bench_store_gather(dev, ceil, 64)
         rows.append(bench_merge(dev, ceil, 2, 16))
         rows.append(bench_moe(dev, ceil, 16, 4, 64, 32, 2))
@@ -254,8 +232,9 @@ def run(dev: torch.device, quick: bool, sweep: bool) -> dict:
     for T in (8192, 65536):
         _guard(rows, lambda: [bench_prefill(dev, ceil, T, 2048, "bf16 workspace", 256, best["prefill"])])
     _guard(rows, lambda: [bench_prefill(dev, ceil, 8192, 2048, "fp8 paged", 256, best["prefill"])])
-    for S, ref_rows in ((8192, 256), (131072, 16), (1 << 20, 2)):
-        _guard(rows, lambda: [bench_indexer(dev, ceil, S, 2048, ref_rows)])
+    n = len(rows)
+    _guard(rows, lambda: indexer_bench.run(dev, ceil, False, sweep, _guard)[0])
+    print_table(rows[n:])
     _guard(rows, lambda: [bench_merge(dev, ceil, 8, 128 * 64)])
     _guard(rows, lambda: [bench_moe(dev, ceil, 4096, 32, 6144, 2048, 8)])
     return {"ceilings": ceil, "rows": rows, "sweep": sweeps}
@@ -266,13 +245,15 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, numbers mean nothing")
     ap.add_argument("--sweep", action="store_true", help="also time tile configurations of the main kernels")
+    ap.add_argument("--only", choices=["all", "indexer"], default="all",
+                    help="indexer: the ceilings and the indexer cases only (radix against fused)")
     ap.add_argument("--profile", choices=["decode64", "decode8"], help="run one case for a profiler, then exit")
     args = ap.parse_args()
     if args.profile:
         profile_once(args.profile)
         return
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    res = run(dev, args.quick or dev.type != "cuda", args.sweep)
+    res = run(dev, args.quick or dev.type != "cuda", args.sweep, args.only)
     print_table(res["rows"])
     import triton
     res["meta"] = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(dev)

@@ -72,25 +72,37 @@ def positions_to_slots(block_row: torch.Tensor, positions: torch.Tensor, block_s
 
 def build_metadata(*, positions: list[int], slot_mapping: list[int], query_lens: list[int], seq_lens: list[int],
                    block_tables: list[list[int]], block_size: int, device: torch.device | str) -> AttnMetadata:
-    """Host lists -> device tensors (one copy each). Used by the runner and by tests."""
+    """Host lists -> device tensors. Used by the runner and by tests."""
+    meta, _ = pack_metadata(positions=positions, slot_mapping=slot_mapping, query_lens=query_lens,
+                            seq_lens=seq_lens, block_tables=block_tables, block_size=block_size, device=device)
+    return meta
+
+
+def pack_metadata(*, positions: list[int], slot_mapping: list[int], query_lens: list[int], seq_lens: list[int],
+                  block_tables: list[list[int]], block_size: int, device: torch.device | str,
+                  extras: tuple[list[int], ...] = ()) -> tuple[AttnMetadata, list[torch.Tensor]]:
+    """Host lists (and `extras`, int lists returned as device int64 tensors) -> device tensors through one
+    host buffer, pinned on CUDA, in one non-blocking copy: a prefill step's metadata never waits for the
+    GPU (a pageable copy would wait for everything queued before it)."""
+    device = torch.device(device)
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
     width = max((len(b) for b in block_tables), default=1) or 1
-    table = torch.zeros((len(block_tables), width), dtype=torch.int32)
-    for i, row in enumerate(block_tables):
-        if row:
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    req_idx = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32),
-                                      torch.tensor(query_lens, dtype=torch.int64))
-    return AttnMetadata(
-        positions=torch.tensor(positions, dtype=torch.int64).to(device),
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        block_table=table.to(device),
-        token_req_idx=req_idx.to(device),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=list(seq_lens),
-        block_size=block_size,
-    )
+    table = [x for row in block_tables for x in list(row) + [0] * (width - len(row))]
+    req_idx = [b for b, n in enumerate(query_lens) for _ in range(n)]
+    parts = [positions, slot_mapping, qsl, list(seq_lens), table, req_idx, *extras]
+    host = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    views, at = [], 0
+    for part in parts:
+        views.append(flat[at: at + len(part)])
+        at += len(part)
+    pos, slots, qsl_t, lens_t, table_t, req_t, *extra_t = views
+    i32 = torch.int32
+    meta = AttnMetadata(positions=pos, slot_mapping=slots, query_start_loc=qsl_t.to(i32), seq_lens=lens_t.to(i32),
+                        block_table=table_t.view(len(block_tables), width).to(i32), token_req_idx=req_t.to(i32),
+                        query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens), block_size=block_size)
+    return meta, extra_t

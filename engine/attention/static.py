@@ -1,10 +1,14 @@
 """Step metadata in buffers allocated once: what a graph-captured decode step reads its inputs from.
 
 One forward's host-side inputs (token ids, positions, slots, the rows' requests, query starts, seq lens,
-block table) are packed into a persistent host buffer (pinned on CUDA; two, used in turn), copied to the
-device in one transfer, and spread into fixed device tensors there (device-side copies, no host sync). The
-returned metadata holds views of those tensors, so a batch of the same padded shape always sees the same
-addresses: a CUDA graph captured on them replays on the next step's values.
+block table, and any extra int lists the caller sends along) are packed into one host buffer (pinned on
+CUDA), copied to the device in one transfer, and spread into fixed device tensors there (device-side
+copies, no host sync). The returned metadata holds views of those tensors, so a batch of the same padded
+shape always sees the same addresses: a CUDA graph captured on them replays on the next step's values.
+
+The pinned buffer of each build comes from torch's caching host allocator, which does not hand a buffer out
+again before the copy that reads it has run: the host can build any number of forwards ahead of the GPU
+(a whole step of MTP passes, and with async scheduling the next step) without waiting for it.
 
 Rows and requests are given already padded (the runner's padding rows write nowhere: slot -1).
 """
@@ -21,12 +25,10 @@ class StaticMetadataBuilder:
         self.max_rows, self.max_reqs, self.max_blocks = max_rows, max_reqs, max(1, max_blocks)
         self.block_size = block_size
         self.device = torch.device(device)
-        n = 6 * max_rows + 2 * max_reqs + 1 + max_reqs * self.max_blocks  # + two row-index extras
-        pin = self.device.type == "cuda"
-        # two host buffers used in turn: a build waits only for the copy two builds back (the draft steps
-        # of MTP issue builds without reading anything back in between)
-        self.hosts = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.copied = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self.pin = self.device.type == "cuda"
+        # the extra lists of one build (row maps, per-request values of the decode step) share this room
+        self.max_extra = 2 * max_rows + 8 * max_reqs
+        n = 4 * max_rows + 2 * max_reqs + 1 + max_reqs * self.max_blocks + self.max_extra
         self.flat = torch.zeros(n, dtype=torch.int64, device=self.device)
         i64 = {"dtype": torch.int64, "device": self.device}
         i32 = {"dtype": torch.int32, "device": self.device}
@@ -42,19 +44,14 @@ class StaticMetadataBuilder:
     def build(self, rows: list[tuple[list[int], list[int], int, list[int], list[int]]],
               extras: tuple[list[int], ...] = ()) -> tuple[torch.Tensor, AttnMetadata, list[torch.Tensor]]:
         """rows: per request (block ids, positions of its rows, seq len after the step, token ids, write
-        slots); extras: int lists (row indices...) that travel in the same copy. Returns (input_ids [T],
-        metadata, the extras as device int64 tensors)."""
+        slots); extras: int lists that travel in the same copy. Returns (input_ids [T], metadata, the extras
+        as device int64 tensors)."""
         T, B = sum(len(r[3]) for r in rows), len(rows)
         W = max([len(r[0]) for r in rows] + [1])  # columns copied; those past them are never read
-        if T > self.max_rows or B > self.max_reqs or len(extras) > 2 or any(len(e) > self.max_rows for e in extras):
-            raise ValueError(f"static batch of {T} rows / {B} requests exceeds the buffers "
-                             f"({self.max_rows} rows / {self.max_reqs} requests)")
-        turn = self.num_h2d % 2
-        host = self.hosts[turn]
-        if self.copied is not None:
-            self.copied[turn].synchronize()  # the copy that last read this host buffer is done
-        ids, pos, slots, req_idx, qsl, lens = [], [], [], [], [0], []
-        table = torch.zeros((B, W), dtype=torch.int64)
+        if T > self.max_rows or B > self.max_reqs or sum(len(e) for e in extras) > self.max_extra:
+            raise ValueError(f"static batch of {T} rows / {B} requests / {sum(len(e) for e in extras)} extra ints "
+                             f"exceeds the buffers ({self.max_rows} / {self.max_reqs} / {self.max_extra})")
+        ids, pos, slots, req_idx, qsl, lens, table = [], [], [], [], [0], [], []
         for b, (blocks, row_pos, seq_len, tokens, row_slots) in enumerate(rows):
             if not len(row_pos) == len(tokens) == len(row_slots):
                 raise ValueError(f"request {b}: positions, tokens and slots differ in length")
@@ -67,15 +64,15 @@ class StaticMetadataBuilder:
             req_idx.extend([b] * len(tokens))
             qsl.append(qsl[-1] + len(tokens))
             lens.append(seq_len)
-            if blocks:
-                table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        at = 0
-        for seg in (ids, pos, slots, req_idx, qsl, lens, table.flatten().tolist(), *extras):
-            host[at: at + len(seg)] = torch.tensor(seg, dtype=torch.int64)
-            at += len(seg)
-        self.flat[:at].copy_(host[:at], non_blocking=True)  # the forward's one H2D copy
-        if self.copied is not None:
-            self.copied[turn].record()
+            table.extend(blocks)
+            table.extend([0] * (W - len(blocks)))
+        packed = ids + pos + slots + req_idx + qsl + lens + table
+        for e in extras:
+            packed.extend(e)
+        host = torch.tensor(packed, dtype=torch.int64)
+        if self.pin:
+            host = host.pin_memory()
+        self.flat[: len(packed)].copy_(host, non_blocking=True)  # the forward's one H2D copy
         self.num_h2d += 1
         at = self._spread(T, B, W)
         out = []

@@ -50,6 +50,7 @@ class EngineArgs:
     kv_offloading_size: float | None = None  # GiB of host KV tier behind the device pool (None: none)
     mtp_kv: bool = True
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
     num_speculative_tokens: int | None = None
     speculative_config: dict | None = None
     hisparse: dict | None = None
@@ -91,7 +92,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_model_len=max_len,
                                       max_num_batched_tokens=self.max_num_batched_tokens or max(8192, 1),
                                       max_num_seqs=self.max_num_seqs,
-                                      enable_chunked_prefill=self.enable_chunked_prefill),
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      async_scheduling=self.async_scheduling),
             parallel=ParallelConfig(prefill_context_parallel_size=self.prefill_context_parallel_size,
                                     decode_context_parallel_size=self.decode_context_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel,
@@ -140,6 +142,9 @@ class EngineArgs:
                             "pool are kept there and loaded back on a prefix hit (pinned on CUDA); the total of "
                             "a CP engine's ranks, per DP rank")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--async-scheduling", action="store_true",
+                       help="plan the next step while the current one runs on the GPU; its tokens are read back "
+                            "after the next step is launched (single-rank engines)")
         g.add_argument("--speculative-config", type=json.loads, default=None)
         g.add_argument("--attention-config", type=json.loads, default=None)
         g.add_argument("--hisparse-config", dest="hisparse", type=json.loads, default=None,

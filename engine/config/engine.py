@@ -69,6 +69,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    # plan step N+1 while step N runs on the GPU (vLLM's --async-scheduling; docs/async_scheduling.md)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -235,6 +237,9 @@ class EngineConfig:
         if self.speculative is not None and not self.cache.mtp_kv:
             raise ValueError("speculative decoding needs the MTP layer's KV: drop --no-mtp-kv")
         pc = self.parallel
+        if self.scheduler.async_scheduling and pc.world_size > 1:
+            raise ValueError("async_scheduling runs single-rank engines for now: drop --async-scheduling or the "
+                             "context / data parallel sizes")
         if pc.enable_expert_parallel and pc.world_size > 1 and self.model.n_routed_experts % pc.world_size:
             what = "--data-parallel-size" if pc.data_parallel_size > 1 else "the number of ranks"
             raise ValueError(f"expert parallelism over {pc.world_size} ranks needs n_routed_experts "

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from engine.config.engine import EngineConfig
+from engine.core.async_scheduler import AsyncScheduler
 from engine.core.request import Request
 from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.kv.export import KVExport, kv_exports
@@ -37,6 +38,8 @@ class EngineStats:
     weight_bytes: tuple = ()  # per rank: {dtype name: bytes} of its weights (engine.loading.weight_stats)
     num_steps: int = 0  # steps that ran a forward
     step_seconds: float = 0.0  # their wall time, summed (schedule + forward + update)
+    dp_ranks: tuple = ()  # a DP group (engine/parallel/dp.py): each rank's own EngineStats; the fields above
+    # are then the group's (counts summed, kv_usage the mean)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -65,7 +68,11 @@ class EngineCore:
         hisparse = getattr(self.runner, "hisparse", None)
         if hisparse is not None:  # admission by host blocks (the pool above) and by device room
             self.kv.device_footprint = hisparse.footprint()
-        self.scheduler = Scheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
+        # the scheduler plans like the synchronous one while no step is in flight, and ahead of the one in
+        # flight with async scheduling; the mode may change between steps with none in flight (benchmarks)
+        self.async_scheduling = cfg.scheduler.async_scheduling
+        self.scheduler = AsyncScheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
+        self._inflight = None  # async scheduling: (SchedulerOutput, the runner's StepHandle) still running
         self.num_steps, self.step_seconds = 0, 0.0
 
     def new_offload_tier(self) -> OffloadTier | None:
@@ -104,15 +111,22 @@ class EngineCore:
     # ---- disaggregation hooks (services/prefill, services/decode) --------------------------------
     def reserve_import(self, req: Request, num_import_tokens: int) -> tuple[list[int], int] | None:
         """Admit a request whose first `num_import_tokens` tokens' KV the caller writes (see Scheduler)."""
+        self._prepare_import(req)
+        if self._inflight is not None:
+            # blocks freed while a step runs (a request it ends) may still be written by it; the caller's
+            # transfer into them is not ordered behind the GPU's work, so that step must be done first
+            self._inflight[1].wait()
+        reserved = self.scheduler.reserve_import(req, num_import_tokens)
+        self.flush_kv_copies()  # the caller writes the reserved blocks next: stores of evicted ones first
+        return reserved
+
+    def _prepare_import(self, req: Request) -> None:
         vocab = self.cfg.model.vocab_size
         if any(not (0 <= t < vocab) for t in req.all_token_ids):
             raise ValueError(f"token ids must be integers in [0, {vocab})")
         self._check_structured(req)
         if not req.eos_token_ids:
             req.eos_token_ids = self.cfg.model.eos_token_ids
-        reserved = self.scheduler.reserve_import(req, num_import_tokens)
-        self.flush_kv_copies()  # the caller writes the reserved blocks next: stores of evicted ones first
-        return reserved
 
     def flush_kv_copies(self) -> None:
         """Run the KV offload copies the KV manager queued outside a step now (they are done on return)."""
@@ -140,33 +154,53 @@ class EngineCore:
         """("stored" | "removed", 16-byte block hash) since the last call, for the Redis prefix index."""
         return self.kv.pool.drain_events()
 
+    def drain_rank_kv_events(self) -> list[list[tuple[str, bytes]]]:
+        """`drain_kv_events` per rank with a pool of its own (a DP group's ranks; here one)."""
+        return [self.drain_kv_events()]
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """Async scheduling: a step was launched whose result is not applied yet."""
+        return self._inflight is not None
+
+    def has_finished_to_drop(self) -> bool:
+        """Finished requests the runner has not dropped yet (one more step hands it their ids)."""
+        return self.scheduler.has_finished_to_drop
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step: schedule, run, apply. With async scheduling the step scheduled now is launched first
+        and the outputs returned are the previous step's (docs/async_scheduling.md)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
-            return []
-        result = self.runner.execute(sched)
-        out = self.scheduler.update(sched, result)
-        self.num_steps += 1
+            sched = None
+        if not self.async_scheduling:
+            if sched is None:
+                return []
+            out = self.scheduler.update(sched, self.runner.execute(sched))
+        else:
+            if sched is None and self._inflight is None:
+                return []
+            launched = (sched, self.runner.execute_async(sched)) if sched is not None else None
+            out = []
+            if self._inflight is not None:  # N+1 is queued behind it: reading N's tokens keeps the GPU busy
+                prev_sched, handle = self._inflight
+                out = self.scheduler.update(prev_sched, handle.get())
+            self._inflight = launched
+        if sched is not None:
+            self.num_steps += 1
         self.step_seconds += time.perf_counter() - t0
         return out
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), num_held=len(s.held),
-                           kv_usage=self.kv.usage(), num_free_blocks=self.kv.num_free_blocks,
-                           num_blocks=self.kv.num_blocks, prefix_queries=self.kv.prefix_queries,
-                           prefix_hits=self.kv.prefix_hits, spec_drafts=s.spec_drafts, spec_accepted=s.spec_accepted,
-                           spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
-                           num_preemptions=s.num_preemptions,
-                           num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
-                           hisparse=hisparse.stats() if (hisparse := getattr(self.runner, "hisparse", None)) else None,
-                           kv_offload=self.kv.offload_stats(),
-                           weight_bytes=tuple(r["weight_bytes"] for r in self.weight_reports()),
-                           num_steps=self.num_steps, step_seconds=self.step_seconds)
+        hisparse = getattr(self.runner, "hisparse", None)
+        st = scheduler_stats(self.scheduler, hisparse.stats() if hisparse is not None else None)
+        st.weight_bytes = tuple(r["weight_bytes"] for r in self.weight_reports())
+        st.num_steps, st.step_seconds = self.num_steps, self.step_seconds
+        return st
 
     def weight_reports(self) -> list[dict]:
         """Per rank: weight bytes by dtype and what loading read (engine.loading.weight_stats); fixed after load."""
@@ -178,6 +212,18 @@ class EngineCore:
         from engine.loading.weight_stats import rank_weight_report
 
         return [rank_weight_report(self.runner)]
+
+
+def scheduler_stats(s: Scheduler, hisparse=None) -> EngineStats:
+    """The figures of one scheduler and its KV manager (one rank's requests and pool)."""
+    kv = s.kv
+    return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), num_held=len(s.held),
+                       kv_usage=kv.usage(), num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
+                       prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits, spec_drafts=s.spec_drafts,
+                       spec_accepted=s.spec_accepted, spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
+                       num_preemptions=s.num_preemptions,
+                       num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+                       hisparse=hisparse, kv_offload=kv.offload_stats())
 
 
 def make_engine_core(cfg: EngineConfig, rank_pool=None) -> EngineCore:

@@ -50,6 +50,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # the newest chunk scheduled whose result has not been applied yet (a ScheduledChunk): with async
+    # scheduling the next step is planned while this one runs (engine/core/async_scheduler.py)
+    inflight: object | None = None
     _hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,8 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import NewRequestData, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.kv.manager import KVCacheManager
 
+WAIT = object()  # _schedule_running: not this step (its next chunk depends on the step still running)
+
 
 @dataclass
 class EngineCoreOutput:
@@ -146,8 +148,10 @@ class Scheduler:
                 preempted = True
                 break
             preempted = preempted or bool(out.preempted_req_ids)
-            out.chunks.append(chunk)
-            budget -= len(chunk.token_ids)
+            if chunk is not WAIT:
+                out.chunks.append(chunk)
+                req.inflight = chunk
+                budget -= len(chunk.token_ids)
             i += 1
         if not preempted:
             self._schedule_waiting(budget, out)
@@ -188,12 +192,21 @@ class Scheduler:
         return min(self.num_spec_tokens, max(self.cfg.max_model_len - req.num_tokens, 0))
 
     def _schedule_running(self, req: Request, budget: int, out: SchedulerOutput) -> ScheduledChunk | None:
+        """The request's chunk, None when it was preempted itself (async scheduling may also return WAIT)."""
         n_known, drafts = self._plan(req, budget)
+        lookahead = self._lookahead(req, req.num_computed_tokens + n_known)
+        new_ids = self._allocate(req, n_known + len(drafts), lookahead, out)
+        if new_ids is None or new_ids is WAIT:
+            return new_ids
+        return self._make_chunk(req, n_known, drafts, new_ids)
+
+    def _allocate(self, req: Request, num_new_tokens: int, lookahead: int, out: SchedulerOutput) -> list[int] | None:
+        """Slots for a running request, preempting the most recently admitted ones until they fit (None:
+        `req` itself was preempted; async scheduling may answer WAIT)."""
         while True:
-            lookahead = self._lookahead(req, req.num_computed_tokens + n_known)
-            new_ids = self.kv.allocate_slots(req, n_known + len(drafts), num_lookahead=lookahead)
+            new_ids = self.kv.allocate_slots(req, num_new_tokens, num_lookahead=lookahead)
             if new_ids is not None:
-                return self._make_chunk(req, n_known, drafts, new_ids)
+                return new_ids
             victim = self.running.pop()
             self._preempt(victim, out)
             if victim is req:
@@ -202,6 +215,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.inflight is not None:  # preempted while its last step runs: admitted once that one is applied
+                return
             hits, n_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             n_known = req.num_tokens - req.num_computed_tokens - n_hit
             if n_known > budget and not self.cfg.enable_chunked_prefill:
@@ -223,6 +238,7 @@ class Scheduler:
                 num_computed_tokens=req.num_computed_tokens, return_prompt_logits=req.return_prompt_logits))
             chunk = self._make_chunk(req, n_known, [], [])
             out.chunks.append(chunk)
+            req.inflight = chunk
             budget -= n_known
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -242,11 +258,18 @@ class Scheduler:
             req = self.requests.get(chunk.req_id)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
+            if req.inflight is chunk:
+                req.inflight = None
+            if req.status == RequestStatus.PREEMPTED:  # async scheduling preempted it while this step ran
+                outputs.extend(self._update_preempted(req, chunk, result))
+                continue
             n_known = len(chunk.token_ids) - chunk.num_draft_tokens
+            # a placeholder chunk starts where the previous step's result (applied just before) left it
+            start = req.num_computed_tokens if chunk.placeholder else chunk.start
             emitted, logprobs = [], None
             if chunk.sample:
                 s = result.sampled[chunk.req_id]
-                req.num_computed_tokens = chunk.start + n_known + s.num_accepted
+                req.num_computed_tokens = start + n_known + s.num_accepted
                 # publish full blocks before outputs are appended: finishing may free the blocks
                 self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
                 self.spec_drafts += s.num_drafts
@@ -256,15 +279,27 @@ class Scheduler:
                     self.spec_emitted += s.num_accepted + 1
                 emitted, logprobs = self._append_checked(req, s.token_ids, s.logprobs, s.grammar_terminated)
             else:
-                req.num_computed_tokens = chunk.start + n_known
+                req.num_computed_tokens = start + n_known
             self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
             if not req.is_finished:
                 req.spec_token_ids = result.drafts.get(req.req_id, [])
-            outputs.append(EngineCoreOutput(
-                req_id=req.req_id, new_token_ids=emitted, new_logprobs=logprobs,
-                finish_reason=req.status.value if req.is_finished else None, stop_reason=req.stop_reason,
-                num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logits=result.prompt_logits.get(req.req_id)))
+            outputs.append(self._output(req, emitted, logprobs, result))
         return outputs
+
+    def _update_preempted(self, req: Request, chunk: ScheduledChunk, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """The tokens a preempted request sampled in its last step are still its outputs (it recomputes
+        them with the rest later); its KV, drafts and progress are gone."""
+        if not chunk.sample:
+            return []
+        s = result.sampled[chunk.req_id]
+        emitted, logprobs = self._append_checked(req, s.token_ids, s.logprobs, s.grammar_terminated)
+        return [self._output(req, emitted, logprobs, result)]
+
+    def _output(self, req: Request, emitted: list[int], logprobs, result: RunnerOutput) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req_id=req.req_id, new_token_ids=emitted, new_logprobs=logprobs,
+            finish_reason=req.status.value if req.is_finished else None, stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logits=result.prompt_logits.get(req.req_id))
 
     def _append_checked(self, req: Request, tokens: list[int], logprobs,
                         grammar_done: bool = False) -> tuple[list[int], list | None]:

@@ -37,6 +37,10 @@ class ScheduledChunk:
     next_token_id: int | None = None
     # how many drafts to propose for the next step (0: no room left, not speculating, or mid-prompt)
     max_drafts: int = 0
+    # async scheduling: the previous step, still running, decides this chunk's tokens (its last sampled
+    # token, then its drafts) and where it starts. token_ids are then -1 (their number is known) and `start`
+    # is an upper bound; the runner takes both from that step's outputs (docs/async_scheduling.md)
+    placeholder: bool = False
 
 
 @dataclass

@@ -1,8 +1,15 @@
 """AsyncEngine: the EngineCore driven from asyncio, with one stream of outputs per request.
 
-The core is only ever touched by the engine loop task: steps run in a worker thread (so the event loop
-keeps serving), and requests, aborts and service calls queued from other tasks are applied between
-two steps. Nothing else synchronises.
+    engine thread   applies the queued commands (requests, aborts, service calls), steps the core, hands
+                    each step's outputs to the event loop, and steps again at once: it never waits for them
+    event loop      output processing — detokenization, stop strings (an abort queued back to the engine
+                    thread), logprobs — and streaming to each request's queue
+
+The core is only ever touched by the engine thread; commands queued from the event loop are applied
+between two steps, and their results come back as futures. With async scheduling the core's step returns
+the previous step's outputs while the next one runs on the GPU, so neither Python side keeps the GPU
+waiting (docs/async_scheduling.md). `stats()` is a snapshot the engine thread takes between steps, at most
+every STATS_PERIOD_S while it is busy (reading some of it, HiSparse's counters, waits for the GPU).
 """
 
 from __future__ import annotations
@@ -11,8 +18,9 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.config.arg_utils import EngineArgs
@@ -25,6 +33,9 @@ from engine.frontend.outputs import RequestOutput
 from engine.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+STATS_PERIOD_S = 0.05  # how stale stats() may be while the engine is busy
+IDLE_POLL_S = 0.005  # with requests that cannot be scheduled yet, how often the engine thread looks again
 
 
 class EngineDeadError(RuntimeError):
@@ -43,32 +54,36 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
         self._streams: dict[str, asyncio.Queue] = {}
-        self._commands: list[tuple[Callable, asyncio.Future | None]] = []
-        self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self._task: asyncio.Task | None = None
+        self._commands: list[tuple[Callable, asyncio.Future | None]] = []  # under _lock
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
         self._ids = itertools.count()
         self.last_stats: EngineStats = self.core.stats()
+        self._stats_at = 0.0
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
 
     async def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the loop's own failure was already reported to every stream
-                pass
-            self._task = None
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stop the engine thread after the step it is in (the core is left as it is)."""
+        if self._thread is not None:
+            self._stop = True
+            self._wake.set()
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done() and self._dead is None
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None,
@@ -87,16 +102,18 @@ class AsyncEngine:
         self._submit(lambda core: core.add_request(req))
         return self._stream(req.req_id, queue)
 
-    async def add_import_request(self, req: Request, num_import_tokens: int):
+    async def add_import_request(self, req: Request, num_import_tokens: int, rank: int | None = None):
         """Decode/prefill services: admit `req` whose first `num_import_tokens` tokens' KV the caller
         will write. Returns (output stream, all block ids, tokens already cached locally), or None when
-        the KV pool is short right now. Call `import_done` once the bytes are in (or failed)."""
+        the KV pool is short right now. Call `import_done` once the bytes are in (or failed). `rank`: the
+        DP rank of a DP group that takes it (its block ids are that rank's); None for any other engine."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead!r}")
         self.core.validate(req)
         if req.req_id in self._streams:
             raise ValueError(f"request id {req.req_id!r} is already running")
-        reserved = await self.call(lambda core: core.reserve_import(req, num_import_tokens))
+        where = {} if rank is None else {"rank": rank}
+        reserved = await self.call(lambda core: core.reserve_import(req, num_import_tokens, **where))
         if reserved is None:
             return None
         queue: asyncio.Queue = asyncio.Queue()
@@ -150,56 +167,80 @@ class AsyncEngine:
         return await fut
 
     def _submit(self, fn: Callable, fut: asyncio.Future | None = None) -> None:
-        self._commands.append((fn, fut))
+        with self._lock:
+            self._commands.append((fn, fut))
         self._wake.set()
 
-    # ---- the loop ------------------------------------------------------------------------------
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
         try:
-            while True:
+            while not self._stop:
                 self._apply_commands()
                 # idle, unless finished requests are still to be dropped by the runner: one more step
                 # hands it their ids, so an idle engine keeps no per-request state (HiSparse pages, rows)
-                if not self.core.has_unfinished() and not self.core.scheduler.has_finished_to_drop:
-                    self.last_stats = self.core.stats()
+                if not core.has_unfinished() and not core.has_finished_to_drop():
+                    self._take_stats()
                     self._wake.clear()
-                    if not self._commands:
-                        await self._wake.wait()
+                    with self._lock:
+                        idle = not self._commands
+                    if idle and not self._stop:
+                        self._wake.wait()
                     continue
-                outputs = await loop.run_in_executor(self._executor, self.core.step)
-                self._dispatch(outputs)
-                self.last_stats = self.core.stats()
-                await asyncio.sleep(0)  # let streams and new requests in between steps
-        except asyncio.CancelledError:
-            raise
+                n, in_flight = core.num_steps, getattr(core, "in_flight", False)
+                outputs = core.step()
+                if outputs:
+                    self._post(self._dispatch, outputs)
+                elif core.num_steps == n and not in_flight:  # nothing could run (blocks a command frees): no spin
+                    self._wake.wait(IDLE_POLL_S)
+                    self._wake.clear()
+                if time.monotonic() - self._stats_at >= STATS_PERIOD_S:
+                    self._take_stats()
         except BaseException as e:  # every stream must learn that the engine died
             log.exception("engine loop failed")
-            self._dead = e
-            for q in self._streams.values():
-                q.put_nowait(EngineDeadError(f"engine failed: {e!r}"))
-            for _, fut in self._commands:
-                if fut is not None and not fut.done():
-                    fut.set_exception(EngineDeadError(f"engine failed: {e!r}"))
+            self._post(self._fail, e)
+
+    def _take_stats(self) -> None:
+        self.last_stats = self.core.stats()
+        self._stats_at = time.monotonic()
+
+    def _post(self, fn: Callable, *args) -> None:
+        """Run fn(*args) on the event loop (from the engine thread)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
 
     def _apply_commands(self) -> None:
-        cmds, self._commands = self._commands, []
+        with self._lock:
+            cmds, self._commands = self._commands, []
         for fn, fut in cmds:
             try:
                 res = fn(self.core)
             except Exception as e:  # noqa: BLE001 - reported to the caller that queued it
-                if fut is not None and not fut.done():
-                    fut.set_exception(e)
+                if fut is not None:
+                    self._post(_settle, fut, None, e)
                 else:
                     log.warning("engine command failed: %r", e)
                 continue
+            if fut is not None:
+                self._post(_settle, fut, res, None)
+
+    # ---- the event loop ------------------------------------------------------------------------
+    def _fail(self, e: BaseException) -> None:
+        self._dead = e
+        for q in self._streams.values():
+            q.put_nowait(EngineDeadError(f"engine failed: {e!r}"))
+        with self._lock:
+            cmds, self._commands = self._commands, []
+        for _, fut in cmds:
             if fut is not None and not fut.done():
-                fut.set_result(res)
+                fut.set_exception(EngineDeadError(f"engine failed: {e!r}"))
 
     def _dispatch(self, outputs) -> None:
         updated, to_abort = self.processor.process(outputs)
-        for rid in to_abort:
-            self.core.abort(rid)
+        for rid in to_abort:  # a stop string: the core stops the request at its next command pass
+            self._submit(lambda core, rid=rid: core.abort(rid))
         for out in updated:
             q = self._streams.get(out.req_id)
             if q is not None:
@@ -212,3 +253,12 @@ class AsyncEngine:
 def _snapshot(out: RequestOutput) -> RequestOutput:
     return dataclasses.replace(out, token_ids=list(out.token_ids), delta_token_ids=list(out.delta_token_ids),
                                logprobs=list(out.logprobs) if out.logprobs is not None else None)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

@@ -1,4 +1,4 @@
-"""Context and expert parallelism of one engine over N ranks (docs/parallelism.md).
+"""Context, expert and data parallelism of one engine over N ranks (docs/parallelism.md, docs/dp_ep.md).
 
     executor.py    MultiRankEngineCore: EngineCore's interface, rank 0 = the caller's process
     spawn.py       spawns ranks 1..N-1 (torchrun's environment), RankPool (idle ranks reused), torchrun entry point
@@ -12,4 +12,6 @@
     dcp_decode.py  DCP decode path: sharded indexer + attention, exact merge
     cp_backend.py  the attention backend wrapper the model calls
     ep.py          MoE all-to-all dispatcher
+    dp.py          DPEngineCore: a DP x EP decode group (a scheduler per rank, imports on a chosen rank)
+    dp_runner.py   DPModelRunner: a DP rank's runner, lock-step rounds, dummy MoE passes
 """

@@ -3,10 +3,16 @@
 
 Each DP rank serves its own requests: it has its own Scheduler and KV manager (kept here, in the driver,
 one per rank: pure Python) and its own runner process with its own KV pages, HiSparse pools and MTP
-state (engine/parallel/dp_runner.py). A new request goes to the least-loaded rank. One step:
+state (engine/parallel/dp_runner.py). A new request goes to the rank the caller names (the decode service:
+the DP rank whose instance the router chose), else to the least-loaded one. One step:
 
     driver:  schedule every rank ─scatter─▶ every rank executes its own SchedulerOutput ─gather─▶ update
                                              ╰── lock-step rounds + MoE all-to-alls ──╯
+         (the gather also brings each rank's HiSparse figures: the group's stats need no extra round)
+
+Imported KV (the decode service's pulls) goes into the pages of the rank that admitted the request:
+`reserve_import(req, n, rank)` reserves them in that rank's KV manager; the bytes are written by that
+rank's process (services/transfer/rank_pull.py).
 
 When no rank has anything to do the driver sends nothing and the workers wait in the control group's
 receive: an idle group does not spin.
@@ -16,9 +22,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import fields, replace
 
 from engine.config.engine import EngineConfig
-from engine.core.core import EngineStats
+from engine.core.core import EngineStats, scheduler_stats
 from engine.core.request import Request
 from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.kv.manager import KVCacheManager
@@ -45,6 +52,8 @@ class DPEngineCore(MultiRankEngineCore):
             self.kvs.append(kv)
             self.schedulers.append(Scheduler(cfg.scheduler, kv, cfg.num_spec_tokens))
         self.rank_of: dict[str, int] = {}  # request -> its DP rank
+        # each rank's HiSparse figures as of its last step (rank 0's are read in place)
+        self.rank_hisparse = self.collective_rpc("hisparse_stats") if cfg.hisparse is not None else []
 
     def _make_runner(self, cfg: EngineConfig):
         from engine.parallel.dp_runner import DPModelRunner
@@ -65,32 +74,61 @@ class DPEngineCore(MultiRankEngineCore):
 
     def add_request(self, req: Request, rank: int | None = None) -> None:
         self.validate(req)
+        rank = self._rank(rank)
         if not req.eos_token_ids:
             req.eos_token_ids = self.cfg.model.eos_token_ids
-        rank = self.pick_rank() if rank is None else rank
         self.schedulers[rank].add_request(req)
         self.rank_of[req.req_id] = rank
+
+    def _rank(self, rank: int | None) -> int:
+        if rank is None:
+            return self.pick_rank()
+        if type(rank) is not int or not 0 <= rank < len(self.schedulers):
+            raise ValueError(f"DP rank {rank!r} is outside this group of {len(self.schedulers)} ranks")
+        return rank
 
     def abort(self, req_id: str) -> bool:
         rank = self.rank_of.pop(req_id, None)
         return rank is not None and self.schedulers[rank].abort(req_id)
 
-    def reserve_import(self, req: Request, num_import_tokens: int):
-        raise NotImplementedError("a DP group does not import KV yet: the decode service runs one engine per "
-                                  "instance (data_parallel_size 1)")
+    def reserve_import(self, req: Request, num_import_tokens: int, rank: int | None = None):
+        """EngineCore.reserve_import on DP rank `rank` (default: the least loaded): the block ids returned are
+        that rank's, and the caller writes the KV into that rank's pages."""
+        if req.req_id in self.rank_of:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        rank = self._rank(rank)
+        self._prepare_import(req)
+        reserved = self.schedulers[rank].reserve_import(req, num_import_tokens)
+        self.flush_kv_copies()  # that rank's process writes the blocks next: stores of evicted ones first
+        if reserved is not None:
+            self.rank_of[req.req_id] = rank
+        return reserved
+
+    def import_done(self, req_id: str, ok: bool, num_tokens: int | None = None) -> None:
+        # by the scheduler, not rank_of: an abort during the transfer already dropped the request from rank_of
+        sched = next((s for s in self.schedulers if req_id in s.importing), None)
+        if sched is None:
+            raise KeyError(f"request {req_id!r} is not importing KV on any DP rank")
+        sched.import_done(req_id, ok, num_tokens)
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         return [e for kv in self.kvs for e in kv.pool.drain_events()]
 
+    def drain_rank_kv_events(self) -> list[list[tuple[str, bytes]]]:
+        return [kv.pool.drain_events() for kv in self.kvs]
+
     def flush_kv_copies(self) -> None:
-        """Every rank's queued KV offload copies, run by that rank's runner now (before a caller writes the
-        blocks a rank reserved: call it after `schedulers[r].reserve_import`)."""
+        """Every rank's queued KV offload copies, run by that rank's runner now (before the caller writes the
+        blocks a rank reserved)."""
         by_rank = [kv.take_copies() for kv in self.kvs]
         if any(by_rank):
             self.collective_rpc("apply_rank_kv_copies", by_rank)
 
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished for s in self.schedulers)
+
+    def has_finished_to_drop(self) -> bool:
+        return any(s.has_finished_to_drop for s in self.schedulers)
 
     # ---- stepping --------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -100,10 +138,12 @@ class DPEngineCore(MultiRankEngineCore):
             return []
         self._send(("dpstep",))
         mine = self.comm.scatter_objects(scheds)
-        results = self.comm.gather_objects(self.runner.execute(mine))
+        results = self.comm.gather_objects(self.runner.run_step(mine))
+        if self.rank_hisparse:
+            self.rank_hisparse = [r.hisparse for r in results]
         outputs = []
         for sched_, sched, result in zip(self.schedulers, scheds, results):
-            outputs += sched_.update(sched, result)
+            outputs += sched_.update(sched, result.output)
         for o in outputs:
             if o.finish_reason is not None:
                 self.rank_of.pop(o.req_id, None)
@@ -112,20 +152,31 @@ class DPEngineCore(MultiRankEngineCore):
         return outputs
 
     def stats(self) -> EngineStats:
-        """The group's figures: rank 0's (EngineCore.stats) plus the other ranks' counts; kv_usage is the mean."""
-        total = super().stats()
-        for s, kv in zip(self.schedulers[1:], self.kvs[1:]):
-            total.num_running += len(s.running)
-            total.num_waiting += len(s.waiting)
-            total.num_held += len(s.held)
-            total.num_free_blocks += kv.num_free_blocks
-            total.num_blocks += kv.num_blocks
-            total.prefix_queries += kv.prefix_queries
-            total.prefix_hits += kv.prefix_hits
-            total.num_preemptions += s.num_preemptions
-            total.num_queued_tokens += sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
-            for f in ("spec_drafts", "spec_accepted", "spec_steps", "spec_emitted"):
-                setattr(total, f, getattr(total, f) + getattr(s, f))
-        total.kv_usage = sum(kv.usage() for kv in self.kvs) / len(self.kvs)
-        total.kv_offload = sum_stats([kv.offload_stats() for kv in self.kvs])
+        """The group's figures (counts summed over the ranks, kv_usage the mean), each rank's in `dp_ranks`."""
+        hisparse = getattr(self.runner, "hisparse", None)
+        ranks = self.rank_hisparse[:]
+        if hisparse is not None:
+            ranks[0] = hisparse.stats()  # rank 0's in place: fresher than its last step's
+        per_rank = [scheduler_stats(s, ranks[r] if ranks else None) for r, s in enumerate(self.schedulers)]
+        total = EngineStats(**{f.name: getattr(per_rank[0], f.name) for f in fields(EngineStats)})
+        for st in per_rank[1:]:
+            for name in _SUMMED:
+                setattr(total, name, getattr(total, name) + getattr(st, name))
+        total.kv_usage = sum(st.kv_usage for st in per_rank) / len(per_rank)
+        total.hisparse = _sum_hisparse(ranks) if ranks else None
+        total.kv_offload = sum_stats([st.kv_offload for st in per_rank])
+        total.weight_bytes = tuple(r["weight_bytes"] for r in self.weight_reports())
+        total.num_steps, total.step_seconds = self.num_steps, self.step_seconds
+        total.dp_ranks = tuple(per_rank)
         return total
+
+
+_SUMMED = ("num_running", "num_waiting", "num_held", "num_free_blocks", "num_blocks", "prefix_queries", "prefix_hits",
+           "num_preemptions", "num_queued_tokens", "spec_drafts", "spec_accepted", "spec_steps", "spec_emitted")
+
+
+def _sum_hisparse(per_rank: list):
+    """The group's HiSparse figures: every count summed over the ranks (the copy path is rank 0's)."""
+    first = per_rank[0]
+    return replace(first, **{f.name: sum(getattr(s, f.name) for s in per_rank)
+                             for f in fields(first) if f.name != "copy_path"})

@@ -12,13 +12,21 @@ always has the MoE layers of the real ones beside it. Each rank's acceptance dec
 tokens; the group only agrees on how many passes the step takes.
 
 With replicated experts (DP without expert parallelism) the ranks share nothing and never sync.
+
+The padded token count each round agrees on is kept (`padded_tokens`) but not used: these ranks run
+eager, and each all-to-all is sized by the row counts the ranks exchange anyway, so padding a pass to
+the group's largest would only add rows. It becomes the batch size once DP ranks run fixed-shape
+(CUDA-graph) decode passes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec
 from engine.loading.loader import build_model, dummy_init
@@ -26,6 +34,15 @@ from engine.model.moe import MoE
 from engine.parallel.dist import RankComm
 from engine.parallel.ep import AllToAllDispatcher, expert_shard
 from engine.runner.model_runner import ModelRunner
+
+
+@dataclass
+class RankStepResult:
+    """What a DP rank sends back for one step (gathered on rank 0): its RunnerOutput, and its HiSparse
+    figures after the step (None without HiSparse), so the group's stats cost no extra round."""
+
+    output: RunnerOutput
+    hisparse: object | None = None  # engine.hisparse.HiSparseStats
 
 
 def build_rank_model(cfg, rank: int, device: torch.device):
@@ -103,3 +120,10 @@ class DPModelRunner(ModelRunner):
         while self.ep and self._agree(False, 0):  # others still run passes: join them with no rows
             self._dummy_pass(self.main_moe if self._round == 1 else self.mtp_moe)
         return out
+
+    def run_step(self, sched: SchedulerOutput) -> RankStepResult:
+        """One step of this rank's own requests (the "dpstep" message)."""
+        return RankStepResult(self.execute(sched), self.hisparse_stats())
+
+    def hisparse_stats(self):
+        return self.hisparse.stats() if self.hisparse is not None else None

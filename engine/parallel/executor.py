@@ -13,6 +13,7 @@ step's result (all ranks sample the same tokens, see runner.py).
 from __future__ import annotations
 
 import atexit
+import time
 import weakref
 
 import torch
@@ -79,6 +80,7 @@ class MultiRankEngineCore(EngineCore):
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             return []
@@ -89,7 +91,10 @@ class MultiRankEngineCore(EngineCore):
             bad = [r for r, d in enumerate(digests) if d != digests[0]]
             if bad:
                 raise RuntimeError(f"ranks {bad} sampled differently from rank 0: {digests[bad[0]]} vs {digests[0]}")
-        return self.scheduler.update(sched, result)
+        out = self.scheduler.update(sched, result)
+        self.num_steps += 1
+        self.step_seconds += time.perf_counter() - t0
+        return out
 
     def flush_kv_copies(self) -> None:
         """EngineCore.flush_kv_copies on every rank: each copies its share of the blocks."""

@@ -13,8 +13,9 @@ eagerly from then on (`failed` says why; the GPU tests assert it stays None).
 
 A request joining or leaving changes only the buffers' contents and, across a capture size, the key:
 nothing is captured twice. The captured forwards are the model's target pass and the MTP layer's
-catch-up and draft passes; sampling and rejection stay eager (per-request generators, grammars and
-penalties are host-side state).
+catch-up and draft passes; sampling and rejection run between them, on the device for a batch of greedy
+decode requests (engine/runner/device_step.py), on the host for any other (per-request generators, grammars
+and penalties are host-side state).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Flattening scheduled chunks into one forward batch (host lists -> device tensors once)."""
+"""Flattening scheduled chunks into one forward batch (host lists -> device tensors in one copy)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.metadata import AttnMetadata, build_metadata
+from engine.attention.metadata import AttnMetadata, pack_metadata
 from engine.core.scheduler_output import ScheduledChunk
 from engine.runner.state import RunnerRequest
 
@@ -49,10 +49,11 @@ def build_batch(rows: list[tuple[RunnerRequest, int, list[int]]], block_size: in
         query_lens.append(n)
         seq_lens.append(start + n)
         tables.append(req.block_ids)
-    meta = build_metadata(positions=positions, slot_mapping=slot_mapping, query_lens=query_lens, seq_lens=seq_lens,
-                          block_tables=tables, block_size=block_size, device=device)
+    meta, (ids,) = pack_metadata(positions=positions, slot_mapping=slot_mapping, query_lens=query_lens,
+                                 seq_lens=seq_lens, block_tables=tables, block_size=block_size, device=device,
+                                 extras=(input_ids,))  # one host -> device copy for the whole forward
     meta.req_ids = layout.req_ids  # backends that keep per-request state (HiSparse) look them up
-    return torch.tensor(input_ids, dtype=torch.long).to(device), meta, layout
+    return ids, meta, layout
 
 
 def device_index(idx: list[int], device: torch.device) -> torch.Tensor:

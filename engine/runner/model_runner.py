@@ -7,6 +7,8 @@ then propose drafts) -> RunnerOutput.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine import envs
@@ -20,12 +22,14 @@ from engine.kv.offload_buffer import OffloadBuffer
 from engine.loading.loader import build_model, dummy_init, use_kernel_moe
 from engine.model.context import ForwardContext
 from engine.model.layers import rope_cos_sin, rope_inv_freq
+from engine.runner.device_step import DeviceDecode
 from engine.runner.inputs import BatchRows, build_batch, chunk_rows, device_index, rows_layout, slots_for
 from engine.runner.mtp import MTPProposer
 from engine.runner.sampler import RowSpec, Sampler, top_logprobs
 from engine.runner.spec import SyntheticAcceptance, verify_drafts
 from engine.runner.state import RunnerRequest
 from engine.runner.static_decode import StaticDecode
+from engine.runner.step_output import LastStep, StepHandle, host_last_step
 from engine.runner.structured import StructuredOutputs
 
 
@@ -69,6 +73,11 @@ class ModelRunner:
         self.static = StaticDecode(self) if self.static_decode and cfg.graphs.use_static_path(cfg.device) else None
         if self.static is not None:
             self.static.capture_all()  # CUDA graphs of every bucket, before the first request
+        # decode steps with no host sync, from the static buffers (engine/runner/device_step.py)
+        self.device_decode = DeviceDecode(self) if self.static is not None else None
+        self.last: LastStep | None = None  # where the last step's sampled requests continue (placeholders)
+        self.num_host_placeholders = 0  # placeholder chunks filled in from the last step's host copy
+        self.num_placeholder_waits = 0  # ... of those, steps that had to wait for it (a GPU still running it)
 
     # ---- what subclasses specialise (built once, never swapped) ----------------------------------
     static_decode = True  # decode forwards padded to capture sizes from static buffers (CUDA graphs on CUDA)
@@ -120,9 +129,45 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.execute_async(sched).get()
+
+    def execute_async(self, sched: SchedulerOutput) -> StepHandle:
+        """Launch the step; its RunnerOutput is the handle's get(). A decode step of the device path reads
+        nothing back while it runs: get() waits for its one copy (docs/async_scheduling.md)."""
         self._update_states(sched)
+        last, self.last = self.last, None
+        dd = self.device_decode if self.static is not None else None  # benchmarks switch the static path off
+        device = dd is not None and dd.eligible(sched.chunks)
+        on_device = last is not None and last.on_device
+        if any(c.placeholder for c in sched.chunks) and not (device and on_device and self.hisparse is None):
+            sched = self._fill_placeholders(sched, last)  # HiSparse places pages by exact starts
         if self.hisparse is not None:
             self.hisparse.begin_step(sched, self.states)
+        if device:
+            handle, self.last = self.device_decode.run(sched.chunks, last)
+            return handle
+        out = self._execute_host(sched)
+        self.last = host_last_step(sched.chunks, out)
+        return StepHandle(out)
+
+    def _fill_placeholders(self, sched: SchedulerOutput, last: LastStep) -> SchedulerOutput:
+        """Placeholder chunks -> their tokens and start, read from the last step (waiting for it on a GPU)."""
+        if last is None:
+            raise RuntimeError("placeholder chunks need the step before them: only the step right after a "
+                               "request's sampling step may use them")
+        if not last.handle.ready:
+            self.num_placeholder_waits += 1
+        chunks = []
+        for c in sched.chunks:
+            if c.placeholder:
+                self.num_host_placeholders += 1
+                start, ids = last.host(c.req_id)
+                c = dataclasses.replace(c, start=start, token_ids=ids[: len(c.token_ids)], placeholder=False)
+            chunks.append(c)
+        return dataclasses.replace(sched, chunks=chunks)
+
+    def _execute_host(self, sched: SchedulerOutput) -> RunnerOutput:
+        """The step with its sampling on the host (any request, any batch)."""
         out = RunnerOutput()
         if sched.is_empty:
             return out

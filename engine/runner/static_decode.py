@@ -19,7 +19,7 @@ host state per step).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,25 @@ class PaddedBatch:
     real_idx: torch.Tensor  # [T] padded row of each real row, in the rows' order
     src_idx: torch.Tensor  # [T_pad] real row each padded row takes its MTP input hidden state from
     key: tuple  # (num padded requests, rows per request)
+    extras: list[torch.Tensor] = field(default_factory=list)  # the caller's lists, on the device (one copy)
+    runs: int = 0  # forwards run on it so far
+
+    def place(self, start: torch.Tensor, built: torch.Tensor) -> None:
+        """Move every real request's rows to start at `start` [B] (device) instead of `built` [B] (the host
+        starts they were built with): positions, write slots and seq lens, on the device. Padding rows move
+        with their request and keep writing nowhere; padding requests stay where they are."""
+        m = self.meta
+        req = m.token_req_idx.long()
+        delta = start.long() - built.long()
+        pad = m.seq_lens.shape[0] - delta.shape[0]
+        if pad:
+            delta = torch.cat([delta, delta.new_zeros(pad)])
+        pos = m.positions + delta[req]
+        bs = m.block_size
+        slots = m.block_table.long()[req, pos // bs] * bs + pos % bs
+        m.slot_mapping.copy_(torch.where(m.slot_mapping >= 0, slots, m.slot_mapping))
+        m.positions.copy_(pos)
+        m.seq_lens.add_(delta.to(m.seq_lens.dtype))
 
 
 class StaticDecode:
@@ -54,7 +73,8 @@ class StaticDecode:
             from engine.runner.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(runner)
-        self.num_static = 0  # forwards that took this path (instrumented for the tests)
+        self.num_static = 0  # forwards built on this path, one H2D copy each (instrumented for the tests)
+        self.num_reruns = 0  # forwards run again on a built batch (the device step's MTP catch-up)
         self.shapes: Counter = Counter()  # (real requests, padded requests, rows per request) of each forward
 
     @property
@@ -64,8 +84,9 @@ class StaticDecode:
     def bucket(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
 
-    def prepare(self, rows) -> PaddedBatch | None:
-        """rows: (request state, start, token ids) -> the padded static batch, or None (run eagerly)."""
+    def prepare(self, rows, extras: tuple[list[int], ...] = ()) -> PaddedBatch | None:
+        """rows: (request state, start, token ids) -> the padded static batch, or None (run eagerly);
+        `extras` (int lists) come along in the same host -> device copy (`PaddedBatch.extras`)."""
         if not rows or any(start == 0 or not tokens for _, start, tokens in rows):
             return None
         R = 1 if all(len(t) == 1 for _, _, t in rows) else self.rows_per_req
@@ -91,12 +112,12 @@ class StaticDecode:
             entries.append(([], list(range(R)), R, [0] * R, [-1] * R))
             src_idx.extend([0] * R)
             req_ids.append("")
-        ids, meta, (real_t, src_t) = self.builder.build(entries, (real_idx, src_idx))
+        ids, meta, (real_t, src_t, *extra_t) = self.builder.build(entries, (real_idx, src_idx, *extras))
         meta.req_ids = req_ids
         meta.max_seq_len_bound = self.bound
         self.num_static += 1
         self.shapes[(B, B_pad, R)] += 1
-        return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R))
+        return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R), extra_t)
 
     def keys(self) -> list[tuple[str, int, int]]:
         """Every (kind, padded requests, rows per request) a decode forward can take: the target pass and
@@ -132,6 +153,8 @@ class StaticDecode:
     def run(self, kind: str, batch: PaddedBatch, prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The model (kind "target") or its MTP layer ("mtp") over the padded batch -> the real rows' outputs."""
         prev = None if prev_hidden is None else prev_hidden[batch.src_idx]
+        self.num_reruns += batch.runs > 0
+        batch.runs += 1
         if self.graphs is not None:
             out = self.graphs.run(kind, batch, prev)
         else:

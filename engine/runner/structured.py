@@ -57,7 +57,9 @@ class StructuredOutputs:
         for c in todo:
             g = states[c.req_id].grammar
             drafts = c.token_ids[len(c.token_ids) - c.num_draft_tokens:] if c.num_draft_tokens else []
-            if g is not None:
+            # a complete grammar ended its request; a step planned before that was known (async scheduling)
+            # still runs for it, and its outputs are dropped
+            if g is not None and not g.is_terminated:
                 entries.append((r, g, drafts))
                 ids.append(c.req_id)
             r += len(drafts) + 1
@@ -97,7 +99,7 @@ class StructuredOutputs:
         later tokens of the step (a bonus token after an accepted stop draft) are dropped and the request
         stops (`grammar_terminated`)."""
         g = state.grammar
-        if g is None:
+        if g is None or g.is_terminated:  # the request ended with its grammar: these outputs are dropped
             return
         for n, t in enumerate(res.token_ids, 1):
             if not g.advance(t):  # cannot happen for masked rows; logged and left unconstrained

@@ -7,6 +7,11 @@
          request's KV during the READ; if not (lease expired, pages reused), compute locally instead
       -> the engine continues from the first token (HiSparse + MTP), deltas streamed back
 A client that goes away aborts the request; its blocks are freed (after any transfer into them ended).
+
+A DP group (engine/parallel/dp.py) is served as D instances at one address, one per DP rank, each with
+its own Redis entry, load figures, admission bounds and puller: `instance_id` of the request names the
+rank that takes it (its KV lands in that rank's pages: services/transfer/rank_pull.py); empty, the
+least-loaded rank; an id this group does not serve is INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
@@ -34,11 +40,23 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "pdserve.v1.Decode"
 
 
+@dataclass
+class DecodeRank:
+    """One decode instance served here: a DP rank of the engine (of a one-rank engine: the engine)."""
+
+    instance_id: str
+    puller: KVPuller  # or a services.transfer.rank_pull.RankPuller: the READs into this rank's pages
+    admission: Admission
+
+
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: AsyncEngine, puller: KVPuller, metrics: ServiceMetrics, *, admit_timeout_s: float,
-                 pull_retries: int = 1, release_timeout_s: float = 2.0, admission: Admission | None = None):
-        self.engine, self.puller, self.metrics = engine, puller, metrics
-        self.admission = admission or Admission("decode", 1024, 256)
+    def __init__(self, engine: AsyncEngine, puller: KVPuller | None, metrics: ServiceMetrics, *,
+                 admit_timeout_s: float, pull_retries: int = 1, release_timeout_s: float = 2.0,
+                 admission: Admission | None = None, ranks: list[DecodeRank] | None = None):
+        """One instance (`puller`, `admission`), or the `ranks` of a DP group (then `puller` is None)."""
+        self.engine, self.metrics = engine, metrics
+        self.ranks = ranks or [DecodeRank("", puller, admission or Admission("decode", 1024, 256))]
+        self.puller, self.admission = self.ranks[0].puller, self.ranks[0].admission
         self.admit_timeout_s = admit_timeout_s
         self.pull_retries = pull_retries
         self.release_timeout_s = release_timeout_s
@@ -51,10 +69,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     @grpc_errors
     async def Generate(self, request, context):
         req = self._request(request)
-        with self.admission.inflight():
+        rank = self._rank(request.instance_id)
+        with self.ranks[rank].admission.inflight():
             # Admission and pull run shielded: a caller that goes away meanwhile must not strand the
             # reserved blocks, nor free them while a READ may still write them (see _give_up).
-            prepared = asyncio.ensure_future(self._admit_and_pull(req, request.kv))
+            prepared = asyncio.ensure_future(self._admit_and_pull(req, request.kv, rank))
             try:
                 stream, ok = await asyncio.shield(prepared)
             except asyncio.CancelledError:
@@ -84,11 +103,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.DecodeAbortResponse(aborted=True)
 
     # ---- steps ---------------------------------------------------------------------------------
-    async def _admit_and_pull(self, req: Request, kv):
-        with self.admission.queued():  # bounded: requests waiting for KV room
-            stream, block_ids, n_cached = await self._admit(req, kv.num_tokens)
+    def _rank(self, instance_id: str) -> int:
+        """The DP rank that serves an instance id (one instance: any id is this one)."""
+        if len(self.ranks) == 1:
+            return 0
+        if not instance_id:
+            loads = self.engine.stats().dp_ranks
+            return min(range(len(self.ranks)), key=lambda r: (loads[r].num_running + loads[r].num_waiting,
+                                                              -loads[r].num_free_blocks, r))
+        for r, served in enumerate(self.ranks):
+            if served.instance_id == instance_id:
+                return r
+        raise ValueError(f"decode instance {instance_id[:200]!r} is not served here (this group serves "
+                         f"{', '.join(s.instance_id for s in self.ranks)})")
+
+    async def _admit_and_pull(self, req: Request, kv, rank: int = 0):
+        with self.ranks[rank].admission.queued():  # bounded: requests waiting for KV room
+            stream, block_ids, n_cached = await self._admit(req, kv.num_tokens, rank)
+        self.metrics.dp_rank_requests.labels(dp_rank=str(rank)).inc()
         try:
-            return stream, await self._pull(kv, block_ids, n_cached)
+            return stream, await self._pull(kv, block_ids, n_cached, self.ranks[rank].puller)
         except BaseException:
             self._drop(req.req_id, stream)
             raise
@@ -120,11 +154,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise ValueError("the request already has max_tokens tokens: nothing left to decode")
         return req
 
-    async def _admit(self, req: Request, num_tokens: int):
+    async def _admit(self, req: Request, num_tokens: int, rank: int):
         deadline = time.monotonic() + self.admit_timeout_s
         delay = 0.01
+        where = {"rank": rank} if len(self.ranks) > 1 else {}  # a DP group: that rank's blocks
         while True:
-            admitted = await self.engine.add_import_request(req, num_tokens)
+            admitted = await self.engine.add_import_request(req, num_tokens, **where)
             if admitted is not None:
                 return admitted
             if time.monotonic() >= deadline:
@@ -132,12 +167,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    async def _pull(self, kv, block_ids: list[int], n_cached: int) -> bool:
+    async def _pull(self, kv, block_ids: list[int], n_cached: int, puller) -> bool:
         """True when the prompt KV is in our blocks; False: the engine computes the prompt itself."""
         timed_out = False
         for attempt in range(self.pull_retries + 1):
             try:
-                await self.puller.pull(kv, block_ids, n_cached)
+                await puller.pull(kv, block_ids, n_cached)
                 break
             except (TransferError, ValueError) as exc:
                 timed_out |= isinstance(exc, TransferTimeout)

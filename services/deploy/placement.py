@@ -1,12 +1,12 @@
 """Which GPUs each process of a topology gets, and whether the engines sharing a GPU fit on it.
 
 A service kind that runs engines (prefill, decode) may name its GPUs: `gpus: [0, 1, ...]`, one per
-process of the kind (prefill: replica-major, rank-minor; decode: one per replica), or a single GPU
-that every process of the kind shares. The launcher then sets, per process:
+process of the kind (replica-major, rank-minor: a multi-rank prefill's ranks, a decode group's DP
+ranks), or a single GPU that every process of the kind shares. The launcher then sets, per process:
 
-    one-process engines (decode, 1-rank prefill)   CUDA_VISIBLE_DEVICES=<its GPU>    LOCAL_RANK=0
-    multi-rank prefill (PCP x DCP x EP ranks)      CUDA_VISIBLE_DEVICES=<the replica's GPUs>
-                                                   LOCAL_RANK=<index of this rank's GPU in that list>
+    one-process engines (1-rank decode / prefill)  CUDA_VISIBLE_DEVICES=<its GPU>    LOCAL_RANK=0
+    multi-rank engines (PCP x DCP x EP prefill,    CUDA_VISIBLE_DEVICES=<the replica's GPUs>
+    DP x EP decode group)                          LOCAL_RANK=<index of this rank's GPU in that list>
 
 (a rank group sees all of its GPUs so NCCL finds its peers' devices; each rank selects its own).
 

@@ -15,15 +15,16 @@ A topology (YAML or a dict; documented in configs/README.md):
       kvstore: {replicas: 1, port: 50060, args: {pool-gib: 1}}
       prefill: {replicas: 1, port: 50051, prefill_context_parallel_size: 1,
                 decode_context_parallel_size: 1, args: {kv-cache-dtype: fp8_ds_mla}}
-      decode:  {replicas: 1, port: 50071}
+      decode:  {replicas: 1, port: 50071, data_parallel_size: 1, args: {enable-expert-parallel: true}}
       router:  {port: 8000, grpc_port: 50050}
 
 Per service: `replicas`, `port` (replica i listens on port + i; 0 = any free port),
 `metrics_port` (same rule; 0 = any free), `gpus` (prefill and decode: services/deploy/placement.py),
 `args` (extra flags: {name: value}, true -> bare flag, a list -> repeated, a dict -> JSON), `env`, and
 `module` (default services.<kind>; tests point it at stand-ins). Prefill also takes the parallel sizes and
-`ranks` (processes per replica, default max(PCP, DCP)): each rank gets
---rank/--world-size/--master-addr/--master-port; rank 0 serves gRPC.
+`ranks` (processes per replica, default max(PCP, DCP)); decode takes `data_parallel_size` (a replica is
+then one DP group of that many ranks, one process each, registered as one decode instance per rank).
+Each rank of a multi-rank replica gets --rank/--world-size/--master-addr/--master-port; rank 0 serves gRPC.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ ORDER = ("kvstore", "prefill", "decode", "router")
 _TOP_KEYS = {"model", "host", "advertise_host", "host_gpus", "multi_host", "run_dir", "redis_url", "env", "services"}
 _SERVICE_KEYS = {"replicas", "port", "metrics_port", "args", "env", "module"}
 _KIND_KEYS = {"prefill": {"prefill_context_parallel_size", "decode_context_parallel_size", "ranks"},
-              "router": {"grpc_port"}}
+              "decode": {"data_parallel_size"}, "router": {"grpc_port"}}
 _GPU_KINDS = ("prefill", "decode")
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 
@@ -65,7 +66,9 @@ class ServiceSpec:
 
     @property
     def ranks(self) -> int:
-        """Processes per replica: the prefill engine's ranks, 1 for everything else."""
+        """Processes per replica: the prefill engine's ranks, a decode group's DP ranks, 1 for everything else."""
+        if self.kind == "decode":
+            return self.extra.get("data_parallel_size", 1)
         if self.kind != "prefill":
             return 1
         pcp = self.extra.get("prefill_context_parallel_size", 1)
@@ -175,6 +178,9 @@ def _service(kind: str, body: dict) -> ServiceSpec:
                              f"integer, got {v!r}")
     if not isinstance(body.get("args", {}), dict) or not isinstance(body.get("env", {}), dict):
         raise ValueError(f"services.{kind}.args and .env must be mappings")
+    if kind == "decode" and any(a.lstrip("-") == "data-parallel-size" for a in body.get("args", {})):
+        raise ValueError("services.decode: set `data_parallel_size` (the launcher starts one process per DP rank), "
+                         "not args.data-parallel-size")
     spec = ServiceSpec(kind=kind, replicas=ints.get("replicas", 1), port=ints.get("port", 0),
                        metrics_port=ints.get("metrics_port", 0), args=dict(body.get("args", {})),
                        env={k: str(v) for k, v in body.get("env", {}).items()}, module=str(body.get("module", "")),
@@ -215,7 +221,7 @@ class Ports:
     port: int
     metrics_port: int
     grpc_port: int = 0  # router only
-    master_port: int = 0  # prefill only (torch.distributed rendezvous of its ranks)
+    master_port: int = 0  # multi-rank prefill / decode only (torch.distributed rendezvous of its ranks)
 
 
 def flags(topo: Topology, spec: ServiceSpec, replica: int, rank: int, ports: Ports, redis_url: str) -> list[str]:
@@ -229,6 +235,8 @@ def flags(topo: Topology, spec: ServiceSpec, replica: int, rank: int, ports: Por
         out += ["--prefill-context-parallel-size", str(spec.extra.get("prefill_context_parallel_size", 1)),
                 "--decode-context-parallel-size", str(spec.extra.get("decode_context_parallel_size", 1))]
         out += rank_flags(rank, spec.ranks, "127.0.0.1", ports.master_port)  # a rank group is on one host
+    if spec.kind == "decode" and spec.ranks > 1:
+        out += ["--data-parallel-size", str(spec.ranks), *rank_flags(rank, spec.ranks, "127.0.0.1", ports.master_port)]
     return out + args_to_flags(spec.args)
 
 

@@ -8,9 +8,7 @@ launcher start them).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import os
 import sys
 
 from engine.config.arg_utils import EngineArgs
@@ -18,8 +16,8 @@ from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import prefill_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, RedisState
 from services.engine_host import EngineHost
-from services.prefill.rank_watch import wait_for_engine_death
 from services.prefill.server import SERVICE_NAME, PrefillServicer
+from services.rank_watch import serve_until_stopped
 from services.rpc.admission import Admission
 from services.rpc.grpc_server import GrpcServer, run
 from services.rpc.metrics import ServiceMetrics
@@ -88,7 +86,7 @@ async def serve(args: argparse.Namespace) -> int:
         servicer.start()
         await server.set_serving(True)
         log.info("prefill %s serving %s at %s:%d (metrics :%d)", instance_id, cfg.model_path, host, port, metrics_port)
-        return await _serve_until_stopped(server, engine, host_obj)
+        return await serve_until_stopped(server, engine, host_obj, "prefill")
     finally:
         await server.set_serving(False)
         await server.stop(grace=2.0)
@@ -97,25 +95,6 @@ async def serve(args: argparse.Namespace) -> int:
         await engine.shutdown()
         await state.close()
         metrics.close()
-
-
-async def _serve_until_stopped(server: GrpcServer, engine: AsyncEngine, host_obj: EngineHost) -> int:
-    """0 on SIGTERM; 1 when the engine died (rank_watch.py): out of service first, then exit."""
-    stop = asyncio.create_task(server.wait_for_shutdown_signal())
-    death = asyncio.create_task(wait_for_engine_death(engine))
-    done, pending = await asyncio.wait([stop, death], return_when=asyncio.FIRST_COMPLETED)
-    for t in pending:
-        t.cancel()
-    if death not in done:
-        return 0
-    dead = death.result()
-    log.error("prefill out of service: %s; exiting for a restart", dead.reason)
-    await server.set_serving(False)
-    await host_obj.stop()  # deregister now: routers stop choosing us before our TTL would run out
-    if dead.hung:  # the engine thread is blocked in a collective: a clean shutdown would wait for it forever
-        logging.shutdown()
-        os._exit(1)
-    return 1
 
 
 def main(argv: list[str] | None = None) -> None:

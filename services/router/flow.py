@@ -222,8 +222,9 @@ class Flow:
         """Start Decode.Generate on `inst` and wait for its first reply: a full instance answers
         RESOURCE_EXHAUSTED before pulling any KV, so the prefill lease stays valid for the next one."""
         stub = decode_pb2_grpc.DecodeStub(self._channel(inst.grpc_address))
-        call = stub.Generate(decode_pb2.DecodeRequest(request=g, kv=first.kv, first=first.first),
-                             timeout=self._left(stats))
+        # instance_id: the DP ranks of a decode group share its address; the id says which rank takes it
+        call = stub.Generate(decode_pb2.DecodeRequest(request=g, kv=first.kv, first=first.first,
+                                                      instance_id=inst.instance_id), timeout=self._left(stats))
         self.routing.started(inst.instance_id)
         try:
             return inst, call, await self._next(call, inst, stats)

@@ -93,6 +93,8 @@ METRICS: tuple[MetricDef, ...] = (
               labels=("rank", "dtype")),
     MetricDef("kv_pull_recomputes", Counter, "Requests whose prompt KV was computed locally instead of pulled.",
               ("decode",)),
+    MetricDef("dp_rank_requests", Counter, "Requests admitted, by DP rank of the decode engine (0 for one rank).",
+              ("decode",), labels=("dp_rank",)),
 )
 
 

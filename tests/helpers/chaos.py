@@ -98,6 +98,7 @@ class StreamResult:
     text: str = ""
     finish_reason: str | None = None
     error: dict | None = None  # the SSE error event's "error" object
+    token_ids: list[int] = field(default_factory=list)  # with return_token_ids in the body
     done: bool = False  # saw data: [DONE]
     elapsed: float = 0.0
     exception: str = ""
@@ -107,14 +108,16 @@ class StreamResult:
         return self.status == 200 and self.error is None and self.finish_reason is not None and self.done
 
 
-def stream_completion(url: str, body: dict, timeout_s: float, started: threading.Event | None = None) -> StreamResult:
-    """POST a streaming /v1/completions; read SSE until [DONE]. Every socket read is bounded, so the
-    call returns within about `timeout_s` whatever the server does (a hang shows as `exception`)."""
+def stream_completion(url: str, body: dict, timeout_s: float, started: threading.Event | None = None,
+                      path: str = "/v1/completions") -> StreamResult:
+    """POST a streaming /v1/completions (or /v1/chat/completions: `path`, the deltas' content is the text);
+    read SSE until [DONE]. Every socket read is bounded, so the call returns within about `timeout_s`
+    whatever the server does (a hang shows as `exception`)."""
     res, t0 = StreamResult(), time.monotonic()
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
     try:
-        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+        conn.request("POST", path, json.dumps({**body, "stream": True}),
                      {"content-type": "application/json"})
         resp = conn.getresponse()
         res.status = resp.status
@@ -137,7 +140,8 @@ def stream_completion(url: str, body: dict, timeout_s: float, started: threading
                 res.error = event["error"]
                 continue
             choice = event["choices"][0]
-            res.text += choice.get("text") or ""
+            res.text += (choice["delta"].get("content") if "delta" in choice else choice.get("text")) or ""
+            res.token_ids += choice.get("token_ids") or []
             res.finish_reason = choice.get("finish_reason") or res.finish_reason
             if started is not None and res.text:
                 started.set()
@@ -157,6 +161,7 @@ class Load:
     url: str
     bodies: list[dict]
     timeout_s: float
+    path: str = "/v1/completions"
     results: list[StreamResult | None] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
     _started: list[threading.Event] = field(default_factory=list)
@@ -167,7 +172,7 @@ class Load:
             ev = threading.Event()
 
             def run(i=i, body=body, ev=ev):
-                self.results[i] = stream_completion(self.url, body, self.timeout_s, ev)
+                self.results[i] = stream_completion(self.url, body, self.timeout_s, ev, self.path)
                 ev.set()
             self._started.append(ev)
             self._threads.append(threading.Thread(target=run, daemon=True))

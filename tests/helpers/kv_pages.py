@@ -77,3 +77,15 @@ def rank_kv_rows(core, req_id: str) -> list[dict]:
     """Every rank's `read_kv_rows` of a request, by rank."""
     m = kv_page_map(core, req_id)
     return core.collective_rpc("tests.helpers.kv_pages:read_kv_rows", list(m.block_ids), m.num_tokens)
+
+
+def write_kv_blocks(runner, rank: int, block_ids: list[int], mla: torch.Tensor, index: torch.Tensor) -> bool:
+    """On every rank (collective_rpc): rank `rank` copies whole blocks (mla [n, ...], index [n, ...], as
+    `PagedKVCache` lays them out) into its cache at `block_ids`, as a KV pull would; True where it did."""
+    if runner.rank != rank:
+        return False
+    cache = runner.kv_cache
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    cache.mla[ids.to(cache.mla.device)] = mla.to(cache.mla.device)
+    cache.index[ids.to(cache.index.device)] = index.to(cache.index.device)
+    return True

@@ -53,6 +53,16 @@ def metric(address: str, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
+def admitted_per_rank(address: str, num_ranks: int) -> list[float]:
+    """Requests each DP rank of a decode engine admitted (pdserve:dp_rank_requests_total; 0 before any)."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    out = []
+    for r in range(num_ranks):
+        m = re.search(rf'^pdserve:dp_rank_requests_total{{dp_rank="{r}"}} (\S+)$', text, re.M)
+        out.append(float(m.group(1)) if m else 0.0)
+    return out
+
+
 def wait_for(fn, timeout: float = 15.0, period: float = 0.2):
     deadline = time.monotonic() + timeout
     while True:

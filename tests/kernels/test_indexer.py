@@ -82,10 +82,10 @@ def assert_topk_near(sel: torch.Tensor, scores: torch.Tensor, pos: torch.Tensor,
             assert gap <= eps * scores[t, : int(pos[t]) + 1].abs().max().item(), f"row {t}: not a near-tie"
 
 
-def check_indexer(mode: str, seq_lens, rows, H, D, topk, block_size, device, eps: float):
+def check_indexer(mode: str, seq_lens, rows, H, D, topk, block_size, device, eps: float, impl: str | None = None):
     bt = make_batch(mode, seq_lens, rows, H, D, block_size, spare_blocks=3, device=device)
     S = max(seq_lens)
-    got = index_scores(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, S)
+    got = index_scores(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, S, impl=impl)
     want = ref_scores(bt, S)
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got)), "scores past a row's position must stay -inf"
@@ -93,18 +93,18 @@ def check_indexer(mode: str, seq_lens, rows, H, D, topk, block_size, device, eps
     err = ((got - want).masked_fill(~fin, 0).abs() / scale).max().item()
     assert err <= eps, f"scores differ by {err:.3g} of the row scale"
     # exact top-k of the kernel's own scores (same tiling: no host layout), as positions and as slots
-    sel = indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, topk, return_slots=False)
+    sel = indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, topk, return_slots=False, impl=impl)
     assert as_sets(sel) == as_sets(topk_positions_ref(got, bt.pos, topk)), "top-k is not exact for its scores"
     valid = sel >= 0
     assert torch.all(valid[:, :-1] >= valid[:, 1:]), "valid entries must come first"
-    slots = indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, topk)
+    slots = indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, topk, impl=impl)
     for t in range(len(bt.pos)):
         expect = slots_of(bt.table[int(bt.req[t])], sel[t][valid[t]], block_size)
         assert torch.equal(slots[t][valid[t]].long(), expect) and torch.all(slots[t][~valid[t]] == -1)
     # with the runner's host layout (multi-row tiles, unscored short requests) and the reference entry point
     width = min(topk, S)
     fast = indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, topk, return_slots=False, max_seq_len=S,
-                        query_start_loc_cpu=bt.qsl, seq_lens_cpu=bt.seq_lens, out_width=width)
+                        query_start_loc_cpu=bt.qsl, seq_lens_cpu=bt.seq_lens, out_width=width, impl=impl)
     assert fast.shape == (len(bt.pos), width)
     assert_topk_near(fast, want, bt.pos, topk, eps)
     q_in, q_scale = bt.q, None
@@ -130,10 +130,10 @@ def slots_to_positions(slots: torch.Tensor, bt: Batch) -> torch.Tensor:
 
 
 @interp
-@pytest.mark.parametrize("mode", ["fp8", "fp32"])
-def test_indexer_interp(mode):
+@pytest.mark.parametrize("mode,impl", [("fp8", "fused"), ("fp8", "radix"), ("fp32", None)])
+def test_indexer_interp(mode, impl):
     rows = [[3, 20, 60, 140, 145, 149], [30, 33, 36], [8]]  # a chunk, an MTP-style verify, a short request
-    check_indexer(mode, [150, 37, 9], rows, H=16, D=32, topk=24, block_size=16, device="cpu", eps=1e-5)
+    check_indexer(mode, [150, 37, 9], rows, H=16, D=32, topk=24, block_size=16, device="cpu", eps=1e-5, impl=impl)
 
 
 def check_topk_rows(device, n_max: int, k: int, block_size: int):
@@ -162,10 +162,10 @@ def test_topk_rows_gpu(mark):
     check_topk_rows("cuda", n_max=131072, k=2048, block_size=64)
 
 
-@pytest.mark.parametrize("mode", ["fp8", "fp32"])
+@pytest.mark.parametrize("mode,impl", [("fp8", "fused"), ("fp8", "radix"), ("fp32", None)])
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_indexer_gpu(mode, mark):
+def test_indexer_gpu(mode, impl, mark):
     # 128K-token cache: a 64-row prefill chunk deep into a 100K prompt, a 4-row verify at 28K, a short request
     rows = [list(range(100_000 - 64, 100_000)), [28_000, 28_001, 28_002, 28_003], [1000]]
     check_indexer(mode, [100_000, 28_004, 1001], rows, H=32, D=128, topk=2048, block_size=64, device="cuda",
-                  eps=1e-2 if mode == "fp8" else 1e-5)
+                  eps=1e-2 if mode == "fp8" else 1e-5, impl=impl)

@@ -36,9 +36,10 @@ def _serve(llm: LLM, turns) -> tuple[list[list[int]], list[int]]:
     return [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
-@pytest.mark.parametrize("spec", [None, 3])
-def test_an_evicted_prefix_comes_back_from_the_tier_with_identical_tokens(tiny_code, turns, spec):
+@pytest.mark.parametrize("spec, async_scheduling", [(None, False), (3, False), (3, True)])
+def test_an_evicted_prefix_comes_back_from_the_tier_with_identical_tokens(tiny_code, turns, spec, async_scheduling):
     kw = {"num_speculative_tokens": spec} if spec else {}
+    kw["async_scheduling"] = async_scheduling  # the copies travel with the step planned ahead
     cold, _ = _serve(LLM(str(tiny_code), num_blocks=NUM_BLOCKS, enable_prefix_caching=False, **kw), turns)
     _, no_tier = _serve(LLM(str(tiny_code), num_blocks=NUM_BLOCKS, **kw), turns)
     assert no_tier[3] < 256, "the device pool alone must have lost the prefix for this test to mean anything"

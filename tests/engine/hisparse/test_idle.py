@@ -14,10 +14,12 @@ from engine.frontend.async_engine import AsyncEngine
 
 
 @pytest.mark.timeout(120)
-def test_idle_async_engine_holds_no_hisparse_pages(tiny_code):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_idle_async_engine_holds_no_hisparse_pages(tiny_code, async_scheduling):
     async def run():
         engine = AsyncEngine(EngineArgs(model=str(tiny_code), kv_cache_dtype="fp8_ds_mla", num_blocks=256,
-                                        device="cpu", hisparse={"host_pool_blocks": 48}))
+                                        device="cpu", hisparse={"host_pool_blocks": 48},
+                                        async_scheduling=async_scheduling))
         engine.start()
         try:
             params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -1,5 +1,5 @@
-"""bench.decode_step at CPU scale: every mode and engine reports a row, the floor's parts add up, and the
-GPU busy time is the union of kernel intervals (overlaps counted once)."""
+"""bench.decode_step at CPU scale: every mode (async scheduling included) and engine reports a row, the
+floor's parts add up, and the GPU busy time is the union of kernel intervals (overlaps counted once)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ def test_busy_time_is_the_union_of_kernel_intervals():
 def test_modes_and_floor_on_cpu(tiny_code, tmp_path):
     res = main(["--model", str(tiny_code), "--batches", "1,3", "--steps", "2", "--warmup", "1", "--prompt-len", "40",
                 "--num-blocks", "600", "--hisparse-pool-gib", "0.05", "--hisparse-batches", "2",
-                "--out", str(tmp_path / "d.json")])
+                "--async-scheduling", "--out", str(tmp_path / "d.json")])
     got = [(r["engine"], r["mode"], r["batch"]) for r in res["rows"]]
     assert got == [("resident", "eager", 1), ("resident", "eager", 3), ("resident", "graphs", 1),
-                   ("resident", "graphs", 3), ("hisparse", "eager", 2), ("hisparse", "static", 2)]
+                   ("resident", "graphs", 3), ("resident", "async", 1), ("resident", "async", 3),
+                   ("hisparse", "eager", 2), ("hisparse", "static", 2), ("hisparse", "async", 2)]
     for r in res["rows"]:
         fb = r["floor_bytes"]
         assert r["wall_ms"] > 0 and r["tokens_per_step"] >= r["batch"]

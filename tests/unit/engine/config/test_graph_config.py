@@ -1,5 +1,5 @@
-"""Capture sizes (vLLM's convention), the --enforce-eager / --cuda-graph-sizes flags and when the static
-decode path is on."""
+"""Capture sizes (vLLM's convention), the --enforce-eager / --cuda-graph-sizes flags, when the static
+decode path is on, and --async-scheduling."""
 
 from __future__ import annotations
 
@@ -53,3 +53,14 @@ def test_graphs_by_default_on_cuda_only(tiny_code):
     assert cfg.graphs.enforce_eager is False and cfg.graphs.use_static_path("cpu")
     cfg = EngineArgs.from_cli_args(p.parse_args(["--model", str(tiny_code)])).create_engine_config()
     assert cfg.graphs.use_static_path("cuda") and not cfg.graphs.use_static_path("cpu")
+
+
+def test_async_scheduling_flag(tiny_code):
+    p = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = p.parse_args(["--model", str(tiny_code), "--async-scheduling"])
+    cfg = EngineArgs.from_cli_args(ns).create_engine_config()
+    assert cfg.scheduler.async_scheduling is True
+    assert EngineArgs(model=str(tiny_code)).create_engine_config().scheduler.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling runs single-rank engines"):
+        EngineArgs(model=str(tiny_code), async_scheduling=True, prefill_context_parallel_size=2,
+                   decode_context_parallel_size=2).create_engine_config()

@@ -1,6 +1,6 @@
 """deploy/k8s: every manifest passes the Kubernetes schema offline (kubernetes-validate, strict: an
 unknown field fails), and the manifests run what the two-host topology files run: the same flags,
-8 GPUs for the prefill pod and one per decode pod, shared memory, health probes, the NCCL settings."""
+8 GPUs for the prefill pod and for the decode group's pod, shared memory, health probes, the NCCL settings."""
 
 from __future__ import annotations
 
@@ -70,14 +70,14 @@ def test_pods_run_the_flags_of_the_two_host_topology(host_file, kind, workload):
     ports = Ports(spec.port, spec.metrics_port, spec.extra.get("grpc_port", 0), master_port=1)
     want = _flags(topology.flags(topo, spec, 0, 0, ports, topo.redis_url))
     cmd = _container(workload, kind)["command"]
-    if kind == "prefill":
-        assert cmd[2:6] == ["services.deploy.ranks", "--ranks", "8", "services.prefill"]
+    if kind in ("prefill", "decode"):  # one engine group of 8 ranks per pod
+        assert cmd[2:6] == ["services.deploy.ranks", "--ranks", "8", f"services.{kind}"]
         cmd = cmd[6:]
     else:
         assert cmd[2] == f"services.{kind}"
         cmd = cmd[3:]
     got = _flags(cmd)
-    skip = PER_POD | (RANK_FLAGS if kind == "prefill" else set())
+    skip = PER_POD | (RANK_FLAGS if kind in ("prefill", "decode") else set())
     assert set(got) == set(want) - skip, f"{kind}: {sorted(got)} vs {sorted(set(want) - skip)}"
     for flag in set(got) - {"--model"}:
         assert got[flag] == want[flag], f"{kind} {flag}: {got[flag]} vs {want[flag]}"
@@ -85,8 +85,8 @@ def test_pods_run_the_flags_of_the_two_host_topology(host_file, kind, workload):
 
 def test_gpus_shared_memory_probes_and_nccl():
     pre, dec = _by("StatefulSet", "prefill"), _by("StatefulSet", "decode")
-    assert pre["spec"]["replicas"] == 1 and dec["spec"]["replicas"] == 8
-    for sts, gpus in ((pre, "8"), (dec, "1")):
+    assert pre["spec"]["replicas"] == 1 and dec["spec"]["replicas"] == 1
+    for sts, gpus in ((pre, "8"), (dec, "8")):
         pod = sts["spec"]["template"]["spec"]
         (c,) = pod["containers"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus == c["resources"]["requests"]["nvidia.com/gpu"]

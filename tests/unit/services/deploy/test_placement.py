@@ -23,14 +23,19 @@ def _flag(cmd: list[str], name: str) -> str:
     return cmd[cmd.index(name) + 1]
 
 
-def test_decode_host_places_8_ranks_on_8_gpus():
+def test_decode_host_is_one_dp8_ep8_group_on_8_gpus():
     topo = topology.load(H200 / "decode-host.yaml")
     procs = plan(topo, topo.redis_url)
-    assert [p.name for p in procs] == [f"decode-{i}" for i in range(8)]
-    assert sorted(p.env["CUDA_VISIBLE_DEVICES"] for p in procs) == [str(i) for i in range(8)]
-    assert {p.env["LOCAL_RANK"] for p in procs} == {"0"}
-    assert [_flag(p.cmd, "--port") for p in procs] == [str(50071 + i) for i in range(8)]
-    for p in procs:
+    assert [p.name for p in procs] == [f"decode-0.rank{r}" for r in range(8)]
+    assert [p.placement.gpu for p in procs] == list(range(8))
+    assert all(p.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" for p in procs)  # NCCL sees the group's GPUs
+    assert [p.env["LOCAL_RANK"] for p in procs] == [str(r) for r in range(8)]
+    assert [p.address for p in procs] == ["10.0.0.2:50071"] + [""] * 7  # rank 0 serves every rank's instance
+    for r, p in enumerate(procs):
+        assert _flag(p.cmd, "--port") == "50071" and _flag(p.cmd, "--instance-id") == "decode-0"
+        assert _flag(p.cmd, "--data-parallel-size") == "8" and "--enable-expert-parallel" in p.cmd
+        assert _flag(p.cmd, "--rank") == str(r) and _flag(p.cmd, "--world-size") == "8"
+        assert _flag(p.cmd, "--master-addr") == "127.0.0.1"
         assert _flag(p.cmd, "--advertise-host") == "10.0.0.2" and _flag(p.cmd, "--host") == "0.0.0.0"
         assert '"host_pool_gib": 48' in _flag(p.cmd, "--attention-config")
         assert float(_flag(p.cmd, "--kv-offloading-size")) == 16  # GiB of host KV tier behind the pool
@@ -75,8 +80,10 @@ def test_dry_run_prints_every_process_and_starts_nothing(tmp_path):
                         "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    for i in range(8):
-        assert f"decode-{i}\n" in out and f"CUDA_VISIBLE_DEVICES={i} " in out and f"--port {50071 + i}" in out
+    for r in range(8):
+        assert f"decode-0.rank{r}\n" in out and f"LOCAL_RANK={r}," in out and f"--rank {r} --world-size 8" in out
+    assert out.count("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 ") == 8 and out.count("--port 50071 ") == 8
+    assert "--data-parallel-size 8" in out and "--enable-expert-parallel" in out
     assert "advertises 10.0.0.2" in out and "8 processes" in out and "0.0.0.0:" not in out
     assert out.count("--kv-offloading-size 16") == 8
 
@@ -101,6 +108,20 @@ def test_multi_rank_placement_per_replica():
                    (7, {"CUDA_VISIBLE_DEVICES": "6,7", "LOCAL_RANK": "1"})]
 
 
+def test_decode_groups_place_their_ranks_per_replica():
+    topo = topology.load({"model": "m", "services": {"decode": {
+        "replicas": 2, "data_parallel_size": 2, "port": 50071, "gpus": [4, 5, 6, 7]}}})
+    procs = plan(topo, topo.redis_url)
+    assert [(p.name, p.placement.gpu, p.env["CUDA_VISIBLE_DEVICES"], p.env["LOCAL_RANK"]) for p in procs] == [
+        ("decode-0.rank0", 4, "4,5", "0"), ("decode-0.rank1", 5, "4,5", "1"),
+        ("decode-1.rank0", 6, "6,7", "0"), ("decode-1.rank1", 7, "6,7", "1")]
+    assert [p.address for p in procs] == ["127.0.0.1:50071", "", "127.0.0.1:50072", ""]
+    assert [_flag(p.cmd, "--instance-id") for p in procs] == ["decode-0", "decode-0", "decode-1", "decode-1"]
+    single = plan(topology.load({"model": "m", "services": {"decode": {}}}), "redis://x:1/0")
+    assert [p.name for p in single] == ["decode-0"] and "--data-parallel-size" not in single[0].cmd
+    assert "--rank" not in single[0].cmd  # one-rank decode: the flags it always had
+
+
 def _two_engines(a: float, b: float, **top) -> dict:
     return {"model": "m", **top, "services": {"prefill": {"gpus": [0], "args": {"gpu-memory-utilization": a}},
                                                "decode": {"gpus": [0], "args": {"gpu-memory-utilization": b}}}}
@@ -122,6 +143,13 @@ def test_co_located_engines_fit_when_shares_sum_to_at_most_one():
      r"services.prefill.gpus asks for GPU 8, but this host has GPUs 0-7"),
     ({"model": "m", "services": {"decode": {"replicas": 3, "gpus": [0, 1]}}},
      "services.decode.gpus lists 2 GPUs for 3"),
+    ({"model": "m", "services": {"decode": {"data_parallel_size": 2, "gpus": [0, 1, 2]}}},
+     r"services.decode.gpus lists 3 GPUs for 2 processes \(1 replica\(s\) x 2 rank\(s\)\)"),
+    ({"model": "m", "services": {"decode": {"data_parallel_size": 0}}},
+     "services.decode.data_parallel_size must be a positive integer"),
+    ({"model": "m", "services": {"decode": {"args": {"data-parallel-size": 2}}}},
+     "set `data_parallel_size`"),
+    ({"model": "m", "services": {"prefill": {"data_parallel_size": 2}}}, "services.prefill: unknown key"),
     ({"model": "m", "services": {"decode": {"gpus": [-1]}}}, "services.decode.gpus must be a non-empty list"),
     ({"model": "m", "services": {"decode": {"gpus": "0"}}}, "services.decode.gpus must be"),
     ({"model": "m", "services": {"router": {"gpus": [0]}}}, "services.router: unknown key"),

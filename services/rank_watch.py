@@ -1,4 +1,5 @@
-"""Liveness of a multi-rank prefill engine: one dead or hung worker rank means a dead engine.
+"""Liveness of a multi-rank engine (a PCP × DCP × EP prefill, a DP × EP decode group): one dead or hung
+worker rank means a dead engine, and the service takes every instance of it out of service at once.
 
 Rank 0 sends a no-op collective to every rank every `period_s` while the engine is idle (it runs between
 steps, so while the engine is busy it completes after the current step). A worker whose process is gone
@@ -7,13 +8,15 @@ dead-locked driver call) makes it wait instead: when no ping has completed for `
 (`PDSERVE_RANK_HANG_TIMEOUT_S`), the engine counts as hung. The engine cannot be rebuilt in-process (its
 process group is broken, or blocked), so the service then goes out of service: health NOT_SERVING,
 deregistered from Redis, every call failing with UNAVAILABLE, and the process exits with status 1 for its
-supervisor to restart the instance (at once when hung: its engine thread may never return).
+supervisor to restart the instance (at once when hung: its engine thread may never return). A decode
+group's D instances (one per DP rank) leave together: one engine, one process group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -42,7 +45,7 @@ async def wait_for_engine_death(engine: AsyncEngine, *, period_s: float = 0.5,
         if not multi_rank:
             continue
         try:
-            await asyncio.wait_for(engine.call(lambda core: core.collective_rpc("services.prefill.rank_watch:ping")),
+            await asyncio.wait_for(engine.call(lambda core: core.collective_rpc("services.rank_watch:ping")),
                                    hang_timeout_s or 30.0)
             last_ok = time.monotonic()
         except TimeoutError:
@@ -56,3 +59,24 @@ async def wait_for_engine_death(engine: AsyncEngine, *, period_s: float = 0.5,
 def ping(runner) -> int:
     """A no-op collective (run on every rank): it fails at once on rank 0 when a worker rank's process is gone."""
     return runner.comm.rank
+
+
+async def serve_until_stopped(server, engine: AsyncEngine, host, role: str) -> int:
+    """0 on SIGTERM; 1 when the engine died: out of service first (health NOT_SERVING, every instance of
+    `host` (services.engine_host.EngineHost) deregistered, so routers stop choosing them before their TTL
+    would run out), then the caller exits; at once (os._exit) when hung."""
+    stop = asyncio.create_task(server.wait_for_shutdown_signal())
+    death = asyncio.create_task(wait_for_engine_death(engine))
+    done, pending = await asyncio.wait([stop, death], return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        t.cancel()
+    if death not in done:
+        return 0
+    dead = death.result()
+    log.error("%s out of service: %s; exiting for a restart", role, dead.reason)
+    await server.set_serving(False)
+    await host.stop()
+    if dead.hung:  # the engine thread is blocked in a collective: a clean shutdown would wait for it forever
+        logging.shutdown()
+        os._exit(1)
+    return 1

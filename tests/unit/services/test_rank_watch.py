@@ -1,5 +1,6 @@
-"""The prefill's rank watch: a dead rank (the ping fails), a hung rank (no ping completes within the hang
-timeout) and a healthy busy engine (pings complete, if late) are told apart."""
+"""The rank watch of multi-rank engines (PCP prefill, DP decode groups): a dead rank (the ping fails), a hung
+rank (no ping completes within the hang timeout) and a healthy busy engine (pings complete, if late) are
+told apart."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.prefill.rank_watch import wait_for_engine_death
+from services.rank_watch import wait_for_engine_death
 
 
 class FakeEngine:

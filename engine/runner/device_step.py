@@ -1,0 +1,182 @@
+"""The decode step with no host sync (docs/async_scheduling.md): every request continues with one row and its
+drafts, samples greedily, and its tokens stay on the device until the step's one read-back.
+
+    target    the padded static forward (engine/runner/static_decode.py) over each request's 1 + d rows; a
+              placeholder request's ids and start come from the last step's device outputs (LastStep)
+    verify    the argmax of every row; drafts are accepted while each equals the argmax of the row before
+              it (synthetic acceptance: a host draw per request); emitted = accepted drafts + one token
+    MTP       the catch-up over the same rows with the emitted tokens as input (rows past the accepted ones
+              compute values nothing reads: later steps rewrite those positions before any read), draft 1
+              from the row of the last emitted token, then one forward per further draft at position
+              start + accepted + j, computed on the device
+    output    [B, 3 + 2k] int64 (emitted | count | drafts | next start) to pinned memory behind an event
+              (engine/runner/step_output.py)
+
+Host lists of the metadata are exact where a backend sizes its work by them (not graph-safe: the torch
+reference, HiSparse's plan); reading the accepted counts for them costs nothing on the CPU and is a host
+sync on a GPU (counted in `num_syncs`). A graph-safe backend sizes its launches by `max_seq_len_bound`, so
+its lists are upper bounds and the step reads nothing back.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from engine.core.scheduler_output import RunnerOutput, SampledOutput, ScheduledChunk
+from engine.runner.inputs import device_index
+from engine.runner.step_output import LastStep, StepHandle
+
+
+class DeviceDecode:
+    def __init__(self, runner):
+        self.runner = runner
+        self.k = runner.cfg.num_spec_tokens if runner.mtp is not None else 0
+        self.exact = not runner.static.graph_safe  # the metadata's host lists must be exact (see above)
+        self.num_steps = 0  # steps that took this path
+        self.num_placeholders = 0  # placeholder chunks filled in on the device
+        self.num_syncs = 0  # host reads inside a step on a GPU (0 with a graph-safe backend)
+
+    def eligible(self, chunks: list[ScheduledChunk]) -> bool:
+        """Decode rows only, of requests sampled greedily with nothing host-side (penalties, logprobs,
+        min_tokens, grammars, prompt logits), in a batch the static buffers hold."""
+        st = self.static
+        if not chunks or len(chunks) > st.sizes[-1]:
+            return False
+        for c in chunks:
+            s = self.runner.states[c.req_id]
+            p = s.sampling_params
+            if not (c.sample and c.start > 0 and len(c.token_ids) == 1 + c.num_draft_tokens <= st.rows_per_req
+                    and p.greedy and not p.needs_penalties and p.logprobs is None and p.min_tokens == 0
+                    and s.grammar is None and not s.return_prompt_logits and len(s.block_ids) <= st.max_blocks):
+                return False
+        return True
+
+    @property
+    def static(self):
+        return self.runner.static
+
+    def run(self, chunks: list[ScheduledChunk], last: LastStep | None) -> tuple[StepHandle, LastStep]:
+        with torch.inference_mode():
+            return self._run(chunks, last)
+
+    def _run(self, chunks: list[ScheduledChunk], last: LastStep | None) -> tuple[StepHandle, LastStep]:
+        r, k = self.runner, self.k
+        self.num_steps += 1
+        states = [r.states[c.req_id] for c in chunks]
+        nd = [c.num_draft_tokens for c in chunks]
+        ph = [int(c.placeholder) for c in chunks]
+        starts = [c.start for c in chunks]  # exact, or for a placeholder the largest it can be
+        if any(ph) and self.exact:
+            starts = [self._host_start(last, c) if c.placeholder else c.start for c in chunks]
+        syn = [r.synthetic.num_accepted(d) if r.synthetic is not None and d else 0 for d in nd]
+        row_start = list(accumulate([1 + d for d in nd], initial=0))[:-1]
+        last_row = [last.row_of[c.req_id] if c.placeholder else 0 for c in chunks]
+        batch = self.static.prepare([(s, p, c.token_ids) for s, p, c in zip(states, starts, chunks)],
+                                    (starts, ph, last_row, nd, row_start, syn))
+        if batch is None:
+            raise RuntimeError("the device decode step got a batch the static buffers refuse (see eligible())")
+        # the extras are views of the builder's buffer, which the draft steps' builds overwrite
+        starts_t, ph_t, last_row_t, nd_t, row_start_t, syn_t = (e.clone() for e in batch.extras)
+        T, dev = sum(1 + d for d in nd), batch.input_ids.device
+        row_req = batch.meta.token_req_idx[batch.real_idx].long()
+        row_off = torch.arange(T, device=dev) - row_start_t[row_req]
+        ids, start = batch.input_ids[batch.real_idx], starts_t
+        if any(ph):
+            self.num_placeholders += sum(ph)
+            is_ph = ph_t.bool()
+            ids = torch.where(is_ph[row_req], last.next_ids[last_row_t[row_req], row_off], ids)
+            start = torch.where(is_ph, last.next_start[last_row_t], starts_t)
+            batch.input_ids.copy_(ids[batch.src_idx])
+            batch.place(start, starts_t)
+        hidden = self.static.run("target", batch)
+        best = r.model.compute_logits(hidden).argmax(dim=-1)
+        n_acc, emitted = self._verify(ids, best, nd_t, row_start_t, syn_t, len(chunks))
+        drafts = torch.zeros((len(chunks), k), dtype=torch.int64, device=dev)
+        q = [min(c.max_drafts, k) for c in chunks]
+        if r.mtp is not None:
+            batch.input_ids.copy_(emitted[row_req, row_off][batch.src_idx])  # the catch-up's inputs
+            out = self.static.run("mtp", batch, hidden)
+            self._draft(states, starts, nd, q, out[row_start_t + n_acc], start + n_acc, n_acc, drafts)
+        next_start = start + 1 + n_acc
+        packed = torch.cat([emitted, (n_acc + 1)[:, None], drafts, next_start[:, None]], dim=1)
+        handle = StepHandle(packed=packed, finish=lambda rows: self._finish(chunks, states, q, rows))
+        next_ids = torch.cat([emitted.gather(1, n_acc[:, None]), drafts], dim=1)
+        return handle, LastStep([c.req_id for c in chunks], handle, lambda b: self._host_next(handle, q, b),
+                                next_start, next_ids)
+
+    def _verify(self, ids: torch.Tensor, best: torch.Tensor, nd: torch.Tensor, row_start: torch.Tensor,
+                syn: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> accepted drafts [B], emitted tokens [B, 1 + k] (valid up to accepted + 1)."""
+        k = self.k
+        if not k:
+            return torch.zeros(B, dtype=torch.int64, device=ids.device), best[:, None]
+        j = torch.arange(k + 1, device=ids.device)[None, :]
+        valid = j[:, :k] < nd[:, None]
+        cur = torch.where(valid, row_start[:, None] + j[:, :k], 0)  # row i verifies draft i + 1 (row i + 1)
+        if self.runner.synthetic is not None:
+            n_acc = syn
+        else:
+            match = (ids[cur + valid.long()] == best[cur]) & valid
+            n_acc = match.long().cumprod(dim=1).sum(dim=1)
+        emitted = best[row_start[:, None] + torch.minimum(j, nd[:, None])]
+        if self.runner.synthetic is not None:  # the accepted drafts themselves, then the target's token
+            drafts = ids[row_start[:, None] + torch.minimum(j + 1, nd[:, None])]
+            emitted = torch.where(j < n_acc[:, None], drafts, emitted)
+        return n_acc, emitted
+
+    def _draft(self, states, starts: list[int], nd: list[int], q: list[int], prev: torch.Tensor,
+               pos0: torch.Tensor, n_acc: torch.Tensor, drafts: torch.Tensor) -> None:
+        """MTP drafts into `drafts` [B, k]: draft 1 from `prev` (the catch-up row at position `pos0` of each
+        request), draft j + 1 from a forward at pos0 + j; request b proposes q[b] of them."""
+        r = self.runner
+        act = [b for b, n in enumerate(q) if n > 0]
+        if not act:
+            return
+        dev = drafts.device
+        act_t = device_index(act, dev)
+        prev = prev[act_t]
+        acc = self._read(n_acc) if self.exact else nd  # host: exact accepted counts, or their bound
+        for j in range(self.k):
+            tok = r.model.compute_logits(prev).argmax(dim=-1)
+            drafts[act_t, j] = tok
+            keep = [i for i, b in enumerate(act) if q[b] > j + 1]
+            if not keep:
+                return
+            if len(keep) < len(act):
+                keep_t = device_index(keep, dev)
+                tok, prev = tok[keep_t], prev[keep_t]
+                act = [act[i] for i in keep]
+                act_t = device_index(act, dev)
+            pos = [starts[b] + acc[b] + j + 1 for b in act]
+            sb = self.static.prepare([(states[b], p, [0]) for b, p in zip(act, pos)], (pos,))
+            sb.input_ids.index_copy_(0, sb.real_idx, tok)
+            sb.place(pos0[act_t] + j + 1, sb.extras[0])
+            prev = self.static.run("mtp", sb, prev)
+
+    def _finish(self, chunks, states, q: list[int], rows: list[list[int]]) -> RunnerOutput:
+        k, out = self.k, RunnerOutput()
+        for c, s, n_prop, row in zip(chunks, states, q, rows):
+            n = row[k + 1]
+            out.sampled[c.req_id] = SampledOutput(token_ids=row[:n], num_drafts=c.num_draft_tokens,
+                                                  num_accepted=n - 1)
+            if n_prop:
+                out.drafts[c.req_id] = row[k + 2: k + 2 + n_prop]
+            s.output_token_ids.extend(row[:n])
+        return out
+
+    def _host_next(self, handle: StepHandle, q: list[int], b: int) -> tuple[int, list[int]]:
+        k, row = self.k, handle.rows()[b]
+        n = row[k + 1]
+        return row[-1], [row[n - 1]] + row[k + 2: k + 2 + q[b]]
+
+    def _host_start(self, last: LastStep, c: ScheduledChunk) -> int:
+        if not last.handle.ready:
+            self.num_syncs += 1
+        return last.host(c.req_id)[0]
+
+    def _read(self, t: torch.Tensor) -> list[int]:
+        if t.device.type == "cuda":
+            self.num_syncs += 1
+        return t.tolist()

@@ -1,0 +1,89 @@
+"""AsyncEngine with async scheduling: every stream gets what the offline synchronous engine gives (tokens,
+text, finish and stop reasons: stop strings, stop tokens, max_tokens), a client that leaves stops its
+request, and output processing runs on the event loop while the engine thread keeps stepping."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import threading
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config.arg_utils import EngineArgs
+from engine.frontend.async_engine import AsyncEngine
+
+KW = dict(num_blocks=96, max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8], enforce_eager=False,
+          num_speculative_tokens=3, device="cpu")
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    import difflib
+
+    ids = tok.encode(inspect.getsource(difflib))
+    return [ids[i * 250: i * 250 + 19 + 6 * i] for i in range(n)]
+
+
+@pytest.mark.timeout(120)
+def test_streams_equal_offline_and_processing_overlaps_steps(tiny_code):
+    offline = LLM(str(tiny_code), **KW)
+    prompts = _prompts(offline.tokenizer, 5)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = offline.generate(prompts, greedy)
+    text = plain[1].text
+    params = [greedy, dataclasses.replace(greedy, stop=[text[len(text) // 2: len(text) // 2 + 3]]),
+              dataclasses.replace(greedy, stop_token_ids=[plain[2].token_ids[8]]),
+              dataclasses.replace(greedy, max_tokens=5), greedy]
+    ref = LLM(str(tiny_code), **KW).generate(prompts, params)
+
+    async def run():
+        engine = AsyncEngine(EngineArgs(model=str(tiny_code), async_scheduling=True, **KW))
+        process, overlap, threads = engine.processor.process, [], set()
+
+        def slow_process(outputs):  # a slow front end: the engine must keep stepping meanwhile
+            threads.add(threading.current_thread().name)
+            n0 = engine.core.num_steps
+            time.sleep(0.03)
+            overlap.append(engine.core.num_steps - n0)
+            return process(outputs)
+
+        engine.processor.process = slow_process
+        engine.start()
+        try:
+            outs = await asyncio.gather(*[_last(engine.generate(p, sp)) for p, sp in zip(prompts[:4], params[:4])])
+            left = await _leave_after(engine.generate(prompts[4], dataclasses.replace(greedy, max_tokens=2000)), 6)
+            await asyncio.sleep(0.2)
+            stats = await engine.call(lambda core: core.stats())
+            return outs, left, overlap, threads, stats
+        finally:
+            await engine.shutdown()
+
+    outs, left, overlap, threads, stats = asyncio.run(run())
+    for o, r in zip(outs, ref):
+        assert (o.token_ids, o.text, o.finish_reason, o.stop_reason) == \
+            (r.token_ids, r.text, r.finish_reason, r.stop_reason)
+    assert [o.finish_reason for o in outs] == ["length", "stop", "stop", "length"]
+    assert left == ref[4].token_ids[: len(left)] and 6 <= len(left) < 24
+    assert threads == {"MainThread"}, "outputs are processed on the event loop"
+    assert max(overlap) > 0, "the engine stepped while the front end was busy with outputs"
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0, "the stream that left was aborted"
+
+
+async def _last(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def _leave_after(stream, n: int) -> list[int]:
+    try:
+        async for out in stream:
+            if len(out.token_ids) >= n:
+                return list(out.token_ids)
+    finally:
+        await stream.aclose()  # the client goes away: its request is aborted
+    raise AssertionError("the stream ended before the client left")
