@@ -78,5 +78,21 @@ def test_dp2_rank1_has_its_own_tier(tiny_ckpt):
         assert r0.num_stored == 0 and r1.num_loaded >= 1 and r1.hits >= 64
         total = core.stats().kv_offload
         assert total.num_blocks == r0.num_blocks + r1.num_blocks and total.num_loaded == r1.num_loaded
+        # the decode path on rank 1: evict the prefix again; reserve_import loads it in rank 1's process
+        # before it returns (the pull writes the rest next), with the single-rank engine's bytes
+        _step_all(core, [Request("filler", _ids(400, seed=16), GREEDY)], rank=1)
+        ref_ids = [ref.core.kv.pool.lookup(h).block_id for h in Request("x", prefix, GREEDY).block_hashes(64)]
+        ref_mla, ref_index = ref.core.runner.kv_cache.mla[ref_ids], ref.core.runner.kv_cache.index[ref_ids]
+        d = Request("dec", list(turns[3]), GREEDY)
+        d.append_output(want[3][:1])
+        block_ids, n_cached = core.reserve_import(d, len(turns[3]), rank=1)
+        assert n_cached == 256 and not any(kv.offload.copies for kv in core.kvs)
+        mla, index = core.collective_rpc("tests.helpers.kv_pages:read_kv_blocks", 1, block_ids[:4])[1]
+        assert torch.equal(mla, ref_mla) and torch.equal(index, ref_index)
+        core.import_done("dec", ok=False)
+        while core.has_unfinished():
+            core.step()
+        core.step()
+        assert core.stats().num_free_blocks == 16  # both ranks' pools
     finally:
         llm.core.shutdown()
