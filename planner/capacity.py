@@ -12,6 +12,8 @@ Deployment model (docs/parallelism.md, docs/hisparse.md, docs/deployment.md):
                      Hybrid HiSparse: a request either stays resident (all KV on the GPU) or is
                      spilled: its MLA rows live in the host pool, the GPU keeps its indexer keys
                      plus a hot buffer of `device_rows` rows per MLA layer.
+                     Host memory per rank: the HiSparse pool + the engine's KV offload tier
+                     (`--kv-offloading-size`: prefix blocks the pool evicted, MLA rows and indexer keys).
 
     KV budget per GPU = HBM · gpu_memory_utilization − weights − reserve (activations, graphs, comm)
 """
@@ -51,6 +53,7 @@ class Deployment:
     hisparse_pool_gib: float = 48.0  # host pool per decode rank; 0 = HiSparse off
     hisparse_device_rows: int | None = None  # hot rows per layer; default 2 · top-k + 1
     kv_offloading_gib: float = 512.0  # prefill host KV tier, whole engine
+    decode_kv_offloading_gib: float = 16.0  # each decode rank's --kv-offloading-size (0 = none)
     with_mtp: bool = True
     block_size: int = 64
 
@@ -66,8 +69,12 @@ class Deployment:
             raise ValueError(f"--weight-dtype must be fp8 or bf16, got {self.weight_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
-        if self.hisparse_pool_gib > self.host_gib:
-            raise ValueError(f"HiSparse pool {self.hisparse_pool_gib} GiB exceeds host memory per GPU {self.host_gib}")
+        for name in ("hisparse_pool_gib", "kv_offloading_gib", "decode_kv_offloading_gib"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.hisparse_pool_gib + self.decode_kv_offloading_gib > self.host_gib:
+            raise ValueError(f"a decode rank's host memory: HiSparse pool {self.hisparse_pool_gib} GiB + KV offloading "
+                             f"{self.decode_kv_offloading_gib} GiB exceeds host memory per GPU {self.host_gib} GiB")
         if self.kv_offloading_gib > self.host_gib * self.gpus:
             raise ValueError(f"host KV tier {self.kv_offloading_gib} GiB exceeds the prefill host's memory "
                              f"({self.host_gib} GiB x {self.gpus} GPUs)")
@@ -270,6 +277,13 @@ def max_contexts(cfg: ModelConfig, spec: KVCacheSpec, dep: Deployment, budgets: 
             "decode_hisparse": hisparse, "decode": max(resident, hisparse)}
 
 
+def decode_host_bytes(dep: Deployment) -> dict[str, int]:
+    """Host memory one decode rank pins: the HiSparse pool and the KV offload tier behind it."""
+    pool, tier = int(dep.hisparse_pool_gib * GIB), int(dep.decode_kv_offloading_gib * GIB)
+    return {"hisparse_pool": pool, "kv_offloading": tier, "total": pool + tier,
+            "host_per_gpu": int(dep.host_gib * GIB)}
+
+
 def capacity(cfg: ModelConfig, dep: Deployment, contexts: list[int]) -> dict:
     """Weights, budgets, KV per token and per request, and what fits at each context length."""
     spec = kv_spec(cfg, dep)
@@ -282,11 +296,13 @@ def capacity(cfg: ModelConfig, dep: Deployment, contexts: list[int]) -> dict:
                      "kv_bytes_per_gpu_dcp": request_kv(spec, n, dep.dcp, dep.cp_interleave),
                      "prefill_concurrency": prefill_concurrency(spec, dep, budgets["prefill"], n),
                      "decode_concurrency_resident": resident, "decode_concurrency_hybrid": hybrid,
-                     "host_tier_contexts": int(dep.kv_offloading_gib * GIB) // request_kv(spec, n)})
+                     "host_tier_contexts": int(dep.kv_offloading_gib * GIB) // request_kv(spec, n),
+                     "decode_tier_contexts": int(dep.decode_kv_offloading_gib * GIB) // request_kv(spec, n)})
     return {"num_params": w.num_params, "kv_bytes_per_token": kv_components(cfg, dep),
             "weights_bytes_per_gpu": {r: weights_per_gpu(cfg, dep, r) for r in ("prefill", "decode")},
             "weights_bytes_by_dtype": {"prefill": rank_weight_bytes(cfg, dep.with_mtp, dep.weight_dtype, dep.gpus)
                                        if dep.tp == 1 else None,
                                        "decode": rank_weight_bytes(cfg, dep.with_mtp, dep.weight_dtype, dep.dp)},
-            "kv_budget_bytes_per_gpu": budgets, "max_context": max_contexts(cfg, spec, dep, budgets),
+            "kv_budget_bytes_per_gpu": budgets, "decode_host_bytes_per_rank": decode_host_bytes(dep),
+            "max_context": max_contexts(cfg, spec, dep, budgets),
             "contexts": rows}

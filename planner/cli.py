@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hisparse-pool-gib", type=float, default=d.hisparse_pool_gib, help="per decode rank; 0 = off")
     p.add_argument("--hisparse-device-rows", type=int, help="hot rows per layer (default 2 * top-k + 1)")
     p.add_argument("--kv-offloading-gib", type=float, default=d.kv_offloading_gib, help="prefill host KV tier")
+    p.add_argument("--decode-kv-offloading-gib", type=float, default=d.decode_kv_offloading_gib,
+                   help="each decode rank's --kv-offloading-size (host memory beside the HiSparse pool)")
     p.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out (weights, KV, FLOPs)")
     p.add_argument("--contexts", help="comma-separated context lengths for the tables")
     p.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU (H200: 989)")
@@ -66,7 +68,8 @@ def deployment(args: argparse.Namespace) -> Deployment:
                       kv_gib=args.kv_gib, kv_cache_dtype=args.kv_cache_dtype,
                       indexer_precision=args.indexer_precision, weight_dtype=args.weight_dtype,
                       hisparse_pool_gib=args.hisparse_pool_gib, hisparse_device_rows=args.hisparse_device_rows,
-                      kv_offloading_gib=args.kv_offloading_gib, with_mtp=not args.no_mtp)
+                      kv_offloading_gib=args.kv_offloading_gib,
+                      decode_kv_offloading_gib=args.decode_kv_offloading_gib, with_mtp=not args.no_mtp)
 
 
 def contexts_of(args: argparse.Namespace, cfg: ModelConfig) -> list[int]:

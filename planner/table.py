@@ -41,6 +41,9 @@ def _memory_section(plan: dict) -> list[str]:
         if by.get(role):
             lines.append(f"  {role} rank weights (engine model on meta): "
                          + ", ".join(f"{k} {_gib(v)}" for k, v in by[role].items()))
+    host = plan["decode_host_bytes_per_rank"]
+    lines.append(f"Host memory per decode rank: HiSparse pool {_gib(host['hisparse_pool'])} + KV offloading "
+                 f"{_gib(host['kv_offloading'])} = {_gib(host['total'])} of {_gib(host['host_per_gpu'])}")
     limit = mc["max_position_embeddings"]
     note = lambda n: " (= max positions)" if n >= limit else ""
     lines.append(f"Largest context: prefill {mc['prefill']:,}{note(mc['prefill'])}; decode {mc['decode']:,}"
@@ -52,10 +55,11 @@ def _memory_section(plan: dict) -> list[str]:
 def _context_section(plan: dict) -> list[str]:
     dep = plan["deployment"]
     header = ["context", "KV/request", f"KV/GPU (DCP{dep['dcp']})", "prefill conc", "decode resident",
-              "decode hybrid", "host-tier copies"]
+              "decode hybrid", "host-tier copies", "decode-tier copies"]
     rows = [[f"{r['context']:,}", _gib(r["kv_bytes"]), _gib(r["kv_bytes_per_gpu_dcp"]),
              str(r["prefill_concurrency"]), str(r["decode_concurrency_resident"]),
-             str(r["decode_concurrency_hybrid"]), str(r["host_tier_contexts"])] for r in plan["contexts"]]
+             str(r["decode_concurrency_hybrid"]), str(r["host_tier_contexts"]), str(r["decode_tier_contexts"])]
+            for r in plan["contexts"]]
     return [f"Requests that fit (prefill: one engine of {dep['gpus']} GPUs; decode: one DP rank)",
             *_table(header, rows)]
 

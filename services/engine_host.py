@@ -39,6 +39,7 @@ class EngineHost:
         self._prefix_seen = (0, 0)
         self._hisparse_seen = (0, 0, 0)
         self._steps_seen = (0, 0.0)
+        self._offload_seen = (0, 0, 0, 0)
 
     def load_figures(self, rank: int = 0) -> dict[str, float]:
         st = self.engine.stats()  # a snapshot the engine loop took between two steps
@@ -108,6 +109,8 @@ class EngineHost:
                 m.prefix_cache_queries.inc(max(q - self._prefix_seen[0], 0))
                 m.prefix_cache_hits.inc(max(h - self._prefix_seen[1], 0))
                 self._prefix_seen = (q, h)
+            if st.kv_offload is not None:
+                self._offload_gauges(st.kv_offload)
             if st.hisparse is not None and hasattr(m, "hisparse_hits"):
                 hs = st.hisparse
                 now = (hs.hits, hs.misses, hs.h2d_bytes)
@@ -117,3 +120,14 @@ class EngineHost:
                 self._hisparse_seen = now
                 m.hisparse_device_blocks_in_use.set(hs.num_device_blocks - hs.num_free_device_blocks)
                 m.hisparse_requests_placed.set(hs.num_resident + hs.num_mixed + hs.num_host)
+
+    def _offload_gauges(self, off) -> None:
+        """The host KV tier's counters (engine.kv.offload.KVOffloadStats) as increments, and its usage."""
+        m = self.metrics
+        now = (off.queries, off.hits, off.store_bytes, off.load_bytes)
+        counters = (m.external_prefix_cache_queries, m.external_prefix_cache_hits, m.kv_offload_store_bytes,
+                    m.kv_offload_load_bytes)
+        for counter, cur, seen in zip(counters, now, self._offload_seen):
+            counter.inc(max(cur - seen, 0))
+        self._offload_seen = now
+        m.kv_offload_cpu_cache_usage_perc.set(off.usage)

@@ -25,6 +25,7 @@ from engine.config.engine import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    check_offloading_size,
 )
 from engine.config.model import ModelConfig
 from engine.kv.cache import INDEXER_PRECISIONS, KV_CACHE_DTYPES
@@ -46,6 +47,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    kv_offloading_size: float | None = None  # GiB of host KV tier behind the device pool (None: none)
     mtp_kv: bool = True
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
@@ -86,7 +88,7 @@ class EngineArgs:
             cache=CacheConfig(block_size=self.block_size, kv_cache_dtype=kv_dtype, indexer_precision=indexer,
                               num_blocks=self.num_blocks, gpu_memory_utilization=self.gpu_memory_utilization,
                               cpu_kv_cache_gib=self.cpu_kv_cache_gib, enable_prefix_caching=self.enable_prefix_caching,
-                              mtp_kv=self.mtp_kv),
+                              mtp_kv=self.mtp_kv, kv_offloading_size=self.kv_offloading_size),
             scheduler=SchedulerConfig(max_model_len=max_len,
                                       max_num_batched_tokens=self.max_num_batched_tokens or max(8192, 1),
                                       max_num_seqs=self.max_num_seqs,
@@ -135,6 +137,10 @@ class EngineArgs:
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--kv-offloading-size", type=gib_size, default=None, metavar="GIB",
+                       help="host memory (GiB) for a KV offload tier: prefix-cached blocks evicted from the device "
+                            "pool are kept there and loaded back on a prefix hit (pinned on CUDA); the total of "
+                            "a CP engine's ranks, per DP rank")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--async-scheduling", action="store_true",
                        help="plan the next step while the current one runs on the GPU; its tokens are read back "
@@ -169,6 +175,16 @@ class EngineArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def gib_size(text: str) -> float:
+    """argparse type of --kv-offloading-size: a finite number of GiB >= 0."""
+    try:
+        value = float(text)
+        check_offloading_size(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size in GiB (a finite number >= 0, 0 = off), got {text!r}") from None
+    return value
 
 
 def add_kv_layout_args(g, resolve_auto: bool) -> None:

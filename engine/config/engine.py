@@ -7,6 +7,7 @@ Values found at run time (how many KV blocks fit) are the runner's (`ModelRunner
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,8 +32,17 @@ class CacheConfig:
     # engine of a deployment then has one block layout, and decode engines that draft find the MTP
     # cache of imported prompts filled in (it costs one extra layer's worth of prefill).
     mtp_kv: bool = True
+    # GiB of host memory for the KV offload tier (vLLM's --kv-offloading-size): prefix-cached blocks evicted
+    # from the device pool are kept there and loaded back on a hit (docs/kv-offloading.md). The engine's
+    # total: the ranks of one CP engine split it; each DP rank is an engine of its own and gets all of it.
+    # None or 0: no tier.
+    kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:
+        check_offloading_size(self.kv_offloading_size)
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size extends the prefix cache: it needs prefix caching (drop "
+                             "--no-enable-prefix-caching or --kv-offloading-size)")
         if self.block_size != 64:
             raise ValueError("block_size must be 64 (the fp8_ds_mla page and the prefix-hash block)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -43,6 +53,14 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
+
+
+def check_offloading_size(size) -> None:
+    """kv_offloading_size must be None or a finite number of GiB >= 0 (ValueError naming the value)."""
+    if size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size < 0:
+        raise ValueError(f"kv_offloading_size is a size in GiB (a finite number >= 0, 0 = off), got {size!r}")
 
 
 @dataclass(frozen=True)

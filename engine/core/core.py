@@ -12,6 +12,7 @@ from engine.core.request import Request
 from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.kv.export import KVExport, kv_exports
 from engine.kv.manager import KVCacheManager
+from engine.kv.offload import OffloadTier
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class EngineStats:
     num_preemptions: int
     num_queued_tokens: int = 0  # prompt tokens of waiting requests still to compute (a load figure)
     hisparse: object | None = None  # engine.hisparse.HiSparseStats when HiSparse is on
+    kv_offload: object | None = None  # engine.kv.offload.KVOffloadStats with --kv-offloading-size
     weight_bytes: tuple = ()  # per rank: {dtype name: bytes} of its weights (engine.loading.weight_stats)
     num_steps: int = 0  # steps that ran a forward
     step_seconds: float = 0.0  # their wall time, summed (schedule + forward + update)
@@ -61,7 +63,8 @@ class EngineCore:
         # the runner sizes the KV pool after loading the weights (what is left of the memory budget)
         self.runner = (runner_factory or ModelRunner)(cfg)
         self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.cache.block_size,
-                                 cfg.parallel.decode_context_parallel_size, cfg.cache.enable_prefix_caching)
+                                 cfg.parallel.decode_context_parallel_size, cfg.cache.enable_prefix_caching,
+                                 offload=self.new_offload_tier())
         hisparse = getattr(self.runner, "hisparse", None)
         if hisparse is not None:  # admission by host blocks (the pool above) and by device room
             self.kv.device_footprint = hisparse.footprint()
@@ -71,6 +74,12 @@ class EngineCore:
         self.scheduler = AsyncScheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
         self._inflight = None  # async scheduling: (SchedulerOutput, the runner's StepHandle) still running
         self.num_steps, self.step_seconds = 0, 0.0
+
+    def new_offload_tier(self) -> OffloadTier | None:
+        """The bookkeeping of the runner's KV offload buffer (one per KV manager), None without one. Every
+        rank of a CP engine holds a buffer alike: a block's bytes are those of all of them."""
+        buf = getattr(self.runner, "kv_offload", None)
+        return buf.tier(self.cfg.parallel.prefill_context_parallel_size) if buf is not None else None
 
     def validate(self, req: Request) -> None:
         """Raise ValueError for a request the engine cannot serve (nothing is changed)."""
@@ -107,7 +116,9 @@ class EngineCore:
             # blocks freed while a step runs (a request it ends) may still be written by it; the caller's
             # transfer into them is not ordered behind the GPU's work, so that step must be done first
             self._inflight[1].wait()
-        return self.scheduler.reserve_import(req, num_import_tokens)
+        reserved = self.scheduler.reserve_import(req, num_import_tokens)
+        self.flush_kv_copies()  # the caller writes the reserved blocks next: stores of evicted ones first
+        return reserved
 
     def _prepare_import(self, req: Request) -> None:
         vocab = self.cfg.model.vocab_size
@@ -116,6 +127,12 @@ class EngineCore:
         self._check_structured(req)
         if not req.eos_token_ids:
             req.eos_token_ids = self.cfg.model.eos_token_ids
+
+    def flush_kv_copies(self) -> None:
+        """Run the KV offload copies the KV manager queued outside a step now (they are done on return)."""
+        copies = self.kv.take_copies()
+        if copies:
+            self.runner.apply_kv_copies(copies)
 
     def import_done(self, req_id: str, ok: bool, num_tokens: int | None = None) -> None:
         self.scheduler.import_done(req_id, ok, num_tokens)
@@ -206,7 +223,7 @@ def scheduler_stats(s: Scheduler, hisparse=None) -> EngineStats:
                        spec_accepted=s.spec_accepted, spec_steps=s.spec_steps, spec_emitted=s.spec_emitted,
                        num_preemptions=s.num_preemptions,
                        num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
-                       hisparse=hisparse)
+                       hisparse=hisparse, kv_offload=kv.offload_stats())
 
 
 def make_engine_core(cfg: EngineConfig, rank_pool=None) -> EngineCore:

@@ -155,6 +155,8 @@ class Scheduler:
             i += 1
         if not preempted:
             self._schedule_waiting(budget, out)
+        if out.chunks or out.finished_req_ids:  # else they wait for the next step the runner runs
+            out.kv_copies = self.kv.take_copies()
         return out
 
     def _plan(self, req: Request, budget: int) -> tuple[int, list[int]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.sampling_params import SamplingParams
+from engine.kv.offload import KVCopy
 
 
 @dataclass
@@ -48,6 +49,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
     preempted_req_ids: list[str] = field(default_factory=list)
+    # KV offload tier copies (engine/kv/offload.py), in order, run before anything else in the step
+    kv_copies: list[KVCopy] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -2,12 +2,13 @@
 
 Every block with ref_cnt == 0 sits in the free queue. A freed block keeps its hash (it stays a prefix
 cache hit) until allocation pops it from the queue's head and evicts it; freeing appends to the tail,
-so the least recently used cached blocks go first.
+so the least recently used cached blocks go first. An evicted cached block is handed to `on_evict`
+(block id, hash, index keys) first: the KV offload tier keeps its bytes (engine/kv/offload.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KVBlock:
@@ -63,6 +64,8 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         self.events: list[tuple[str, bytes]] = []  # ("stored" | "removed", hash), drained by services
         self.index_keys: dict[bytes, tuple[bytes, ...]] = {}  # cached hash -> the keys its events carry
+        # called as (block id, hash, index keys) when allocation evicts a cached block (the offload tier)
+        self.on_evict: Callable[[int, bytes, tuple[bytes, ...] | None], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,7 +83,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             b = self.free_queue.popleft()
-            self._evict(b)
+            self._evict(b, offload=True)
             b.ref_cnt = 1
             out.append(b)
         return out
@@ -116,12 +119,15 @@ class BlockPool:
             self.index_keys[block_hash] = index_keys
         self.events.extend(("stored", k) for k in index_keys or (block_hash,))
 
-    def _evict(self, b: KVBlock) -> None:
+    def _evict(self, b: KVBlock, offload: bool = False) -> None:
         if b.block_hash is not None:
             if self.cached.get(b.block_hash) is b:
                 del self.cached[b.block_hash]
-                keys = self.index_keys.pop(b.block_hash, None) or (b.block_hash,)
-                self.events.extend(("removed", k) for k in keys)
+                own_keys = self.index_keys.pop(b.block_hash, None)
+                if offload and self.on_evict is not None:
+                    self.on_evict(b.block_id, b.block_hash, own_keys)
+                # the events name the device pool: a block kept by the offload tier is no longer here
+                self.events.extend(("removed", k) for k in own_keys or (b.block_hash,))
             b.block_hash = None
 
     def drain_events(self) -> list[tuple[str, bytes]]:

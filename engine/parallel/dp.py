@@ -29,6 +29,7 @@ from engine.core.core import EngineStats, scheduler_stats
 from engine.core.request import Request
 from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.kv.manager import KVCacheManager
+from engine.kv.offload import sum_stats
 from engine.parallel.executor import MultiRankEngineCore
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class DPEngineCore(MultiRankEngineCore):
         super().__init__(cfg, check_outputs, rank_pool)
         self.kvs, self.schedulers = [self.kv], [self.scheduler]
         for _ in range(1, pc.data_parallel_size):
-            kv = KVCacheManager(self.kv.num_blocks, cfg.cache.block_size, 1, cfg.cache.enable_prefix_caching)
+            kv = KVCacheManager(self.kv.num_blocks, cfg.cache.block_size, 1, cfg.cache.enable_prefix_caching,
+                                offload=self.new_offload_tier())  # every rank's offload buffer has rank 0's shape
             hisparse = getattr(self.runner, "hisparse", None)  # every rank's device pool has rank 0's shape
             if hisparse is not None:
                 kv.device_footprint = hisparse.footprint()
@@ -97,6 +99,7 @@ class DPEngineCore(MultiRankEngineCore):
         rank = self._rank(rank)
         self._prepare_import(req)
         reserved = self.schedulers[rank].reserve_import(req, num_import_tokens)
+        self.flush_kv_copies()  # that rank's process writes the blocks next: stores of evicted ones first
         if reserved is not None:
             self.rank_of[req.req_id] = rank
         return reserved
@@ -113,6 +116,13 @@ class DPEngineCore(MultiRankEngineCore):
 
     def drain_rank_kv_events(self) -> list[list[tuple[str, bytes]]]:
         return [kv.pool.drain_events() for kv in self.kvs]
+
+    def flush_kv_copies(self) -> None:
+        """Every rank's queued KV offload copies, run by that rank's runner now (before the caller writes the
+        blocks a rank reserved)."""
+        by_rank = [kv.take_copies() for kv in self.kvs]
+        if any(by_rank):
+            self.collective_rpc("apply_rank_kv_copies", by_rank)
 
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished for s in self.schedulers)
@@ -154,6 +164,7 @@ class DPEngineCore(MultiRankEngineCore):
                 setattr(total, name, getattr(total, name) + getattr(st, name))
         total.kv_usage = sum(st.kv_usage for st in per_rank) / len(per_rank)
         total.hisparse = _sum_hisparse(ranks) if ranks else None
+        total.kv_offload = sum_stats([st.kv_offload for st in per_rank])
         total.weight_bytes = tuple(r["weight_bytes"] for r in self.weight_reports())
         total.num_steps, total.step_seconds = self.num_steps, self.step_seconds
         total.dp_ranks = tuple(per_rank)

@@ -109,6 +109,11 @@ class DPModelRunner(ModelRunner):
             self._agree(True, sum(len(t) for _, _, t in rows))
         return super().mtp_forward(rows, prev_hidden, keep, input_ids)
 
+    def apply_rank_kv_copies(self, by_rank: list) -> None:
+        """DPEngineCore.flush_kv_copies: this rank's own offload copies (by_rank[rank])."""
+        if by_rank[self.rank]:
+            self.apply_kv_copies(by_rank[self.rank])
+
     def execute(self, sched):
         self._round = 0
         out = super().execute(sched)

@@ -96,6 +96,12 @@ class MultiRankEngineCore(EngineCore):
         self.step_seconds += time.perf_counter() - t0
         return out
 
+    def flush_kv_copies(self) -> None:
+        """EngineCore.flush_kv_copies on every rank: each copies its share of the blocks."""
+        copies = self.kv.take_copies()
+        if copies:
+            self.collective_rpc("apply_kv_copies", copies)
+
     def collective_rpc(self, method: str, *args) -> list:
         """Call runner `method` (or "module:function", runner first) on every rank -> results by rank."""
         self._send(("rpc", method, args))

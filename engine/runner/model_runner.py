@@ -17,6 +17,8 @@ from engine.config.engine import EngineConfig
 from engine.core.scheduler_output import RunnerOutput, SampledOutput, ScheduledChunk, SchedulerOutput
 from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec, PagedKVCache
+from engine.kv.offload import KVCopy
+from engine.kv.offload_buffer import OffloadBuffer
 from engine.loading.loader import build_model, dummy_init, use_kernel_moe
 from engine.model.context import ForwardContext
 from engine.model.layers import rope_cos_sin, rope_inv_freq
@@ -55,6 +57,8 @@ class ModelRunner:
             self.kv_cache = self.hisparse.cache
         else:
             self.kv_cache = PagedKVCache(self.spec, num_blocks, self.device)
+        # --kv-offloading-size: host copies of evicted prefix blocks (the KV manager decides every copy)
+        self.kv_offload = OffloadBuffer.for_cache(cfg, self.kv_cache)
         self.backend = self.make_attention_backend()
         self.inv_freq = rope_inv_freq(cfg.model.qk_rope_head_dim, cfg.model.rope_theta, self.device)
         self.sampler = Sampler(self.device, cfg.seed)
@@ -180,7 +184,13 @@ class ModelRunner:
             out.drafts = self.mtp.run(sched.chunks, layout, hidden, emitted)
         return out
 
+    def apply_kv_copies(self, copies: list[KVCopy]) -> None:
+        """Offload copies decided outside a step (EngineCore.flush_kv_copies), done when this returns."""
+        self.kv_offload.apply(copies, wait=True)
+
     def _update_states(self, sched: SchedulerOutput) -> None:
+        if sched.kv_copies:  # first: this step's forward (and HiSparse's page placement) reads those blocks
+            self.kv_offload.apply(sched.kv_copies)
         for rid in sched.finished_req_ids + sched.preempted_req_ids:
             self.states.pop(rid, None)
         for d in sched.new_requests:

@@ -89,3 +89,11 @@ def write_kv_blocks(runner, rank: int, block_ids: list[int], mla: torch.Tensor, 
     cache.mla[ids.to(cache.mla.device)] = mla.to(cache.mla.device)
     cache.index[ids.to(cache.index.device)] = index.to(cache.index.device)
     return True
+
+
+def read_kv_blocks(runner, rank: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """On every rank (collective_rpc): rank `rank`'s whole blocks (mla, index; CPU copies), None elsewhere."""
+    if runner.rank != rank:
+        return None
+    cache = runner.kv_cache
+    return cache.mla[block_ids].cpu(), cache.index[block_ids].cpu()

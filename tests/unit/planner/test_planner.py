@@ -173,3 +173,25 @@ def test_rank_weights_come_from_the_engine_meta_model(cfg):
     assert by["float8_e4m3fn"] == sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
     assert sum(by.values()) == weights_per_gpu(cfg, dep, "decode")
     assert weights_per_gpu(cfg, Deployment(weight_dtype="bf16"), "prefill") > 200 * GIB  # why FP8 is needed
+
+
+def test_decode_host_memory_counts_the_kv_offload_tier(cfg, dep):
+    c = capacity(cfg, dep, [131_072])
+    # the decode rank's 16 GiB tier keeps whole blocks (MLA + indexer): 17,179,869,184 // (2,048 x 3,502,592) = 2
+    assert c["contexts"][0]["decode_tier_contexts"] == 16 * GIB // (2_048 * BLOCK) == 2
+    assert c["decode_host_bytes_per_rank"] == {"hisparse_pool": 48 * GIB, "kv_offloading": 16 * GIB,
+                                               "total": 64 * GIB, "host_per_gpu": 256 * GIB}
+    off = capacity(cfg, Deployment(kv_gib=15.0, decode_kv_offloading_gib=0), [131_072])
+    assert off["contexts"][0]["decode_tier_contexts"] == 0
+    with pytest.raises(ValueError, match="HiSparse pool 48.0 GiB \\+ KV offloading 16.0 GiB exceeds"):
+        Deployment(host_gib=60.0)
+    with pytest.raises(ValueError, match="--decode-kv-offloading-gib must be >= 0"):
+        Deployment(decode_kv_offloading_gib=-1)
+
+
+def test_plan_cli_decode_offloading_flag(capsys):
+    assert plan_cli.main(["--json", "--contexts", "131072", "--kv-gib", "15", "--decode-kv-offloading-gib", "32"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["deployment"]["decode_kv_offloading_gib"] == 32 and out["contexts"][0]["decode_tier_contexts"] == 4
+    assert plan_cli.main(["--decode-kv-offloading-gib", "300"]) == 2
+    assert "exceeds host memory per GPU" in capsys.readouterr().err

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from engine.config.arg_utils import EngineArgs
+from services.decode.main import parse_args as parse_decode_args
 from services.deploy import topology
 from services.deploy.placement import check_placement, placement
 from services.deploy.process_specs import plan
@@ -36,8 +38,11 @@ def test_decode_host_is_one_dp8_ep8_group_on_8_gpus():
         assert _flag(p.cmd, "--master-addr") == "127.0.0.1"
         assert _flag(p.cmd, "--advertise-host") == "10.0.0.2" and _flag(p.cmd, "--host") == "0.0.0.0"
         assert '"host_pool_gib": 48' in _flag(p.cmd, "--attention-config")
+        assert float(_flag(p.cmd, "--kv-offloading-size")) == 16  # GiB of host KV tier behind the pool
         assert '"num_speculative_tokens": 3' in _flag(p.cmd, "--speculative-config")
         assert p.env["NCCL_NVLS_ENABLE"] == "0" and "UCX_TLS" in p.env
+    engine = EngineArgs.from_cli_args(parse_decode_args(procs[0].cmd[procs[0].cmd.index("services.decode") + 1:]))
+    assert engine.kv_offloading_size == 16 and engine.attention_config["hisparse_config"]["host_pool_gib"] == 48
 
 
 def test_prefill_host_has_8_ranks_on_gpus_0_to_7_and_a_512_gib_kvstore():
@@ -80,6 +85,7 @@ def test_dry_run_prints_every_process_and_starts_nothing(tmp_path):
     assert out.count("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 ") == 8 and out.count("--port 50071 ") == 8
     assert "--data-parallel-size 8" in out and "--enable-expert-parallel" in out
     assert "advertises 10.0.0.2" in out and "8 processes" in out and "0.0.0.0:" not in out
+    assert out.count("--kv-offloading-size 16") == 8
 
 
 def test_gpu_1_topology_shares_one_gpu():
