@@ -7,6 +7,7 @@ once no collective has completed for PDSERVE_RANK_HANG_TIMEOUT_S."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -70,8 +71,11 @@ def _prefill_rank_death(dep, offline, corpus) -> None:
     def p0_served() -> float:
         return system.metric(p0.metrics_address, "pdserve:time_to_first_token_seconds_count")
     fresh = chaos.bodies(corpus, 6, 8, start=50000)  # no cached prefix anywhere: routed by load alone
-    for body, text in zip(fresh, chaos.expected(offline, fresh)):
-        status, out = chaos.complete_when_served(dep.url, body)
+    # two at a time: the router counts a request in flight on one prefill and sends the next to the other
+    # (sequential requests tie on cost and would reach the restarted one only by chance)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        answers = list(pool.map(lambda b: chaos.complete_when_served(dep.url, b), fresh))
+    for (status, out), text in zip(answers, chaos.expected(offline, fresh)):
         assert status == 200 and out["choices"][0]["text"] == text, out
     assert system.wait_for(lambda: p0_served() >= 1, timeout=5), "the router never chose the restarted prefill"
     chaos.assert_blocks_freed([p0.metrics_address, p1.metrics_address, dec.metrics_address])
