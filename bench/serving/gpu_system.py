@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     topo = topology(Path(a.config), work / "run", model, a.random_model, a.share, hisparse=not a.no_hisparse)
     t0 = time.perf_counter()
     dep = launcher.up(topo, timeout_s=400, die_with_parent=True, echo=print)
-    out = {"topology": Path(a.config).name, "hisparse": not a.no_hisparse, "model": model or topo["model"],
+    name = "glm-5.3 widths, 4 layers, 32 experts (random)" if model else topo["model"]  # no temporary path
+    out = {"topology": Path(a.config).name, "hisparse": not a.no_hisparse, "model": name,
            "startup_s": time.perf_counter() - t0,
            "serve": [], "agentx": None}
     try:
