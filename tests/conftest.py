@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,6 +23,20 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @pytest.fixture(scope="session")
 def tiny_code() -> Path:
     return TINY_CODE
+
+
+@pytest.fixture(scope="session")
+def code16(tmp_path_factory, tiny_code) -> Path:
+    """tiny-code with index_topk 16: past 16 tokens the indexer really selects, and a device pool of a few
+    blocks holds HiSparse's hot buffers (misses every step). Weights and tokenizer are tiny-code's (links)."""
+    out = tmp_path_factory.mktemp("code16")
+    for f in tiny_code.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    cfg = json.loads((tiny_code / "config.json").read_text())
+    cfg["index_topk"] = 16
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -109,19 +109,6 @@ def test_async_preemption_equals_sync(tiny_code):
     assert llm.get_stats().num_preemptions > 0
 
 
-@pytest.fixture(scope="module")
-def code16(tmp_path_factory, tiny_code):
-    """tiny-code with index_topk 16: long prompts really select, and a small device pool misses."""
-    out = tmp_path_factory.mktemp("code16a")
-    for f in tiny_code.iterdir():
-        if f.name != "config.json":
-            (out / f.name).symlink_to(f)
-    cfg = json.loads((tiny_code / "config.json").read_text())
-    cfg["index_topk"] = 16
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
-
-
 def test_async_hisparse_misses_equal_resident(code16):
     """HiSparse with a device pool of hot buffers only (misses every decode step) and MTP3, static path:
     async = sync = the fully resident engine."""

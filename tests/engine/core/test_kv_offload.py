@@ -5,7 +5,6 @@ back as already-cached blocks, bit for bit; aborts leave nothing held."""
 from __future__ import annotations
 
 import inspect
-import json
 
 import pytest
 import torch
@@ -52,19 +51,6 @@ def test_an_evicted_prefix_comes_back_from_the_tier_with_identical_tokens(tiny_c
     assert st.prefix_hits >= 256 and off.num_loaded >= (256 - no_tier[3]) // 64 and off.num_stored >= 4
     assert off.load_bytes == off.num_loaded * llm.core.runner.kv_offload.block_bytes
     assert 0 < off.usage <= 1 and st.num_free_blocks == NUM_BLOCKS
-
-
-@pytest.fixture(scope="module")
-def code16(tmp_path_factory, tiny_code):
-    """tiny-code with index_topk 16: HiSparse's hot buffer fits a few device blocks."""
-    out = tmp_path_factory.mktemp("code16")
-    for f in tiny_code.iterdir():
-        if f.name != "config.json":
-            (out / f.name).symlink_to(f)
-    cfg = json.loads((tiny_code / "config.json").read_text())
-    cfg["index_topk"] = 16
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def test_hisparse_keeps_finished_pages_in_the_tier(code16, turns):

@@ -5,7 +5,6 @@ larger than the device pool is served from the host pool; the offload-only basel
 from __future__ import annotations
 
 import inspect
-import json
 
 import pytest
 import torch
@@ -15,21 +14,8 @@ from engine.core.request import Request
 from engine.hisparse.forward import HOT
 
 EXACT = dict(dtype="float32", kv_cache_dtype="float32", indexer_precision="fp32")
-TOPK = 16
+TOPK = 16  # code16's index_topk (tests/conftest.py)
 NEW_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def code16(tmp_path_factory, tiny_code):
-    """The trained tiny checkpoint with index_topk 16: past 16 tokens the indexer really selects."""
-    out = tmp_path_factory.mktemp("code16")
-    for f in tiny_code.iterdir():
-        if f.name != "config.json":
-            (out / f.name).symlink_to(f)
-    cfg = json.loads((tiny_code / "config.json").read_text())
-    cfg["index_topk"] = TOPK
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 @pytest.fixture(scope="module")

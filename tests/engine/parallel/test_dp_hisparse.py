@@ -4,7 +4,6 @@ tokens equal to the single-rank resident engine (fp32 path), with and without MT
 from __future__ import annotations
 
 import inspect
-import json
 
 import pytest
 
@@ -17,21 +16,8 @@ from tests.helpers.ep_counts import rank_stats
 pytestmark = pytest.mark.xdist_group("cp")
 
 EXACT = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "indexer_precision": "fp32"}
-TOPK = 16
+TOPK = 16  # code16's index_topk (tests/conftest.py)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def code16(tmp_path_factory, tiny_code):
-    """The trained tiny checkpoint (MoE: 8 experts, top-2) with index_topk 16: the indexer really selects."""
-    out = tmp_path_factory.mktemp("dpcode16")
-    for f in tiny_code.iterdir():
-        if f.name != "config.json":
-            (out / f.name).symlink_to(f)
-    cfg = json.loads((tiny_code / "config.json").read_text())
-    cfg["index_topk"] = TOPK
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import json
 
 import pytest
 import torch
@@ -122,19 +121,6 @@ def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path):
     assert _run(llm, prompts, late=2) == ref
     assert st.num_captures == before and st.graphs.num_replays > 0
     assert any(bp > b for b, bp, _ in st.shapes)
-
-
-@pytest.fixture(scope="module")
-def code16(tmp_path_factory, tiny_code):
-    """tiny-code with index_topk 16: long prompts really select, and a small device pool misses."""
-    out = tmp_path_factory.mktemp("code16g")
-    for f in tiny_code.iterdir():
-        if f.name != "config.json":
-            (out / f.name).symlink_to(f)
-    cfg = json.loads((tiny_code / "config.json").read_text())
-    cfg["index_topk"] = 16
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 @pytest.mark.parametrize("spec", [0, 3])

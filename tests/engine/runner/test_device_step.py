@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import json
 
 import pytest
 import torch
@@ -101,18 +100,6 @@ def test_async_equals_sync_on_the_gpu(tiny_code, spec):
     assert llm.core.runner.device_decode.num_placeholders > 0
     assert llm.core.runner.static.graphs.failed is None
     assert llm.get_stats().num_free_blocks == 256
-
-
-@pytest.fixture(scope="module")
-def code16(tmp_path_factory, tiny_code):
-    out = tmp_path_factory.mktemp("code16d")
-    for f in tiny_code.iterdir():
-        if f.name != "config.json":
-            (out / f.name).symlink_to(f)
-    cfg = json.loads((tiny_code / "config.json").read_text())
-    cfg["index_topk"] = 16
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def test_async_hisparse_misses_equal_sync_on_the_gpu(code16):
