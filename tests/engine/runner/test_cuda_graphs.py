@@ -5,53 +5,17 @@ fp32 (the exact kernel modes)."""
 
 from __future__ import annotations
 
-import inspect
-import itertools
-
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.core.request import Request
+from engine import LLM
+from tests.helpers.decode_runs import run_joining_leaving, source_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 SIZES = [1, 2, 4, 8]
-_SEQ = itertools.count()
 BF16 = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_ds_mla")
 FP32 = dict(device="cuda", dtype="float32", kv_cache_dtype="float32", indexer_precision="fp32")
-
-
-def _prompts(tok, n: int, base: int = 17) -> list[list[int]]:
-    import difflib
-
-    ids = tok.encode(inspect.getsource(difflib))
-    return [ids[i * 300: i * 300 + base + 9 * i] for i in range(n)]
-
-
-def _run(llm: LLM, prompts, late: int = 0, tokens: int = 12) -> list[list[int]]:
-    """Greedy; request i generates tokens + 3 i (they leave one by one); the last `late` join after two
-    steps (the batch grows mid-decode)."""
-    core = llm.core
-    rids = [f"g{next(_SEQ)}" for _ in prompts]
-    toks = {r: [] for r in rids}
-
-    def add(i):
-        core.add_request(Request(rids[i], list(prompts[i]),
-                                 SamplingParams(max_tokens=tokens + 3 * i, temperature=0.0, ignore_eos=True)))
-
-    for i in range(len(prompts) - late):
-        add(i)
-    steps = 0
-    while core.has_unfinished() or steps < 2:
-        if steps == 2:
-            for i in range(len(prompts) - late, len(prompts)):
-                add(i)
-        for o in core.step():
-            toks[o.req_id].extend(o.new_token_ids)
-        steps += 1
-    core.step()
-    return [toks[r] for r in rids]
 
 
 def _graph_llm(path, capture: bool = True, **kw) -> LLM:
@@ -67,13 +31,13 @@ def _graph_llm(path, capture: bool = True, **kw) -> LLM:
 def test_graph_replay_equals_eager_static(tiny_code, spec):
     kw = dict(num_blocks=256, **BF16, **({"num_speculative_tokens": spec} if spec else {}))
     eager = _graph_llm(tiny_code, capture=False, **kw)
-    prompts = _prompts(eager.tokenizer, 5)
-    ref = _run(eager, prompts, late=2)
+    prompts = source_prompts(eager.tokenizer, 5)
+    ref = run_joining_leaving(eager, prompts, late=2)
     llm = _graph_llm(tiny_code, **kw)
     st = llm.core.runner.static
     assert st.graphs.failed is None, st.graphs.failed
     assert st.num_captures == len(st.keys()) == len(SIZES) * (4 if spec else 1), "every key captured at start-up"
-    got = _run(llm, prompts, late=2)
+    got = run_joining_leaving(llm, prompts, late=2)
     assert got == ref
     keys = set(st.graphs.graphs)
     assert st.num_captures == len(keys) > 0, "one capture per (pass, bucket, rows)"
@@ -82,8 +46,8 @@ def test_graph_replay_equals_eager_static(tiny_code, spec):
         "every static forward replays a graph"
     # new requests of the same batch sizes, joining and leaving: replay only, nothing captured again
     before = st.num_captures
-    more = _prompts(llm.tokenizer, 5, base=23)
-    assert _run(llm, more, late=2) == _run(eager, more, late=2)
+    more = source_prompts(llm.tokenizer, 5, base=23)
+    assert run_joining_leaving(llm, more, late=2) == run_joining_leaving(eager, more, late=2)
     assert st.num_captures == before, "a request joining or leaving re-captured a graph"
     assert llm.get_stats().num_free_blocks == 256
 
@@ -94,10 +58,10 @@ def test_graphs_equal_enforce_eager_fp32(tiny_code):
     kw = dict(num_blocks=256, num_speculative_tokens=3, **FP32)
     eager = LLM(str(tiny_code), enforce_eager=True, **kw)
     assert eager.core.runner.static is None
-    prompts = _prompts(eager.tokenizer, 5)
-    ref = _run(eager, prompts, late=2)
+    prompts = source_prompts(eager.tokenizer, 5)
+    ref = run_joining_leaving(eager, prompts, late=2)
     llm = _graph_llm(tiny_code, **kw)
-    assert _run(llm, prompts, late=2) == ref
+    assert run_joining_leaving(llm, prompts, late=2) == ref
     assert llm.core.runner.static.graphs.failed is None, llm.core.runner.static.graphs.failed
     assert llm.core.runner.static.num_captures > 0
 
@@ -110,15 +74,15 @@ def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path):
     path = random_model_dir(tmp_path / "glm4", layers=4, experts=32)
     kw = dict(num_blocks=256, load_format="dummy", num_speculative_tokens=3, max_model_len=4096, **BF16)
     eager = _graph_llm(path, capture=False, **kw)
-    prompts = _prompts(eager.tokenizer, 5)
-    ref = _run(eager, prompts, late=2)
+    prompts = source_prompts(eager.tokenizer, 5)
+    ref = run_joining_leaving(eager, prompts, late=2)
     del eager
     torch.cuda.empty_cache()
     llm = _graph_llm(path, **kw)
     st = llm.core.runner.static
     before = st.num_captures
     assert st.graphs.failed is None and before == len(st.keys()), st.graphs.failed
-    assert _run(llm, prompts, late=2) == ref
+    assert run_joining_leaving(llm, prompts, late=2) == ref
     assert st.num_captures == before and st.graphs.num_replays > 0
     assert any(bp > b for b, bp, _ in st.shapes)
 
@@ -130,12 +94,12 @@ def test_hisparse_under_graphs_stays_eager_and_exact(code16, spec):
     kw = dict(hisparse={"host_pool_blocks": 48}, **BF16, **({"num_speculative_tokens": spec} if spec else {}))
     hot_blocks = 1 if spec == 0 else 2
     tok_llm = LLM(str(code16), num_blocks=4 * hot_blocks + 1, enforce_eager=True, **kw)
-    prompts = _prompts(tok_llm.tokenizer, 4, base=8 * 16 + 2)  # >= 8x top-k: misses every step
-    ref = _run(tok_llm, prompts)
+    prompts = source_prompts(tok_llm.tokenizer, 4, base=8 * 16 + 2)  # >= 8x top-k: misses every step
+    ref = run_joining_leaving(tok_llm, prompts)
     llm = LLM(str(code16), num_blocks=4 * hot_blocks + 1, enforce_eager=False, **kw)
     st = llm.core.runner.static
     assert st is not None and not st.capture
-    assert _run(llm, prompts) == ref
+    assert run_joining_leaving(llm, prompts) == ref
     assert st.num_static > 0 and st.num_captures == 0
     assert all(b == bp for b, bp, _ in st.shapes)
     assert llm.get_stats().hisparse.misses > 0

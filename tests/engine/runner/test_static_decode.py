@@ -4,47 +4,13 @@ padding and requests joining and leaving; --enforce-eager turns it off."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.core.request import Request
+from engine import LLM
+from tests.helpers.decode_runs import run_joining_leaving, source_prompts
 
 SIZES = [1, 2, 4, 8]
-
-
-def _prompts(tok, n: int) -> list[list[int]]:
-    import difflib
-
-    ids = tok.encode(inspect.getsource(difflib))
-    return [ids[i * 300: i * 300 + 17 + 9 * i] for i in range(n)]
-
-
-def _run(llm: LLM, prompts, late: int = 0) -> list[list[int]]:
-    """Greedy, ignore_eos, each request a different length (requests leave one by one); the last `late`
-    prompts join two steps after the others (the batch grows mid-decode)."""
-    core = llm.core
-    rids = [f"r{i}" for i in range(len(prompts))]
-    toks = {r: [] for r in rids}
-
-    def add(i):
-        core.add_request(Request(rids[i], list(prompts[i]),
-                                 SamplingParams(max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True)))
-
-    for i in range(len(prompts) - late):
-        add(i)
-    steps = 0
-    while core.has_unfinished() or steps < 2:
-        if steps == 2:
-            for i in range(len(prompts) - late, len(prompts)):
-                add(i)
-        for o in core.step():
-            toks[o.req_id].extend(o.new_token_ids)
-        steps += 1
-    core.step()
-    return [toks[r] for r in rids]
 
 
 @pytest.mark.parametrize("spec", [0, 3])
@@ -54,10 +20,10 @@ def test_static_padded_decode_equals_eager(tiny_code, spec):
         kw["num_speculative_tokens"] = spec
     eager = LLM(str(tiny_code), enforce_eager=True, **kw)
     assert eager.core.runner.static is None
-    prompts = _prompts(eager.tokenizer, 5)
-    ref = _run(eager, prompts, late=2)
+    prompts = source_prompts(eager.tokenizer, 5)
+    ref = run_joining_leaving(eager, prompts, late=2, tokens=10)
     llm = LLM(str(tiny_code), enforce_eager=False, **kw)
-    got = _run(llm, prompts, late=2)
+    got = run_joining_leaving(llm, prompts, late=2, tokens=10)
     for i, (a, b) in enumerate(zip(ref, got)):
         assert a == b, f"request {i} diverged on the static path"
     st = llm.core.runner.static

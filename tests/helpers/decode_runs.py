@@ -1,0 +1,44 @@
+"""Greedy decode runs whose batch changes under the engine: what the static-path and CUDA-graph tests compare."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+from engine import LLM, SamplingParams
+from engine.core.request import Request
+
+_SEQ = itertools.count()
+
+
+def source_prompts(tok, n: int, base: int = 17) -> list[list[int]]:
+    """n prompts cut from a stdlib module's source, prompt i `base + 9 i` tokens long."""
+    import difflib
+
+    ids = tok.encode(inspect.getsource(difflib))
+    return [ids[i * 300: i * 300 + base + 9 * i] for i in range(n)]
+
+
+def run_joining_leaving(llm: LLM, prompts, late: int = 0, tokens: int = 12) -> list[list[int]]:
+    """Greedy, ignore_eos; request i generates tokens + 3 i (they leave one by one); the last `late` join
+    two steps after the others (the batch grows mid-decode). -> each request's tokens, in prompt order."""
+    core = llm.core
+    rids = [f"j{next(_SEQ)}" for _ in prompts]
+    toks = {r: [] for r in rids}
+
+    def add(i):
+        core.add_request(Request(rids[i], list(prompts[i]),
+                                 SamplingParams(max_tokens=tokens + 3 * i, temperature=0.0, ignore_eos=True)))
+
+    for i in range(len(prompts) - late):
+        add(i)
+    steps = 0
+    while core.has_unfinished() or steps < 2:
+        if steps == 2:
+            for i in range(len(prompts) - late, len(prompts)):
+                add(i)
+        for o in core.step():
+            toks[o.req_id].extend(o.new_token_ids)
+        steps += 1
+    core.step()
+    return [toks[r] for r in rids]
