@@ -78,19 +78,10 @@ def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share:
 
 def scrape(dep) -> dict[str, dict[str, float]]:
     """{role: {counter: value}} of every engine (and the router's histograms)."""
-    import asyncio
-
-    from services.cluster.redis_state import RedisState
-
-    async def instances():
-        state = RedisState(dep.redis_url)
-        try:
-            return await state.instances()
-        finally:
-            await state.close()
+    from services.cluster.redis_state import registered_instances
 
     out = {}
-    for inst in asyncio.run(instances()):
+    for inst in registered_instances(dep.redis_url):
         out[inst.role] = _counters(inst.metrics_address)
     out["router"] = _counters(dep.endpoints()["router"][0].removeprefix("http://"))
     return out

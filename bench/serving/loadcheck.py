@@ -9,7 +9,6 @@ blocks left in use after the load drained, and the resident memory of every serv
 
 from __future__ import annotations
 
-import asyncio
 import re
 import statistics
 import threading
@@ -134,17 +133,10 @@ def _gauge(metrics_address: str, name: str) -> float:
 def blocks_in_use(redis_url: str) -> dict[str, int]:
     """{instance id: KV blocks held} for every registered prefill and decode engine (usage x pool size;
     prefix-cached blocks nobody holds count as free)."""
-    from services.cluster.redis_state import RedisState
-
-    async def instances():
-        state = RedisState(redis_url)
-        try:
-            return await state.instances()
-        finally:
-            await state.close()
+    from services.cluster.redis_state import registered_instances
 
     out = {}
-    for inst in asyncio.run(instances()):
+    for inst in registered_instances(redis_url):
         if inst.role in ("prefill", "decode"):
             usage = _gauge(inst.metrics_address, "pdserve:kv_cache_usage_perc")
             out[inst.instance_id] = round(usage * float(inst.capacity["num_blocks"]))

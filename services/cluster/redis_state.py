@@ -314,6 +314,18 @@ class InstancePresence:
                 failing = False
 
 
+def registered_instances(redis_url: str, role: str | None = None) -> list[InstanceInfo]:
+    """The instances registered in Redis now, from synchronous code (benchmarks, scripts): one connection."""
+    async def read() -> list[InstanceInfo]:
+        state = RedisState(redis_url)
+        try:
+            return await state.instances(role)
+        finally:
+            await state.close()
+
+    return asyncio.run(read())
+
+
 def _set_load(pipe, instance_id: str, load: dict[str, float], ttl_s: float) -> None:
     if load:
         pipe.hset(load_key(instance_id), mapping={k: repr(float(v)) for k, v in load.items()})
