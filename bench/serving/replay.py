@@ -182,6 +182,8 @@ class Replayer:
             raise
         finally:
             self.stats.in_flight -= 1
+            if rec.t_start:  # the send's own start decides: prompt synthesis may cross the warm-up's end
+                rec.measured = rec.t_start >= self.t_measure
             self.records.append(rec)
         self._count(rec, copy)
 
