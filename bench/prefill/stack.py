@@ -71,9 +71,14 @@ def run(args) -> dict:
               load_format="dummy", num_blocks=4096 if cpu else None,
               max_num_batched_tokens=args.chunk, max_model_len=max(args.lengths) + 2048,
               gpu_memory_utilization=0.85, num_speculative_tokens=None)
+    if args.indexer != "auto":
+        backend = llm.core.runner.backend
+        if not hasattr(type(backend), "indexer_impl"):
+            raise SystemExit(f"--indexer needs the Triton attention backend, this engine runs {backend.name!r}")
+        backend.indexer_impl = args.indexer
     vocab = llm.config.model.vocab_size
     _time_prefill(llm, _ids(min(4096, max(args.lengths)), 0, vocab))  # compile + warm up
-    out = {"preset": args.preset, "layers": args.layers, "chunk": args.chunk, "lengths": {},
+    out = {"preset": args.preset, "layers": args.layers, "chunk": args.chunk, "indexer": args.indexer, "lengths": {},
            "device": torch.cuda.get_device_name() if not cpu else "cpu"}
     seed = 1
     for L in args.lengths:
@@ -111,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pcp", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
     p.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens (chunked prefill)")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--indexer", choices=("auto", "fused", "radix"), default="auto",
+                   help="the indexer's kernel path (auto: fused on sm_90+)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.device != "cpu" and not torch.cuda.is_available():

@@ -22,6 +22,7 @@ from kernels.store_kv import store_kv
 class TritonAttentionBackend(BaseAttentionBackend):
     name = "triton"
     graph_safe = True  # with meta.max_seq_len_bound every launch is shaped by device tensors and the bound
+    indexer_impl: str | None = None  # kernels.indexer's path: None picks (fused on sm_90+); benchmarks compare
 
     def __init__(self, spec: KVCacheSpec):
         super().__init__(spec)  # indexer_rows_scored instrumented like the torch backend's
@@ -44,13 +45,14 @@ class TritonAttentionBackend(BaseAttentionBackend):
             bound = max(meta.max_seq_len_bound, 1)
             return indexer_topk(q, weights, cache.index_layer(layer), meta.block_table, meta.token_req_idx,
                                 meta.positions, topk, return_slots=False, max_seq_len=bound,
-                                out_width=min(topk, bound))
+                                out_width=min(topk, bound), impl=self.indexer_impl)
         K = min(topk, max(meta.max_seq_len, 1))
         qsl = meta.query_start_loc_cpu
         self.indexer_rows_scored += sum(qsl[b + 1] - qsl[b] for b, S in enumerate(meta.seq_lens_cpu) if S > topk)
         return indexer_topk(q, weights, cache.index_layer(layer), meta.block_table, meta.token_req_idx,
                             meta.positions, topk, return_slots=False, max_seq_len=max(meta.max_seq_len, 1),
-                            query_start_loc_cpu=qsl, seq_lens_cpu=meta.seq_lens_cpu, out_width=K)
+                            query_start_loc_cpu=qsl, seq_lens_cpu=meta.seq_lens_cpu, out_width=K,
+                            impl=self.indexer_impl)
 
     # ---- attention ---------------------------------------------------------------------------
     def sparse_mla(self, cache: PagedKVCache, layer: int, q: torch.Tensor, topk_pos: torch.Tensor,
