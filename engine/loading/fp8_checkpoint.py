@@ -3,7 +3,8 @@
 Every projection weight (2-D `*.weight` of a module the not-convert list does not name, and the routed
 experts, written per expert even when the source merges them in 3-D tensors) becomes float8_e4m3fn plus
 `weight_scale_inv` fp32 per 128x128 block;
-embeddings, lm_head, norms, the router gate and the indexer's weights_proj are copied as they are.
+embeddings, lm_head, norms, the router gate, the indexer's weights_proj and the MTP layer's eh_proj and
+shared_head are copied as they are (engine/model/fp8.py: DEFAULT_NOT_CONVERT).
 config.json gains `quantization_config` (quant_method fp8, e4m3, dynamic activations, [128, 128] blocks,
 the modules_to_not_convert list used). Works shard by shard (one input shard in memory at a time) and
 keeps the input's shard names; tokenizer and generation files are copied.

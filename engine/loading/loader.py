@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from engine.config.model import ModelConfig
-from engine.loading.weights import FP32_PARAMS, load_weights
+from engine.loading.weight_reader import read_index
+from engine.loading.weights import FP32_PARAMS, fp8_modules, load_weights
 from engine.model import GlmDsaForCausalLM
 from engine.model.fp8 import convert_to_fp8
 from engine.model.moe import Experts, MoE
@@ -28,7 +29,9 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", dtype: 
                 if isinstance(m, MoE):
                     m.experts = Experts(cfg, num_local=expert_shard[1], offset=expert_shard[0])
         if cfg.quantization == "fp8":
-            convert_to_fp8(model, cfg)
+            # which modules are FP8: the config's list, else the checkpoint's tensors (engine/model/fp8.py)
+            from_ckpt = checkpoint is not None and not cfg.quantize_at_load
+            convert_to_fp8(model, cfg, fp8_modules(read_index(checkpoint)) if from_ckpt else None)
         # set dtypes while nothing is allocated: materialising fp32 first would double the peak memory
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             want = torch.float32 if name.endswith(FP32_PARAMS) else dtype

@@ -28,7 +28,7 @@ from engine.config.model import ModelConfig
 from engine.loading.weight_reader import ShardReader, TensorInfo, WeightLoadError, checkpoint_files, read_index
 from kernels.fp8_gemm import dequantize_weight_ref, quantize_weight_ref
 
-__all__ = ["WeightLoadError", "checkpoint_files", "load_weights", "to_hf_state_dict"]
+__all__ = ["WeightLoadError", "checkpoint_files", "fp8_modules", "load_weights", "to_hf_state_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,19 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, tuple] | None:
     if m:
         return f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}", ("all",)
     return name, ("whole",)
+
+
+def fp8_modules(index: dict[str, TensorInfo]) -> set[str]:
+    """The checkpoint's modules whose weights are stored in FP8, by checkpoint name (routed experts as
+    `...mlp.experts`, from per-expert or merged tensors): which modules the model keeps in FP8 when the
+    config does not list them (engine/model/fp8.py)."""
+    out = set()
+    for name, info in index.items():
+        if not info.is_fp8 or name.endswith(SCALE):
+            continue
+        m = _EXPERT.match(name) or _MERGED.match(name)
+        out.add(m.group(1) if m else name.removesuffix(".weight"))
+    return out
 
 
 def load_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> LoadReport:

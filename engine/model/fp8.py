@@ -6,16 +6,20 @@ bytes as the GPU's). The forward quantizes activations per token per 128 channel
 block-scaled GEMM (Triton on CUDA, the fp32 reference elsewhere). Routed experts get the same format
 (`Experts(fp8=True)`).
 
-Which modules: every nn.Linear except those whose (checkpoint) name matches one of the config's
-`modules_to_not_convert` (quantization_config's `modules_to_not_convert` / `ignored_layers`); a config
-without a list gets `DEFAULT_NOT_CONVERT`, the GLM-5-FP8 convention (embeddings, lm_head, norms, the
-router gate and the indexer's weights_proj stay in the model dtype).
+Which modules: those the checkpoint stores in FP8. A config that lists the unquantized modules
+(quantization_config's `modules_to_not_convert` / `ignored_layers`) says it by name: every nn.Linear whose
+(checkpoint) name matches no entry. DeepSeek-V3-style configs carry no list, and then the tensors say it:
+a module is FP8 when its weight is (`fp8_modules` over the safetensors headers). Without a checkpoint to
+read (a model built on `meta` for planning, a random or quantize-at-load model) `DEFAULT_NOT_CONVERT`
+applies, the GLM-5-FP8 / DeepSeek-V3 convention: embeddings, lm_head, norms, the router gate, the
+indexer's weights_proj, and the MTP layer's eh_proj and shared_head stay in the model dtype (serving
+engines build eh_proj as a plain unquantized linear, so the released FP8 checkpoints store it in bf16).
 
 kv_b_proj is stored in FP8 too, by measurement. The absorbed MLA path uses its rows as two per-head
 matrices (W_UK [H, nope, R] applied to q_nope, W_UV [H, v, R] to the attention output) whose head
 boundaries (nope + v = 448 rows) cut across the 128-row scale blocks. Dequantized to bf16 once at load it
 would cost 1.08 GiB per GLM-5.3 rank (79 layers x 14.7 MB) and put a PCP8 x EP8 prefill rank at
-106.09 GiB, over the 106 GiB that leaves 15 GiB of KV; stored in FP8 the rank is at 105.01 GiB
+106.17 GiB, over the 106 GiB that leaves 15 GiB of KV; stored in FP8 the rank is at 105.09 GiB
 (`pdserve plan`). Reading FP8 inside a weight-only batched kernel was measured on the H200 at 106 + 56 us
 per layer for 64 decode tokens against 18 + 19 us for the bf16 einsums (BENCHMARKS.md, FP8 weights), so the
 forward dequantizes kv_b_proj (one bandwidth-bound pass over 14.7 MB, kernels.fp8_absorbed) right before
@@ -31,7 +35,7 @@ from engine.config.model import ModelConfig
 from engine.loading.weights import hf_name
 from kernels.fp8_gemm import BLOCK, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref
 
-DEFAULT_NOT_CONVERT = ("embed_tokens", "lm_head", "norm", "mlp.gate", "weights_proj")
+DEFAULT_NOT_CONVERT = ("embed_tokens", "lm_head", "norm", "mlp.gate", "weights_proj", "eh_proj", "shared_head")
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -70,17 +74,20 @@ def is_quantized_name(name: str, not_convert: tuple[str, ...]) -> bool:
     return not any(f".{p.strip('.')}." in dotted for p in not_convert)
 
 
-def convert_to_fp8(model: nn.Module, cfg: ModelConfig) -> list[str]:
+def convert_to_fp8(model: nn.Module, cfg: ModelConfig, stored_fp8: set[str] | None = None) -> list[str]:
     """Swap the quantized nn.Linear modules of a model on `meta` for Fp8Linear and the routed experts for
-    their FP8 form. Returns the converted module names."""
+    their FP8 form. `stored_fp8`: the checkpoint's FP8 module names (`fp8_modules`), which decide when the
+    config lists no unquantized modules. Returns the converted module names."""
     from engine.model.moe import Experts
 
     skip = not_convert_list(cfg)
+    by_checkpoint = stored_fp8 is not None and cfg.modules_to_not_convert is None
     done = []
     for name, mod in list(model.named_modules()):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        quantized = is_quantized_name(hf_name(name, cfg), skip)
+        hf = hf_name(name, cfg)
+        quantized = hf in stored_fp8 if by_checkpoint else is_quantized_name(hf, skip)
         if isinstance(mod, nn.Linear) and quantized:
             if mod.bias is not None:
                 raise ValueError(f"{name} has a bias; FP8 projections here have none: add it to modules_to_not_convert")

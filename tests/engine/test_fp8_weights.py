@@ -6,7 +6,9 @@ parallel ranks reading only their own experts, one tensor at a time.
 Quality (teacher-forced, 1,024 tokens of tests/data/heldout_python.txt, a project source file the model
 never saw): measured top-1 agreement 0.932 and mean logit cosine 0.9990 (w8a8: activations quantized per
 token per 128 channels); weights-only FP8 gives 0.955 / 0.9993 on the same text. The test asserts 0.92 and
-0.998: on eleven other Python texts w8a8 agreement ranged 0.916-0.946 (docs/fp8.md).
+0.998: on eleven other Python texts w8a8 agreement ranged 0.916-0.946. The 0.95 target is missed by e4m3's
+precision on this model, not by the arithmetic (bf16 compute alone agrees 0.970; the per-module ablation
+and the reading are in docs/fp8.md); test_codes_are_the_nearest_e4m3_values pins the arithmetic.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.loading.weights import WeightLoadError
+from kernels.fp8_gemm import dequantize_weight_ref
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "heldout_python.txt"
 PROJ = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "indexer.wq_b", "indexer.wk",
-        "gate_proj", "up_proj", "down_proj", "eh_proj")
+        "gate_proj", "up_proj", "down_proj")  # not the MTP layer's eh_proj: GLM-5-FP8 ships it in bf16
 
 
 def _quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +97,8 @@ def test_tool_and_independent_writer_agree(fp8_tool, fp8_own):
         assert torch.equal(a[name].view(torch.uint8) if a[name].dtype == torch.float8_e4m3fn else a[name],
                            b[name].view(torch.uint8) if b[name].dtype == torch.float8_e4m3fn else b[name]), name
     for kept in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight",
-                 "model.layers.0.self_attn.indexer.weights_proj.weight", "model.norm.weight"):
+                 "model.layers.0.self_attn.indexer.weights_proj.weight", "model.norm.weight",
+                 "model.layers.4.eh_proj.weight"):
         assert a[kept].dtype == torch.bfloat16, kept
     assert a["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert json.loads((fp8_tool / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
@@ -173,6 +177,46 @@ def test_fp8_claim_without_scales_is_an_error(tiny_code, tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightLoadError, match="no \\*_scale_inv tensors"):
         LLM(str(out), num_blocks=8)
+
+
+def test_config_without_a_list_follows_the_checkpoint(fp8_tool, tmp_path, heldout):
+    """DeepSeek-V3-style configs name no unquantized modules: the tensors' dtypes decide. Here layer 1's
+    q_a_proj is stored in bf16 too, which the model then keeps unquantized (a hard-coded default list
+    would make that an FP8 parameter without scales: a load error)."""
+    name = "model.layers.1.self_attn.q_a_proj.weight"
+
+    def to_bf16(sd):
+        sd[name] = dequantize_weight_ref(sd[name], sd.pop(name + "_scale_inv"), torch.bfloat16)
+
+    out = _broken(fp8_tool, tmp_path / "nolist", to_bf16)
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["quantization_config"]["modules_to_not_convert"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(out), num_blocks=8)
+    model = llm.core.runner.model
+    assert type(model.model.layers[1].self_attn.q_a_proj) is torch.nn.Linear
+    assert type(model.model.layers[2].self_attn.q_a_proj).__name__ == "Fp8Linear"
+    assert type(model.mtp.eh_proj) is torch.nn.Linear and model.model.layers[1].mlp.experts.fp8
+    fp8_in_ckpt = sum(t.numel() for t in _all_tensors(out).values() if t.dtype == torch.float8_e4m3fn)
+    assert llm.get_stats().weight_bytes[0]["float8_e4m3fn"] == fp8_in_ckpt
+    a, b = llm.prompt_logits(heldout[:64]), LLM(str(fp8_tool), num_blocks=8).prompt_logits(heldout[:64])
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).mean() > 0.9995
+
+
+def test_codes_are_the_nearest_e4m3_values(tiny_code, fp8_tool):
+    """Every stored weight is its bf16 source rounded to the nearest e4m3 value of its block's scale
+    (max|w| / 448): error within half a step everywhere, RMS relative error at e4m3's floor (~2.6%)."""
+    src, q = _all_tensors(tiny_code), _all_tensors(fp8_tool)
+    for name, w in q.items():
+        if w.dtype != torch.float8_e4m3fn:
+            continue
+        s = q[name + "_scale_inv"].double().repeat_interleave(128, 0)[: w.shape[0]]
+        s = s.repeat_interleave(128, 1)[:, : w.shape[1]]
+        real, ref = w.double() * s, src[name].double()  # float64: exact products, ties stay ties
+        step = torch.exp2(torch.floor(torch.log2((ref / s).abs().clamp(min=2.0 ** -6))) - 3) * s
+        assert ((real - ref).abs() <= step / 2 * (1 + 1e-6)).all(), name
+        assert torch.isclose(real.abs().amax(), ref.abs().amax()), name
+        assert (real - ref).norm() / ref.norm() < 0.028, name
 
 
 def _expected_bytes(path: Path, lo: int, hi: int) -> int:
