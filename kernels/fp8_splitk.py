@@ -69,16 +69,24 @@ def splitk_config(M: int, N: int, K: int, num_sms: int) -> SplitKConfig:
     """The launch for one decode problem on a GPU with `num_sms` multiprocessors.
 
     Rows: one tile of the next power of two up to 64 (M = 256: four row tiles, one weight read from HBM).
-    Columns: 128 (one weight scale per k-block) unless that leaves fewer tiles than half the
-    multiprocessors, then 64 (twice the tiles before any split). Splits: as many as keep the grid within
-    two programs per multiprocessor (3 stages of a 128 x 128 weight tile and its activation tile each fit
-    twice in 228 KB of shared memory), at most MAX_SPLIT and with >= MIN_KB_PER_SPLIT k-blocks each."""
+    Splits: as many as keep the grid within two programs per multiprocessor (3 stages of a 128 x 128 weight
+    tile and its activation tile each fit twice in 228 KB of shared memory), at most MAX_SPLIT and with
+    >= MIN_KB_PER_SPLIT k-blocks each. Columns: 128 (one weight scale per k-block, twice the bytes in flight
+    per program and half the repeated quantization of 64) unless even split that grid leaves a
+    multiprocessor without a program, then 64."""
     block_m = min(64, max(16, next_pow2(M)))
     num_m = triton.cdiv(M, block_m)
-    block_n = 128 if num_m * triton.cdiv(N, 128) >= num_sms // 2 else 64
-    tiles = num_m * triton.cdiv(N, block_n)
     num_kb = triton.cdiv(K, 128)
-    split = max(1, min(2 * num_sms // tiles, MAX_SPLIT, num_kb // MIN_KB_PER_SPLIT))
+
+    def grid(block_n: int) -> tuple[int, int]:
+        tiles = num_m * triton.cdiv(N, block_n)
+        return tiles, max(1, min(2 * num_sms // tiles, MAX_SPLIT, num_kb // MIN_KB_PER_SPLIT))
+
+    block_n = 128
+    tiles, split = grid(block_n)
+    if tiles * split < num_sms:
+        block_n = 64
+        tiles, split = grid(block_n)
     return SplitKConfig(block_m, block_n, split)
 
 
