@@ -53,9 +53,9 @@ def check_gemm(M, N, K, dtype, device, layout="contiguous", tol=1e-5, cos_min=0.
     """The GEMM on seeded inputs (weight a strided view beside NaN bytes) against the reference; returns
     (x, weight, scales, output) for further checks."""
     gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=gen) * K ** -0.5
+    w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(device)
     wq, ws = quantize_weight_ref(w)
-    wq, ws = _poisoned_fp8(wq.to(device), (5, 64)), ws.to(device)
+    wq = _poisoned_fp8(wq, (5, 64))
     x = _activation(M, K, dtype, device, gen, layout)
     got = w8a8_block_fp8_matmul(x, wq, ws, config=config)
     want = w8a8_block_fp8_matmul_ref(x.float(), wq, ws, torch.float32).cpu()
@@ -66,7 +66,7 @@ def check_gemm(M, N, K, dtype, device, layout="contiguous", tol=1e-5, cos_min=0.
     assert err <= tol, f"[{M},{N},{K}] {layout}: differs from the reference by {err:.3g} of its scale"
     cos = torch.nn.functional.cosine_similarity(g.flatten(), want.flatten(), dim=0).item()
     assert cos >= cos_min, cos
-    exact = (x.float() @ w.to(device).t()).cpu()
+    exact = (x.float() @ w.t()).cpu()
     q_err = ((want - exact).abs().max() / scale).item()
     assert q_err <= 0.1, f"quantization error {q_err:.3g} of the output scale: a scale is misapplied"
     return x, wq, ws, got
@@ -96,6 +96,19 @@ def test_splitk_gemm_interp(M, N, K, config, layout):
     x, wq, ws, got = check_gemm(M, N, K, torch.float32, "cpu", layout, config=config)
     assert torch.equal(w8a8_block_fp8_matmul(x, wq, ws, config=config), got), "a rerun must give the same bits"
     assert all(not c.any() for c in _COUNTERS.values()), "every launch leaves its tile counters at zero"
+
+
+@interp
+@pytest.mark.parametrize("layout", ["transposed", "nan_padded"])
+def test_splitk_fused_quantization_is_quant_act_interp(layout):
+    """Quantizing x in the prologue gives the bits of quantizing it with `quant_act` first."""
+    gen = torch.Generator().manual_seed(4)
+    wq, ws = quantize_weight_ref(torch.randn(150, 700, generator=gen))
+    x = _activation(40, 700, torch.bfloat16, "cpu", gen, layout)
+    x[7, 128:256] = 0.0  # an all-zero block
+    fused = w8a8_block_fp8_matmul(x, wq, ws, torch.float32, config=SplitKConfig(32, 64, 3))
+    separate = w8a8_block_fp8_matmul(x, wq, ws, torch.float32, config=SplitKConfig(32, 64, 3, fuse_quant=False))
+    assert torch.equal(fused, separate)
 
 
 @interp
