@@ -108,12 +108,12 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 @jit
-def _splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, num_kb, num_splits,
+def _splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, num_kb,
                    sx_m, sx_k, sxs_m, sw_n, sws_n, so_m, sp_s, sp_m,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr, QUANT_A: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, QUANT_A: tl.constexpr,
                    DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """out[m, n] = sum over k-blocks of (x_q[m] . w[n]) * x_s[m, kb] * w_s[n // 128, kb], this program's
-    k-blocks only; PARTIALS: through the partial tiles and the tile's counter (module docstring).
+    k-blocks only; SPLIT > 1: through the partial tiles and the tile's counter (module docstring).
 
     QUANT_A: x is the unquantized activation (any float dtype, strides sx_m / sx_k), quantized here as
     `quant_act` does; otherwise x holds e4m3 codes (unit k stride) and xs their scales."""
@@ -129,7 +129,7 @@ def _splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, 
     x_rows = x_ptr + m[:, None].to(tl.int64) * sx_m
     w_rows = w_ptr + n[None, :].to(tl.int64) * sw_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(split * num_kb // num_splits, (split + 1) * num_kb // num_splits):
+    for kb in range(split * num_kb // SPLIT, (split + 1) * num_kb // SPLIT):
         k = kb * 128 + tl.arange(0, 128)
         k_ok = k < K
         if QUANT_A:
@@ -150,21 +150,27 @@ def _splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         else:
             b_s = tl.load(ws_ptr + (n // 128).to(tl.int64) * sws_n + kb, mask=n_ok, other=0.0)
             acc += part * a_s[:, None] * b_s[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    out = out_ptr + m[:, None].to(tl.int64) * so_m + n[None, :]
-    if PARTIALS:
+    if SPLIT == 1:
+        tl.store(out_ptr + m[:, None].to(tl.int64) * so_m + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
         offs = m[:, None].to(tl.int64) * sp_m + n[None, :]
-        tl.store(part_ptr + split.to(tl.int64) * sp_s + offs, acc, mask=mask)
+        tl.store(part_ptr + split.to(tl.int64) * sp_s + offs, acc, mask=m_ok[:, None] & n_ok[None, :])
         tl.debug_barrier()  # every thread's partial is written before the count releases them
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(num_splits):  # split order, not arrival order: the same bits every run
-                acc += tl.load(part_ptr + s * sp_s + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if arrived == SPLIT - 1:
+            # Unrolled, 16 rows at a time: a chunk's SPLIT loads are in flight together (a loop over the
+            # splits would wait for L2 once per split), added in split order: the same bits every run.
+            for r in tl.static_range(0, BLOCK_M, 16):
+                mr = pid_m * BLOCK_M + r + tl.arange(0, 16)
+                mask = (mr < M)[:, None] & n_ok[None, :]
+                offs = mr[:, None].to(tl.int64) * sp_m + n[None, :]
+                total = tl.zeros([16, BLOCK_N], tl.float32)
+                for s in tl.static_range(SPLIT):
+                    total += tl.load(part_ptr + s * sp_s + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + mr[:, None].to(tl.int64) * so_m + n[None, :], total.to(out_ptr.dtype.element_ty),
+                         mask=mask)
             tl.store(cnt_ptr + tile, 0)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def splitk_gemm(a: torch.Tensor, a_s: torch.Tensor | None, b: torch.Tensor, b_s: torch.Tensor,
@@ -178,6 +184,9 @@ def splitk_gemm(a: torch.Tensor, a_s: torch.Tensor | None, b: torch.Tensor, b_s:
     split = max(1, min(config.split, num_kb))
     num_m = triton.cdiv(M, config.block_m)
     tiles = num_m * triton.cdiv(N, config.block_n)
+    if split * M * N >= 1 << 31:
+        raise ValueError(f"the decode path's {split} partial tiles of [{M}, {N}] overflow its 32-bit offsets: "
+                         "use fewer splits, or the prefill kernel at this M")
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if split > 1:
         part = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
@@ -186,9 +195,9 @@ def splitk_gemm(a: torch.Tensor, a_s: torch.Tensor | None, b: torch.Tensor, b_s:
         part = counters = out  # unread
     a_s_arg = a_s if a_s is not None else b_s  # unread with QUANT_A
     _splitk_kernel[(tiles, split)](
-        a, a_s_arg, b, b_s, out, part, counters, M, N, K, num_kb, split, a.stride(0), a.stride(1),
+        a, a_s_arg, b, b_s, out, part, counters, M, N, K, num_kb, a.stride(0), a.stride(1),
         a_s_arg.stride(0), b.stride(0), b_s.stride(0), out.stride(0), part.stride(0), part.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PARTIALS=split > 1, QUANT_A=a_s is None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=split, QUANT_A=a_s is None,
         DOT_F32=interpreting(), ROUND_FIRST=interpreting(), num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out
