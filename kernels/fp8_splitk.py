@@ -9,10 +9,12 @@ multiprocessors. So the grid is (output tiles, K splits): program (t, s) owns ti
                  read from HBM serves them all through L2)
     grid axis 1: split s; each writes its fp32 partial tile, then counts itself in for tile t
     the split that counts S (the last to arrive, whichever it is) adds the S partials in split order
-    0..S-1, writes the output tile in its dtype and sets the count back to 0
+    0..S-1 (unrolled 16 rows at a time, so its loads overlap), writes the output tile in its dtype and sets
+    the count back to 0
 
 One launch, and deterministic: the sum's order does not depend on which split finished last, so a graph
-replay, an eager call and a rerun give the same bits (the engine's greedy-decoding tests compare them).
+replay, an eager call and a rerun give the same bits (the engine's GPU tests of graph against eager
+decoding assume it).
 fp32 atomics into the output would need a zeroed fp32 buffer, a cast launch and an arrival order that
 changes the bits from run to run. The price is the last split reading S partial tiles (S x BLOCK_M x
 BLOCK_N x 4 B from L2), which `splitk_config` keeps small by bounding S.
@@ -24,7 +26,8 @@ node with the partials in its own memory pool. Launches sharing the counters mus
 
 The activation is quantized per token per 128 channels in the prologue of each k-block (with fuse_quant,
 the default): the program loads the [BLOCK_M, 128] slice of x it multiplies anyway, and its scales are one
-row max away. Every column tile repeats that work, about 3 instructions per activation element, i.e.
+row max away (Triton's pipeliner prefetches that load as it does the weight's: it reaches the dot through
+the quantization). Every column tile repeats that work, about 3 instructions per activation element, i.e.
 3 * M / BLOCK_N per weight byte: small next to the 10 or so per byte a multiprocessor has while streaming
 at the copy rate, for M <= 64; at M = 256 the separate `quant_act` launch may win (`fuse_quant=False`,
 the benchmark's sweep decides).
@@ -41,7 +44,7 @@ import triton.language as tl
 from kernels._jit import interpreting, jit, next_pow2, quant_e4m3_rows
 
 MAX_M = 256  # rows up to which kernels.fp8_gemm takes this path
-MAX_SPLIT = 8  # the last split reads S partial tiles: beyond 8 that tail costs more than the extra programs win
+MAX_SPLIT = 8  # bounds the last split's reads (S partial tiles); unmeasured, the benchmark sweeps up to 16
 MIN_KB_PER_SPLIT = 4  # a split streams >= 4 k-blocks: its partial (BLOCK_M x 4 B per column) stays <= half of them
 
 
