@@ -80,6 +80,15 @@ def to_e4m3(v, ROUND_FIRST: tl.constexpr):
     return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
 
+@triton.jit
+def quant_e4m3_rows(x, ROUND_FIRST: tl.constexpr):
+    """[R, 128] fp32 (zeros past the end of K) -> (e4m3 bytes uint8 [R, 128], fp32 scale per row [R]): the
+    activation quantization of kernels.fp8_gemm, scale = max(amax, 1e-10) / 448, code = RNE(x / scale)."""
+    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+    v = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
+    return to_e4m3(v, ROUND_FIRST), s
+
+
 # ---- launching -----------------------------------------------------------------------------------------
 
 class CompiledKernel:

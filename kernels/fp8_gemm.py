@@ -8,8 +8,10 @@ x_s fp32 [M, ceil(K/128)], x_s = amax(|x| over the 128 channels) / 448, x_q = ro
 The GEMM walks K in 128-wide blocks; each block's fp8 product (exact in fp32) is scaled by
 x_s[m, kb] * w_s[n // 128, kb] and added to an fp32 accumulator.
 
-Decode shapes (M = batch x (1 + drafts), weight-bandwidth-bound) use small BLOCK_M and split K across
-programs so every multiprocessor streams weight bytes; the partial sums are added in fp32 afterwards.
+Two kernels behind one launcher. Prefill (M > 256): `quant_act`, then 128 x 128 tiles over the whole K.
+Decode (M <= 256 = batch x (1 + drafts), weight-bandwidth-bound): kernels.fp8_splitk, one launch that
+splits K across programs so every multiprocessor streams a slice of the weight, quantizes x in its
+prologue and adds the fp32 partial tiles in a fixed order in the last split to arrive.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit, num_sms, to_e4m3
+from kernels._jit import check_device, interpreting, jit, num_sms, quant_e4m3_rows
+from kernels.fp8_splitk import MAX_M as DECODE_MAX_M
+from kernels.fp8_splitk import SplitKConfig, splitk_config, splitk_gemm
 
 BLOCK = 128  # scale tile edge (weight_block_size)
 FP8_MAX = 448.0
@@ -34,23 +38,18 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, sq_m, ss_m,
     k = kb * 128 + tl.arange(0, 128)
     mask = (m[:, None] < M) & (k[None, :] < K)
     x = tl.load(x_ptr + m[:, None].to(tl.int64) * sx_m + k[None, :] * sx_k, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
-    s = amax / 448.0
-    v = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
-    tl.store(q_ptr + m[:, None].to(tl.int64) * sq_m + k[None, :], to_e4m3(v, ROUND_FIRST), mask=mask)
+    q, s = quant_e4m3_rows(x, ROUND_FIRST)
+    tl.store(q_ptr + m[:, None].to(tl.int64) * sq_m + k[None, :], q, mask=mask)
     tl.store(s_ptr + m.to(tl.int64) * ss_m + kb, s, mask=m < M)
 
 
 @jit
-def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_kb,
-                      sa_m, sa_k, sas_m, sb_n, sbs_n, sc_s, sc_m,
+def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_kb, sa_m, sas_m, sb_n, sbs_n, sc_s, sc_m,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      QUANT_A: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """c[split, m, n] = sum over this split's k-blocks of (a[m] . b[n]) * as[m, kb] * bs[n // 128, kb].
-
-    QUANT_A: a is the unquantized activation (any float dtype, strides sa_m / sa_k) and each program
-    quantizes its rows per 128 channels itself, exactly as `quant_act` does (one launch, but every column
-    tile repeats the work: measured slower, kept as an option); otherwise a holds e4m3 codes, unit k stride."""
+                      DOT_F32: tl.constexpr):
+    """c[split, m, n] = sum over this split's k-blocks of (a[m] . b[n]) * as[m, kb] * bs[n // 128, kb],
+    a the e4m3 codes of `quant_act` (unit k stride). SPLIT_K > 1 (interleaved k-blocks, partials summed by
+    the launcher) is the decode scheme that kernels.fp8_splitk replaced; benchmarks still run it beside."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -69,14 +68,8 @@ def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_kb,
     for kb in range(tl.program_id(1), num_kb, SPLIT_K):
         k = kb * 128 + tl.arange(0, 128)
         k_ok = k < K
-        if QUANT_A:
-            x = tl.load(a_rows + k[None, :] * sa_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
-            v = tl.minimum(tl.maximum(x / a_s[:, None], -448.0), 448.0)
-            a = to_e4m3(v, ROUND_FIRST).to(tl.float8e4nv, bitcast=True)
-        else:
-            a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            a_s = tl.load(as_ptr + m.to(tl.int64) * sas_m + kb, mask=m_ok, other=0.0)
+        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptr + m.to(tl.int64) * sas_m + kb, mask=m_ok, other=0.0)
         b = tl.load(b_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if DOT_F32:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -108,35 +101,24 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.float8_e4m3fn), s
 
 
-def gemm_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for one problem, from the H200 sweeps of
-    bench.kernels.fp8_gemm (BENCHMARKS.md, FP8 weights).
-
-    Prefill (M > 256): 128 x 128 tiles, 8 warps, 4 stages. Decode (M <= 256): 64 x 64 tiles, K split
-    while the grid has fewer than two programs per multiprocessor and each split keeps >= 12 k-blocks
-    (K = 2048 is never split: the split's fp32 partial sums then cost more than they win)."""
+def gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) of the prefill kernel: 128 x 128 tiles, 8 warps,
+    4 stages, the best of the H200 sweeps of bench.kernels.fp8_gemm (BENCHMARKS.md, FP8 weights)."""
     if interpreting():
         return 16, 32, 2 if K > BLOCK else 1, 4, 1
-    if M > 256:
-        return 128, 128, 1, 8, 4
-    block_m, block_n = 64, 64
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    split = 1
-    num_kb = triton.cdiv(K, BLOCK)
-    while tiles * split < 2 * num_sms(device) and num_kb // (split * 2) >= 12:
-        split *= 2
-    return block_m, block_n, split, 4, 4
+    return 128, 128, 1, 8, 4
 
 
 def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                          out_dtype: torch.dtype | None = None, config: tuple | None = None) -> torch.Tensor:
+                          out_dtype: torch.dtype | None = None,
+                          config: SplitKConfig | tuple | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight * scales)^T, x quantized per token per 128 channels on the fly.
 
     x: bf16/fp16/fp32 [M, K] (any strides); weight float8_e4m3fn [N, K] with unit K stride;
     weight_scale_inv fp32 [ceil(N/128), ceil(K/128)]. out_dtype defaults to x's dtype.
-    `config` overrides `gemm_config` (benchmarks sweep it): (BLOCK_M, BLOCK_N, SPLIT_K, num_warps,
-    num_stages[, fuse_quant]). fuse_quant (quantizing x inside the GEMM) is off by default: on the H200 every
-    program re-quantizing its rows made decode shapes 2-4x slower than the separate `quant_act` launch."""
+    M <= 256 runs the decode path (kernels.fp8_splitk, `splitk_config`), larger M the prefill kernel
+    (`gemm_config`). `config` overrides the choice (benchmarks sweep it): a `SplitKConfig` runs the decode
+    path, a tuple (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) the prefill kernel, at any M."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit [M, K] x [N, K]")
     if weight.dtype != torch.float8_e4m3fn:
@@ -153,15 +135,17 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
         return torch.empty((0, N), dtype=out_dtype, device=x.device)
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     weight_scale_inv = weight_scale_inv if weight_scale_inv.stride(1) == 1 else weight_scale_inv.contiguous()
-    config = config or gemm_config(M, N, K, x.device)
-    fuse_quant = bool(config[5]) if len(config) > 5 else False
-    if fuse_quant:
-        return _gemm(x, None, weight, weight_scale_inv, out_dtype, config[:5], quant_a=True)
+    if config is None:
+        config = splitk_config(M, N, K, num_sms(x.device)) if M <= DECODE_MAX_M else gemm_config(M, N, K)
+    if isinstance(config, SplitKConfig):
+        if config.fuse_quant:
+            return splitk_gemm(x, None, weight, weight_scale_inv, out_dtype, config)
+        return splitk_gemm(*quant_act(x), weight, weight_scale_inv, out_dtype, config)
     x_q, x_s = quant_act(x)
-    return _gemm(x_q, x_s, weight, weight_scale_inv, out_dtype, config[:5], quant_a=False)
+    return _gemm(x_q, x_s, weight, weight_scale_inv, out_dtype, config)
 
 
-def _gemm(a, a_s, b, b_s, out_dtype, config, quant_a: bool) -> torch.Tensor:
+def _gemm(a, a_s, b, b_s, out_dtype, config) -> torch.Tensor:
     M, K = a.shape
     N = b.shape[0]
     block_m, block_n, split, warps, stages = config
@@ -169,11 +153,9 @@ def _gemm(a, a_s, b, b_s, out_dtype, config, quant_a: bool) -> torch.Tensor:
     split = max(1, min(split, num_kb))
     c = torch.empty((split, M, N), dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), split)
-    a_s = a_s if a_s is not None else b_s  # unread with QUANT_A
-    _w8a8_gemm_kernel[grid](a, a_s, b, b_s, c, M, N, K, num_kb, a.stride(0), a.stride(1), a_s.stride(0), b.stride(0),
+    _w8a8_gemm_kernel[grid](a, a_s, b, b_s, c, M, N, K, num_kb, a.stride(0), a_s.stride(0), b.stride(0),
                             b_s.stride(0), c.stride(0), c.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
-                            SPLIT_K=split, GROUP_M=8, QUANT_A=quant_a, DOT_F32=interpreting(),
-                            ROUND_FIRST=interpreting(), num_warps=warps, num_stages=stages)
+                            SPLIT_K=split, GROUP_M=8, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
     return c[0] if split == 1 else c.sum(0).to(out_dtype)
 
 

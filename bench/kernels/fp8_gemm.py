@@ -1,21 +1,26 @@
 """FP8 block-scaled GEMMs on the GPU against measured ceilings and the bf16 paths they replace.
 
-    python -m bench.kernels.fp8_gemm --out results.json [--quick] [--no-sweep]
+    python -m bench.kernels.fp8_gemm --out results.json [--quick] [--no-sweep] [--decode-only]
 
 Ceilings, measured in the same run: copy bandwidth (bytes read + written), dense bf16 matmul and dense
 FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's projection shapes:
 * the w8a8 block-scaled GEMM at prefill M = 8192 (TFLOP/s vs the FP8 rate) and decode M = 64, 256
   (weight bytes per second vs copy bandwidth), activation quantization included, against bf16 `x @ W^T`;
+  decode rows time the launcher's split-K path (kernels.fp8_splitk, one launch) and, beside it as
+  `legacy_us`, the path it replaced (`quant_act`, 64 x 64 tiles with interleaved K splits, a torch sum);
 * the grouped MoE (32 local experts, H 6144, I 2048, top-8): prefill 8,192 tokens and decode 64 tokens,
   FP8 `fused_moe_fp8` against the bf16 `fused_moe`;
 * the MLA absorbed matmuls on bf16 W_UK / W_UV against the FP8 path (kernels.fp8_absorbed's dequantization,
   then the same einsums), for the kv_b_proj decision.
-A small config sweep per shape reports the launcher's pick and the best found.
+A config sweep per shape reports the launcher's pick and the best found; at decode shapes it crosses the
+column tile (64, 128), the split count and whether x is quantized in the kernel or by `quant_act`, so
+one run can retune `splitk_config`. `--decode-only` runs the decode rows alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -23,10 +28,12 @@ import time
 import torch
 
 from bench.kernels.timing import ceilings, num_sets, time_plain, time_rotating
+from kernels._jit import num_sms
 from kernels.fp8_absorbed import dequantize_fp8
 from kernels.fp8_gemm import gemm_config, quant_act, quantize_weight_ref, w8a8_block_fp8_matmul
 from kernels.fp8_moe import _config as moe_config
 from kernels.fp8_moe import fused_moe_fp8, merge_gate_up_scales
+from kernels.fp8_splitk import SplitKConfig, splitk_config
 from kernels.moe import fused_moe
 
 # (name, N, K) of GLM-5.3's quantized projections (hidden 6144, q_lora 2048, 64 heads, dense width 12288)
@@ -35,8 +42,7 @@ SHAPES = [("q_a_proj", 2048, 6144), ("q_b_proj", 16384, 2048), ("kv_a_proj", 576
           ("shared_gate_up", 4096, 6144), ("shared_down", 6144, 2048), ("indexer_wq_b", 4096, 2048),
           ("eh_proj", 6144, 12288)]
 PREFILL_SWEEP = [(128, 128, 1, 8, 4), (64, 256, 1, 8, 3), (64, 256, 1, 8, 4), (256, 64, 1, 8, 3), (64, 128, 1, 4, 4)]
-DECODE_SWEEP = [(64, 64, 1, 4, 4, False), (64, 64, 1, 4, 4, True), (64, 64, 2, 4, 4, True), (64, 64, 4, 4, 4, True),
-                (64, 32, 4, 4, 4, True), (16, 64, 1, 4, 4, True), (64, 128, 1, 8, 3, True)]
+DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 MOE_SWEEP = [(32, 64, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4)]
 
 
@@ -57,35 +63,71 @@ def _weights(N, K, dev, sets):
     return out
 
 
+def legacy_decode_config(M: int, N: int, K: int, sms: int) -> tuple[int, int, int, int, int]:
+    """The decode launch before kernels.fp8_splitk (prefill kernel, code at f08b63d): 64 x 64 tiles, K split
+    in two while the grid has fewer than two programs per multiprocessor and each split keeps >= 12 k-blocks."""
+    tiles, split, num_kb = -(-M // 64) * -(-N // 64), 1, -(-K // 128)
+    while tiles * split < 2 * sms and num_kb // (split * 2) >= 12:
+        split *= 2
+    return 64, 64, split, 4, 4
+
+
+def decode_sweep(M: int, K: int, pick: SplitKConfig) -> list[SplitKConfig]:
+    """Column tile x split count x fused quantization, and the pick with 4 stages (M > 128: 128-row tiles too)."""
+    num_kb = -(-K // 128)
+    out = [SplitKConfig(pick.block_m, bn, s, fuse_quant=f) for bn in (64, 128) for f in (True, False)
+           for s in DECODE_SPLITS if s <= num_kb]
+    out.append(dataclasses.replace(pick, num_stages=4))
+    if M > 128:
+        out += [SplitKConfig(128, 128, s, num_warps=8, fuse_quant=f) for s in (1, 2, 4) for f in (True, False)]
+    return out
+
+
 def bench_gemm(dev, ceil, name, M, N, K, sweep: bool) -> dict:
     decode = M < 1024
     sets = num_sets(N * K, at_most=8) if decode else 1
     ws = _weights(N, K, dev, sets)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
 
-    def timed(fn):
-        calls = [lambda w=w: fn(w) for w in ws]
+    def timed(cfg):  # seconds per call of the FP8 GEMM (cfg a launch config) or of bf16 `x @ W^T` (cfg None)
+        calls = [lambda w=w: x @ w[0].t() if cfg is None else w8a8_block_fp8_matmul(x, w[1], w[2], config=cfg)
+                 for w in ws]
         return time_rotating(calls, dev) if decode else time_plain(calls[0], dev, rep_ms=100)
 
-    pick = gemm_config(M, N, K, dev)
-    t = timed(lambda w: w8a8_block_fp8_matmul(x, w[1], w[2], config=pick))
-    t_bf16 = timed(lambda w: x @ w[0].t())
-    t_quant = time_plain(lambda: quant_act(x), dev, rep_ms=50)
-    tried = {}
-    if sweep:
-        for cfg in (DECODE_SWEEP if decode else PREFILL_SWEEP):
-            try:
-                tried[str(cfg)] = timed(lambda w, c=cfg: w8a8_block_fp8_matmul(x, w[1], w[2], config=c)) * 1e6
-            except Exception as e:  # noqa: BLE001  a config the compiler rejects (shared memory): recorded, not fatal
-                tried[str(cfg)] = f"failed: {type(e).__name__}"
-    best = min([v for v in tried.values() if isinstance(v, float)] + [t * 1e6])
-    flops, wbytes = 2 * M * N * K, N * K
-    return {"name": name, "M": M, "N": N, "K": K, "config": list(pick), "us": t * 1e6, "best_us": best,
-            "quant_us": t_quant * 1e6, "bf16_us": t_bf16 * 1e6, "tflops": flops / t / 1e12,
-            "frac_fp8_rate": flops / t / 1e12 / ceil["fp8_tflops"], "weight_tbps": wbytes / t / 1e12,
-            "frac_copy_bw": wbytes / t / 1e12 / ceil["copy_tbps"], "speedup_vs_bf16": t_bf16 / t,
+    pick = splitk_config(M, N, K, num_sms(dev)) if decode else gemm_config(M, N, K)
+    t, t_bf16 = timed(pick), timed(None)
+    row = {"name": name, "M": M, "N": N, "K": K, "config": dataclasses.asdict(pick) if decode else list(pick),
+           "us": t * 1e6, "quant_us": time_plain(lambda: quant_act(x), dev, rep_ms=50) * 1e6, "bf16_us": t_bf16 * 1e6}
+    if decode:
+        legacy = legacy_decode_config(M, N, K, num_sms(dev))
+        row.update(legacy_config=list(legacy), legacy_us=timed(legacy) * 1e6)
+        row.update(speedup_vs_legacy=row["legacy_us"] / row["us"],
+                   legacy_frac_copy_bw=_frac_bw(N * K, row["legacy_us"], ceil))
+    tried = _sweep(timed, decode_sweep(M, K, pick) if decode else PREFILL_SWEEP) if sweep else {}
+    timed_ok = {k: v for k, v in tried.items() if isinstance(v, float)}
+    best_cfg = min(timed_ok, key=timed_ok.get) if timed_ok and min(timed_ok.values()) < row["us"] else str(pick)
+    best = min([*timed_ok.values(), row["us"]])
+    flops = 2 * M * N * K
+    return {**row, "best_us": best, "best_config": best_cfg, "tflops": flops / t / 1e12,
+            "frac_fp8_rate": flops / t / 1e12 / ceil["fp8_tflops"], "weight_tbps": N * K / t / 1e12,
+            "frac_copy_bw": _frac_bw(N * K, row["us"], ceil), "speedup_vs_bf16": t_bf16 / t,
             "best_frac_fp8_rate": flops / best * 1e6 / 1e12 / ceil["fp8_tflops"],
-            "best_frac_copy_bw": wbytes / best * 1e6 / 1e12 / ceil["copy_tbps"], "sweep_us": tried}
+            "best_frac_copy_bw": _frac_bw(N * K, best, ceil), "sweep_us": tried}
+
+
+def _frac_bw(weight_bytes: int, us: float, ceil: dict) -> float:
+    return weight_bytes / us * 1e6 / 1e12 / ceil["copy_tbps"]
+
+
+def _sweep(timed, configs) -> dict:
+    """{str(config): microseconds, or why the config failed}."""
+    tried = {}
+    for cfg in configs:
+        try:
+            tried[str(cfg)] = timed(cfg) * 1e6
+        except Exception as e:  # noqa: BLE001  a config the compiler rejects (shared memory): recorded, not fatal
+            tried[str(cfg)] = f"failed: {type(e).__name__}"
+    return tried
 
 
 def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
@@ -148,6 +190,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="three shapes only")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--decode-only", action="store_true", help="the GEMM's decode rows (M = 64, 256) alone")
     a = p.parse_args()
     dev = torch.device("cuda")
     ceil = ceilings(dev)
@@ -158,11 +201,13 @@ def main() -> None:
     import triton
     res["triton"] = triton.__version__
     shapes = SHAPES[:3] if a.quick else SHAPES
-    for M in (8192, 64, 256):
+    for M in (64, 256) if a.decode_only else (8192, 64, 256):
         for name, N, K in shapes:
             r = bench_gemm(dev, ceil, name, M, N, K, not a.no_sweep)
             res["gemm"].append(r)
             _save(a.out, res, r)
+    if a.decode_only:
+        return
     for T in (8192, 64):  # ids spread evenly over the 32 local experts (balanced EP8)
         r = bench_moe(dev, ceil, T, 32, 6144, 2048, 8, not a.no_sweep)
         res["moe"].append(r)

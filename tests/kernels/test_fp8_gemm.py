@@ -1,12 +1,16 @@
-"""The w8a8 block-scaled FP8 GEMM and the FP8 grouped MoE against their fp32 references.
+"""The w8a8 block-scaled FP8 GEMM (prefill kernel and split-K decode path) and the FP8 grouped MoE against
+their fp32 references.
 
 Tolerances: under the interpreter both sides do the same fp32 arithmetic up to summation order, so the
-kernels match the references within 1e-5 of the output's scale (the GEMM) and 1e-3 (the MoE: a
+kernels match the references within 1e-5 of the output's scale (the GEMM, either path: the decode path
+quantizes x in its prologue exactly as `quant_act` does, and its split partials differ from one fp32
+matmul by summation order only) and 1e-3 (the MoE: a
 summation-order difference can move h across an e4m3 rounding boundary, one code of 1/16 relative on
 one element). On the GPU the fp8 MMA accumulates each 128-deep block in its own (reduced-precision)
 fp32 registers and bf16 outputs round to 2^-8: 2e-2 of the output scale and a cosine >= 0.9999.
 Against the unquantized fp32 product the quantization error itself is a few percent (checked loosely,
-so a scale applied twice or not at all fails).
+so a scale applied twice or not at all fails). The decode path's split sums run in split order whatever
+order the splits finish in, so its results are compared bit for bit across reruns and graph replays.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from kernels.fp8_gemm import (
     w8a8_block_fp8_matmul_ref,
 )
 from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref, merge_gate_up_scales
+from kernels.fp8_splitk import _COUNTERS, MAX_SPLIT, MIN_KB_PER_SPLIT, SplitKConfig, _tile_counters, splitk_config
 from kernels.moe import fused_moe_ref, route_ref
 from tests.helpers.kernel_inputs import POISON_BYTE, gpu, interp
 
@@ -45,10 +50,12 @@ def _activation(M: int, K: int, dtype, device, gen, layout: str) -> torch.Tensor
 
 
 def check_gemm(M, N, K, dtype, device, layout="contiguous", tol=1e-5, cos_min=0.99999, seed=0, config=None):
+    """The GEMM on seeded inputs (weight a strided view beside NaN bytes) against the reference; returns
+    (x, weight, scales, output) for further checks."""
     gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=gen) * K ** -0.5
+    w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(device)
     wq, ws = quantize_weight_ref(w)
-    wq, ws = _poisoned_fp8(wq.to(device), (5, 64)), ws.to(device)
+    wq = _poisoned_fp8(wq, (5, 64))
     x = _activation(M, K, dtype, device, gen, layout)
     got = w8a8_block_fp8_matmul(x, wq, ws, config=config)
     want = w8a8_block_fp8_matmul_ref(x.float(), wq, ws, torch.float32).cpu()
@@ -59,17 +66,85 @@ def check_gemm(M, N, K, dtype, device, layout="contiguous", tol=1e-5, cos_min=0.
     assert err <= tol, f"[{M},{N},{K}] {layout}: differs from the reference by {err:.3g} of its scale"
     cos = torch.nn.functional.cosine_similarity(g.flatten(), want.flatten(), dim=0).item()
     assert cos >= cos_min, cos
-    exact = (x.float() @ w.to(device).t()).cpu()
+    exact = (x.float() @ w.t()).cpu()
     q_err = ((want - exact).abs().max() / scale).item()
     assert q_err <= 0.1, f"quantization error {q_err:.3g} of the output scale: a scale is misapplied"
+    return x, wq, ws, got
 
 
 @interp
-@pytest.mark.parametrize("M,N,K,fuse_quant", [(37, 200, 300, True), (1, 64, 128, True), (130, 257, 129, False),
-                                                (5, 130, 640, False)])
+@pytest.mark.parametrize("M,N,K", [(37, 200, 300), (1, 64, 128), (130, 257, 129), (5, 130, 640)])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "nan_padded"])
-def test_w8a8_gemm_interp(M, N, K, layout, fuse_quant):
-    check_gemm(M, N, K, torch.float32, "cpu", layout, config=(16, 32, 2, 4, 1, fuse_quant))
+def test_w8a8_gemm_interp(M, N, K, layout):
+    check_gemm(M, N, K, torch.float32, "cpu", layout, config=(16, 32, 2, 4, 1))  # the prefill kernel, split in 2
+
+
+SPLITK_CASES = [  # (M, N, K, config): what each case exercises
+    (37, 200, 300, SplitKConfig(16, 64, 2)),  # 3 k-blocks in 2 splits (1 + 2), ragged M, N and K
+    (1, 64, 128, SplitKConfig(16, 128, 4)),  # one k-block: the split clamps to 1, no partials
+    (130, 257, 129, SplitKConfig(64, 128, 2, fuse_quant=False)),  # 3 row tiles, x quantized by quant_act
+    (5, 130, 640, SplitKConfig(16, 256, 3)),  # a tile over two weight-scale rows, 5 k-blocks in 3 splits
+    (77, 300, 1100, SplitKConfig(32, 32, 8)),  # 9 k-blocks in 8 splits, 10 column tiles
+    (256, 96, 1000, None),  # the launcher's pick at the largest decode M
+]
+
+
+@interp
+@pytest.mark.parametrize("M,N,K,config", SPLITK_CASES)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "nan_padded"])
+def test_splitk_gemm_interp(M, N, K, config, layout):
+    x, wq, ws, got = check_gemm(M, N, K, torch.float32, "cpu", layout, config=config)
+    assert torch.equal(w8a8_block_fp8_matmul(x, wq, ws, config=config), got), "a rerun must give the same bits"
+    assert all(not c.any() for c in _COUNTERS.values()), "every launch leaves its tile counters at zero"
+
+
+@interp
+@pytest.mark.parametrize("layout", ["transposed", "nan_padded"])
+def test_splitk_fused_quantization_is_quant_act_interp(layout):
+    """Quantizing x in the prologue gives the bits of quantizing it with `quant_act` first."""
+    gen = torch.Generator().manual_seed(4)
+    wq, ws = quantize_weight_ref(torch.randn(150, 700, generator=gen))
+    x = _activation(40, 700, torch.bfloat16, "cpu", gen, layout)
+    x[7, 128:256] = 0.0  # an all-zero block
+    fused = w8a8_block_fp8_matmul(x, wq, ws, torch.float32, config=SplitKConfig(32, 64, 3))
+    separate = w8a8_block_fp8_matmul(x, wq, ws, torch.float32, config=SplitKConfig(32, 64, 3, fuse_quant=False))
+    assert torch.equal(fused, separate)
+
+
+@interp
+def test_splitk_gemm_bf16_and_out_dtype_interp():
+    check_gemm(9, 96, 200, torch.bfloat16, "cpu", tol=1e-2, cos_min=0.9999, config=SplitKConfig(16, 64, 2))
+    gen = torch.Generator().manual_seed(2)
+    wq, ws = quantize_weight_ref(torch.randn(70, 300, generator=gen))
+    x = torch.randn(3, 300, generator=gen)
+    got = w8a8_block_fp8_matmul(x, wq, ws, torch.bfloat16, config=SplitKConfig(16, 32, 3))
+    want = w8a8_block_fp8_matmul_ref(x, wq, ws, torch.float32)
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+
+
+def test_splitk_config_fills_the_gpu_within_its_bounds():
+    """At GLM-5.3's decode shapes on 132 multiprocessors: at most two programs per multiprocessor once K is
+    split, every split >= MIN_KB_PER_SPLIT k-blocks, and only the K depth or MAX_SPLIT stops a grid short
+    of one program per multiprocessor."""
+    sms = 132
+    for N, K in [(2048, 6144), (576, 6144), (16384, 2048), (6144, 16384), (24576, 6144), (4096, 6144),
+                 (6144, 2048), (4096, 2048), (6144, 12288)]:
+        for M in (1, 16, 64, 100, 256):
+            c = splitk_config(M, N, K, sms)
+            num_kb = -(-K // 128)
+            programs = -(-M // c.block_m) * -(-N // c.block_n) * c.split
+            assert c.block_m >= min(M, 64) and c.block_n in (64, 128), (M, N, K, c)
+            assert c.split == 1 or programs <= 2 * sms, (M, N, K, c)
+            assert c.split == 1 or num_kb // c.split >= MIN_KB_PER_SPLIT, (M, N, K, c)
+            assert programs >= sms or c.split in (MAX_SPLIT, num_kb // MIN_KB_PER_SPLIT), (M, N, K, c)
+
+
+@interp
+def test_tile_counters_grow_and_keep_the_old_buffer_interp():
+    cpu = torch.device("cpu")
+    first = _tile_counters(cpu, 10)
+    bigger = _tile_counters(cpu, first.numel() + 1)
+    assert bigger.numel() > first.numel() and not bigger.any() and _tile_counters(cpu, 10) is bigger
 
 
 @interp
@@ -151,8 +226,55 @@ def test_fused_moe_fp8_nothing_local_interp():
 def test_w8a8_gemm_gpu(M, N, K, mark):
     check_gemm(M, N, K, torch.bfloat16, "cuda", tol=2e-2, cos_min=0.9999)
     check_gemm(M, N, K, torch.bfloat16, "cuda", "transposed", tol=2e-2, cos_min=0.9999,
-               config=(64, 64, 2, 4, 4, True) if M <= 256 else (128, 256, 1, 8, 3))
+               config=SplitKConfig(64, 64, 2, fuse_quant=False) if M <= 256 else (128, 256, 1, 8, 3))
     check_gemm(min(M, 77), N, K, torch.bfloat16, "cuda", "nan_padded", tol=2e-2, cos_min=0.9999)
+
+
+GLM_DECODE = [(2048, 6144), (576, 6144), (16384, 2048), (6144, 16384), (24576, 6144), (6144, 12288),
+              (4096, 6144), (6144, 2048), (4096, 2048)]  # (N, K): q_a, kv_a, q_b, o, dense gate+up / down, ...
+
+
+@pytest.mark.parametrize("M", [1, 16, 64, 100, 256])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_splitk_gemm_glm_decode_gpu(M, mark):
+    """The decode path at GLM-5.3's projection shapes: the launcher's pick, its prequantized twin, and
+    forced splits (8, 3) on every layout; reruns give the same bits."""
+    for N, K in GLM_DECODE:
+        pick = splitk_config(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count)
+        x, wq, ws, got = check_gemm(M, N, K, torch.bfloat16, "cuda", tol=2e-2, cos_min=0.9999)
+        assert torch.equal(w8a8_block_fp8_matmul(x, wq, ws), got), f"[{M},{N},{K}] {pick}: a rerun differs"
+        check_gemm(M, N, K, torch.bfloat16, "cuda", "transposed", tol=2e-2, cos_min=0.9999,
+                   config=SplitKConfig(pick.block_m, pick.block_n, 8, fuse_quant=False))
+        check_gemm(M, N, K, torch.bfloat16, "cuda", "nan_padded", tol=2e-2, cos_min=0.9999,
+                   config=SplitKConfig(pick.block_m, 128, 3))
+    assert not _COUNTERS[torch.device("cuda", 0)].any(), "every launch leaves its tile counters at zero"
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_splitk_gemm_cuda_graph_gpu(mark):
+    """Captured after one eager call, replays of the decode path give the eager bits for new inputs, for
+    several projections in one graph (they share the tile counters)."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(2048, 6144), (576, 6144), (6144, 2048)]
+    weights = [quantize_weight_ref(torch.randn(N, K, generator=gen).cuda() * K ** -0.5) for N, K in shapes]
+    xs = [torch.randn(64, K, generator=gen).cuda().bfloat16() for _, K in shapes]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for x, (wq, ws) in zip(xs, weights):
+        assert splitk_config(64, wq.shape[0], wq.shape[1], sms).split > 1  # the partials are exercised
+        w8a8_block_fp8_matmul(x, wq, ws)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [w8a8_block_fp8_matmul(x, wq, ws) for x, (wq, ws) in zip(xs, weights)]
+    for _ in range(2):
+        for x in xs:
+            x.copy_(torch.randn(x.shape, generator=gen).cuda().bfloat16())
+        graph.replay()
+        for x, (wq, ws), out in zip(xs, weights, outs):
+            assert torch.equal(out, w8a8_block_fp8_matmul(x, wq, ws)), "a graph replay differs from eager"
+            want = w8a8_block_fp8_matmul_ref(x.float(), wq, ws, torch.float32)
+            assert ((out.float() - want).abs().max() / want.abs().max()).item() <= 2e-2
+    torch.cuda.synchronize()
+    assert not _COUNTERS[torch.device("cuda", 0)].any()
 
 
 @pytest.mark.parametrize("T", [7, 64, 2048])

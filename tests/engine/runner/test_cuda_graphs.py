@@ -5,6 +5,8 @@ fp32 (the exact kernel modes)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -66,12 +68,20 @@ def test_graphs_equal_enforce_eager_fp32(tiny_code):
     assert llm.core.runner.static.num_captures > 0
 
 
-def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path):
-    """GLM-5.3 widths (4 layers, 32 routed experts, random bf16 weights, fp8 KV) with MTP3: graph replay
-    gives the padded eager forwards' tokens across padded batch sizes, with no capture after start-up."""
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path, weights):
+    """GLM-5.3 widths (4 layers, 32 routed experts, random bf16 or FP8 block-scaled weights, fp8 KV) with
+    MTP3: graph replay gives the padded eager forwards' tokens across padded batch sizes, with no capture
+    after start-up. In FP8 every decode projection is a split-K GEMM (kernels.fp8_splitk) whose launches
+    share one set of tile counters inside each graph."""
     from bench.serving.gpu_system import random_model_dir
 
     path = random_model_dir(tmp_path / "glm4", layers=4, experts=32)
+    if weights == "fp8":
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
+        (path / "config.json").write_text(json.dumps(cfg))
     kw = dict(num_blocks=256, load_format="dummy", num_speculative_tokens=3, max_model_len=4096, **BF16)
     eager = _graph_llm(path, capture=False, **kw)
     prompts = source_prompts(eager.tokenizer, 5)
@@ -85,6 +95,8 @@ def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path):
     assert run_joining_leaving(llm, prompts, late=2) == ref
     assert st.num_captures == before and st.graphs.num_replays > 0
     assert any(bp > b for b, bp, _ in st.shapes)
+    if weights == "fp8":
+        assert type(llm.core.runner.model.model.layers[0].self_attn.q_a_proj).__name__ == "Fp8Linear"
 
 
 @pytest.mark.parametrize("spec", [0, 3])
