@@ -11,7 +11,9 @@ x_s[m, kb] * w_s[n // 128, kb] and added to an fp32 accumulator.
 Two kernels behind one launcher. Prefill (M > 256): `quant_act`, then 128 x 128 tiles over the whole K.
 Decode (M <= 256 = batch x (1 + drafts), weight-bandwidth-bound): kernels.fp8_splitk, one launch that
 splits K across programs so every multiprocessor streams a slice of the weight, quantizes x in its
-prologue and adds the fp32 partial tiles in a fixed order in the last split to arrive.
+prologue and adds the fp32 partial tiles in a fixed order in the last split to arrive. Until that kernel
+has been timed on the H200, CUDA decode shapes keep the measured launch (`split_decode_config`: the
+prefill kernel with 64 x 64 tiles and interleaved K splits); `SPLITK_DECODE` says which one is default.
 """
 
 from __future__ import annotations
@@ -101,6 +103,21 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.float8_e4m3fn), s
 
 
+# The decode default: kernels.fp8_splitk under the interpreter (CPU tests run it as the default path), the
+# measured two-launch split elsewhere, until bench.kernels.fp8_gemm --decode-only shows the new one faster.
+SPLITK_DECODE = interpreting()
+
+
+def split_decode_config(M: int, N: int, K: int, sms: int) -> tuple[int, int, int, int, int]:
+    """The decode launch measured on the H200 (BENCHMARKS.md, FP8 weights): the prefill kernel with 64 x 64
+    tiles, K split in two while the grid has fewer than two programs per multiprocessor and each split keeps
+    >= 12 k-blocks (K = 2048 is never split: the fp32 partial sums would cost more than they win)."""
+    tiles, split, num_kb = -(-M // 64) * -(-N // 64), 1, -(-K // BLOCK)
+    while tiles * split < 2 * sms and num_kb // (split * 2) >= 12:
+        split *= 2
+    return 64, 64, split, 4, 4
+
+
 def gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) of the prefill kernel: 128 x 128 tiles, 8 warps,
     4 stages, the best of the H200 sweeps of bench.kernels.fp8_gemm (BENCHMARKS.md, FP8 weights)."""
@@ -116,9 +133,10 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
 
     x: bf16/fp16/fp32 [M, K] (any strides); weight float8_e4m3fn [N, K] with unit K stride;
     weight_scale_inv fp32 [ceil(N/128), ceil(K/128)]. out_dtype defaults to x's dtype.
-    M <= 256 runs the decode path (kernels.fp8_splitk, `splitk_config`), larger M the prefill kernel
-    (`gemm_config`). `config` overrides the choice (benchmarks sweep it): a `SplitKConfig` runs the decode
-    path, a tuple (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) the prefill kernel, at any M."""
+    M <= 256 runs the decode default (`SPLITK_DECODE`: kernels.fp8_splitk with `splitk_config`, else the
+    prefill kernel with `split_decode_config`), larger M the prefill kernel (`gemm_config`). `config`
+    overrides the choice (benchmarks sweep it): a `SplitKConfig` runs kernels.fp8_splitk, a tuple
+    (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) the prefill kernel, at any M."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit [M, K] x [N, K]")
     if weight.dtype != torch.float8_e4m3fn:
@@ -136,7 +154,12 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     weight_scale_inv = weight_scale_inv if weight_scale_inv.stride(1) == 1 else weight_scale_inv.contiguous()
     if config is None:
-        config = splitk_config(M, N, K, num_sms(x.device)) if M <= DECODE_MAX_M else gemm_config(M, N, K)
+        if M > DECODE_MAX_M:
+            config = gemm_config(M, N, K)
+        elif SPLITK_DECODE:
+            config = splitk_config(M, N, K, num_sms(x.device))
+        else:
+            config = split_decode_config(M, N, K, num_sms(x.device))
     if isinstance(config, SplitKConfig):
         if config.fuse_quant:
             return splitk_gemm(x, None, weight, weight_scale_inv, out_dtype, config)

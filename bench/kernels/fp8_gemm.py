@@ -6,8 +6,9 @@ Ceilings, measured in the same run: copy bandwidth (bytes read + written), dense
 FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's projection shapes:
 * the w8a8 block-scaled GEMM at prefill M = 8192 (TFLOP/s vs the FP8 rate) and decode M = 64, 256
   (weight bytes per second vs copy bandwidth), activation quantization included, against bf16 `x @ W^T`;
-  decode rows time the launcher's split-K path (kernels.fp8_splitk, one launch) and, beside it as
-  `legacy_us`, the path it replaced (`quant_act`, 64 x 64 tiles with interleaved K splits, a torch sum);
+  decode rows time the split-K path (kernels.fp8_splitk, one launch) and, beside it as `legacy_us`, the
+  two-launch path CUDA still defaults to (`quant_act`, 64 x 64 tiles with interleaved K splits, a torch
+  sum: kernels.fp8_gemm.split_decode_config); `speedup_vs_legacy` decides `SPLITK_DECODE`;
 * the grouped MoE (32 local experts, H 6144, I 2048, top-8): prefill 8,192 tokens and decode 64 tokens,
   FP8 `fused_moe_fp8` against the bf16 `fused_moe`;
 * the MLA absorbed matmuls on bf16 W_UK / W_UV against the FP8 path (kernels.fp8_absorbed's dequantization,
@@ -30,7 +31,7 @@ import torch
 from bench.kernels.timing import ceilings, num_sets, time_plain, time_rotating
 from kernels._jit import num_sms
 from kernels.fp8_absorbed import dequantize_fp8
-from kernels.fp8_gemm import gemm_config, quant_act, quantize_weight_ref, w8a8_block_fp8_matmul
+from kernels.fp8_gemm import gemm_config, quant_act, quantize_weight_ref, split_decode_config, w8a8_block_fp8_matmul
 from kernels.fp8_moe import _config as moe_config
 from kernels.fp8_moe import fused_moe_fp8, merge_gate_up_scales
 from kernels.fp8_splitk import SplitKConfig, splitk_config
@@ -63,15 +64,6 @@ def _weights(N, K, dev, sets):
     return out
 
 
-def legacy_decode_config(M: int, N: int, K: int, sms: int) -> tuple[int, int, int, int, int]:
-    """The decode launch before kernels.fp8_splitk (prefill kernel, code at f08b63d): 64 x 64 tiles, K split
-    in two while the grid has fewer than two programs per multiprocessor and each split keeps >= 12 k-blocks."""
-    tiles, split, num_kb = -(-M // 64) * -(-N // 64), 1, -(-K // 128)
-    while tiles * split < 2 * sms and num_kb // (split * 2) >= 12:
-        split *= 2
-    return 64, 64, split, 4, 4
-
-
 def decode_sweep(M: int, K: int, pick: SplitKConfig) -> list[SplitKConfig]:
     """Column tile x split count x fused quantization, and the pick with 4 stages (M > 128: 128-row tiles too)."""
     num_kb = -(-K // 128)
@@ -99,7 +91,7 @@ def bench_gemm(dev, ceil, name, M, N, K, sweep: bool) -> dict:
     row = {"name": name, "M": M, "N": N, "K": K, "config": dataclasses.asdict(pick) if decode else list(pick),
            "us": t * 1e6, "quant_us": time_plain(lambda: quant_act(x), dev, rep_ms=50) * 1e6, "bf16_us": t_bf16 * 1e6}
     if decode:
-        legacy = legacy_decode_config(M, N, K, num_sms(dev))
+        legacy = split_decode_config(M, N, K, num_sms(dev))
         row.update(legacy_config=list(legacy), legacy_us=timed(legacy) * 1e6)
         row.update(speedup_vs_legacy=row["legacy_us"] / row["us"],
                    legacy_frac_copy_bw=_frac_bw(N * K, row["legacy_us"], ceil))

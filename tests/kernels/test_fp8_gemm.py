@@ -241,8 +241,8 @@ def test_splitk_gemm_glm_decode_gpu(M, mark):
     forced splits (8, 3) on every layout; reruns give the same bits."""
     for N, K in GLM_DECODE:
         pick = splitk_config(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count)
-        x, wq, ws, got = check_gemm(M, N, K, torch.bfloat16, "cuda", tol=2e-2, cos_min=0.9999)
-        assert torch.equal(w8a8_block_fp8_matmul(x, wq, ws), got), f"[{M},{N},{K}] {pick}: a rerun differs"
+        x, wq, ws, got = check_gemm(M, N, K, torch.bfloat16, "cuda", tol=2e-2, cos_min=0.9999, config=pick)
+        assert torch.equal(w8a8_block_fp8_matmul(x, wq, ws, config=pick), got), f"[{M},{N},{K}] {pick}: a rerun differs"
         check_gemm(M, N, K, torch.bfloat16, "cuda", "transposed", tol=2e-2, cos_min=0.9999,
                    config=SplitKConfig(pick.block_m, pick.block_n, 8, fuse_quant=False))
         check_gemm(M, N, K, torch.bfloat16, "cuda", "nan_padded", tol=2e-2, cos_min=0.9999,
@@ -251,9 +251,12 @@ def test_splitk_gemm_glm_decode_gpu(M, mark):
 
 
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_splitk_gemm_cuda_graph_gpu(mark):
+def test_splitk_gemm_cuda_graph_gpu(mark, monkeypatch):
     """Captured after one eager call, replays of the decode path give the eager bits for new inputs, for
     several projections in one graph (they share the tile counters)."""
+    import kernels.fp8_gemm
+
+    monkeypatch.setattr(kernels.fp8_gemm, "SPLITK_DECODE", True)
     gen = torch.Generator().manual_seed(5)
     shapes = [(2048, 6144), (576, 6144), (6144, 2048)]
     weights = [quantize_weight_ref(torch.randn(N, K, generator=gen).cuda() * K ** -0.5) for N, K in shapes]

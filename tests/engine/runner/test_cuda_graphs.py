@@ -68,16 +68,19 @@ def test_graphs_equal_enforce_eager_fp32(tiny_code):
     assert llm.core.runner.static.num_captures > 0
 
 
-@pytest.mark.parametrize("weights", ["bf16", "fp8"])
-def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path, weights):
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8-splitk"])
+def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path, weights, monkeypatch):
     """GLM-5.3 widths (4 layers, 32 routed experts, random bf16 or FP8 block-scaled weights, fp8 KV) with
     MTP3: graph replay gives the padded eager forwards' tokens across padded batch sizes, with no capture
-    after start-up. In FP8 every decode projection is a split-K GEMM (kernels.fp8_splitk) whose launches
-    share one set of tile counters inside each graph."""
+    after start-up. fp8-splitk: every decode projection is the one-launch split-K GEMM (kernels.fp8_splitk),
+    whose launches share one set of tile counters inside each graph."""
+    import kernels.fp8_gemm
     from bench.serving.gpu_system import random_model_dir
 
+    monkeypatch.setattr(kernels.fp8_gemm, "SPLITK_DECODE", weights == "fp8-splitk")
+
     path = random_model_dir(tmp_path / "glm4", layers=4, experts=32)
-    if weights == "fp8":
+    if weights != "bf16":
         cfg = json.loads((path / "config.json").read_text())
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}
@@ -95,7 +98,7 @@ def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path, weights):
     assert run_joining_leaving(llm, prompts, late=2) == ref
     assert st.num_captures == before and st.graphs.num_replays > 0
     assert any(bp > b for b, bp, _ in st.shapes)
-    if weights == "fp8":
+    if weights != "bf16":
         assert type(llm.core.runner.model.model.layers[0].self_attn.q_a_proj).__name__ == "Fp8Linear"
 
 
