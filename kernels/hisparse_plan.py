@@ -42,12 +42,12 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit(do_not_specialize=["bytes_per_miss", "clock"])  # the clock changes every call: no recompiles
+@triton.jit(do_not_specialize=["bytes_per_miss"])
 def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slot_ptr, hot_base_ptr,
                  page_ptr, s_page, host_ptr, s_host, hblk_ptr, s_hblk,
                  rowpos_ptr, stamp_ptr, state_off, s_state,
                  dst_row_ptr, sel_ptr, s_sel, msrc_ptr, mdst_ptr, scratch_ptr, counters_ptr,
-                 bytes_per_miss, clock, R, K, M, BS,
+                 bytes_per_miss, clock_ptr, R, K, M, BS,
                  N_PAD: tl.constexpr, R_PAD: tl.constexpr, LOG_R: tl.constexpr):
     BIG: tl.constexpr = 1 << 40
     b = tl.program_id(0).to(tl.int64)
@@ -123,6 +123,7 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
     tl.store(stamp_ptr + st_off, stp, mask=in_r)
     tl.store(s_first + e, row)
     tl.debug_barrier()
+    clock = tl.load(clock_ptr)
     tl.store(rowpos_ptr + state_off + hs * s_state + row, spos, mask=touched)
     tl.store(stamp_ptr + state_off + hs * s_state + row, tl.full([N_PAD], 1, tl.int64) * clock, mask=touched)
     first_idx = tl.associative_scan(tl.where(first, e, 0), 0, _max)
@@ -158,9 +159,9 @@ PLAN_WARPS = 8  # warps of the one program per request (BENCHMARKS.md, HiSparse 
 
 def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tensor, hot_slot: torch.Tensor,
              table_slot: torch.Tensor, hot_base: torch.Tensor, page_table: torch.Tensor, host_table: torch.Tensor,
-             hot_blocks: torch.Tensor, row_pos: torch.Tensor, stamp: torch.Tensor, group: int, clock: int,
-             dst_row: torch.Tensor, sel: torch.Tensor, counters: torch.Tensor, bytes_per_miss: int,
-             block_size: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             hot_blocks: torch.Tensor, row_pos: torch.Tensor, stamp: torch.Tensor, group: int,
+             clock: torch.Tensor | int, dst_row: torch.Tensor, sel: torch.Tensor, counters: torch.Tensor,
+             bytes_per_miss: int, block_size: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One plan for B requests. Updates `row_pos` / `stamp` (the hot buffers' state [G, S, R] int64), writes
     each entry's virtual position into `sel[dst_row[b, m], k]` and adds hits, misses and H2D bytes to
     `counters` [4] int64. Returns the miss copies (host slot, hot-buffer device slot) as two flat int64
@@ -169,7 +170,12 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
     topk_pos [T, K] int32 selections of the batch rows; entry_rows [B, M] int64 batch row of each of a
     request's entries (-1 pad); start, hot_slot, table_slot, hot_base [B] int64; page_table [S', P] int32
     (-1: no device page); host_table [B, W] host block ids; hot_blocks [S, H] int32 device blocks of each hot
-    slot; dst_row [B, M] int64 row of `sel` each entry fills (-1: none); sel [P, K] int32.
+    slot; dst_row [B, M] int64 row of `sel` each entry fills (-1: none); sel [P, K] int32; clock: the stamp of
+    the rows this plan touches, read on the device from a one-element int64 tensor (a CUDA graph replays it
+    with the value it holds then; an int is put into one).
+
+    A request whose entries are all -1, with start >= 2^40 (nothing voided), only reads its hot slot's state
+    and writes it back unchanged: the padded static decode path gives its non-hot requests a spare slot so.
     """
     B, M = entry_rows.shape
     K = topk_pos.shape[1]
@@ -189,6 +195,8 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
     if not (row_pos.is_contiguous() and stamp.is_contiguous() and row_pos.shape == stamp.shape):
         raise ValueError("row_pos and stamp must be contiguous [G, S, R] tensors of one shape")
     scratch = buf[2 * B * n_pad:]
+    if not isinstance(clock, torch.Tensor):
+        clock = torch.full((1,), clock, dtype=torch.int64, device=dev)
     _PLAN((B,), (topk_pos, topk_pos.stride(0), entry_rows.contiguous(), start.contiguous(), hot_slot.contiguous(),
                  table_slot.contiguous(), hot_base.contiguous(), page_table, page_table.stride(0),
                  host_table, host_table.stride(0), hot_blocks, hot_blocks.stride(0),
@@ -229,8 +237,9 @@ def dev_slots(positions: torch.Tensor, token_req: torch.Tensor, slot_of_req: tor
     if T == 0:
         return out
     has_hot = hot_slot_of_req is not None
-    hs = hot_slot_of_req if has_hot else slot_of_req
-    st = start_of_req if has_hot else slot_of_req
+    slot_of_req = slot_of_req.contiguous()  # the kernel indexes them densely
+    hs = hot_slot_of_req.contiguous() if has_hot else slot_of_req
+    st = start_of_req.contiguous() if has_hot else slot_of_req
     block = 128
     _dev_slots_kernel[(triton.cdiv(T, block),)](
         positions, token_req, slot_of_req, hs, st, page_table, page_table.stride(0), hot_blocks,
@@ -251,7 +260,7 @@ class Resolved(NamedTuple):
 
 
 def resolve_ref(row_pos: torch.Tensor, stamp: torch.Tensor, pos: torch.Tensor, on_device: torch.Tensor,
-                start: torch.Tensor, clock: int) -> Resolved:
+                start: torch.Tensor, clock: torch.Tensor | int) -> Resolved:
     """The LRU plan of B requests (steps 1-5 of the kernel) in torch ops, on copies of their state.
 
     row_pos / stamp [B, R] int64: position cached in each LRU row and the clock when it was last selected
@@ -284,7 +293,8 @@ def resolve_ref(row_pos: torch.Tensor, stamp: torch.Tensor, pos: torch.Tensor, o
     row = torch.where(found, hit_row, torch.where(miss, victim_row, torch.full_like(hit_row, -1)))
     idx = torch.where(found | miss, row, sink)  # hit and victim rows now hold their positions, stamped
     row_pos = torch.cat([row_pos, sink], 1).scatter(1, idx, sorted_pos)[:, :R]
-    stamp = torch.cat([stamp, sink], 1).scatter(1, idx, clock)[:, :R]
+    now = torch.as_tensor(clock, device=idx.device).expand(idx.shape)
+    stamp = torch.cat([stamp, sink], 1).scatter(1, idx, now)[:, :R]
     row = row.gather(1, torch.searchsorted(sorted_pos, sorted_pos))  # duplicates: their first's row
     row = torch.where(newest, R + sorted_pos - start[:, None], row)
     row = torch.where(hot, row, torch.full_like(row, -1))
@@ -296,7 +306,7 @@ def resolve_ref(row_pos: torch.Tensor, stamp: torch.Tensor, pos: torch.Tensor, o
 
 
 def plan_hot_ref(topk_pos, entry_rows, start, hot_slot, table_slot, hot_base, page_table, host_table, hot_blocks,
-                 row_pos, stamp, group: int, clock: int, dst_row, sel, counters, bytes_per_miss: int,
+                 row_pos, stamp, group: int, clock: torch.Tensor | int, dst_row, sel, counters, bytes_per_miss: int,
                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`plan_hot` in torch ops: the same state update, selections, counters and compact miss lists."""
     B, M = entry_rows.shape

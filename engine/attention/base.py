@@ -71,7 +71,7 @@ class BaseAttentionBackend:
 class WrappingAttentionBackend:
     """What the wrapping backends (HiSparse, CP) share: the inner backend's builder and counters."""
 
-    graph_safe = False  # their per-forward planning reads host state (HiSparse routing, CP step plans)
+    graph_safe = False  # their per-forward planning reads host state (CP step plans; HiSparse sets its own)
 
     def __init__(self, inner: AttentionBackend):
         self.inner = inner

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.hisparse.forward import ForwardState
+    from engine.hisparse.forward import ForwardState, StaticRouting
     from engine.parallel.step import CPStep
 
 
@@ -38,6 +38,7 @@ class AttnMetadata:
     # per-forward state of the wrapping backends, typed (set by the builder / begin_forward)
     req_ids: list[str] | None = None  # the batch's request ids (backends keeping per-request state)
     hisparse: ForwardState | None = None  # HiSparse: this forward's routing, plans and copies
+    hisparse_routing: StaticRouting | None = None  # HiSparse, padded static decode: the routing's device inputs
     cp: CPStep | None = None  # context parallelism: this rank's plan of the step
     # graph-captured steps: launches must not depend on this step's host lists; a backend that can
     # (graph_safe) sizes its work by this bound on every seq len instead (None: use the lists)

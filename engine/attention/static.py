@@ -1,10 +1,12 @@
 """Step metadata in buffers allocated once: what a graph-captured decode step reads its inputs from.
 
 One forward's host-side inputs (token ids, positions, slots, the rows' requests, query starts, seq lens,
-block table, and any extra int lists the caller sends along) are packed into one host buffer (pinned on
-CUDA), copied to the device in one transfer, and spread into fixed device tensors there (device-side
-copies, no host sync). The returned metadata holds views of those tensors, so a batch of the same padded
-shape always sees the same addresses: a CUDA graph captured on them replays on the next step's values.
+block table, per-request ints a wrapping backend reads inside the forward, and any extra int lists the caller
+sends along) are packed into one host buffer (pinned on CUDA), copied to the device in one transfer, and
+spread into fixed device tensors there (device-side copies, no host sync). The returned metadata holds views
+of those tensors, so a batch of the same padded shape always sees the same addresses: a CUDA graph captured
+on them replays on the next step's values. (The extras land after the block table's used columns, so their
+addresses move with its width: they are for the code around the forward, `req_ints` for the code inside.)
 
 The pinned buffer of each build comes from torch's caching host allocator, which does not hand a buffer out
 again before the copy that reads it has run: the host can build any number of forwards ahead of the GPU
@@ -21,14 +23,15 @@ from engine.attention.metadata import AttnMetadata
 
 
 class StaticMetadataBuilder:
-    def __init__(self, max_rows: int, max_reqs: int, max_blocks: int, block_size: int, device: torch.device | str):
+    def __init__(self, max_rows: int, max_reqs: int, max_blocks: int, block_size: int, device: torch.device | str,
+                 num_req_ints: int = 0):
         self.max_rows, self.max_reqs, self.max_blocks = max_rows, max_reqs, max(1, max_blocks)
         self.block_size = block_size
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         # the extra lists of one build (row maps, per-request values of the decode step) share this room
         self.max_extra = 2 * max_rows + 8 * max_reqs
-        n = 4 * max_rows + 2 * max_reqs + 1 + max_reqs * self.max_blocks + self.max_extra
+        n = 4 * max_rows + 2 * max_reqs + 1 + max_reqs * self.max_blocks + num_req_ints * max_reqs + self.max_extra
         self.flat = torch.zeros(n, dtype=torch.int64, device=self.device)
         i64 = {"dtype": torch.int64, "device": self.device}
         i32 = {"dtype": torch.int32, "device": self.device}
@@ -39,15 +42,21 @@ class StaticMetadataBuilder:
         self.query_start_loc = torch.zeros(max_reqs + 1, **i32)
         self.seq_lens = torch.zeros(max_reqs, **i32)
         self.block_table = torch.zeros((max_reqs, self.max_blocks), **i32)
+        # per-request int lists at fixed addresses (HiSparse: each request's page-table row and hot slot)
+        self.req_ints = torch.zeros((num_req_ints, max_reqs), **i64)
         self.num_h2d = 0  # host -> device copies made (one per build)
 
     def build(self, rows: list[tuple[list[int], list[int], int, list[int], list[int]]],
-              extras: tuple[list[int], ...] = ()) -> tuple[torch.Tensor, AttnMetadata, list[torch.Tensor]]:
+              extras: tuple[list[int], ...] = (),
+              req_ints: tuple[list[int], ...] = ()) -> tuple[torch.Tensor, AttnMetadata, list[torch.Tensor]]:
         """rows: per request (block ids, positions of its rows, seq len after the step, token ids, write
-        slots); extras: int lists that travel in the same copy. Returns (input_ids [T], metadata, the extras
-        as device int64 tensors)."""
+        slots); extras: int lists that travel in the same copy; req_ints: lists of one int per request, which
+        land in `self.req_ints[i, :B]`. Returns (input_ids [T], metadata, the extras as device int64 tensors)."""
         T, B = sum(len(r[3]) for r in rows), len(rows)
         W = max([len(r[0]) for r in rows] + [1])  # columns copied; those past them are never read
+        if len(req_ints) > self.req_ints.shape[0] or any(len(v) != B for v in req_ints):
+            raise ValueError(f"{len(req_ints)} per-request int lists for {self.req_ints.shape[0]} rows, "
+                             f"each of {B} ints")
         if T > self.max_rows or B > self.max_reqs or sum(len(e) for e in extras) > self.max_extra:
             raise ValueError(f"static batch of {T} rows / {B} requests / {sum(len(e) for e in extras)} extra ints "
                              f"exceeds the buffers ({self.max_rows} / {self.max_reqs} / {self.max_extra})")
@@ -67,6 +76,8 @@ class StaticMetadataBuilder:
             table.extend(blocks)
             table.extend([0] * (W - len(blocks)))
         packed = ids + pos + slots + req_idx + qsl + lens + table
+        for v in req_ints:
+            packed.extend(v)
         for e in extras:
             packed.extend(e)
         host = torch.tensor(packed, dtype=torch.int64)
@@ -74,7 +85,7 @@ class StaticMetadataBuilder:
             host = host.pin_memory()
         self.flat[: len(packed)].copy_(host, non_blocking=True)  # the forward's one H2D copy
         self.num_h2d += 1
-        at = self._spread(T, B, W)
+        at = self._spread(T, B, W, len(req_ints))
         out = []
         for e in extras:
             out.append(self.flat[at: at + len(e)])
@@ -85,7 +96,7 @@ class StaticMetadataBuilder:
                             query_start_loc_cpu=qsl, seq_lens_cpu=lens, block_size=self.block_size)
         return self.input_ids[:T], meta, out
 
-    def _spread(self, T: int, B: int, W: int) -> int:
+    def _spread(self, T: int, B: int, W: int, num_req_ints: int) -> int:
         """The packed device copy -> the typed static tensors (device-side copies)."""
         f, at = self.flat, 0
         for dst, n in ((self.input_ids, T), (self.positions, T), (self.slot_mapping, T), (self.token_req_idx, T),
@@ -93,4 +104,7 @@ class StaticMetadataBuilder:
             dst[:n].copy_(f[at: at + n])
             at += n
         self.block_table[:B, :W].copy_(f[at: at + B * W].view(B, W))
-        return at + B * W
+        at += B * W
+        if num_req_ints:
+            self.req_ints[:num_req_ints, :B].copy_(f[at: at + num_req_ints * B].view(num_req_ints, B))
+        return at + num_req_ints * B

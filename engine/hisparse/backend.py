@@ -21,7 +21,8 @@ import torch
 
 from engine.attention.base import WrappingAttentionBackend
 from engine.attention.metadata import AttnMetadata
-from engine.hisparse.forward import STAGED, ForwardState, Workspace, plan_forward
+from engine.attention.static import StaticMetadataBuilder
+from engine.hisparse.forward import STAGED, ForwardState, Workspace, plan_forward, plan_static
 from kernels.hisparse_plan import plan_hot, plan_hot_ref
 
 
@@ -47,11 +48,24 @@ class HiSparseBackend(WrappingAttentionBackend):
         super().__init__(inner)
         self.mgr = mgr
         self.name = f"hisparse+{inner.name}"
+        # a padded static decode forward routes from device tensors only (plan_static): capturable when the inner
+        # backend is; the offload-only baseline stages whole contexts per step and never takes that path
+        self.graph_safe = inner.graph_safe and not mgr.offload_only
+
+    def metadata_builder(self, max_rows: int, max_reqs: int, max_blocks: int,
+                         device: torch.device | str) -> StaticMetadataBuilder:
+        """The inner backend's buffers plus two per-request ints: page-table row and hot slot (StaticRouting)."""
+        return StaticMetadataBuilder(max_rows, max_reqs, max_blocks, self.spec.block_size, device, num_req_ints=2)
 
     def begin_forward(self, meta: AttnMetadata) -> None:
-        """This forward's routing (resident / hot / staged requests), device slots and sub-batches."""
+        """This forward's routing (resident / hot / staged requests), device slots and sub-batches: from the
+        static routing's device tensors on the padded static path, else from the metadata's host lists."""
         self.inner.begin_forward(meta)
-        meta.hisparse = plan_forward(self.mgr, meta)
+        rt = meta.hisparse_routing
+        fw = plan_static(self.mgr, meta, rt) if rt is not None else plan_forward(self.mgr, meta)
+        if fw.hot is not None and fw.assembled is None:
+            self.mgr.hot.clock += 1  # one tick per forward (on the device): its plans stamp the rows they touch
+        meta.hisparse = fw
 
     def state(self, meta: AttnMetadata) -> ForwardState:
         if meta.hisparse is None:  # a caller that drives the layers itself (benchmarks) may skip begin_forward
@@ -131,7 +145,7 @@ class HiSparseBackend(WrappingAttentionBackend):
         hb, mgr = fw.hot, self.mgr
         if hb is None:
             return GroupPlan(None, None, None)
-        if not mgr.assemble:
+        if fw.assembled is None:  # the virtual layout (always on the padded static path)
             return self._resolve_virtual(fw, cache, group, topk_pos)
         bs = meta.block_size
         B, M = hb.entry_rows.shape
@@ -156,7 +170,6 @@ class HiSparseBackend(WrappingAttentionBackend):
         topk_pos = topk_pos if topk_pos.dtype == torch.int32 else topk_pos.to(torch.int32)
         pool_sel = _rows(topk_pos, fw.pool.rows).contiguous().clone()
         layers = mgr.groups.layers[group]
-        mgr.hot.clock += 1
         plan = plan_hot if mgr.fused_plan else plan_hot_ref
         src, dst = plan(topk_pos.contiguous(), hb.entry_rows, hb.start, hb.hot_slot, hb.table_slot, hb.hot_base,
                         mgr.page_table, hb.host_table, mgr.hot.blocks, mgr.hot.row_pos, mgr.hot.stamp, group,

@@ -14,6 +14,12 @@ Two ways to read hot rows: `virtual` (the GPU path) hands the inner backend a bl
 [device pages (spilled ones point at block 0, never selected) | hot blocks] and selections remapped to
 that layout; `assembled` copies the selected rows into a position-ordered workspace first, so the torch
 reference computes exactly what it computes for a resident request (bit-identical fp32 decode).
+
+Two ways to build it: `plan_forward` (any batch) from the metadata's host lists, memoized while the batch
+repeats (`BatchRouting`); `plan_static` for the padded static decode forwards (engine/runner/static_decode.py),
+which a CUDA graph replays: every request RESIDENT or HOT with R rows, the virtual layout for all of them,
+and nothing read but fixed device tensors (`StaticRouting`: each request's page-table row and hot slot,
+filled by the batch's one host -> device copy; the rest is computed from the metadata on the device).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from engine.attention.metadata import AttnMetadata
 from kernels.hisparse_plan import dev_slots, dev_slots_ref
 
 RESIDENT, HOT, STAGED = "resident", "hot", "staged"
+PAD = "pad"  # a padding request of a padded static batch (reads block 0, writes nothing)
+_NO_VOID = 1 << 40  # a start past every position: the plan voids none of the slot's rows (kernels.hisparse_plan)
 
 
 def to_dev(x, dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -76,7 +84,7 @@ class HotBatch:
     table_slot: torch.Tensor  # [B] page-table rows
     host_table: torch.Tensor | None  # [B, W] host block ids
     hot_base: torch.Tensor  # [B] virtual position of hot row 0 (virtual mode)
-    ws_base: torch.Tensor  # [B] first workspace block (assembled mode)
+    ws_base: torch.Tensor | None  # [B] first workspace block (assembled mode)
     dst_row: torch.Tensor | None = None  # virtual mode: [B, M] the pool row of each entry row, -1 padded
     idx: torch.Tensor | None = None  # the hot requests' rows in the batch's request order (None: every request)
 
@@ -127,6 +135,83 @@ class BatchRouting:
     pool_lens: tuple[list[int], torch.Tensor] | None  # the pool's lengths when all its requests are HOT (constant)
     fixed_slots: bool = False  # every new row goes to its request's reserved hot rows: dev_slots repeat
     dev_slots: torch.Tensor | None = None  # ... and are kept here once computed
+
+
+@dataclass
+class StaticRouting:
+    """A padded static decode batch's routing inputs (`static_routing`, before the forward; the forward reads
+    only `slot` and `hot_slot`, views of the static builder's `req_ints` at fixed addresses)."""
+
+    rows_per_req: int
+    slots: list[int]  # page-table row of each request (padding requests: the spare row, -1 everywhere)
+    hot_slots: list[int]  # hot slot of each HOT request, -1 for the others
+    paths: list[str]  # RESIDENT / HOT / PAD: this step's, for the host (instrumentation, not the forward)
+    pool_lens_cpu: list[int]  # the pool part's lengths from the host lists (read only where those are exact)
+    slot: torch.Tensor | None = None  # [B] int64 on the device
+    hot_slot: torch.Tensor | None = None  # [B] int64 on the device
+
+    @property
+    def ints(self) -> tuple[list[int], list[int]]:
+        """What travels in the batch's copy (StaticMetadataBuilder.build's req_ints)."""
+        return self.slots, self.hot_slots
+
+
+def static_routing(mgr, req_ids: list[str], seq_lens: list[int], rows_per_req: int) -> StaticRouting:
+    """The host side of a padded decode batch's routing (after the step's placement): request ids ("" for a
+    padding request) and seq lens -> page-table rows and hot slots. Every request takes at most 1 + drafts
+    rows, so one with a hot buffer is HOT and one without is RESIDENT."""
+    slots, hot, paths, lens = [], [], [], []
+    bs, rows = mgr.spec.block_size, mgr.layout.rows
+    for rid, n in zip(req_ids, seq_lens):
+        r = mgr.residency.reqs.get(rid) if rid else None
+        if r is None:
+            slots.append(mgr.spare_slot)
+            hot.append(-1)
+            paths.append(PAD)
+            lens.append(n)
+            continue
+        slots.append(r.slot)
+        hot.append(r.hot_slot if r.hot_slot >= 0 else -1)
+        paths.append(HOT if r.hot_slot >= 0 else RESIDENT)
+        lens.append(-(-n // bs) * bs + rows if r.hot_slot >= 0 else n)
+    return StaticRouting(rows_per_req, slots, hot, paths, lens)
+
+
+def plan_static(mgr, meta: AttnMetadata, rt: StaticRouting) -> ForwardState:
+    """The routing of a padded static decode forward, from device tensors only (a CUDA graph replays it):
+    B requests of R consecutive rows each (a request's padding rows and padding requests write nowhere:
+    slot -1). The pool part is the whole batch in the virtual layout; one plan covers every request, those
+    without a hot buffer with no entry, on the spare hot slot (kernels.hisparse_plan.plan_hot)."""
+    lay, bs = mgr.layout, meta.block_size
+    B, R, M, H = rt.slot.shape[0], rt.rows_per_req, lay.max_new_rows, lay.num_blocks
+    dev = meta.positions.device
+    hot = rt.hot_slot >= 0
+    start = meta.positions.view(B, R)[:, 0].contiguous()  # first position written this step
+    fn = dev_slots if mgr.fused_plan else dev_slots_ref
+    slots = fn(meta.positions, meta.token_req_idx, rt.slot, rt.hot_slot, start, mgr.page_table, mgr.hot.blocks, bs,
+               lay.lru_rows, lay.rows)
+    slots = torch.where(meta.slot_mapping >= 0, slots, torch.full_like(slots, -1))
+    # the pool's block table: each request's device pages (spilled or none -> block 0), then a HOT one's hot blocks
+    pages = (meta.seq_lens.long() + bs - 1) // bs
+    own = mgr.page_table[rt.slot].clamp(min=0)
+    own = torch.cat([own, own.new_zeros((B, H))], dim=1)
+    cols = torch.arange(own.shape[1], device=dev)[None, :]
+    rel = cols - pages[:, None]
+    hot_slot = torch.where(hot, rt.hot_slot, torch.full_like(rt.hot_slot, mgr.hot.spare))
+    hot_blk = mgr.hot.blocks[hot_slot].gather(1, rel.clamp(0, H - 1))
+    table = torch.where(cols < pages[:, None], own,
+                        torch.where(hot[:, None] & (rel < H), hot_blk, torch.zeros_like(hot_blk)))
+    base = pages * bs
+    vlens = torch.where(hot, base + lay.rows, meta.seq_lens.long()).to(torch.int32)
+    pool = SubBatch(req_idx=list(range(B)), rows=None,
+                    meta=dataclasses.replace(meta, block_table=table, seq_lens=vlens, seq_lens_cpu=rt.pool_lens_cpu))
+    j = torch.arange(M, device=dev)[None, :]  # entries: a HOT request's real rows
+    rows = torch.arange(B, device=dev)[:, None] * R + j.clamp(max=R - 1)
+    entry = torch.where(hot[:, None] & (j < R) & (meta.slot_mapping[rows] >= 0), rows, torch.full_like(rows, -1))
+    hb = HotBatch(req_idx=[b for b, p in enumerate(rt.paths) if p == HOT], entry_rows=entry,
+                  start=torch.where(hot, start, torch.full_like(start, _NO_VOID)), hot_slot=hot_slot,
+                  table_slot=rt.slot, host_table=meta.block_table, hot_base=base, ws_base=None, dst_row=entry)
+    return ForwardState(paths=rt.paths, dev_slots=slots, pool=pool, hot=hb)
 
 
 def plan_forward(mgr, meta: AttnMetadata) -> ForwardState:

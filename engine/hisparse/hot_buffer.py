@@ -12,6 +12,10 @@ State per (group, hot slot), `lru_rows` wide:  row_pos (position cached in the r
 
 Rows caching positions >= start are voided first: those positions are being (re)written now (MTP drafts
 that were rejected get new KV at the same positions), so an older copy must not be reused.
+
+The plan clock is a device tensor (a captured forward advances it and its plans stamp with it on replay).
+One more slot than requests can hold, `spare`, is never assigned: the padded static decode path points its
+requests without a hot buffer there (their plans read and write back its empty state, nothing else).
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ class HotPlan:
 class HotBuffers:
     def __init__(self, layout: HotLayout, num_groups: int, max_hot: int, device: torch.device):
         self.layout = layout
-        shape = (num_groups, max(max_hot, 1), layout.lru_rows)
+        self.spare = max(max_hot, 1)
+        shape = (num_groups, self.spare + 1, layout.lru_rows)
         self.row_pos = torch.full(shape, -1, dtype=torch.int64, device=device)
         self.stamp = torch.full(shape, -1, dtype=torch.int64, device=device)
-        self.blocks = torch.zeros((max(max_hot, 1), layout.num_blocks), dtype=torch.int32, device=device)
-        self.clock = 0
+        self.blocks = torch.zeros((self.spare + 1, layout.num_blocks), dtype=torch.int32, device=device)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=device)  # advanced in place (`+= 1`): on the device
 
     def assign(self, hot_slot: int, blocks: list[int]) -> None:
         """A request takes hot slot `hot_slot` with these device blocks: its LRU starts empty."""

@@ -1,5 +1,6 @@
 """What the ModelRunner owns under HiSparse: the caches, residency, hot buffers, the backend wrapper, the
-per-step hook and the counters (device tensors, read only when stats are asked for)."""
+per-step hook and the counters (device tensors, read only when stats are asked for: on a GPU from a pinned
+copy taken at each step's start while a step is in flight, so asking never waits for one)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,9 @@ class HiSparseManager:
         max_reqs = cfg.scheduler.max_num_seqs
         self.residency = Residency(num_device_blocks, self.layout.num_blocks, max_reqs, self.offload_only)
         max_pages = -(-(cfg.scheduler.max_model_len + cfg.num_spec_tokens + 1) // spec.block_size) + 1
-        self.page_table = torch.full((max_reqs, max_pages), -1, dtype=torch.int32, device=device)
+        # one row per request, plus a spare one that stays -1 (the padding requests of static batches read it)
+        self.page_table = torch.full((max_reqs + 1, max_pages), -1, dtype=torch.int32, device=device)
+        self.spare_slot = max_reqs
         self.hot = HotBuffers(self.layout, self.groups.num_groups, self.residency.max_hot, device)
         self.mover = RowMover(torch.device(device))
         self.assemble = assemble
@@ -72,6 +75,10 @@ class HiSparseManager:
         self.fused_plan = torch.device(device).type == "cuda"
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
         self.step_counters = self.counters[_STEP_H2D:]  # the per-step ones, zeroed by place()
+        cuda = torch.device(device).type == "cuda"
+        # the counters as a step found them (pinned copy behind an event): what stats() reads while one runs
+        self.snapshot = torch.zeros(4, dtype=torch.int64, pin_memory=True) if cuda else None
+        self.snapshot_ready = torch.cuda.Event() if cuda else None
         self.ints = IntMemo()  # per-forward routing lists kept on the device while they repeat
         self.version = 0  # bumped whenever placement changes (page table, hot buffers): invalidates memos
         self.routing_memo = None  # engine.hisparse.forward.BatchRouting of the last forward
@@ -102,6 +109,9 @@ class HiSparseManager:
     def place(self, dropped: list[str], synced: list[tuple[str, list[int], int]]) -> None:
         """Drop requests; register / grow (req_id, host block ids, tokens already written); rebalance; apply.
         The margin keeps one spare block per request for next step's growth before anything is restored."""
+        if self.snapshot is not None:  # behind the last step's forwards, before its per-step count is reset
+            self.snapshot.copy_(self.counters, non_blocking=True)
+            self.snapshot_ready.record()
         self.step_counters.zero_()  # on the device: `counters[i] = 0` would copy a host scalar in
         if dropped:
             self.version += 1
@@ -138,8 +148,18 @@ class HiSparseManager:
         self.counters[_H2D] += nbytes
         self.counters[_STEP_H2D] += nbytes
 
+    def read_counters(self) -> list[int]:
+        """hits, misses, H2D bytes, H2D bytes of the last step. An idle GPU (or the CPU) is read directly; while
+        a step runs (async scheduling launches the next one before reading the last) the snapshot taken at its
+        start is read: it sits behind the steps whose outputs were read already, so nothing waits for the one
+        in flight."""
+        if self.snapshot is None or torch.cuda.current_stream(self.counters.device).query():
+            return self.counters.tolist()
+        self.snapshot_ready.synchronize()
+        return self.snapshot.tolist()
+
     def stats(self) -> HiSparseStats:
-        hits, misses, h2d, step = self.counters.tolist()
+        hits, misses, h2d, step = self.read_counters()
         states = self.residency.count_states()
         return HiSparseStats(hits=hits, misses=misses, h2d_bytes=h2d, h2d_bytes_last_step=step,
                              spilled_pages=self.residency.num_spilled_pages,

@@ -5,6 +5,12 @@ writes pinned host memory in place (unified addressing), so slot lists computed 
 round trip; a group's miss copies run on a side stream (the leader layer's alone, then the others' in one
 launch), each part with an event that its layers' attention waits for. If this Triton cannot address pinned
 host memory, copies fall back to a synchronous gather (`path` says which one ran; the benchmark reports it).
+
+Under CUDA-graph capture the same fork and join are captured: the side stream first waits for an event
+recorded on the capturing stream (which pulls it into the capture), and every part's event is waited for by
+its layers, so the graph holds the copies as a branch that ends before their attention. The previous
+forward's copies need no wait there (graph replays are ordered on their stream), and the events are fresh
+ones, so no event recorded inside a capture is ever waited for outside it.
 """
 
 from __future__ import annotations
@@ -101,12 +107,17 @@ class RowMover:
             for part in parts:
                 self._copy_part(part, src_slots, dst_slots)
             return {}
-        events = self._events.get(key)
-        if events is None:  # kept per group: a wait binds to the record before it, so re-recording next step is safe
-            events = self._events[key] = [torch.cuda.Event() for _ in range(len(parts) + 1)]
         main = torch.cuda.current_stream()
-        main.wait_event(events[-1])  # the last copy of this key is done (already, unless a forward broke off)...
-        self._held[key] = (src_slots, dst_slots)  # ... before its slot lists can be freed
+        if torch.cuda.is_current_stream_capturing():
+            events = [torch.cuda.Event() for _ in range(len(parts) + 1)]
+        else:
+            events = self._events.get(key)
+            if events is None:  # kept per group: a wait binds to the record before it, so re-recording is safe
+                events = self._events[key] = [torch.cuda.Event() for _ in range(len(parts) + 1)]
+            main.wait_event(events[-1])  # the last copy of this key is done (already, unless a forward broke off)...
+        # ... before its slot lists can be freed (in a capture: not before it ends, so that no later allocation
+        # of the capture reuses their memory while the branch may still read it)
+        self._held[key] = (src_slots, dst_slots)
         events[0].record(main)
         out, at = {}, 0
         torch.cuda.set_stream(self.side)  # the launches below go to the side stream

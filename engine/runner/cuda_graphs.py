@@ -12,10 +12,14 @@ A capture that fails (an operation that cannot be captured) is logged once and t
 eagerly from then on (`failed` says why; the GPU tests assert it stays None).
 
 A request joining or leaving changes only the buffers' contents and, across a capture size, the key:
-nothing is captured twice. The captured forwards are the model's target pass and the MTP layer's
-catch-up and draft passes; sampling and rejection run between them, on the device for a batch of greedy
-decode requests (engine/runner/device_step.py), on the host for any other (per-request generators, grammars
-and penalties are host-side state).
+nothing is captured twice. Under HiSparse the graph holds the routing, the plans, the miss copies (a branch
+on HiSparse's side stream, forked from and joined back into the captured stream) and the new rows' backup to
+the host pool; placement and page restores run before the replay (docs/hisparse.md, "Under CUDA graphs").
+
+The captured forwards are the model's target pass and the MTP layer's catch-up and draft passes; sampling
+and rejection run between them, on the device for a batch of greedy decode requests
+(engine/runner/device_step.py), on the host for any other (per-request generators, grammars and penalties
+are host-side state).
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ drafts, samples greedily, and its tokens stay on the device until the step's one
               (engine/runner/step_output.py)
 
 Host lists of the metadata are exact where a backend sizes its work by them (not graph-safe: the torch
-reference, HiSparse's plan); reading the accepted counts for them costs nothing on the CPU and is a host
-sync on a GPU (counted in `num_syncs`). A graph-safe backend sizes its launches by `max_seq_len_bound`, so
-its lists are upper bounds and the step reads nothing back.
+reference); reading the accepted counts for them costs nothing on the CPU and is a host sync on a GPU
+(counted in `num_syncs`). A graph-safe backend (Triton, HiSparse over it) sizes its launches by
+`max_seq_len_bound` and device tensors, so its lists are upper bounds and the step reads nothing back.
 """
 
 from __future__ import annotations

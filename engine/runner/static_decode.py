@@ -11,9 +11,13 @@ the speculative tokens for the target pass and the MTP catch-up, 1 for the draft
 
 Rows never interact inside a layer (attention reads the cache, every other op is per row), so the real
 rows compute what they would unpadded. On CUDA, with a graph-safe backend, each (kind, size, R) is
-captured once and replayed; elsewhere the same padded forward runs eagerly. HiSparse forwards use the
-static buffers but are neither padded (its routing is per real request) nor captured (its plan reads
-host state per step).
+captured once and replayed; elsewhere the same padded forward runs eagerly.
+
+HiSparse: each request's page-table row and hot slot (engine.hisparse.forward.StaticRouting, padding
+requests on a spare row with none) travel in the same copy into fixed device tensors, and the forward
+computes its routing, plans and miss copies from those and the metadata on the device
+(`plan_static`), so it is padded and captured like any other. The offload-only baseline keeps its
+per-step host routing: unpadded, never captured.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.metadata import AttnMetadata
+from engine.hisparse.forward import StaticRouting, static_routing
 
 
 @dataclass
@@ -60,12 +65,14 @@ class StaticDecode:
         self.runner = runner
         self.sizes = cfg.graphs.capture_sizes(cfg.scheduler.max_num_seqs)
         self.rows_per_req = 1 + cfg.num_spec_tokens
-        self.pad = runner.hisparse is None
+        hs = runner.hisparse
+        self.hisparse = hs if hs is not None and not hs.offload_only else None  # routed by StaticRouting
+        self.pad = hs is None or self.hisparse is not None
         bs = runner.block_size
         self.max_blocks = -(-(cfg.scheduler.max_model_len + self.rows_per_req) // bs) + 1
         self.builder = runner.backend.metadata_builder(self.sizes[-1] * self.rows_per_req, self.sizes[-1],
                                                        self.max_blocks, runner.device)
-        self.graph_safe = runner.backend.graph_safe and runner.hisparse is None
+        self.graph_safe = runner.backend.graph_safe and self.pad
         self.capture = self.graph_safe and runner.device.type == "cuda"
         self.bound = self.max_blocks * bs if self.graph_safe else None
         self.graphs = None
@@ -112,9 +119,12 @@ class StaticDecode:
             entries.append(([], list(range(R)), R, [0] * R, [-1] * R))
             src_idx.extend([0] * R)
             req_ids.append("")
-        ids, meta, (real_t, src_t, *extra_t) = self.builder.build(entries, (real_idx, src_idx, *extras))
+        route = self._routing(req_ids, [e[2] for e in entries], R)
+        ids, meta, (real_t, src_t, *extra_t) = self.builder.build(entries, (real_idx, src_idx, *extras),
+                                                                  route.ints if route is not None else ())
         meta.req_ids = req_ids
         meta.max_seq_len_bound = self.bound
+        meta.hisparse_routing = self._attach(route, B_pad)
         self.num_static += 1
         self.shapes[(B, B_pad, R)] += 1
         return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R), extra_t)
@@ -129,10 +139,25 @@ class StaticDecode:
     def dummy(self, B_pad: int, R: int) -> PaddedBatch:
         """A batch of padding requests only (R rows at positions 0..R-1 of block 0, slot -1: nothing written)."""
         entries = [([], list(range(R)), R, [0] * R, [-1] * R) for _ in range(B_pad)]
-        ids, meta, (real_t, src_t) = self.builder.build(entries, ([], [0] * (B_pad * R)))
+        route = self._routing([""] * B_pad, [R] * B_pad, R)
+        ids, meta, (real_t, src_t) = self.builder.build(entries, ([], [0] * (B_pad * R)),
+                                                        route.ints if route is not None else ())
         meta.req_ids = [""] * B_pad
         meta.max_seq_len_bound = self.bound
+        meta.hisparse_routing = self._attach(route, B_pad)
         return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R))
+
+    def _routing(self, req_ids: list[str], seq_lens: list[int], R: int) -> StaticRouting | None:
+        """HiSparse's routing of a padded batch (host side, after the step's placement), else None."""
+        if self.hisparse is None:
+            return None
+        return static_routing(self.hisparse, req_ids, seq_lens, R)
+
+    def _attach(self, route: StaticRouting | None, B_pad: int) -> StaticRouting | None:
+        """The routing's device tensors: the builder's fixed per-request rows, filled by this build's copy."""
+        if route is not None:
+            route.slot, route.hot_slot = self.builder.req_ints[0, :B_pad], self.builder.req_ints[1, :B_pad]
+        return route
 
     def capture_all(self) -> None:
         """Capture every key at start-up (vLLM's convention), so serving never pauses to capture and a

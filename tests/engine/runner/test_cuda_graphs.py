@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step on tiny-code (GPU only): graph replay equals the same padded forwards
 run eagerly token for token, with MTP3 and with HiSparse forcing misses, across batch sizes that need
 padding; one capture per bucket, none when requests join or leave. Also against --enforce-eager in
-fp32 (the exact kernel modes)."""
+fp32 (the exact kernel modes), and HiSparse's graph decode step reads nothing back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, SamplingParams
+from engine.core.request import Request
 from tests.helpers.decode_runs import run_joining_leaving, source_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -102,19 +103,102 @@ def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path, weights, monkeyp
         assert type(llm.core.runner.model.model.layers[0].self_attn.q_a_proj).__name__ == "Fp8Linear"
 
 
-@pytest.mark.parametrize("spec", [0, 3])
-def test_hisparse_under_graphs_stays_eager_and_exact(code16, spec):
-    """HiSparse decodes read host-side routing per step: they run the static buffers eagerly (never padded,
-    never captured) and give the tokens of --enforce-eager, with misses every step."""
-    kw = dict(hisparse={"host_pool_blocks": 48}, **BF16, **({"num_speculative_tokens": spec} if spec else {}))
+HOST_BLOCKS = 64
+LONG = 10 * 64 + 2  # prompt tokens: more pages than the whole device pool, so no request is ever resident
+
+
+def _hisparse_kw(spec: int, **kw) -> dict:
+    """A device pool of 4 hot buffers and one block (code16: top-k 16): with LONG prompts every request decodes
+    from its hot buffer, misses every step."""
     hot_blocks = 1 if spec == 0 else 2
-    tok_llm = LLM(str(code16), num_blocks=4 * hot_blocks + 1, enforce_eager=True, **kw)
-    prompts = source_prompts(tok_llm.tokenizer, 4, base=8 * 16 + 2)  # >= 8x top-k: misses every step
-    ref = run_joining_leaving(tok_llm, prompts)
-    llm = LLM(str(code16), num_blocks=4 * hot_blocks + 1, enforce_eager=False, **kw)
+    return dict(num_blocks=4 * hot_blocks + 1, hisparse={"host_pool_blocks": HOST_BLOCKS}, **kw,
+                **({"num_speculative_tokens": spec} if spec else {}))
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_hisparse_graph_replay_equals_eager_static(code16, spec):
+    """HiSparse decode under CUDA graphs (routing, plan, miss copies on the side stream and the new rows' backup
+    all inside the graph): replay gives the same padded forwards run eagerly token for token, with misses every
+    decode step, across padded batch sizes; every key captured at start-up, none when requests join or leave."""
+    kw = _hisparse_kw(spec, **BF16)
+    eager = _graph_llm(code16, capture=False, **kw)
+    prompts = source_prompts(eager.tokenizer, 4, base=LONG)
+    ref = run_joining_leaving(eager, prompts, late=2)
+    llm = _graph_llm(code16, **kw)
     st = llm.core.runner.static
-    assert st is not None and not st.capture
-    assert run_joining_leaving(llm, prompts) == ref
-    assert st.num_static > 0 and st.num_captures == 0
-    assert all(b == bp for b, bp, _ in st.shapes)
+    assert llm.core.runner.backend.graph_safe and st.hisparse is not None
+    assert st.graphs.failed is None, st.graphs.failed
+    assert st.num_captures == len(st.keys()) == len(SIZES) * (4 if spec else 1), "every key captured at start-up"
+    mgr = llm.core.runner.hisparse
+    steps, step = [], llm.core.step
+
+    def counted():  # (graph replays, misses) per engine step
+        n, m = st.graphs.num_replays, mgr.read_counters()[1]
+        out = step()
+        steps.append((st.graphs.num_replays - n, mgr.read_counters()[1] - m))
+        return out
+
+    llm.core.step = counted
+    got = run_joining_leaving(llm, prompts, late=2)
+    assert got == ref
+    assert st.graphs.failed is None, st.graphs.failed
+    assert any(bp > b for b, bp, _ in st.shapes), f"no padded batch: {dict(st.shapes)}"
+    assert st.graphs.num_replays == st.num_static + st.num_reruns > 0, "every static forward replays a graph"
+    decode = [m for n, m in steps if n]
+    assert decode and all(m > 0 for m in decode), f"a replayed decode step without misses: {steps}"
+    assert llm.get_stats().hisparse.copy_path == "triton"
+    assert llm.core.runner.device_decode.num_syncs == 0
+    before = st.num_captures
+    more = source_prompts(llm.tokenizer, 4, base=LONG + 5)
+    assert run_joining_leaving(llm, more, late=2) == run_joining_leaving(eager, more, late=2)
+    assert st.num_captures == before, "a request joining or leaving re-captured a graph"
+    assert not mgr.residency.reqs and bool((mgr.page_table[mgr.spare_slot] == -1).all())
+    assert llm.get_stats().num_free_blocks == HOST_BLOCKS
+
+
+def test_hisparse_graphs_equal_enforce_eager_fp32(code16):
+    """fp32 weights and KV, MTP3, misses every step: HiSparse under CUDA graphs (padded) gives the greedy tokens of
+    HiSparse with --enforce-eager (unpadded, host-built routing), and of resident decode."""
+    kw = _hisparse_kw(3, **FP32)
+    plain = LLM(str(code16), num_blocks=64, enforce_eager=True, num_speculative_tokens=3, **FP32)
+    prompts = source_prompts(plain.tokenizer, 4, base=LONG)
+    resident = run_joining_leaving(plain, prompts, late=2)
+    ref = run_joining_leaving(LLM(str(code16), enforce_eager=True, **kw), prompts, late=2)
+    llm = _graph_llm(code16, **kw)
+    assert run_joining_leaving(llm, prompts, late=2) == ref == resident
+    st = llm.core.runner.static
+    assert st.graphs.failed is None and st.num_captures == len(st.keys()), st.graphs.failed
     assert llm.get_stats().hisparse.misses > 0
+
+
+def test_hisparse_graph_decode_step_never_syncs(code16):
+    """Steady HiSparse decode under CUDA graphs, MTP3, misses every step: every launch of a step (placement,
+    static build, replays, device verification and drafting) runs under sync-debug "error"; nothing is read back."""
+    llm = _graph_llm(code16, **_hisparse_kw(3, **BF16))
+    runner = llm.core.runner
+    rids = [f"s{i}" for i in range(4)]
+    for rid, p in zip(rids, source_prompts(llm.tokenizer, 4, base=LONG)):
+        llm.core.add_request(Request(rid, p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
+    for _ in range(4):
+        llm.core.step()
+    captures, misses, launch = runner.static.num_captures, runner.hisparse.read_counters()[1], runner.execute_async
+
+    def no_sync_launch(sched):
+        torch.cuda.set_sync_debug_mode("error")  # a synchronising CUDA call raises
+        try:
+            return launch(sched)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.execute_async = no_sync_launch
+    try:
+        for _ in range(12):
+            llm.core.step()
+    finally:
+        runner.execute_async = launch
+    assert runner.device_decode.num_syncs == 0 and runner.static.num_captures == captures
+    assert runner.static.graphs.failed is None, runner.static.graphs.failed
+    assert runner.hisparse.read_counters()[1] > misses
+    for rid in rids:
+        llm.core.abort(rid)
+    llm.core.step()

@@ -69,3 +69,98 @@ def test_start_up_keys_and_padding_only_batches_write_nothing(tiny_code):
     after = [runner.kv_cache.mla, runner.kv_cache.index]
     same = all(a.view(torch.uint8).equal(b.view(torch.uint8)) for a, b in zip(before, after))
     assert same, "a padding-only batch wrote KV"
+
+
+HOST_BLOCKS = 64
+LONG = 10 * 64 + 2  # prompt tokens: more pages than the whole device pool, so no request is ever resident
+
+
+def _hisparse_llm(code16, spec: int, eager: bool) -> LLM:
+    """A device pool of 4 hot buffers and one block (code16's top-k 16): with LONG prompts every request decodes
+    from its hot buffer, misses every step."""
+    hot_blocks = 1 if spec == 0 else 2
+    return LLM(str(code16), num_blocks=4 * hot_blocks + 1, max_num_seqs=8, cuda_graph_sizes=SIZES,
+               hisparse={"host_pool_blocks": HOST_BLOCKS}, enforce_eager=eager,
+               **({"num_speculative_tokens": spec} if spec else {}))
+
+
+def _count_steps(llm: LLM) -> list[tuple[int, int]]:
+    """(static forwards, HiSparse misses) of every engine step from now on."""
+    core, st, mgr = llm.core, llm.core.runner.static, llm.core.runner.hisparse
+    steps, step = [], core.step
+
+    def counted():
+        n, m = st.num_static, mgr.read_counters()[1]
+        out = step()
+        steps.append((st.num_static - n, mgr.read_counters()[1] - m))
+        return out
+
+    core.step = counted
+    return steps
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_hisparse_static_padded_decode_equals_eager(code16, spec):
+    """HiSparse decode on the padded static path (each request's routing from the static buffers, what CUDA graphs
+    replay) gives the eager path's greedy tokens with misses every decode step, with and without MTP3, across batch
+    sizes that need padding and requests joining and leaving; nothing leaks."""
+    eager = _hisparse_llm(code16, spec, eager=True)
+    prompts = source_prompts(eager.tokenizer, 4, base=LONG)
+    ref = run_joining_leaving(eager, prompts, late=2, tokens=8)
+    llm = _hisparse_llm(code16, spec, eager=False)
+    steps = _count_steps(llm)
+    assert run_joining_leaving(llm, prompts, late=2, tokens=8) == ref
+    st = llm.core.runner.static
+    assert st.hisparse is not None and st.num_captures == 0
+    assert any(bp > b for b, bp, _ in st.shapes), f"no forward needed padding: {dict(st.shapes)}"
+    assert {b for b, _, _ in st.shapes} >= {1, 2, 3, 4}, "the batch grew and shrank across steps"
+    decode = [m for n, m in steps if n]
+    assert len(decode) >= 8 // (1 + spec) and all(m > 0 for m in decode), f"a decode step without misses: {steps}"
+    assert llm.core.runner.device_decode.num_steps > 0
+    mgr = llm.core.runner.hisparse
+    assert not mgr.residency.reqs and len(mgr.residency.free_hot) == mgr.residency.max_hot
+    assert bool((mgr.page_table[mgr.spare_slot] == -1).all()) and llm.get_stats().num_free_blocks == HOST_BLOCKS
+
+
+def test_hisparse_static_path_with_the_plan_kernel(code16):
+    """The same with the plan and slot kernels of the GPU (kernels.hisparse_plan, in Triton's interpreter): the
+    padded batch plans its padding requests too (no entries, the spare hot slot), MTP3, 3 requests padded to 4."""
+    eager = _hisparse_llm(code16, 3, eager=True)
+    prompts = source_prompts(eager.tokenizer, 3, base=LONG)
+    ref = run_joining_leaving(eager, prompts, tokens=3)
+    llm = _hisparse_llm(code16, 3, eager=False)
+    llm.core.runner.hisparse.fused_plan = True
+    assert run_joining_leaving(llm, prompts, tokens=3) == ref
+    assert (3, 4, 4) in llm.core.runner.static.shapes and llm.get_stats().hisparse.misses > 0
+
+
+def test_hisparse_padding_only_batches_change_nothing(code16):
+    """Padding requests route as harmless under HiSparse: with requests decoding from their hot buffers, a batch of
+    padding requests only, through every key of both passes (what start-up captures), writes no KV (host pool,
+    device pool, index cache), no page table, no hot-buffer state and no counter."""
+    from engine import SamplingParams
+    from engine.core.request import Request
+    from engine.runner.static_decode import eager_forward
+
+    llm = _hisparse_llm(code16, 3, eager=False)
+    core, runner = llm.core, llm.core.runner
+    mgr, st = runner.hisparse, runner.static
+    for i, p in enumerate(source_prompts(llm.tokenizer, 4, base=LONG)):
+        core.add_request(Request(f"q{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
+    for _ in range(4):
+        core.step()
+    assert mgr.residency.count_states()["host"] == 4 and mgr.read_counters()[1] > 0
+    state = (runner.kv_cache.mla, runner.kv_cache.index, runner.kv_cache.pool.mla, mgr.page_table, mgr.hot.row_pos,
+             mgr.hot.stamp, mgr.hot.blocks, mgr.counters)
+    before = [t.clone() for t in state]
+    hidden = llm.core.cfg.model.hidden_size
+    for kind, size, R in st.keys():
+        batch = st.dummy(size, R)
+        assert batch.meta.hisparse_routing.paths == ["pad"] * size
+        eager_forward(runner, kind, batch.input_ids, batch.meta,
+                      torch.zeros((size * R, hidden)) if kind == "mtp" else None)
+    changed = [i for i, (a, b) in enumerate(zip(before, state)) if not a.view(torch.uint8).equal(b.view(torch.uint8))]
+    assert not changed, f"a padding-only batch changed state {changed}"
+    for i in range(4):
+        core.abort(f"q{i}")
+    core.step()

@@ -187,3 +187,78 @@ def test_fixed_dev_slots_repeat_while_every_request_writes_its_reserved_rows():
         assert torch.equal(got, _dev_slots(mgr, meta, fresh, torch.tensor(start)))
     lru = mgr.layout.lru_rows
     assert int(first[0]) == int(mgr.hot.blocks[1, lru // BS]) * BS + lru % BS
+
+
+def test_dev_slots_kernel_reads_strided_per_request_tensors():
+    """The padded static path hands each request's start over as a strided view (the position of its first
+    row): the launcher makes the per-request tensors dense, so the kernel gives the torch ops' slots."""
+    from kernels.hisparse_plan import dev_slots, dev_slots_ref
+
+    layout = HotLayout.create(8, 16, 2, block_size=BS)
+    hot = HotBuffers(layout, 1, 3, torch.device("cpu"))
+    hot.blocks = torch.arange(40, 40 + hot.blocks.numel(), dtype=torch.int32).view(hot.blocks.shape)
+    page_table = torch.full((4, 30), -1, dtype=torch.int32)
+    page_table[2, 10] = 5  # request 2's rows at 40.. are on a device page
+    R = 3
+    pos = torch.tensor([21, 22, 22, 30, 31, 32, 40, 41, 42])  # request 0: one padding row (repeats its last)
+    tok = torch.arange(3, dtype=torch.int32).repeat_interleave(R)
+    slot, hs = torch.tensor([0, 1, 2]), torch.tensor([1, 0, -1])
+    start = pos.view(3, R)[:, 0]
+    assert not start.is_contiguous()
+    want = dev_slots_ref(pos, tok, slot, hs, start, page_table, hot.blocks, BS, layout.lru_rows, layout.rows)
+    got = dev_slots(*(t.to(DEV) for t in (pos, tok, slot, hs)), start.to(DEV) if DEV.type == "cpu" else
+                    pos.to(DEV).view(3, R)[:, 0], page_table.to(DEV), hot.blocks.to(DEV), BS, layout.lru_rows,
+                    layout.rows)
+    assert torch.equal(got.cpu(), want)
+    lru = layout.lru_rows
+    assert int(want[3]) == int(hot.blocks[0, lru // BS]) * BS + lru % BS, "request 1's first row: reserved row 0"
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "kernel"])
+def test_plan_of_a_padded_batch_leaves_requests_without_entries_untouched(fused):
+    """A padded static batch plans every request. Those without a hot buffer (resident and padding requests) have
+    no entry, a start past every position and the spare hot slot, several of them at once: they change no slot's
+    state, no selection and no counter and copy nothing, and the HOT request beside them plans as it would alone."""
+    rng = random.Random(7)
+    K, spec = 6, 2
+    layout = HotLayout.create(K, 12, spec, block_size=BS)
+    M = layout.max_new_rows
+    dev = DEV if fused else torch.device("cpu")
+    plan = plan_hot if fused else plan_hot_ref
+    hot = HotBuffers(layout, 1, 3, dev)
+    for s in range(3):
+        hot.assign(s, [100 + s * layout.num_blocks + i for i in range(layout.num_blocks)])
+    spare = hot.spare
+    W, B = 40, 4
+    page_table = torch.full((5, W), -1, dtype=torch.int32)
+    host_table = torch.randint(0, 500, (B, W))
+    rows = torch.arange(B)[:, None] * M + torch.arange(M)[None, :]
+    entry = torch.where(torch.arange(B)[:, None] == 0, rows, torch.full_like(rows, -1))  # request 0 is HOT
+    start = torch.tensor([61, 1 << 40, 1 << 40, 1 << 40])
+    hot_slot = torch.tensor([1, spare, spare, spare])
+    table_slot = torch.tensor([0, 1, 4, 4])
+    hot_base = torch.tensor([1000, 0, 0, 0])
+
+    def run(hb, n, topk):  # plan the first n requests -> (selections, miss pairs, counters)
+        sel, counters = topk.clone(), torch.zeros(4, dtype=torch.int64)
+        hb.clock += 1
+        d = [t.to(dev) for t in (topk, entry[:n], start[:n], hot_slot[:n], table_slot[:n], hot_base[:n], page_table,
+                                 host_table[:n], entry[:n], sel, counters)]
+        src, dst = plan(*d[:8], hb.blocks, hb.row_pos, hb.stamp, 0, hb.clock, d[8], d[9], d[10], bytes_per_miss=1,
+                        block_size=BS)
+        pairs = sorted((int(a), int(b)) for a, b in zip(src.cpu(), dst.cpu()) if a >= 0)
+        return d[9].cpu(), pairs, d[10].cpu()
+
+    alone = HotBuffers(layout, 1, 3, dev)
+    alone.blocks.copy_(hot.blocks)
+    misses = 0
+    for _ in range(3):  # a few steps, so that the LRU state holds hits and stamps
+        topk = torch.tensor([[rng.randint(0, 60) for _ in range(K)] for _ in range(B * M)], dtype=torch.int32)
+        got, want = run(hot, B, topk), run(alone, 1, topk)
+        assert torch.equal(got[0], want[0]) and got[1] == want[1] and torch.equal(got[2], want[2])
+        assert torch.equal(hot.row_pos.cpu(), alone.row_pos.cpu()) and torch.equal(hot.stamp.cpu(), alone.stamp.cpu())
+        assert torch.equal(got[0][M:], topk[M:]), "the selections of requests without entries are left as they were"
+        start[0] += 1
+        misses += len(got[1])
+    assert bool((hot.row_pos[:, spare] == -1).all()) and bool((hot.stamp[:, spare] == -1).all())
+    assert misses > 0 and int(got[2][0]) > 0
