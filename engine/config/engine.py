@@ -180,7 +180,9 @@ class GraphConfig:
     allocated once; on CUDA each size is captured once, at start-up, as a CUDA graph and replayed.
     enforce_eager None (the default): graphs on CUDA (as in vLLM), the plain eager path on the CPU;
     False: the padded static path on every device, run eagerly on the CPU (what the CPU tests compare);
-    True: eager everywhere (`--enforce-eager`)."""
+    True: eager everywhere (`--enforce-eager`). HiSparse decode is captured only when asked (False,
+    `--cuda-graphs`): by default a CUDA HiSparse engine runs the same padded forwards eagerly, until its
+    graph tests have passed on an H200 (docs/hisparse.md, "Under CUDA graphs")."""
 
     enforce_eager: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, then every 8 up to max_num_seqs
@@ -201,6 +203,10 @@ class GraphConfig:
         if not sizes or sizes[-1] < max_num_seqs:
             sizes.append(max_num_seqs)  # the largest batch the scheduler forms always has a bucket
         return sizes
+
+    @property
+    def capture_hisparse(self) -> bool:
+        return self.enforce_eager is False
 
     def use_static_path(self, device: str) -> bool:
         if self.enforce_eager is None:

@@ -73,7 +73,9 @@ class StaticDecode:
         self.builder = runner.backend.metadata_builder(self.sizes[-1] * self.rows_per_req, self.sizes[-1],
                                                        self.max_blocks, runner.device)
         self.graph_safe = runner.backend.graph_safe and self.pad
-        self.capture = self.graph_safe and runner.device.type == "cuda"
+        # HiSparse capture is opt-in (GraphConfig.capture_hisparse) until its graph tests have run on an H200
+        self.capture = (self.graph_safe and runner.device.type == "cuda"
+                        and (self.hisparse is None or cfg.graphs.capture_hisparse))
         self.bound = self.max_blocks * bs if self.graph_safe else None
         self.graphs = None
         if self.capture:
