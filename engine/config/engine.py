@@ -180,9 +180,9 @@ class GraphConfig:
     allocated once; on CUDA each size is captured once, at start-up, as a CUDA graph and replayed.
     enforce_eager None (the default): graphs on CUDA (as in vLLM), the plain eager path on the CPU;
     False: the padded static path on every device, run eagerly on the CPU (what the CPU tests compare);
-    True: eager everywhere (`--enforce-eager`). HiSparse decode is captured only when asked (False,
-    `--cuda-graphs`): by default a CUDA HiSparse engine runs the same padded forwards eagerly, until its
-    graph tests have passed on an H200 (docs/hisparse.md, "Under CUDA graphs")."""
+    True: eager everywhere (`--enforce-eager`). On CUDA, HiSparse decode is padded and captured only when
+    asked (False, `--cuda-graphs`): by default a CUDA HiSparse engine keeps its unpadded static path, until
+    the padded one's graph tests have passed on an H200 (docs/hisparse.md, "Under CUDA graphs")."""
 
     enforce_eager: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, then every 8 up to max_num_seqs

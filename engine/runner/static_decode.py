@@ -66,16 +66,18 @@ class StaticDecode:
         self.sizes = cfg.graphs.capture_sizes(cfg.scheduler.max_num_seqs)
         self.rows_per_req = 1 + cfg.num_spec_tokens
         hs = runner.hisparse
-        self.hisparse = hs if hs is not None and not hs.offload_only else None  # routed by StaticRouting
-        self.pad = hs is None or self.hisparse is not None
+        # HiSparse decode is padded (routed by StaticRouting) on the CPU and, on CUDA, only with graphs asked for
+        # (GraphConfig.capture_hisparse) until its graph tests have run on an H200; else it runs unpadded
+        padded_hs = hs is not None and not hs.offload_only and (runner.device.type != "cuda"
+                                                                 or cfg.graphs.capture_hisparse)
+        self.hisparse = hs if padded_hs else None
+        self.pad = hs is None or padded_hs
         bs = runner.block_size
         self.max_blocks = -(-(cfg.scheduler.max_model_len + self.rows_per_req) // bs) + 1
         self.builder = runner.backend.metadata_builder(self.sizes[-1] * self.rows_per_req, self.sizes[-1],
                                                        self.max_blocks, runner.device)
         self.graph_safe = runner.backend.graph_safe and self.pad
-        # HiSparse capture is opt-in (GraphConfig.capture_hisparse) until its graph tests have run on an H200
-        self.capture = (self.graph_safe and runner.device.type == "cuda"
-                        and (self.hisparse is None or cfg.graphs.capture_hisparse))
+        self.capture = self.graph_safe and runner.device.type == "cuda"
         self.bound = self.max_blocks * bs if self.graph_safe else None
         self.graphs = None
         if self.capture:
