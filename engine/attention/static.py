@@ -11,6 +11,10 @@ again before the copy that reads it has run: the host can build any number of fo
 (a whole step of MTP passes, and with async scheduling the next step) without waiting for it.
 
 Rows and requests are given already padded (the runner's padding rows write nowhere: slot -1).
+
+`derive` writes a forward of one row per request of the last build (the decode step's MTP draft passes)
+on the device instead: positions, slots and seq lens from device tensors and the block table already
+there, no host list packed and no copy from the host.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class StaticMetadataBuilder:
         self.query_start_loc = torch.zeros(max_reqs + 1, **i32)
         self.seq_lens = torch.zeros(max_reqs, **i32)
         self.block_table = torch.zeros((max_reqs, self.max_blocks), **i32)
+        self.arange = torch.arange(max(max_rows, max_reqs + 1), **i64)
         self.num_h2d = 0  # host -> device copies made (one per build)
 
     def build(self, rows: list[tuple[list[int], list[int], int, list[int], list[int]]],
@@ -84,6 +89,35 @@ class StaticMetadataBuilder:
                             block_table=self.block_table[:B], token_req_idx=self.token_req_idx[:T],
                             query_start_loc_cpu=qsl, seq_lens_cpu=lens, block_size=self.block_size)
         return self.input_ids[:T], meta, out
+
+    def derive(self, positions: torch.Tensor, seq_lens_cpu: list[int], num_padded: int,
+               requests: torch.Tensor | None = None) -> tuple[torch.Tensor, AttnMetadata]:
+        """The forward of one row per request at `positions` [B] (device), written into the buffers on the device:
+        no host list is packed and nothing is copied from the host. The requests are those of the buffers' block
+        table (`requests`: which of its rows, in order, gathered first; None: its first B), so each position must
+        lie in the blocks the last build gave its request; padded to `num_padded` requests as a build pads (one
+        row at position 0, slot -1, seq len 1, an empty table row). `seq_lens_cpu`: the host list of every seq
+        len (exact, or upper bounds for a graph-safe backend). Returns (input_ids [num_padded], metadata); the
+        caller writes the token ids."""
+        B, Bp, bs = positions.shape[0], num_padded, self.block_size
+        if requests is not None:
+            self.block_table[:B].copy_(self.block_table[requests])
+        if Bp > B:
+            self.block_table[B:Bp].zero_()
+            self.input_ids[B:Bp].zero_()
+        pos = torch.nn.functional.pad(positions.long(), (0, Bp - B))
+        slots = self.block_table[:Bp].long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        self.positions[:Bp].copy_(pos)
+        self.slot_mapping[:Bp].copy_(torch.where(self.arange[:Bp] < B, slots, -1))
+        self.seq_lens[:Bp].copy_(pos + 1)
+        self.token_req_idx[:Bp].copy_(self.arange[:Bp])
+        self.query_start_loc[:Bp + 1].copy_(self.arange[:Bp + 1])
+        meta = AttnMetadata(positions=self.positions[:Bp], slot_mapping=self.slot_mapping[:Bp],
+                            query_start_loc=self.query_start_loc[:Bp + 1], seq_lens=self.seq_lens[:Bp],
+                            block_table=self.block_table[:Bp], token_req_idx=self.token_req_idx[:Bp],
+                            query_start_loc_cpu=list(range(Bp + 1)), seq_lens_cpu=seq_lens_cpu,
+                            block_size=self.block_size)
+        return self.input_ids[:Bp], meta
 
     def _spread(self, T: int, B: int, W: int) -> int:
         """The packed device copy -> the typed static tensors (device-side copies)."""

@@ -73,7 +73,8 @@ class StaticDecode:
             from engine.runner.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(runner)
-        self.num_static = 0  # forwards built on this path, one H2D copy each (instrumented for the tests)
+        self.num_static = 0  # forwards on this path: built (one H2D copy each) or derived (instrumented for the tests)
+        self.num_derived = 0  # ... of those, derived on the device from the last build (`next_rows`)
         self.num_reruns = 0  # forwards run again on a built batch (the device step's MTP catch-up)
         self.shapes: Counter = Counter()  # (real requests, padded requests, rows per request) of each forward
 
@@ -118,6 +119,25 @@ class StaticDecode:
         self.num_static += 1
         self.shapes[(B, B_pad, R)] += 1
         return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R), extra_t)
+
+    def next_rows(self, positions: torch.Tensor, host_positions: list[int], req_ids: list[str],
+                  requests: torch.Tensor | None = None) -> PaddedBatch:
+        """One row per request of the last built batch at `positions` [B] (device; `host_positions` the same on
+        the host, exact or upper bounds as the backend needs them), derived on the device (the builder's
+        `derive`): the decode step's MTP draft passes. `requests`: which of the batch's requests, by index into
+        the last forward's requests, in order (None: its first B, in order); `req_ids` theirs. The caller writes
+        the token ids (`input_ids[real_idx]`)."""
+        B = len(host_positions)
+        B_pad = self.bucket(B) if self.pad else B
+        ids, meta = self.builder.derive(positions, [p + 1 for p in host_positions] + [1] * (B_pad - B), B_pad,
+                                        requests)
+        meta.req_ids = req_ids + [""] * (B_pad - B)
+        meta.max_seq_len_bound = self.bound
+        self.num_static += 1
+        self.num_derived += 1
+        self.shapes[(B, B_pad, 1)] += 1
+        real = self.builder.arange[:B]
+        return PaddedBatch(ids, meta, real, torch.nn.functional.pad(real, (0, B_pad - B)), (B_pad, 1))
 
     def keys(self) -> list[tuple[str, int, int]]:
         """Every (kind, padded requests, rows per request) a decode forward can take: the target pass and
