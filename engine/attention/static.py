@@ -19,6 +19,8 @@ there, no host list packed and no copy from the host.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from engine.attention.metadata import AttnMetadata
@@ -51,27 +53,43 @@ class StaticMetadataBuilder:
         """rows: per request (block ids, positions of its rows, seq len after the step, token ids, write
         slots); extras: int lists that travel in the same copy. Returns (input_ids [T], metadata, the extras
         as device int64 tensors)."""
-        T, B = sum(len(r[3]) for r in rows), len(rows)
-        W = max([len(r[0]) for r in rows] + [1])  # columns copied; those past them are never read
-        if T > self.max_rows or B > self.max_reqs or sum(len(e) for e in extras) > self.max_extra:
-            raise ValueError(f"static batch of {T} rows / {B} requests / {sum(len(e) for e in extras)} extra ints "
-                             f"exceeds the buffers ({self.max_rows} / {self.max_reqs} / {self.max_extra})")
-        ids, pos, slots, req_idx, qsl, lens, table = [], [], [], [], [0], [], []
+        ids, pos, slots, counts, lens, tables = [], [], [], [], [], []
         for b, (blocks, row_pos, seq_len, tokens, row_slots) in enumerate(rows):
             if not len(row_pos) == len(tokens) == len(row_slots):
                 raise ValueError(f"request {b}: positions, tokens and slots differ in length")
-            if len(blocks) > self.max_blocks:
-                raise ValueError(f"request {b} holds {len(blocks)} blocks, more than the table width "
-                                 f"{self.max_blocks}")
             ids.extend(tokens)
             pos.extend(row_pos)
             slots.extend(row_slots)
-            req_idx.extend([b] * len(tokens))
-            qsl.append(qsl[-1] + len(tokens))
+            counts.append(len(tokens))
             lens.append(seq_len)
+            tables.append(blocks)
+        return self.build_columns(ids, pos, slots, counts, lens, tables, extras)
+
+    def build_columns(self, ids: list[int], pos: list[int], slots: list[int], counts: list[int], seq_lens: list[int],
+                      tables: list[list[int]], extras: tuple[list[int], ...] = ()
+                      ) -> tuple[torch.Tensor, AttnMetadata, list[torch.Tensor]]:
+        """`build` from its rows already flattened: every row's token id, position and write slot, in order;
+        per request its number of rows, seq len after the step and block ids (the one pass a caller that
+        builds the rows itself saves)."""
+        T, B = len(ids), len(counts)
+        W = max(max(map(len, tables), default=1), 1)  # columns copied; those past them are never read
+        if T > self.max_rows or B > self.max_reqs or sum(len(e) for e in extras) > self.max_extra:
+            raise ValueError(f"static batch of {T} rows / {B} requests / {sum(len(e) for e in extras)} extra ints "
+                             f"exceeds the buffers ({self.max_rows} / {self.max_reqs} / {self.max_extra})")
+        if not len(pos) == len(slots) == T == sum(counts):
+            raise ValueError("positions, tokens, slots and the requests' row counts differ in length")
+        if W > self.max_blocks:
+            b = next(b for b, t in enumerate(tables) if len(t) > self.max_blocks)
+            raise ValueError(f"request {b} holds {len(tables[b])} blocks, more than the table width "
+                             f"{self.max_blocks}")
+        req_idx, table = [], []
+        for b, (n, blocks) in enumerate(zip(counts, tables)):
+            req_idx.extend([b] * n)
             table.extend(blocks)
-            table.extend([0] * (W - len(blocks)))
-        packed = ids + pos + slots + req_idx + qsl + lens + table
+            if len(blocks) < W:
+                table.extend([0] * (W - len(blocks)))
+        qsl = [0, *accumulate(counts)]
+        packed = ids + pos + slots + req_idx + qsl + seq_lens + table
         for e in extras:
             packed.extend(e)
         host = torch.tensor(packed, dtype=torch.int64)
@@ -87,7 +105,7 @@ class StaticMetadataBuilder:
         meta = AttnMetadata(positions=self.positions[:T], slot_mapping=self.slot_mapping[:T],
                             query_start_loc=self.query_start_loc[: B + 1], seq_lens=self.seq_lens[:B],
                             block_table=self.block_table[:B], token_req_idx=self.token_req_idx[:T],
-                            query_start_loc_cpu=qsl, seq_lens_cpu=lens, block_size=self.block_size)
+                            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=self.block_size)
         return self.input_ids[:T], meta, out
 
     def derive(self, positions: torch.Tensor, seq_lens_cpu: list[int], num_padded: int,

@@ -96,24 +96,40 @@ class StaticDecode:
         if B_pad is None or B_pad > self.sizes[-1] or any(len(t) > R for _, _, t in rows) \
                 or any(len(st.block_ids) > self.max_blocks for st, _, _ in rows):
             return None
-        bs, slot_fn = self.runner.block_size, self.runner.slot_fn
-        entries, real_idx, src_idx, req_ids = [], [], [], []
+        bs, slot_fn, pad = self.runner.block_size, self.runner.slot_fn, self.pad
+        ids, pos, slots, counts, lens, tables, real_idx, src_idx, req_ids = [], [], [], [], [], [], [], [], []
+        r = 0  # real rows so far
         for st, start, tokens in rows:
-            n = len(tokens)
-            extra = R - n if self.pad else 0
-            pos = list(range(start, start + n))
-            slots = list(slot_fn(st.block_ids, pos, bs))
-            real_idx.extend(range(len(src_idx), len(src_idx) + n))  # padded rows of its real rows
-            r0 = len(real_idx) - n  # this request's first real row
-            src_idx.extend(list(range(r0, r0 + n)) + [r0 + n - 1] * extra)
-            entries.append((st.block_ids, pos + [pos[-1]] * extra, start + n, list(tokens) + [tokens[-1]] * extra,
-                            slots + [-1] * extra))
+            n, end = len(tokens), start + len(tokens)
+            at = len(ids)
+            rng = range(start, end)
+            ids.extend(tokens)
+            pos.extend(rng)
+            slots.extend(slot_fn(st.block_ids, rng, bs))
+            real_idx.extend(range(at, at + n))  # padded rows of its real rows
+            src_idx.extend(range(r, r + n))
+            extra = R - n if pad else 0
+            if extra:  # padding rows repeat its last row and write nowhere
+                ids.extend([tokens[-1]] * extra)
+                pos.extend([end - 1] * extra)
+                slots.extend([-1] * extra)
+                src_idx.extend([r + n - 1] * extra)
+            r += n
+            counts.append(n + extra)
+            lens.append(end)
+            tables.append(st.block_ids)
             req_ids.append(st.req_id)
         for _ in range(B_pad - B):
-            entries.append(([], list(range(R)), R, [0] * R, [-1] * R))
+            ids.extend([0] * R)
+            pos.extend(range(R))
+            slots.extend([-1] * R)
             src_idx.extend([0] * R)
+            counts.append(R)
+            lens.append(R)
+            tables.append([])
             req_ids.append("")
-        ids, meta, (real_t, src_t, *extra_t) = self.builder.build(entries, (real_idx, src_idx, *extras))
+        ids, meta, (real_t, src_t, *extra_t) = self.builder.build_columns(ids, pos, slots, counts, lens, tables,
+                                                                          (real_idx, src_idx, *extras))
         meta.req_ids = req_ids
         meta.max_seq_len_bound = self.bound
         self.num_static += 1
