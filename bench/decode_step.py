@@ -23,6 +23,15 @@ step must read at least (below) over the device-to-device copy bandwidth measure
               of E local experts
     KV        per request and attention layer of the target pass: min(context, top-k) MLA rows and the
               whole context's indexer keys (bytes per token of the engine's KV format)
+
+`--host-phases` instead times where a decode step's host time goes, on the static path, per batch: the
+engine's own phase counters (`EngineCore.step_phase_seconds`: schedule, launch, device wait, read-back,
+update, what the services export), inside the launch the input build (`StaticDecode.prepare` and the draft
+passes' `next_rows`), the forwards (`StaticDecode.run`) and the logits, and the front end's output
+processing after the step (detokenization, stop strings: `OutputProcessor.process`). Host = step + output
+- device wait, less the forwards and logits on the CPU (there they are the device's work, computed):
+
+    python -m bench.decode_step --host-phases --batches 1,32 --prompt-len 1024 --steps 10
 """
 
 from __future__ import annotations
@@ -118,6 +127,62 @@ def time_steps(core, batch: int, prompt_len: int, steps: int, warmup: int, profi
     return row
 
 
+# inside the launch: (label, functions timed inclusively; see bench.hisparse.host_timer)
+LAUNCH_PARTS = (("inputs", ("engine.runner.static_decode:StaticDecode.prepare",
+                            "engine.runner.static_decode:StaticDecode.next_rows")),
+                ("forward", ("engine.runner.static_decode:StaticDecode.run",)),
+                ("logits", ("engine.model.model:GlmDsaForCausalLM.compute_logits",)))
+
+
+def host_phases(core, tokenizer, batch: int, prompt_len: int, steps: int, warmup: int, tag: str) -> dict:
+    """Per decode step (ms, means over `steps`): the engine's phases, the launch's parts, the output processing
+    and the host total (module docstring)."""
+    from bench.hisparse.host_timer import HostTimer
+    from engine.core.core import STEP_PHASES
+    from engine.frontend.output_processor import OutputProcessor
+
+    proc = OutputProcessor(tokenizer)
+    rids = _fill(core, batch, prompt_len, 12 * (warmup + steps + 4), tag)
+    for r in core.scheduler.running:
+        proc.add(r)
+    for _ in range(warmup):
+        proc.process(core.step())
+    timer = HostTimer()
+    for _, targets in LAUNCH_PARTS:
+        for t in targets:
+            timer.wrap(t)
+    before, tokens = dict(core.step_phase_seconds), 0
+    _sync()
+    t0 = time.perf_counter()
+    timer.on = True
+    try:
+        for _ in range(steps):
+            outs = core.step()
+            tokens += sum(len(o.new_token_ids) for o in outs)
+            t = time.perf_counter()
+            proc.process(outs)
+            timer.seconds["output"] = timer.seconds.get("output", 0.0) + time.perf_counter() - t
+        _sync()
+        wall = time.perf_counter() - t0
+    finally:
+        timer.on = False
+        timer.restore()
+    ms = {p: 1e3 * (core.step_phase_seconds[p] - before[p]) / steps for p in STEP_PHASES}
+    for label, targets in LAUNCH_PARTS:
+        ms[label] = 1e3 * sum(timer.seconds[t.split(":")[1]] for t in targets) / steps
+    ms["output"] = 1e3 * timer.seconds["output"] / steps
+    ms["step"] = sum(ms[p] for p in STEP_PHASES)
+    device_work = ms["forward"] + ms["logits"] if core.runner.device.type == "cpu" else 0.0
+    ms["host"] = ms["step"] + ms["output"] - ms["device_wait"] - device_work
+    for r in rids:
+        core.abort(r)
+    while core.has_unfinished():
+        core.step()
+    core.step()
+    return {"batch": batch, "wall_ms": 1e3 * wall / steps, "tokens_per_step": tokens / steps,
+            "ms": {k: round(v, 3) for k, v in ms.items()}}
+
+
 def floor_bytes(core, batch: int, context: int) -> dict:
     """The bytes one decode step reads at least (module docstring), by part."""
     runner, cfg = core.runner, core.cfg
@@ -200,6 +265,8 @@ def main(argv=None) -> dict:
                    help="its prompt length (default: --prompt-len; above the top-k, a step misses)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="also the static path with async scheduling (mode `async`)")
+    p.add_argument("--host-phases", action="store_true",
+                   help="only where the static path's decode step spends its host time, by phase (docstring)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
@@ -243,15 +310,24 @@ def main(argv=None) -> dict:
                 kw["load_format"] = "dummy"
             if a.spec:
                 kw["num_speculative_tokens"] = a.spec
-            core = LLM(path, **kw, **graph_kw).core
+            llm = LLM(path, **kw, **graph_kw)
+            core = llm.core
 
             def make_hisparse():
                 return LLM(path, **kw, **hs_kw, **graph_kw).core
         st = core.runner.static
         info["captures_at_start"] = st.num_captures if st is not None else 0
+        if a.host_phases:
+            rows = [host_phases(core, getattr(llm, "tokenizer", None) if not a.standin else None, b, a.prompt_len,
+                                a.steps, a.warmup, "host") for b in batches]
+            for row in rows:
+                print(f"B={row['batch']:3d}  " + "  ".join(f"{k} {v:.3f}" for k, v in row["ms"].items())
+                      + f"  ms/step, {row['tokens_per_step']:.1f} tok/step", flush=True)
+            batches = []  # nothing else to time
         modes = ["eager", "graphs"] + (["async"] if a.async_scheduling and st is not None else [])
-        rows += run_modes(core, modes, batches, a, ceil.get("copy_tbps"), "resident")
-        if hs_kw:
+        if batches:
+            rows += run_modes(core, modes, batches, a, ceil.get("copy_tbps"), "resident")
+        if hs_kw and batches:
             del core, st
             gc.collect()
             if torch.cuda.is_available():

@@ -39,6 +39,7 @@ class EngineHost:
         self._prefix_seen = (0, 0)
         self._hisparse_seen = (0, 0, 0)
         self._steps_seen = (0, 0.0)
+        self._phases_seen: dict[str, float] = {}
         self._offload_seen = (0, 0, 0, 0)
 
     def load_figures(self, rank: int = 0) -> dict[str, float]:
@@ -104,6 +105,9 @@ class EngineHost:
             m.engine_steps.inc(max(st.num_steps - self._steps_seen[0], 0))
             m.engine_step_seconds.inc(max(st.step_seconds - self._steps_seen[1], 0.0))
             self._steps_seen = (st.num_steps, st.step_seconds)
+            for phase, secs in st.step_phase_seconds.items():
+                m.engine_step_phase_seconds.labels(phase=phase).inc(max(secs - self._phases_seen.get(phase, 0.0), 0.0))
+            self._phases_seen = dict(st.step_phase_seconds)
             if hasattr(m, "prefix_cache_queries"):
                 q, h = st.prefix_queries, st.prefix_hits
                 m.prefix_cache_queries.inc(max(q - self._prefix_seen[0], 0))

@@ -9,7 +9,13 @@ figures, so the cost of the hops (router, gRPC, NIXL pull) shows.
 experts (tiny-code's tokenizer and vocabulary) and serves it with random weights (`--load-format dummy`).
 Per run the engines' counters are read before and after (`pdserve:engine_steps_total`,
 `pdserve:engine_step_seconds_total`, the decode TPOT and prefill TTFT histograms, NIXL bytes): the
-server-side figures are means over that run.
+server-side figures are means over that run. Each `bench serve` level also prints where the decode time
+goes (`split_line`): the decode engine's step by phase (`pdserve:engine_step_phase_seconds_total`: the
+device wait, and the host's schedule / launch / read-back / update), the decode service per token delta
+(engine step returned -> its gRPC message sent) and the router per chunk (gRPC message read -> SSE event
+written), both from `pdserve:token_delta_delay_seconds`.
+
+    python -m bench.serving.gpu_system --no-hisparse --concurrency 32 --prompts-per-level 64 --out F.json
 """
 
 from __future__ import annotations
@@ -27,9 +33,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COUNTERS = ("pdserve:engine_steps_total", "pdserve:engine_step_seconds_total",
+            "pdserve:engine_step_phase_seconds_total",
             "pdserve:time_per_output_token_seconds_sum", "pdserve:time_per_output_token_seconds_count",
             "pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
+            "pdserve:token_delta_delay_seconds_sum", "pdserve:token_delta_delay_seconds_count",
             "pdserve:nixl_bytes_transferred_total")
+PHASES = ("schedule", "launch", "device_wait", "read_back", "update")  # engine.core.core.STEP_PHASES
 
 
 def random_model_dir(out: Path, layers: int = 4, experts: int = 32) -> Path:
@@ -49,9 +58,10 @@ def random_model_dir(out: Path, layers: int = 4, experts: int = 32) -> Path:
 
 
 def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share: float | None,
-             hisparse: bool = True) -> dict:
+             hisparse: bool = True, async_scheduling: bool = False) -> dict:
     """The topology file for one benchmark run: fresh ports and Redis; the model, dummy weights, memory
-    share and (hisparse False) a decode without HiSparse, whose decode step is then graph-captured."""
+    share, (hisparse False) a decode without HiSparse, whose decode step is then graph-captured, and
+    (async_scheduling) a decode that plans its next step while one runs."""
     from engine.parallel.dist import free_port
 
     topo = yaml.safe_load(config.read_text())
@@ -68,6 +78,8 @@ def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share:
                 args["load-format"] = "dummy"
             if share:
                 args["gpu-memory-utilization"] = share
+            if kind == "decode" and async_scheduling:
+                args["async-scheduling"] = True
             if kind == "decode" and not hisparse:
                 attn = dict(args.pop("attention-config", None) or {})
                 attn.pop("hisparse_config", None)
@@ -88,13 +100,16 @@ def scrape(dep) -> dict[str, dict[str, float]]:
 
 
 def _counters(address: str) -> dict[str, float]:
+    """{name: value} of COUNTERS; a labelled series is `name{labels}` (the engine step's phases)."""
     url = address if address.startswith("http") else f"http://{address}"
     text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
     got = {}
-    for name in COUNTERS:
-        m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-        if m:
-            got[name] = float(m.group(1))
+    for m in re.finditer(r"^([^\s{#]+)(\{[^}]*\})? (\S+)$", text, re.MULTILINE):
+        name, labels, value = m.groups()
+        if name not in COUNTERS:
+            continue
+        key = name + labels if labels and name == "pdserve:engine_step_phase_seconds_total" else name
+        got.setdefault(key, float(value))
     return got
 
 
@@ -115,7 +130,33 @@ def server_side(before: dict, after: dict) -> dict:
     n = delta("router", "pdserve:time_to_first_token_seconds_count")
     out["router_mean_ttft_ms"] = 1e3 * delta("router", "pdserve:time_to_first_token_seconds_sum") / n if n else None
     out["nixl_pulled_bytes"] = delta("decode", "pdserve:nixl_bytes_transferred_total")
+    steps = out["decode_steps"]
+    if steps:  # the decode step by phase; its host time is the step less the device wait
+        phases = {p: 1e3 * delta("decode", f'pdserve:engine_step_phase_seconds_total{{phase="{p}"}}') / steps
+                  for p in PHASES}
+        out["decode_phase_ms"] = phases
+        if out["decode_mean_step_ms"] is not None:
+            out["decode_host_ms"] = out["decode_mean_step_ms"] - phases["device_wait"]
+    for role in ("decode", "router"):  # per token delta: engine step -> gRPC sent; gRPC read -> SSE written
+        n = delta(role, "pdserve:token_delta_delay_seconds_count")
+        out[f"{role}_delta_delay_ms"] = 1e3 * delta(role, "pdserve:token_delta_delay_seconds_sum") / n if n else None
     return out
+
+
+def split_line(level: dict) -> str:
+    """Where a run's decode time goes: the engine step (device wait, host phases), the decode service per
+    delta (engine step returned -> gRPC message sent) and the router per chunk (gRPC read -> SSE written)."""
+    sv = level["server"]
+
+    def ms(v) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    ph = sv.get("decode_phase_ms") or {}
+    phases = ", ".join(f"{p} {ms(ph.get(p))}" for p in PHASES if p != "device_wait")
+    return (f"C={level.get('concurrency')}: TPOT p50 {ms(level.get('median_tpot_ms'))} ms | decode step "
+            f"{ms(sv.get('decode_mean_step_ms'))} ms = device wait {ms(ph.get('device_wait'))} + host "
+            f"{ms(sv.get('decode_host_ms'))} ({phases}) | decode service {ms(sv.get('decode_delta_delay_ms'))} ms "
+            f"per delta | router {ms(sv.get('router_delta_delay_ms'))} ms per chunk")
 
 
 KEEP = ("completed", "num_errors", "duration", "request_throughput", "output_throughput", "total_token_throughput",
@@ -158,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share", type=float, help="gpu-memory-utilization of each engine (override)")
     p.add_argument("--no-hisparse", action="store_true",
                    help="decode without HiSparse (its steps are then CUDA graphs; HiSparse steps never are)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the decode plans step N+1 while N runs (docs/async_scheduling.md)")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--prompts-per-level", default="6,24,64")
     p.add_argument("--input-len", type=int, default=1024)
@@ -174,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="gpu-system-"))
     model = str(random_model_dir(work / "model")) if a.random_model else None
-    topo = topology(Path(a.config), work / "run", model, a.random_model, a.share, hisparse=not a.no_hisparse)
+    topo = topology(Path(a.config), work / "run", model, a.random_model, a.share, hisparse=not a.no_hisparse,
+                    async_scheduling=a.async_scheduling)
     t0 = time.perf_counter()
     dep = launcher.up(topo, timeout_s=400, die_with_parent=True, echo=print)
     name = "glm-5.3 widths, 4 layers, 32 experts (random)" if model else topo["model"]  # no temporary path
-    out = {"topology": Path(a.config).name, "hisparse": not a.no_hisparse, "model": name,
+    out = {"topology": Path(a.config).name, "hisparse": not a.no_hisparse, "async_scheduling": a.async_scheduling,
+           "model": name,
            "startup_s": time.perf_counter() - t0,
            "serve": [], "agentx": None}
     try:
@@ -187,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         for c, n in zip(map(int, a.concurrency.split(",")), map(int, a.prompts_per_level.split(","))):
             out["serve"].append(bench_serve(dep, c, n, a.input_len, a.output_len))
             print(json.dumps(out["serve"][-1]), flush=True)
+            print(split_line(out["serve"][-1]), flush=True)
             Path(a.out).write_text(json.dumps(out, indent=1))
         if a.agentx_duration > 0 and a.traces:
             out["agentx"] = bench_agentx(dep, a.traces, a.agentx_concurrency, a.agentx_duration, 10.0, 4096)

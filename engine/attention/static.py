@@ -13,9 +13,15 @@ again before the copy that reads it has run: the host can build any number of fo
 (a whole step of MTP passes, and with async scheduling the next step) without waiting for it.
 
 Rows and requests are given already padded (the runner's padding rows write nowhere: slot -1).
+
+`derive` writes a forward of one row per request of the last build (the decode step's MTP draft passes)
+on the device instead: positions, slots and seq lens from device tensors and the block table already
+there (and the per-request ints, gathered with it), no host list packed and no copy from the host.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 
@@ -42,6 +48,7 @@ class StaticMetadataBuilder:
         self.query_start_loc = torch.zeros(max_reqs + 1, **i32)
         self.seq_lens = torch.zeros(max_reqs, **i32)
         self.block_table = torch.zeros((max_reqs, self.max_blocks), **i32)
+        self.arange = torch.arange(max(max_rows, max_reqs + 1), **i64)
         # per-request int lists at fixed addresses (HiSparse: each request's page-table row and hot slot)
         self.req_ints = torch.zeros((num_req_ints, max_reqs), **i64)
         self.num_h2d = 0  # host -> device copies made (one per build)
@@ -52,30 +59,46 @@ class StaticMetadataBuilder:
         """rows: per request (block ids, positions of its rows, seq len after the step, token ids, write
         slots); extras: int lists that travel in the same copy; req_ints: lists of one int per request, which
         land in `self.req_ints[i, :B]`. Returns (input_ids [T], metadata, the extras as device int64 tensors)."""
-        T, B = sum(len(r[3]) for r in rows), len(rows)
-        W = max([len(r[0]) for r in rows] + [1])  # columns copied; those past them are never read
-        if len(req_ints) > self.req_ints.shape[0] or any(len(v) != B for v in req_ints):
-            raise ValueError(f"{len(req_ints)} per-request int lists for {self.req_ints.shape[0]} rows, "
-                             f"each of {B} ints")
-        if T > self.max_rows or B > self.max_reqs or sum(len(e) for e in extras) > self.max_extra:
-            raise ValueError(f"static batch of {T} rows / {B} requests / {sum(len(e) for e in extras)} extra ints "
-                             f"exceeds the buffers ({self.max_rows} / {self.max_reqs} / {self.max_extra})")
-        ids, pos, slots, req_idx, qsl, lens, table = [], [], [], [], [0], [], []
+        ids, pos, slots, counts, lens, tables = [], [], [], [], [], []
         for b, (blocks, row_pos, seq_len, tokens, row_slots) in enumerate(rows):
             if not len(row_pos) == len(tokens) == len(row_slots):
                 raise ValueError(f"request {b}: positions, tokens and slots differ in length")
-            if len(blocks) > self.max_blocks:
-                raise ValueError(f"request {b} holds {len(blocks)} blocks, more than the table width "
-                                 f"{self.max_blocks}")
             ids.extend(tokens)
             pos.extend(row_pos)
             slots.extend(row_slots)
-            req_idx.extend([b] * len(tokens))
-            qsl.append(qsl[-1] + len(tokens))
+            counts.append(len(tokens))
             lens.append(seq_len)
+            tables.append(blocks)
+        return self.build_columns(ids, pos, slots, counts, lens, tables, extras, req_ints)
+
+    def build_columns(self, ids: list[int], pos: list[int], slots: list[int], counts: list[int], seq_lens: list[int],
+                      tables: list[list[int]], extras: tuple[list[int], ...] = (),
+                      req_ints: tuple[list[int], ...] = ()) -> tuple[torch.Tensor, AttnMetadata, list[torch.Tensor]]:
+        """`build` from its rows already flattened: every row's token id, position and write slot, in order;
+        per request its number of rows, seq len after the step and block ids (the one pass a caller that
+        builds the rows itself saves)."""
+        T, B = len(ids), len(counts)
+        W = max(max(map(len, tables), default=1), 1)  # columns copied; those past them are never read
+        if T > self.max_rows or B > self.max_reqs or sum(len(e) for e in extras) > self.max_extra:
+            raise ValueError(f"static batch of {T} rows / {B} requests / {sum(len(e) for e in extras)} extra ints "
+                             f"exceeds the buffers ({self.max_rows} / {self.max_reqs} / {self.max_extra})")
+        if len(req_ints) > self.req_ints.shape[0] or any(len(v) != B for v in req_ints):
+            raise ValueError(f"{len(req_ints)} per-request int lists for {self.req_ints.shape[0]} rows, "
+                             f"each of {B} ints")
+        if not len(pos) == len(slots) == T == sum(counts):
+            raise ValueError("positions, tokens, slots and the requests' row counts differ in length")
+        if W > self.max_blocks:
+            b = next(b for b, t in enumerate(tables) if len(t) > self.max_blocks)
+            raise ValueError(f"request {b} holds {len(tables[b])} blocks, more than the table width "
+                             f"{self.max_blocks}")
+        req_idx, table = [], []
+        for b, (n, blocks) in enumerate(zip(counts, tables)):
+            req_idx.extend([b] * n)
             table.extend(blocks)
-            table.extend([0] * (W - len(blocks)))
-        packed = ids + pos + slots + req_idx + qsl + lens + table
+            if len(blocks) < W:
+                table.extend([0] * (W - len(blocks)))
+        qsl = [0, *accumulate(counts)]
+        packed = ids + pos + slots + req_idx + qsl + seq_lens + table
         for v in req_ints:
             packed.extend(v)
         for e in extras:
@@ -93,10 +116,46 @@ class StaticMetadataBuilder:
         meta = AttnMetadata(positions=self.positions[:T], slot_mapping=self.slot_mapping[:T],
                             query_start_loc=self.query_start_loc[: B + 1], seq_lens=self.seq_lens[:B],
                             block_table=self.block_table[:B], token_req_idx=self.token_req_idx[:T],
-                            query_start_loc_cpu=qsl, seq_lens_cpu=lens, block_size=self.block_size)
+                            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=self.block_size)
         return self.input_ids[:T], meta, out
 
-    def _spread(self, T: int, B: int, W: int, num_req_ints: int) -> int:
+    def derive(self, positions: torch.Tensor, seq_lens_cpu: list[int], num_padded: int,
+               requests: torch.Tensor | None = None,
+               pad_req_ints: tuple[int, ...] = ()) -> tuple[torch.Tensor, AttnMetadata]:
+        """The forward of one row per request at `positions` [B] (device), written into the buffers on the device:
+        no host list is packed and nothing is copied from the host. The requests are those of the buffers' block
+        table (`requests`: which of its rows, in order, gathered first; None: its first B), so each position must
+        lie in the blocks the last build gave its request; padded to `num_padded` requests as a build pads (one
+        row at position 0, slot -1, seq len 1, an empty table row). `seq_lens_cpu`: the host list of every seq
+        len (exact, or upper bounds for a graph-safe backend). The per-request ints follow their requests;
+        `pad_req_ints`: the value of each list for a padding request. Returns (input_ids [num_padded],
+        metadata); the caller writes the token ids."""
+        B, Bp, bs = positions.shape[0], num_padded, self.block_size
+        n_ints = len(pad_req_ints)
+        if requests is not None:
+            self.block_table[:B].copy_(self.block_table[requests])
+            if n_ints:
+                self.req_ints[:n_ints, :B].copy_(self.req_ints[:n_ints, requests])
+        if Bp > B:
+            self.block_table[B:Bp].zero_()
+            self.input_ids[B:Bp].zero_()
+            for i, v in enumerate(pad_req_ints):
+                self.req_ints[i, B:Bp].fill_(v)
+        pos = torch.nn.functional.pad(positions.long(), (0, Bp - B))
+        slots = self.block_table[:Bp].long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        self.positions[:Bp].copy_(pos)
+        self.slot_mapping[:Bp].copy_(torch.where(self.arange[:Bp] < B, slots, -1))
+        self.seq_lens[:Bp].copy_(pos + 1)
+        self.token_req_idx[:Bp].copy_(self.arange[:Bp])
+        self.query_start_loc[:Bp + 1].copy_(self.arange[:Bp + 1])
+        meta = AttnMetadata(positions=self.positions[:Bp], slot_mapping=self.slot_mapping[:Bp],
+                            query_start_loc=self.query_start_loc[:Bp + 1], seq_lens=self.seq_lens[:Bp],
+                            block_table=self.block_table[:Bp], token_req_idx=self.token_req_idx[:Bp],
+                            query_start_loc_cpu=list(range(Bp + 1)), seq_lens_cpu=seq_lens_cpu,
+                            block_size=self.block_size)
+        return self.input_ids[:Bp], meta
+
+    def _spread(self, T: int, B: int, W: int, num_req_ints: int = 0) -> int:
         """The packed device copy -> the typed static tensors (device-side copies)."""
         f, at = self.flat, 0
         for dst, n in ((self.input_ids, T), (self.positions, T), (self.slot_mapping, T), (self.token_req_idx, T),

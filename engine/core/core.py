@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config.engine import EngineConfig
 from engine.core.async_scheduler import AsyncScheduler
@@ -15,6 +15,11 @@ from engine.kv.manager import KVCacheManager
 from engine.kv.offload import OffloadTier
 
 log = logging.getLogger(__name__)
+
+# EngineCore.step's phases: schedule (plan the step), launch (the runner builds its inputs and queues its work),
+# device_wait (blocked on the device for a step's read-back: the device's time not hidden behind the host's),
+# read_back (the step's tokens to host lists and outputs), update (the scheduler applies them)
+STEP_PHASES = ("schedule", "launch", "device_wait", "read_back", "update")
 
 
 @dataclass
@@ -38,6 +43,9 @@ class EngineStats:
     weight_bytes: tuple = ()  # per rank: {dtype name: bytes} of its weights (engine.loading.weight_stats)
     num_steps: int = 0  # steps that ran a forward
     step_seconds: float = 0.0  # their wall time, summed (schedule + forward + update)
+    # that wall time by phase, summed (STEP_PHASES; docs/async_scheduling.md, "Where a step's host time goes"):
+    # one-rank engines only (zeros for the multi-rank core, empty for a DP group)
+    step_phase_seconds: dict = field(default_factory=dict)
     dp_ranks: tuple = ()  # a DP group (engine/parallel/dp.py): each rank's own EngineStats; the fields above
     # are then the group's (counts summed, kv_usage the mean)
 
@@ -74,6 +82,7 @@ class EngineCore:
         self.scheduler = AsyncScheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
         self._inflight = None  # async scheduling: (SchedulerOutput, the runner's StepHandle) still running
         self.num_steps, self.step_seconds = 0, 0.0
+        self.step_phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
 
     def new_offload_tier(self) -> OffloadTier | None:
         """The bookkeeping of the runner's KV offload buffer (one per KV manager), None without one. Every
@@ -173,26 +182,39 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One step: schedule, run, apply. With async scheduling the step scheduled now is launched first
         and the outputs returned are the previous step's (docs/async_scheduling.md)."""
-        t0 = time.perf_counter()
+        clock = time.perf_counter
+        t0 = clock()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             sched = None
+        t1 = clock()
         if not self.async_scheduling:
             if sched is None:
                 return []
-            out = self.scheduler.update(sched, self.runner.execute(sched))
+            handle = self.runner.execute_async(sched)
+            t2 = clock()
+            result, wait = _read_back(handle)
+            t3 = clock()
+            out = self.scheduler.update(sched, result)
         else:
             if sched is None and self._inflight is None:
                 return []
             launched = (sched, self.runner.execute_async(sched)) if sched is not None else None
-            out = []
+            t2 = t3 = clock()
+            out, wait = [], 0.0
             if self._inflight is not None:  # N+1 is queued behind it: reading N's tokens keeps the GPU busy
                 prev_sched, handle = self._inflight
-                out = self.scheduler.update(prev_sched, handle.get())
+                result, wait = _read_back(handle)
+                t3 = clock()
+                out = self.scheduler.update(prev_sched, result)
             self._inflight = launched
+        t4 = clock()
         if sched is not None:
             self.num_steps += 1
-        self.step_seconds += time.perf_counter() - t0
+        self.step_seconds += t4 - t0
+        ph = self.step_phase_seconds
+        for name, secs in zip(STEP_PHASES, (t1 - t0, t2 - t1, wait, t3 - t2 - wait, t4 - t3)):
+            ph[name] += secs
         return out
 
     def stats(self) -> EngineStats:
@@ -200,6 +222,7 @@ class EngineCore:
         st = scheduler_stats(self.scheduler, hisparse.stats() if hisparse is not None else None)
         st.weight_bytes = tuple(r["weight_bytes"] for r in self.weight_reports())
         st.num_steps, st.step_seconds = self.num_steps, self.step_seconds
+        st.step_phase_seconds = dict(self.step_phase_seconds)
         return st
 
     def weight_reports(self) -> list[dict]:
@@ -212,6 +235,13 @@ class EngineCore:
         from engine.loading.weight_stats import rank_weight_report
 
         return [rank_weight_report(self.runner)]
+
+
+def _read_back(handle):
+    """(the step's RunnerOutput, seconds get() spent blocked on the device)."""
+    before = handle.wait_seconds
+    result = handle.get()
+    return result, handle.wait_seconds - before
 
 
 def scheduler_stats(s: Scheduler, hisparse=None) -> EngineStats:

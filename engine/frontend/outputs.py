@@ -37,6 +37,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logits: object | None = None  # [len, vocab] tensor when asked for (LLM.prompt_logits)
+    step_time: float | None = None  # AsyncEngine: when the engine step that produced this delta returned (monotonic)
 
     @property
     def finished(self) -> bool:

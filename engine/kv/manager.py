@@ -74,6 +74,9 @@ class KVCacheManager:
         (nothing changes then).
         """
         held = self.req_blocks.get(req.req_id, [])
+        if not computed and held and self.blocks_needed(req.num_computed_tokens + num_new_tokens + num_lookahead) \
+                <= len(held):
+            return []  # most decode steps: the blocks held have the slots already
         n_tokens = req.num_computed_tokens + len(computed) * self.tokens_per_block + num_new_tokens + num_lookahead
         n_new = max(self.blocks_needed(n_tokens) - len(held) - len(computed), 0)
         on_device = [b for b in computed if isinstance(b, KVBlock)]

@@ -129,30 +129,38 @@ class DeviceDecode:
     def _draft(self, states, starts: list[int], nd: list[int], q: list[int], prev: torch.Tensor,
                pos0: torch.Tensor, n_acc: torch.Tensor, drafts: torch.Tensor) -> None:
         """MTP drafts into `drafts` [B, k]: draft 1 from `prev` (the catch-up row at position `pos0` of each
-        request), draft j + 1 from a forward at pos0 + j; request b proposes q[b] of them."""
+        request), draft j + 1 from a forward at pos0 + j; request b proposes q[b] of them. Each draft forward is
+        one row per request still drafting, derived on the device from the target pass's batch
+        (`StaticDecode.next_rows`): no host build, no copy."""
         r = self.runner
         act = [b for b, n in enumerate(q) if n > 0]
         if not act:
             return
         dev = drafts.device
-        act_t = device_index(act, dev)
-        prev = prev[act_t]
+        act_t = device_index(act, dev) if len(act) < len(q) else None  # None: every request, in order
+        if act_t is not None:
+            prev, pos0 = prev[act_t], pos0[act_t]
+        gather = act_t  # the rows of the last forward's requests the next draft forward takes (None: all)
         acc = self._read(n_acc) if self.exact else nd  # host: exact accepted counts, or their bound
         for j in range(self.k):
             tok = r.model.compute_logits(prev).argmax(dim=-1)
-            drafts[act_t, j] = tok
+            if act_t is None:
+                drafts[:, j] = tok
+            else:
+                drafts[act_t, j] = tok
             keep = [i for i, b in enumerate(act) if q[b] > j + 1]
             if not keep:
                 return
             if len(keep) < len(act):
                 keep_t = device_index(keep, dev)
-                tok, prev = tok[keep_t], prev[keep_t]
+                tok, prev, pos0 = tok[keep_t], prev[keep_t], pos0[keep_t]
                 act = [act[i] for i in keep]
                 act_t = device_index(act, dev)
-            pos = [starts[b] + acc[b] + j + 1 for b in act]
-            sb = self.static.prepare([(states[b], p, [0]) for b, p in zip(act, pos)], (pos,))
+                gather = act_t if j == 0 else keep_t  # before the first draft forward: the target pass's order
+            sb = self.static.next_rows(pos0 + j + 1, [starts[b] + acc[b] + j + 1 for b in act],
+                                       [states[b].req_id for b in act], gather)
+            gather = None
             sb.input_ids.index_copy_(0, sb.real_idx, tok)
-            sb.place(pos0[act_t] + j + 1, sb.extras[0])
             prev = self.static.run("mtp", sb, prev)
 
     def _finish(self, chunks, states, q: list[int], rows: list[list[int]]) -> RunnerOutput:

@@ -84,7 +84,8 @@ class StaticDecode:
             from engine.runner.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(runner)
-        self.num_static = 0  # forwards built on this path, one H2D copy each (instrumented for the tests)
+        self.num_static = 0  # forwards on this path: built (one H2D copy each) or derived (instrumented for the tests)
+        self.num_derived = 0  # ... of those, derived on the device from the last build (`next_rows`)
         self.num_reruns = 0  # forwards run again on a built batch (the device step's MTP catch-up)
         self.shapes: Counter = Counter()  # (real requests, padded requests, rows per request) of each forward
 
@@ -106,32 +107,72 @@ class StaticDecode:
         if B_pad is None or B_pad > self.sizes[-1] or any(len(t) > R for _, _, t in rows) \
                 or any(len(st.block_ids) > self.max_blocks for st, _, _ in rows):
             return None
-        bs, slot_fn = self.runner.block_size, self.runner.slot_fn
-        entries, real_idx, src_idx, req_ids = [], [], [], []
+        bs, slot_fn, pad = self.runner.block_size, self.runner.slot_fn, self.pad
+        ids, pos, slots, counts, lens, tables, real_idx, src_idx, req_ids = [], [], [], [], [], [], [], [], []
+        r = 0  # real rows so far
         for st, start, tokens in rows:
-            n = len(tokens)
-            extra = R - n if self.pad else 0
-            pos = list(range(start, start + n))
-            slots = list(slot_fn(st.block_ids, pos, bs))
-            real_idx.extend(range(len(src_idx), len(src_idx) + n))  # padded rows of its real rows
-            r0 = len(real_idx) - n  # this request's first real row
-            src_idx.extend(list(range(r0, r0 + n)) + [r0 + n - 1] * extra)
-            entries.append((st.block_ids, pos + [pos[-1]] * extra, start + n, list(tokens) + [tokens[-1]] * extra,
-                            slots + [-1] * extra))
+            n, end = len(tokens), start + len(tokens)
+            at = len(ids)
+            rng = range(start, end)
+            ids.extend(tokens)
+            pos.extend(rng)
+            slots.extend(slot_fn(st.block_ids, rng, bs))
+            real_idx.extend(range(at, at + n))  # padded rows of its real rows
+            src_idx.extend(range(r, r + n))
+            extra = R - n if pad else 0
+            if extra:  # padding rows repeat its last row and write nowhere
+                ids.extend([tokens[-1]] * extra)
+                pos.extend([end - 1] * extra)
+                slots.extend([-1] * extra)
+                src_idx.extend([r + n - 1] * extra)
+            r += n
+            counts.append(n + extra)
+            lens.append(end)
+            tables.append(st.block_ids)
             req_ids.append(st.req_id)
         for _ in range(B_pad - B):
-            entries.append(([], list(range(R)), R, [0] * R, [-1] * R))
+            ids.extend([0] * R)
+            pos.extend(range(R))
+            slots.extend([-1] * R)
             src_idx.extend([0] * R)
+            counts.append(R)
+            lens.append(R)
+            tables.append([])
             req_ids.append("")
-        route = self._routing(req_ids, [e[2] for e in entries], R)
-        ids, meta, (real_t, src_t, *extra_t) = self.builder.build(entries, (real_idx, src_idx, *extras),
-                                                                  route.ints if route is not None else ())
+        route = self._routing(req_ids, lens, R)
+        ids, meta, (real_t, src_t, *extra_t) = self.builder.build_columns(
+            ids, pos, slots, counts, lens, tables, (real_idx, src_idx, *extras),
+            route.ints if route is not None else ())
         meta.req_ids = req_ids
         meta.max_seq_len_bound = self.bound
         meta.hisparse_routing = self._attach(route, B_pad)
         self.num_static += 1
         self.shapes[(B, B_pad, R)] += 1
         return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R), extra_t)
+
+    def next_rows(self, positions: torch.Tensor, host_positions: list[int], req_ids: list[str],
+                  requests: torch.Tensor | None = None) -> PaddedBatch:
+        """One row per request of the last built batch at `positions` [B] (device; `host_positions` the same on
+        the host, exact or upper bounds as the backend needs them), derived on the device (the builder's
+        `derive`): the decode step's MTP draft passes. `requests`: which of the batch's requests, by index into
+        the last forward's requests, in order (None: its first B, in order); `req_ids` theirs. The caller writes
+        the token ids (`input_ids[real_idx]`)."""
+        B = len(host_positions)
+        B_pad = self.bucket(B) if self.pad else B
+        lens = [p + 1 for p in host_positions] + [1] * (B_pad - B)
+        meta_ids = req_ids + [""] * (B_pad - B)
+        # HiSparse: the host lists of the same routing; its device ints follow their requests in `derive`
+        route = self._routing(meta_ids, lens, 1)
+        pads = (self.hisparse.spare_slot, -1) if route is not None else ()
+        ids, meta = self.builder.derive(positions, lens, B_pad, requests, pads)
+        meta.req_ids = meta_ids
+        meta.max_seq_len_bound = self.bound
+        meta.hisparse_routing = self._attach(route, B_pad)
+        self.num_static += 1
+        self.num_derived += 1
+        self.shapes[(B, B_pad, 1)] += 1
+        real = self.builder.arange[:B]
+        return PaddedBatch(ids, meta, real, torch.nn.functional.pad(real, (0, B_pad - B)), (B_pad, 1))
 
     def keys(self) -> list[tuple[str, int, int]]:
         """Every (kind, padded requests, rows per request) a decode forward can take: the target pass and

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,7 @@ class StepHandle:
         self._finish = finish
         self._rows: list[list[int]] | None = None
         self.event = None
+        self.wait_seconds = 0.0  # how long wait() blocked on the device
         self.host = packed
         if packed is not None and packed.device.type == "cuda":
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -42,7 +44,9 @@ class StepHandle:
     def wait(self) -> None:
         """Until the step has run on the device (everything it writes is written)."""
         if self.event is not None:
+            t = time.perf_counter()
             self.event.synchronize()
+            self.wait_seconds += time.perf_counter() - t
 
     def rows(self) -> list[list[int]]:
         if self._rows is None:

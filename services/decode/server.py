@@ -93,6 +93,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             n_seen += len(out.delta_token_ids)
             yield decode_pb2.DecodeResponse(delta=delta_to_proto(out.delta_token_ids, lps, out.finish_reason,
                                                                  out.stop_reason))
+            if out.step_time is not None:  # resumed once gRPC sent the message
+                self.metrics.token_delta_delay_seconds.observe(time.monotonic() - out.step_time)
         if t_first is not None and n_seen > 1:
             self.metrics.time_per_output_token_seconds.observe((time.monotonic() - t_first) / (n_seen - 1))
         self._spec_metrics()

@@ -84,6 +84,7 @@ class Chunk:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    received: float | None = None  # decode chunks: when their gRPC message was read (monotonic)
 
 
 @dataclass
@@ -198,14 +199,16 @@ class Flow:
             await self._release_lease(first.kv)
             raise
         stats.decode_instance = inst.instance_id
-        finished = False
+        finished, received = False, time.monotonic()
         try:
             while not finished:
                 if reply is None:
                     reply = await self._next(call, inst, stats)
+                    received = time.monotonic()
                 if reply is grpc.aio.EOF:
                     raise UpstreamError(f"decode {inst.instance_id} ended the stream without finishing")
                 chunk = self._chunk(reply.delta, detok, stats)
+                chunk.received = received
                 reply = None
                 finished = chunk.finish_reason is not None
                 yield chunk

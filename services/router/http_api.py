@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import time
 
 import grpc
 from fastapi import FastAPI, Request
@@ -251,7 +252,7 @@ class RouterAPI(ExtraEndpoints):
                         delta = openai_delta(events)
                         choice["delta"] = {"role": "assistant", **delta} if first else delta
                         choice["finish_reason"] = parser.finish_reason(c.finish_reason)
-                    await queue.put(chunk)
+                    await queue.put((chunk, c.received))
                     offset, first = offset + len(c.text), False
                 await queue.put(None)
             except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
@@ -269,7 +270,10 @@ class RouterAPI(ExtraEndpoints):
                     yield sse(resp.body.decode())
                     break
                 else:
-                    yield sse(item)
+                    chunk, received = item
+                    yield sse(chunk)
+                    if received is not None:  # resumed once the server wrote the event
+                        self.metrics.token_delta_delay_seconds.observe(time.monotonic() - received)
             else:
                 if prep.include_usage:
                     yield sse(fmt.usage_chunk(usage(sum(s.prompt_tokens for s in all_stats) // max(prep.n, 1),

@@ -26,6 +26,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+DELAY_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
 
 @dataclass(frozen=True)
 class MetricDef:
@@ -52,6 +54,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("engine_steps", Counter, "Engine steps that ran a forward.", ENGINES),
     MetricDef("engine_step_seconds", Counter, "Wall time of those steps (schedule + forward + update), summed.",
               ENGINES),
+    MetricDef("engine_step_phase_seconds", Counter, "That wall time by phase (schedule, launch, device_wait, "
+              "read_back, update; one-rank engines), summed.", ENGINES, labels=("phase",)),
+    MetricDef("token_delta_delay_seconds", Histogram, "Decode: from the engine step that produced a token delta "
+              "to its gRPC message sent; router: from a decode message received to its chunk written to the client.",
+              ("router", "decode"), DELAY_BUCKETS),
     MetricDef("kv_cache_usage_perc", Gauge, "Fraction of KV blocks in use (1 = full).", ENGINES + ("kvstore",)),
     MetricDef("prefix_cache_queries", Counter, "Prefix-cache queries, in tokens.", ("router", "kvstore") + ENGINES),
     MetricDef("prefix_cache_hits", Counter, "Prefix-cache hits, in tokens (an engine's include its host KV tier's).",

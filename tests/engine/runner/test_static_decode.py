@@ -35,7 +35,8 @@ def test_static_padded_decode_equals_eager(tiny_code, spec):
     if spec:
         assert {r for _, _, r in st.shapes} == {1, 1 + spec}  # verify / catch-up rows, and draft steps
         assert llm.get_stats().spec_accepted > 0
-    assert st.builder.num_h2d == st.num_static, "one host -> device copy per static forward"
+    assert st.builder.num_h2d == st.num_static - st.num_derived, "one host -> device copy per built forward"
+    assert (st.num_derived > 0) == bool(spec), "the MTP draft passes derive their batch on the device"
     assert llm.get_stats().num_free_blocks == 128
 
 
@@ -112,6 +113,7 @@ def test_hisparse_static_padded_decode_equals_eager(code16, spec):
     assert run_joining_leaving(llm, prompts, late=2, tokens=8) == ref
     st = llm.core.runner.static
     assert st.hisparse is not None and st.num_captures == 0
+    assert (st.num_derived > 0) == bool(spec), "the MTP draft passes derive their batch (and its routing) on the device"
     assert any(bp > b for b, bp, _ in st.shapes), f"no forward needed padding: {dict(st.shapes)}"
     assert {b for b, _, _ in st.shapes} >= {1, 2, 3, 4}, "the batch grew and shrank across steps"
     decode = [m for n, m in steps if n]

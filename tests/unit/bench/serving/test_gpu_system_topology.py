@@ -19,3 +19,39 @@ def test_rewrites_ports_share_and_hisparse(tmp_path):
     plain = topology(GPU1, tmp_path, None, dummy=False, share=None, hisparse=False)
     assert "attention-config" not in plain["services"]["decode"]["args"]
     assert plain["services"]["decode"]["args"]["speculative-config"]["num_speculative_tokens"] == 3
+
+
+def test_async_scheduling_reaches_the_decode_only(tmp_path):
+    topo = topology(GPU1, tmp_path, None, dummy=False, share=None, async_scheduling=True)
+    assert topo["services"]["decode"]["args"]["async-scheduling"] is True
+    assert "async-scheduling" not in topo["services"]["prefill"].get("args", {})
+
+
+def test_split_from_the_services_counters():
+    """The decode step by phase, its host time, and the per-delta delays of the decode service and the router,
+    read from /metrics as the benchmark reads them."""
+    from bench.serving.gpu_system import _counters, server_side, split_line
+    from services.rpc.metrics import ServiceMetrics
+
+    dec, router = ServiceMetrics("decode"), ServiceMetrics("router")
+    ports = dec.serve(), router.serve()
+    try:
+        before = {"decode": _counters(f"127.0.0.1:{ports[0]}"), "router": _counters(f"127.0.0.1:{ports[1]}")}
+        dec.engine_steps.inc(10)
+        dec.engine_step_seconds.inc(0.1)
+        for phase, secs in (("schedule", 0.01), ("launch", 0.02), ("device_wait", 0.05), ("read_back", 0.005),
+                            ("update", 0.015)):
+            dec.engine_step_phase_seconds.labels(phase=phase).inc(secs)
+        for _ in range(4):
+            dec.token_delta_delay_seconds.observe(0.002)
+            router.token_delta_delay_seconds.observe(0.001)
+        after = {"decode": _counters(f"127.0.0.1:{ports[0]}"), "router": _counters(f"127.0.0.1:{ports[1]}")}
+    finally:
+        dec.close()
+        router.close()
+    sv = server_side(before, after)
+    assert sv["decode_mean_step_ms"] == 10.0 and abs(sv["decode_host_ms"] - 5.0) < 1e-9
+    assert abs(sv["decode_phase_ms"]["launch"] - 2.0) < 1e-9
+    assert abs(sv["decode_delta_delay_ms"] - 2.0) < 1e-9 and abs(sv["router_delta_delay_ms"] - 1.0) < 1e-9
+    line = split_line({"concurrency": 32, "median_tpot_ms": 14.0, "server": sv})
+    assert "device wait 5.00 + host 5.00" in line and "router 1.00 ms per chunk" in line

@@ -168,3 +168,18 @@ def test_cp_backend_contract():
         assert "meta.cp" in str(e)
     else:
         raise AssertionError("a CP forward without its step plan must fail clearly")
+
+
+def test_derived_rows_carry_their_requests_per_request_ints():
+    """`derive` (the MTP draft passes' batch, built on the device): a subset of the last build's requests, in a
+    new order, takes its block-table rows and its per-request ints (HiSparse's page-table row and hot slot) with
+    it; padding requests get the pad values and an empty table row; positions give slots in their own blocks."""
+    b = StaticMetadataBuilder(max_rows=16, max_reqs=4, max_blocks=3, block_size=BS, device="cpu", num_req_ints=2)
+    tables = [[5], [1, 2], [7, 3, 4]]
+    rows = [(t, [len(t) * BS - 1], len(t) * BS, [9], [-1]) for t in tables]
+    b.build(rows, req_ints=([10, 11, 12], [-1, 21, 22]))
+    _, meta = b.derive(torch.tensor([BS + 3, 4]), [BS + 4, 5, 1], 3, requests=torch.tensor([2, 0]),
+                       pad_req_ints=(99, -1))
+    assert b.req_ints[:, :3].tolist() == [[12, 10, 99], [22, -1, -1]]
+    assert meta.block_table[:, 0].tolist() == [7, 5, 0] and meta.block_table[0].tolist() == [7, 3, 4]
+    assert meta.slot_mapping.tolist() == [3 * BS + 3, 5 * BS + 4, -1] and meta.seq_lens.tolist() == [BS + 4, 5, 1]
