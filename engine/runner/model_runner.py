@@ -228,7 +228,7 @@ class ModelRunner:
             syn = [min(self.synthetic.num_accepted(d), valid.get(c.req_id, d)) if d else 0
                    for (c, _), d in zip(todo, nd)]
         with torch.inference_mode():
-            x = self.sampler.penalise(logits.clone(), specs) if any(_host_processed(r) for r in specs) else logits
+            x = self.sampler.penalise(logits, specs)
             n_acc, tokens = verify(self.sampler, x, self._step_rows(states, nd, ids, syn, logits.shape[-1]))
             rows = torch.cat([n_acc[:, None], tokens], dim=1).tolist()  # the step's read of its sampled tokens
         r = 0
@@ -268,7 +268,3 @@ class ModelRunner:
                         order_t=device_index(order, self.device), q=q, q_off=cols[6],
                         syn=cols[7] if syn is not None else None)
 
-
-def _host_processed(r: RowSpec) -> bool:
-    """Rows the host changes before sampling: penalties, and stop tokens masked until min_tokens."""
-    return r.params.needs_penalties or (bool(r.eos_ids) and len(r.output_ids) < r.params.min_tokens and not r.grammar)

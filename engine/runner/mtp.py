@@ -80,9 +80,10 @@ class MTPProposer:
         r.structured.mask_drafts(states, logits)  # constrained requests draft within their grammar
         specs = [RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.draft_generator, r.eos_ids,
                          grammar=st.grammar is not None) for st in states]
-        x = r.sampler.penalise(logits, specs)
-        rp = RowParams.of([st.sampling_params for st in states], x.device)
-        tokens, probs, order = draw_rows(r.sampler, x, rp, [st.draft_generator for st in states])
+        rp = RowParams.of([st.sampling_params for st in states], logits.device)
+        with torch.inference_mode():
+            x = r.sampler.penalise(logits, specs)
+            tokens, probs, order = draw_rows(r.sampler, x, rp, [st.draft_generator for st in states])
         dists.add(step, states, order, probs)
         return tokens
 

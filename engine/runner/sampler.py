@@ -36,6 +36,12 @@ class RowSpec:
     eos_ids: tuple[int, ...] = ()
     grammar: bool = False  # a grammar masks this row: it decides when stopping is allowed (not min_tokens)
 
+    @property
+    def host_processed(self) -> bool:
+        """Whether `Sampler.penalise` changes this row: penalties, or stop tokens masked until min_tokens."""
+        p = self.params
+        return p.needs_penalties or (bool(self.eos_ids) and len(self.output_ids) < p.min_tokens and not self.grammar)
+
 
 def _f32_bits(v: float) -> int:
     return struct.unpack("<i", struct.pack("<f", v))[0]
@@ -119,8 +125,11 @@ class Sampler:
 
     # ---- host-side logits processing ------------------------------------------------------------
     def penalise(self, x: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
-        """min_tokens (stop tokens masked) and the repetition / frequency / presence penalties, in place."""
-        V = x.shape[1]
+        """min_tokens (stop tokens masked) and the repetition / frequency / presence penalties: x itself when
+        no row needs them, else a processed copy."""
+        if not any(r.host_processed for r in rows):
+            return x
+        x, V = x.clone(), x.shape[1]
         for i, r in enumerate(rows):
             p = r.params
             if r.eos_ids and len(r.output_ids) < p.min_tokens and not r.grammar:

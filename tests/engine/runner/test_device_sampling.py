@@ -94,3 +94,16 @@ def test_async_device_sampling_equals_sync_host_path(tiny_code, spec):
     assert run_joining_leaving(llm, prompts, late=2, tokens=10, sampling=sampling) == ref
     dd = llm.core.runner.device_decode
     assert dd.num_steps >= 10 and dd.num_placeholders > 0
+
+
+def test_min_tokens_joins_the_device_step_once_reached(tiny_code):
+    """Stop tokens are masked on the host until min_tokens; from then on the request samples on the device."""
+    sampling = [SamplingParams(temperature=0.9, min_tokens=6, seed=9), SamplingParams(temperature=0.0, min_tokens=3),
+                SamplingParams(temperature=1.0, top_p=0.9)]
+    host = _llm(tiny_code, 3, host=True)
+    prompts = source_prompts(host.tokenizer, len(sampling))
+    ref = run_joining_leaving(host, prompts, tokens=14, sampling=sampling)
+    llm = _llm(tiny_code, 3)
+    on_host = _decode_steps_on_host(llm)
+    assert run_joining_leaving(llm, prompts, tokens=14, sampling=sampling) == ref
+    assert on_host[0] > 0 and llm.core.runner.device_decode.num_steps > 0
