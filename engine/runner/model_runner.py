@@ -216,7 +216,7 @@ class ModelRunner:
             ids.extend(c.token_ids[n_known - 1:])
             drafts = c.token_ids[n_known:]
             specs.extend(RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids + drafts[:i],
-                                 st.generator, self.eos_ids, grammar=st.grammar is not None)
+                                 self.eos_ids, grammar=st.grammar is not None)
                          for i in range(len(drafts) + 1))
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[device_index(row_idx, hidden.device)])

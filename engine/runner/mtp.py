@@ -78,7 +78,7 @@ class MTPProposer:
             logits = r.model.compute_logits(mtp_hidden)
         states = [r.states[c.req_id] for c, _ in active]
         r.structured.mask_drafts(states, logits)  # constrained requests draft within their grammar
-        specs = [RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.draft_generator, r.eos_ids,
+        specs = [RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, r.eos_ids,
                          grammar=st.grammar is not None) for st in states]
         rp = RowParams.of([st.sampling_params for st in states], logits.device)
         with torch.inference_mode():

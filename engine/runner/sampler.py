@@ -27,12 +27,11 @@ from engine.runner.inputs import device_index
 
 @dataclass
 class RowSpec:
-    """One logits row to sample: its request's parameters and the tokens seen so far."""
+    """One logits row as the host processes it: its request's parameters and the tokens seen so far."""
 
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
-    generator: torch.Generator | None
     eos_ids: tuple[int, ...] = ()
     grammar: bool = False  # a grammar masks this row: it decides when stopping is allowed (not min_tokens)
 

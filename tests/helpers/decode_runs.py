@@ -11,6 +11,16 @@ from engine.core.request import Request
 
 _SEQ = itertools.count()
 
+# greedy beside sampled requests: temperature only, top-k, top-p, min-p and all three, seeded and unseeded
+MIXED = [SamplingParams(temperature=0.0),
+         SamplingParams(temperature=0.8),
+         SamplingParams(temperature=1.0, top_k=20, seed=1),
+         SamplingParams(temperature=0.9, top_p=0.9),
+         SamplingParams(temperature=1.2, min_p=0.05, seed=2),
+         SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.02, seed=3),
+         SamplingParams(temperature=0.0),
+         SamplingParams(temperature=1.1, seed=4)]
+
 
 def source_prompts(tok, n: int, base: int = 17) -> list[list[int]]:
     """n prompts cut from a stdlib module's source, prompt i `base + 9 i` tokens long."""

@@ -9,17 +9,9 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.helpers.decode_runs import run_joining_leaving, source_prompts
+from tests.helpers.decode_runs import MIXED, run_joining_leaving, source_prompts
 
 SIZES = [1, 2, 4, 8]
-MIXED = [SamplingParams(temperature=0.0),
-         SamplingParams(temperature=0.8),
-         SamplingParams(temperature=1.0, top_k=20, seed=1),
-         SamplingParams(temperature=0.9, top_p=0.9),
-         SamplingParams(temperature=1.2, min_p=0.05, seed=2),
-         SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.02, seed=3),
-         SamplingParams(temperature=0.0),
-         SamplingParams(temperature=1.1, seed=4)]
 
 
 def _llm(path, spec: int, host: bool = False, **kw) -> LLM:

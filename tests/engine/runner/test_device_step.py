@@ -16,8 +16,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
-from tests.engine.runner.test_device_sampling import MIXED
-from tests.helpers.decode_runs import run_joining_leaving, source_prompts
+from tests.helpers.decode_runs import MIXED, run_joining_leaving, source_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -59,11 +59,11 @@ def test_filters_per_row_in_one_batch():
 def test_penalties_follow_vllm_semantics():
     s = Sampler(torch.device("cpu"), 0)
     logits = torch.tensor([[2.0, -2.0, 1.0]])
-    row = RowSpec(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0], [1], None)
-    x = s.penalise(logits.clone(), [row])[0]
+    row = RowSpec(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0], [1])
+    x = s.penalise(logits, [row])[0]
     assert x.tolist() == [1.0, -4.0, 1.0]
-    row = RowSpec(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [], [2, 2], None)
-    assert s.penalise(logits.clone(), [row])[0].tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25]
+    row = RowSpec(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [], [2, 2])
+    assert s.penalise(logits, [row])[0].tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25]
 
 
 def test_seeded_draw_independent_of_batch():
