@@ -85,7 +85,7 @@ class RowParams:
 def filtered_probs(x: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """Processed target distribution of each (non-greedy) row of x [N, V]: temperature, top-k, softmax, top-p,
     min-p, renormalised. A filter runs when some row uses it; a row that does not use it comes out of it
-    bit for bit unchanged, so a row's distribution does not depend on the other rows."""
+    bit for bit unchanged, so which filters the other rows use does not change a row's distribution."""
     V = x.shape[-1]
     x = x.float() / rp.temperature[:, None]
     ks = [p.top_k for p in rp.params if 0 < p.top_k < V]
