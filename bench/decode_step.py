@@ -5,12 +5,13 @@ graphs on CUDA), with the GPU's busy time and the step's memory floor beside the
     python -m bench.decode_step --random-model 4 --batches 1,16,64 --spec 3        # GLM-5.3 widths, 4 layers
     python -m bench.decode_step --standin --batches 1,16,64 --out standin.json    # one EP8 rank, FP8, MTP3
     ... --hisparse-pool-gib 16    # also a HiSparse engine (its forwards run the static buffers, never captured)
+    ... --temperature 0.8 --top-p 0.95 --seeded    # sampled requests instead of greedy ones
 
 One engine per model serves every mode, so the weights are built once: `eager` runs the plain path
 (`runner.static` off), `graphs` the padded static path, captured on CUDA at start-up (on the CPU the
 same padded forwards run eagerly), and with `--async-scheduling` also `async`: that path with the next
 step launched before the last one's tokens are read (docs/async_scheduling.md). Per (mode, batch): B
-greedy requests of `--prompt-len` tokens are prefilled, a few decode steps warm up, then each measured
+greedy (or sampled) requests of `--prompt-len` tokens are prefilled, a few decode steps warm up, then each measured
 `EngineCore.step()` is timed by wall clock between device synchronisations (median); `async` steps run
 back to back instead, and a step's wall time is the measured steps' total over their number. The GPU's
 busy time of a step is the union of its kernels' intervals under torch.profiler (median over
@@ -56,13 +57,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _fill(core, batch: int, prompt_len: int, max_tokens: int, tag: str) -> list[str]:
-    """B greedy requests of random prompts, stepped until every one of them decodes."""
+def _fill(core, batch: int, prompt_len: int, max_tokens: int, tag: str, a) -> list[str]:
+    """B requests of random prompts (greedy, or sampled with `--temperature` / `--top-p`, each with its own
+    seed under `--seeded`), stepped until every one of them decodes."""
     vocab = core.cfg.model.vocab_size
     g = torch.Generator().manual_seed(batch)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rids = [f"{tag}-b{batch}-{i}" for i in range(batch)]
-    for r in rids:
+    for i, r in enumerate(rids):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=a.temperature, top_p=a.top_p, ignore_eos=True,
+                            seed=i if a.seeded else None)
         core.add_request(Request(r, torch.randint(10, vocab, (prompt_len,), generator=g).tolist(), sp))
     while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
         core.step()
@@ -82,8 +85,9 @@ def busy_seconds(prof) -> float:
     return total / 1e6
 
 
-def time_steps(core, batch: int, prompt_len: int, steps: int, warmup: int, profile_steps: int, tag: str) -> dict:
-    rids = _fill(core, batch, prompt_len, 12 * (warmup + steps + profile_steps + 4), tag)
+def time_steps(core, batch: int, a, tag: str) -> dict:
+    prompt_len, steps, warmup, profile_steps = a.prompt_len, a.steps, a.warmup, a.profile_steps
+    rids = _fill(core, batch, prompt_len, 12 * (warmup + steps + profile_steps + 4), tag, a)
     for _ in range(warmup):
         core.step()
     walls, tokens = [], 0
@@ -222,8 +226,7 @@ def run_modes(core, modes: list[str], batches: list[int], a, copy_tbps: float | 
         runner.static = static if mode in ("graphs", "static", "async") else None
         core.async_scheduling = mode == "async"  # between steps, with none in flight
         for b in batches:
-            row = {"engine": label, "mode": mode, **time_steps(core, b, a.prompt_len, a.steps, a.warmup,
-                                                                 a.profile_steps, f"{label}-{mode}")}
+            row = {"engine": label, "mode": mode, **time_steps(core, b, a, f"{label}-{mode}")}
             row["captures"] = static.num_captures if static is not None else 0
             hs = core.stats().hisparse
             if hs is not None:
@@ -263,6 +266,9 @@ def main(argv=None) -> dict:
     p.add_argument("--hisparse-batches", default=None, help="its batch sizes (default: --batches)")
     p.add_argument("--hisparse-prompt-len", type=int, default=None,
                    help="its prompt length (default: --prompt-len; above the top-k, a step misses)")
+    p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seeded", action="store_true", help="every request with its own seed")
     p.add_argument("--async-scheduling", action="store_true",
                    help="also the static path with async scheduling (mode `async`)")
     p.add_argument("--host-phases", action="store_true",

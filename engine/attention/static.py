@@ -36,7 +36,7 @@ class StaticMetadataBuilder:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         # the extra lists of one build (row maps, per-request values of the decode step) share this room
-        self.max_extra = 2 * max_rows + 8 * max_reqs
+        self.max_extra = 2 * max_rows + 16 * max_reqs
         n = 4 * max_rows + 2 * max_reqs + 1 + max_reqs * self.max_blocks + num_req_ints * max_reqs + self.max_extra
         self.flat = torch.zeros(n, dtype=torch.int64, device=self.device)
         i64 = {"dtype": torch.int64, "device": self.device}

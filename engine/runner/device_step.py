@@ -1,21 +1,27 @@
 """The decode step with no host sync (docs/async_scheduling.md): every request continues with one row and its
-drafts, samples greedily, and its tokens stay on the device until the step's one read-back.
+drafts, and its tokens stay on the device until the step's one read-back.
 
     target    the padded static forward (engine/runner/static_decode.py) over each request's 1 + d rows; a
               placeholder request's ids and start come from the last step's device outputs (LastStep)
-    verify    the argmax of every row; drafts are accepted while each equals the argmax of the row before
-              it (synthetic acceptance: a host draw per request); emitted = accepted drafts + one token
+    verify    engine/runner/spec.py `verify`, the host path's own: greedy requests accept drafts while each
+              equals the argmax of the row before it; sampled ones (temperature, top-k / top-p / min-p, with
+              or without a seed) by rejection sampling against the distributions their drafts were drawn
+              from, then one token from the residual or the last row (synthetic acceptance: a host draw per
+              request, uploaded with the inputs); emitted = accepted drafts + one token. The sampling
+              parameters travel with the step's inputs (`RowParams`, in the one host -> device copy)
     MTP       the catch-up over the same rows with the emitted tokens as input (rows past the accepted ones
               compute values nothing reads: later steps rewrite those positions before any read), draft 1
               from the row of the last emitted token, then one forward per further draft at position
-              start + accepted + j, computed on the device
+              start + accepted + j, computed on the device; drafts are drawn as the host drafter draws them
+              (`draw_rows`) and their distributions kept for the next step (`DraftDists`)
     output    [B, 3 + 2k] int64 (emitted | count | drafts | next start) to pinned memory behind an event
               (engine/runner/step_output.py)
 
 Host lists of the metadata are exact where a backend sizes its work by them (not graph-safe: the torch
 reference); reading the accepted counts for them costs nothing on the CPU and is a host sync on a GPU
-(counted in `num_syncs`). A graph-safe backend (Triton, HiSparse over it) sizes its launches by
-`max_seq_len_bound` and device tensors, so its lists are upper bounds and the step reads nothing back.
+(counted in `num_syncs`), and HiSparse's unpadded path on CUDA reads them too. A graph-safe backend (Triton,
+HiSparse over it on its padded path) sizes its launches by `max_seq_len_bound` and device tensors, so its
+lists are upper bounds and the step reads nothing back.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import torch
 
 from engine.core.scheduler_output import RunnerOutput, SampledOutput, ScheduledChunk
 from engine.runner.inputs import device_index
+from engine.runner.sampler import RowParams, draw_rows, sampled_order
+from engine.runner.spec import DraftDists, StepRows, draft_dists, verify
 from engine.runner.step_output import LastStep, StepHandle
 
 
@@ -39,8 +47,9 @@ class DeviceDecode:
         self.num_syncs = 0  # host reads inside a step on a GPU (0 with a graph-safe backend)
 
     def eligible(self, chunks: list[ScheduledChunk]) -> bool:
-        """Decode rows only, of requests sampled greedily with nothing host-side (penalties, logprobs,
-        min_tokens, grammars, prompt logits), in a batch the static buffers hold."""
+        """Decode rows only, in a batch the static buffers hold, of requests with nothing host-side:
+        no penalties, logprobs, grammar or prompt logits, past their min_tokens (as far as the host has read
+        them), and a sampled request's drafts with the distributions they were drawn from."""
         st = self.static
         if not chunks or len(chunks) > st.sizes[-1]:
             return False
@@ -48,8 +57,10 @@ class DeviceDecode:
             s = self.runner.states[c.req_id]
             p = s.sampling_params
             if not (c.sample and c.start > 0 and len(c.token_ids) == 1 + c.num_draft_tokens <= st.rows_per_req
-                    and p.greedy and not p.needs_penalties and p.logprobs is None and p.min_tokens == 0
-                    and s.grammar is None and not s.return_prompt_logits and len(s.block_ids) <= st.max_blocks):
+                    and not p.needs_penalties and p.logprobs is None and len(s.output_token_ids) >= p.min_tokens
+                    and s.grammar is None and not s.return_prompt_logits and len(s.block_ids) <= st.max_blocks
+                    and (p.greedy or not c.num_draft_tokens
+                         or (s.draft_probs is not None and s.draft_probs.shape[0] >= c.num_draft_tokens))):
                 return False
         return True
 
@@ -73,12 +84,16 @@ class DeviceDecode:
         syn = [r.synthetic.num_accepted(d) if r.synthetic is not None and d else 0 for d in nd]
         row_start = list(accumulate([1 + d for d in nd], initial=0))[:-1]
         last_row = [last.row_of[c.req_id] if c.placeholder else 0 for c in chunks]
-        batch = self.static.prepare([(s, p, c.token_ids) for s, p, c in zip(states, starts, chunks)],
-                                    (starts, ph, last_row, nd, row_start, syn))
+        params, gens = [s.sampling_params for s in states], [s.generator for s in states]
+        order = sampled_order(params, gens)
+        dists, q_off = draft_dists([s.draft_probs for s in states], order, nd)
+        extras = (starts, ph, last_row, nd, row_start, syn, *RowParams.encode(params), q_off, order)
+        batch = self.static.prepare([(s, p, c.token_ids) for s, p, c in zip(states, starts, chunks)], extras)
         if batch is None:
             raise RuntimeError("the device decode step got a batch the static buffers refuse (see eligible())")
-        # the extras are views of the builder's buffer, which the draft steps' builds overwrite
-        starts_t, ph_t, last_row_t, nd_t, row_start_t, syn_t = (e.clone() for e in batch.extras)
+        # the extras are views of the builder's buffer, which the draft steps' builds overwrite: one copy
+        ext = torch.cat(batch.extras).split([len(e) for e in extras])
+        starts_t, ph_t, last_row_t, nd_t, row_start_t, syn_t, q_off_t, order_t = *ext[:6], *ext[-2:]
         T, dev = sum(1 + d for d in nd), batch.input_ids.device
         row_req = batch.meta.token_req_idx[batch.real_idx].long()
         row_off = torch.arange(T, device=dev) - row_start_t[row_req]
@@ -91,14 +106,16 @@ class DeviceDecode:
             batch.input_ids.copy_(ids[batch.src_idx])
             batch.place(start, starts_t)
         hidden = self.static.run("target", batch)
-        best = r.model.compute_logits(hidden).argmax(dim=-1)
-        n_acc, emitted = self._verify(ids, best, nd_t, row_start_t, syn_t, len(chunks))
+        step_rows = StepRows(ids=ids, row_start=row_start_t, nd=nd_t, nd_host=nd, k=k,
+                             params=RowParams.decode(params, ext[6:10]), gens=gens, order=order, order_t=order_t,
+                             q=dists, q_off=q_off_t, syn=syn_t if r.synthetic is not None else None)
+        n_acc, emitted = verify(r.sampler, r.model.compute_logits(hidden), step_rows)
         drafts = torch.zeros((len(chunks), k), dtype=torch.int64, device=dev)
         q = [min(c.max_drafts, k) for c in chunks]
         if r.mtp is not None:
             batch.input_ids.copy_(emitted[row_req, row_off][batch.src_idx])  # the catch-up's inputs
             out = self.static.run("mtp", batch, hidden)
-            self._draft(states, starts, nd, q, out[row_start_t + n_acc], start + n_acc, n_acc, drafts)
+            self._draft(states, starts, nd, q, out[row_start_t + n_acc], start + n_acc, n_acc, drafts, step_rows.params)
         next_start = start + 1 + n_acc
         packed = torch.cat([emitted, (n_acc + 1)[:, None], drafts, next_start[:, None]], dim=1)
         handle = StepHandle(packed=packed, finish=lambda rows: self._finish(chunks, states, q, rows))
@@ -106,48 +123,31 @@ class DeviceDecode:
         return handle, LastStep([c.req_id for c in chunks], handle, lambda b: self._host_next(handle, q, b),
                                 next_start, next_ids)
 
-    def _verify(self, ids: torch.Tensor, best: torch.Tensor, nd: torch.Tensor, row_start: torch.Tensor,
-                syn: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> accepted drafts [B], emitted tokens [B, 1 + k] (valid up to accepted + 1)."""
-        k = self.k
-        if not k:
-            return torch.zeros(B, dtype=torch.int64, device=ids.device), best[:, None]
-        j = torch.arange(k + 1, device=ids.device)[None, :]
-        valid = j[:, :k] < nd[:, None]
-        cur = torch.where(valid, row_start[:, None] + j[:, :k], 0)  # row i verifies draft i + 1 (row i + 1)
-        if self.runner.synthetic is not None:
-            n_acc = syn
-        else:
-            match = (ids[cur + valid.long()] == best[cur]) & valid
-            n_acc = match.long().cumprod(dim=1).sum(dim=1)
-        emitted = best[row_start[:, None] + torch.minimum(j, nd[:, None])]
-        if self.runner.synthetic is not None:  # the accepted drafts themselves, then the target's token
-            drafts = ids[row_start[:, None] + torch.minimum(j + 1, nd[:, None])]
-            emitted = torch.where(j < n_acc[:, None], drafts, emitted)
-        return n_acc, emitted
-
     def _draft(self, states, starts: list[int], nd: list[int], q: list[int], prev: torch.Tensor,
-               pos0: torch.Tensor, n_acc: torch.Tensor, drafts: torch.Tensor) -> None:
+               pos0: torch.Tensor, n_acc: torch.Tensor, drafts: torch.Tensor, params: RowParams) -> None:
         """MTP drafts into `drafts` [B, k]: draft 1 from `prev` (the catch-up row at position `pos0` of each
-        request), draft j + 1 from a forward at pos0 + j; request b proposes q[b] of them. Each draft forward is
-        one row per request still drafting, derived on the device from the target pass's batch
+        request), draft j + 1 from a forward at pos0 + j; request b proposes q[b] of them, drawn as the host
+        path's MTP drafter draws them (`draw_rows`), their distributions kept for the next step's verify. Each
+        draft forward is one row per request still drafting, derived on the device from the target pass's batch
         (`StaticDecode.next_rows`): no host build, no copy."""
         r = self.runner
         act = [b for b, n in enumerate(q) if n > 0]
         if not act:
             return
         dev = drafts.device
-        act_t = device_index(act, dev) if len(act) < len(q) else None  # None: every request, in order
-        if act_t is not None:
+        act_t = device_index(act, dev)
+        every = len(act) == len(q)  # every request, in order
+        if not every:
             prev, pos0 = prev[act_t], pos0[act_t]
-        gather = act_t  # the rows of the last forward's requests the next draft forward takes (None: all)
+        gather = None if every else act_t  # the rows of the last forward's requests the next draft forward takes
         acc = self._read(n_acc) if self.exact else nd  # host: exact accepted counts, or their bound
+        dists = DraftDists(self.k)
         for j in range(self.k):
-            tok = r.model.compute_logits(prev).argmax(dim=-1)
-            if act_t is None:
-                drafts[:, j] = tok
-            else:
-                drafts[act_t, j] = tok
+            act_states = [states[b] for b in act]
+            tok, probs, order = draw_rows(r.sampler, r.model.compute_logits(prev), params.select(act, act_t),
+                                          [s.draft_generator for s in act_states])
+            dists.add(j, act_states, order, probs)
+            drafts[act_t, j] = tok
             keep = [i for i, b in enumerate(act) if q[b] > j + 1]
             if not keep:
                 return

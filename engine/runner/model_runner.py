@@ -8,6 +8,7 @@ then propose drafts) -> RunnerOutput.
 from __future__ import annotations
 
 import dataclasses
+from itertools import accumulate
 
 import torch
 
@@ -25,8 +26,8 @@ from engine.model.layers import rope_cos_sin, rope_inv_freq
 from engine.runner.device_step import DeviceDecode
 from engine.runner.inputs import BatchRows, build_batch, chunk_rows, device_index, rows_layout, slots_for
 from engine.runner.mtp import MTPProposer
-from engine.runner.sampler import RowSpec, Sampler, top_logprobs
-from engine.runner.spec import SyntheticAcceptance, verify_drafts
+from engine.runner.sampler import RowParams, RowSpec, Sampler, sampled_order, top_logprobs
+from engine.runner.spec import StepRows, SyntheticAcceptance, draft_dists, verify
 from engine.runner.state import RunnerRequest
 from engine.runner.static_decode import StaticDecode
 from engine.runner.step_output import LastStep, StepHandle, host_last_step
@@ -202,66 +203,68 @@ class ModelRunner:
 
     def _sample(self, chunks: list[ScheduledChunk], layout: BatchRows, hidden: torch.Tensor, out: RunnerOutput,
                 emitted: dict[str, list[int]]) -> None:
+        """Every sampling chunk's rows (its last known token, then its drafts) in one batch through
+        `verify`, the device decode step's own sampling; one read of the tokens."""
         todo = [(c, s) for c, s in zip(chunks, layout.row_starts) if c.sample]
         if not todo:
             return
-        row_idx = []
+        row_idx, ids, specs = [], [], []
         for c, s in todo:
-            last_known = s + len(c.token_ids) - c.num_draft_tokens - 1
-            row_idx.extend(range(last_known, last_known + c.num_draft_tokens + 1))
+            st = self.states[c.req_id]
+            n_known = len(c.token_ids) - c.num_draft_tokens
+            row_idx.extend(range(s + n_known - 1, s + len(c.token_ids)))
+            ids.extend(c.token_ids[n_known - 1:])
+            drafts = c.token_ids[n_known:]
+            specs.extend(RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids + drafts[:i],
+                                 self.eos_ids, grammar=st.grammar is not None)
+                         for i in range(len(drafts) + 1))
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[device_index(row_idx, hidden.device)])
         valid = self.structured.mask([c for c, _ in todo], self.states, logits)  # in place, before sampling
-        greedy = self._plain_greedy(todo, logits, row_idx)
+        states = [self.states[c.req_id] for c, _ in todo]
+        nd = [c.num_draft_tokens for c, _ in todo]
+        syn = None
+        if self.synthetic is not None:
+            syn = [min(self.synthetic.num_accepted(d), valid.get(c.req_id, d)) if d else 0
+                   for (c, _), d in zip(todo, nd)]
+        with torch.inference_mode():
+            x = self.sampler.penalise(logits, specs)
+            n_acc, tokens = verify(self.sampler, x, self._step_rows(states, nd, ids, syn, logits.shape[-1]))
+            rows = torch.cat([n_acc[:, None], tokens], dim=1).tolist()  # the step's read of its sampled tokens
         r = 0
-        for c, _ in todo:
-            st = self.states[c.req_id]
-            if c.req_id in greedy:
-                res = SampledOutput(token_ids=[greedy[c.req_id]])
-                r += 1
-            else:
-                n = c.num_draft_tokens + 1
-                res = self._sample_one(c, logits[r:r + n], valid.get(c.req_id))
-                r += n
+        for (c, _), st, n, row in zip(todo, states, nd, rows):
+            res = SampledOutput(token_ids=row[1: row[0] + 2], num_drafts=n, num_accepted=row[0])
+            if st.sampling_params.logprobs is not None:
+                res.logprobs = top_logprobs(logits[r: r + row[0] + 1], torch.tensor(res.token_ids),
+                                            [st.sampling_params.logprobs] * len(res.token_ids))
+            r += n + 1
             self.structured.accept(st, res)  # may end the step's tokens at the grammar's stop token
             out.sampled[c.req_id] = res
             emitted[c.req_id] = res.token_ids
             st.output_token_ids.extend(res.token_ids)
 
-    def _plain_greedy(self, todo, logits: torch.Tensor, row_idx: list[int]) -> dict[str, int]:
-        """One batched argmax for greedy rows with no drafts, penalties, logprobs or min_tokens."""
-        rows, ids = [], []
-        r = 0
-        for c, _ in todo:
-            p = self.states[c.req_id].sampling_params
-            if (p.greedy and not c.num_draft_tokens and not p.needs_penalties and p.logprobs is None
-                    and p.min_tokens == 0):
-                rows.append(r)
-                ids.append(c.req_id)
-            r += c.num_draft_tokens + 1
-        if not rows:
-            return {}
-        tokens = logits[device_index(rows, logits.device)].argmax(dim=-1)
-        return dict(zip(ids, tokens.tolist()))  # the step's read of its sampled tokens
+    def _step_rows(self, states: list[RunnerRequest], nd: list[int], ids: list[int],
+                   syn: list[int] | None, V: int) -> StepRows:
+        """The host lists of `verify`'s rows -> its device tensors (drafts without their distribution, e.g.
+        proposed before a restart of the request's state, count as drawn from a point mass)."""
+        params = [st.sampling_params for st in states]
+        gens = [st.generator for st in states]
+        order = sampled_order(params, gens)
+        dists, at = [], 0
+        for st, n in zip(states, nd):
+            d = st.draft_probs
+            if n and not st.sampling_params.greedy and (d is None or d.shape[0] < n):
+                d = torch.zeros((n, V), device=self.device)
+                d[torch.arange(n), torch.tensor(ids[at + 1: at + 1 + n])] = 1.0
+            dists.append(d)
+            at += n + 1
+        q, q_off = draft_dists(dists, order, nd)
+        row_start = list(accumulate([1 + n for n in nd], initial=0))[:-1]
+        cols = torch.tensor([*RowParams.encode(params), row_start, nd, q_off, syn or [0] * len(nd)],
+                            dtype=torch.int64).to(self.device)
+        return StepRows(ids=torch.tensor(ids, dtype=torch.int64).to(self.device), row_start=cols[4], nd=cols[5],
+                        nd_host=nd, k=self.cfg.num_spec_tokens if self.mtp is not None else 0,
+                        params=RowParams.decode(params, cols[:4]), gens=gens, order=order,
+                        order_t=device_index(order, self.device), q=q, q_off=cols[6],
+                        syn=cols[7] if syn is not None else None)
 
-    def _sample_one(self, c: ScheduledChunk, logits: torch.Tensor, valid_drafts: int | None = None) -> SampledOutput:
-        """valid_drafts: with a grammar, how many drafts it accepts (the rows are masked already)."""
-        st = self.states[c.req_id]
-        p = st.sampling_params
-        drafts = c.token_ids[len(c.token_ids) - c.num_draft_tokens:] if c.num_draft_tokens else []
-        rows = [RowSpec(p, st.prompt_token_ids, st.output_token_ids + drafts[:i], st.generator, self.eos_ids,
-                        grammar=st.grammar is not None) for i in range(len(drafts) + 1)]
-        probs = self.sampler.probs(logits, rows)
-        if self.synthetic is not None and drafts:
-            n_acc = min(self.synthetic.num_accepted(len(drafts)), len(drafts) if valid_drafts is None else valid_drafts)
-            bonus = int(self.sampler.draw(probs[n_acc:n_acc + 1], [st.generator])[0])
-            tokens = drafts[:n_acc] + [bonus]
-        elif drafts:
-            tokens, n_acc = verify_drafts(self.sampler, probs, drafts, st.draft_probs, p.greedy, st.generator)
-        else:
-            tokens, n_acc = [int(self.sampler.draw(probs, [st.generator])[0])], 0
-        lps = None
-        if p.logprobs is not None:
-            used = logits[: len(tokens)]
-            lps = top_logprobs(used, torch.tensor(tokens), [p.logprobs] * len(tokens))
-        return SampledOutput(token_ids=tokens, logprobs=lps, num_drafts=len(drafts), num_accepted=n_acc)

@@ -16,7 +16,8 @@ import torch
 
 from engine.core.scheduler_output import ScheduledChunk
 from engine.runner.inputs import BatchRows, device_index
-from engine.runner.sampler import RowSpec
+from engine.runner.sampler import RowParams, RowSpec, draw_rows
+from engine.runner.spec import DraftDists
 
 
 class MTPProposer:
@@ -47,9 +48,10 @@ class MTPProposer:
         constrained = any(self.runner.states[c.req_id].grammar is not None for c, _, _ in last)
         steps = []  # per draft step: (request ids in row order, their draft tokens on the device)
         active = [(c, pos) for c, _, pos in last]
+        dists = DraftDists(self.num_steps)
         try:
             for step in range(self.num_steps):
-                tokens = self._draw(active, prev, step)
+                tokens = self._draw(active, prev, step, dists)
                 steps.append(([c.req_id for c, _ in active], tokens))
                 if constrained:  # the matchers move over every draft: this step's tokens are read now
                     for (c, _), t in zip(active, tokens.tolist()):
@@ -70,22 +72,19 @@ class MTPProposer:
                 self.runner.structured.rollback_drafts(self.runner.states[rid], n)
         return _read_back(steps)
 
-    def _draw(self, active, mtp_hidden: torch.Tensor, step: int) -> torch.Tensor:
+    def _draw(self, active, mtp_hidden: torch.Tensor, step: int, dists: DraftDists) -> torch.Tensor:
         r = self.runner
         with torch.inference_mode():
             logits = r.model.compute_logits(mtp_hidden)
         states = [r.states[c.req_id] for c, _ in active]
         r.structured.mask_drafts(states, logits)  # constrained requests draft within their grammar
-        specs = [RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.draft_generator, r.eos_ids,
+        specs = [RowSpec(st.sampling_params, st.prompt_token_ids, st.output_token_ids, r.eos_ids,
                          grammar=st.grammar is not None) for st in states]
-        probs = r.sampler.probs(logits, specs)
-        tokens = r.sampler.draw(probs, [s.generator for s in specs])
-        for (c, _), row in zip(active, probs):
-            st = r.states[c.req_id]
-            if step == 0:
-                st.draft_probs = row[None].clone()
-            else:
-                st.draft_probs = torch.cat([st.draft_probs, row[None]], dim=0)
+        rp = RowParams.of([st.sampling_params for st in states], logits.device)
+        with torch.inference_mode():
+            x = r.sampler.penalise(logits, specs)
+            tokens, probs, order = draw_rows(r.sampler, x, rp, [st.draft_generator for st in states])
+        dists.add(step, states, order, probs)
         return tokens
 
 

@@ -1,29 +1,119 @@
 """Turning logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
 
-Sampling draws an exponential race per row, argmax(p / E) with E ~ Exp(1) — an exact draw from p —
-from the request's own generator when it has a seed, so a seeded request samples the same tokens
-whatever else is in the batch.
+Every step samples all its rows in one batch, with the same code on the host path and in the device decode
+step (engine/runner/device_step.py), so the two give the same tokens:
+
+    parameters   per row on the device (`RowParams`: float32 bit patterns in int lists, so the device step
+                 sends them in its one host -> device copy and the host path decodes the same ints)
+    filters      temperature, top-k, softmax, top-p, min-p, one tensor op each over the rows; what a filter
+                 keeps is renormalised by a second softmax (a row's own sum, never one over the batch)
+    drawing      an exponential race per row, argmax(p / E) with E ~ Exp(1) — an exact draw from p, also
+                 from weights that do not sum to 1 — from the request's own generator when it has a seed (one
+                 call per seeded row, so a seeded request samples the same tokens whatever else is in the
+                 batch), for the other rows from one call of the engine's generator
+    greedy rows  the argmax of their logits; they draw nothing
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
 
 from engine.core.sampling_params import SamplingParams
+from engine.runner.inputs import device_index
 
 
 @dataclass
 class RowSpec:
-    """One logits row to sample: its request's parameters and the tokens seen so far."""
+    """One logits row as the host processes it: its request's parameters and the tokens seen so far."""
 
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
-    generator: torch.Generator | None
     eos_ids: tuple[int, ...] = ()
     grammar: bool = False  # a grammar masks this row: it decides when stopping is allowed (not min_tokens)
+
+    @property
+    def host_processed(self) -> bool:
+        """Whether `Sampler.penalise` changes this row: penalties, or stop tokens masked until min_tokens."""
+        p = self.params
+        return p.needs_penalties or (bool(self.eos_ids) and len(self.output_ids) < p.min_tokens and not self.grammar)
+
+
+def _f32_bits(v: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", v))[0]
+
+
+@dataclass
+class RowParams:
+    """Sampling parameters of N rows as device tensors, and their SamplingParams (host: which filters run)."""
+
+    params: list[SamplingParams]
+    temperature: torch.Tensor  # [N] float32
+    top_k: torch.Tensor  # [N] int64, 0: off
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor  # [N] float32
+
+    @staticmethod
+    def encode(params: list[SamplingParams]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """-> int lists (temperature, top_k, top_p, min_p; floats as their float32 bits) for `decode`."""
+        return ([_f32_bits(p.temperature) for p in params], [max(p.top_k, 0) for p in params],
+                [_f32_bits(p.top_p) for p in params], [_f32_bits(p.min_p) for p in params])
+
+    @classmethod
+    def decode(cls, params: list[SamplingParams], cols) -> RowParams:
+        """cols: `encode`'s four lists as int64 device tensors (the device step's extras)."""
+        t, k, p, m = cols
+
+        def f32(c):
+            return c.to(torch.int32).view(torch.float32)
+
+        return cls(params, f32(t), k, f32(p), f32(m))
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device) -> RowParams:
+        return cls.decode(params, torch.tensor(cls.encode(params), dtype=torch.int64).to(device))
+
+    def select(self, rows: list[int], idx: torch.Tensor) -> RowParams:
+        """The rows `rows` (host), `idx` being the same indices on the device."""
+        return RowParams([self.params[i] for i in rows], self.temperature[idx], self.top_k[idx], self.top_p[idx],
+                         self.min_p[idx])
+
+
+def filtered_probs(x: torch.Tensor, rp: RowParams) -> torch.Tensor:
+    """Processed target distribution of each (non-greedy) row of x [N, V]: temperature, top-k, softmax, top-p,
+    min-p, renormalised. A filter runs when some row uses it; a row that does not use it comes out of it
+    bit for bit unchanged, so which filters the other rows use does not change a row's distribution."""
+    V = x.shape[-1]
+    x = x.float() / rp.temperature[:, None]
+    ks = [p.top_k for p in rp.params if 0 < p.top_k < V]
+    if ks:
+        k = rp.top_k
+        on = (k > 0) & (k < V)
+        kth = x.topk(max(ks), dim=-1).values.gather(1, (k.clamp(1, max(ks)) - 1)[:, None])
+        x = x.masked_fill(on[:, None] & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    keep = None
+    if any(p.top_p < 1.0 for p in rp.params):
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
+        drop = (before >= rp.top_p[:, None]) & (rp.top_p < 1.0)[:, None]
+        keep = torch.empty_like(drop).scatter_(1, order, ~drop)
+    if any(p.min_p > 0.0 for p in rp.params):
+        above = probs >= rp.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        keep = above if keep is None else keep & above
+    if keep is None:
+        return probs
+    return torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def sampled_order(params: list[SamplingParams], gens: list[torch.Generator | None]) -> list[int]:
+    """The non-greedy rows in the order they draw: those on the engine's generator first (one call), then
+    the seeded ones (a call each)."""
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    return [i for i in rows if gens[i] is None] + [i for i in rows if gens[i] is not None]
 
 
 class Sampler:
@@ -32,17 +122,13 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    # ---- distribution --------------------------------------------------------------------------
-    def probs(self, logits: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
-        """Processed target distribution per row [N, V] (one-hot of the argmax for greedy rows)."""
-        x = self._penalised(logits.float().clone(), rows)
-        out = torch.empty_like(x)
-        for i, r in enumerate(rows):
-            out[i] = _filtered_probs(x[i], r.params)
-        return out
-
-    def _penalised(self, x: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
-        V = x.shape[1]
+    # ---- host-side logits processing ------------------------------------------------------------
+    def penalise(self, x: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
+        """min_tokens (stop tokens masked) and the repetition / frequency / presence penalties: x itself when
+        no row needs them, else a processed copy."""
+        if not any(r.host_processed for r in rows):
+            return x
+        x, V = x.clone(), x.shape[1]
         for i, r in enumerate(rows):
             p = r.params
             if r.eos_ids and len(r.output_ids) < p.min_tokens and not r.grammar:
@@ -61,40 +147,43 @@ class Sampler:
             x[i] -= p.frequency_penalty * out_counts.float() + p.presence_penalty * (out_counts > 0).float()
         return x
 
-    # ---- drawing -------------------------------------------------------------------------------
-    def draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """One token per row from probs [N, V] (greedy rows are one-hot, so the race returns them)."""
-        noise = torch.empty_like(probs)
-        for i, g in enumerate(generators):
-            noise[i].exponential_(generator=g if g is not None else self.generator)
-        return (probs / noise).argmax(dim=-1)
+    # ---- random numbers -------------------------------------------------------------------------
+    def exponentials(self, n_engine: int, gens: list[torch.Generator], V: int) -> torch.Tensor:
+        """[n_engine + len(gens), V] Exp(1): the first n_engine rows in one call of the engine's generator,
+        then one row from each generator."""
+        e = torch.empty((n_engine + len(gens), V), device=self.device)
+        if n_engine:
+            e[:n_engine].exponential_(generator=self.generator)
+        for i, g in enumerate(gens):
+            e[n_engine + i].exponential_(generator=g)
+        return e
 
-    def uniform(self, generator: torch.Generator | None) -> float:
-        return float(torch.rand((), generator=generator if generator is not None else self.generator,
-                                device=self.device))
+    def uniforms(self, n_engine: int, gens: list[torch.Generator], counts: list[int], k: int) -> torch.Tensor:
+        """[n_engine + len(gens), k] U(0, 1): the first n_engine rows in one call of the engine's generator,
+        then counts[i] values from gens[i] (the rest of its row is unused)."""
+        u = torch.zeros((n_engine + len(gens), k), device=self.device)
+        if n_engine and k:
+            u[:n_engine].uniform_(generator=self.generator)
+        for i, (g, n) in enumerate(zip(gens, counts)):
+            if n:
+                u[n_engine + i, :n].uniform_(generator=g)
+        return u
 
-    def sample(self, logits: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
-        return self.draw(self.probs(logits, rows), [r.generator for r in rows])
 
-
-def _filtered_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    if p.greedy:
-        out = torch.zeros_like(x)
-        out[x.argmax()] = 1.0
-        return out
-    x = x / p.temperature
-    if p.top_k > 0 and p.top_k < x.shape[0]:
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        before = sorted_p.cumsum(0) - sorted_p  # mass strictly above each token
-        drop = before >= p.top_p
-        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+def draw_rows(sampler: Sampler, x: torch.Tensor, rp: RowParams,
+              gens: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """One token per row of x [n, V] (rows of different requests: the MTP draft steps). -> (tokens [n], the
+    distributions the non-greedy rows drew from [S, V], which rows those are, in `sampled_order`)."""
+    tokens = x.argmax(dim=-1)
+    order = sampled_order(rp.params, gens)
+    if not order:
+        return tokens, None, []
+    idx = device_index(order, x.device)
+    probs = filtered_probs(x[idx], rp.select(order, idx))
+    n_engine = sum(gens[i] is None for i in order)
+    e = sampler.exponentials(n_engine, [gens[i] for i in order[n_engine:]], x.shape[-1])
+    tokens.index_copy_(0, idx, (probs / e).argmax(dim=-1))
+    return tokens, probs, order
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: list[int | None]) -> list[dict[int, float] | None]:

@@ -6,38 +6,104 @@ draft distributions q_1..q_k they were drawn from:
   sampled:   accept d_i with probability min(1, p_{i-1}(d_i) / q_i(d_i)); at the first rejection emit a
              token from norm(max(0, p_{i-1} - q_i)); if all pass, a bonus token from p_k. This leaves the
              output distribution exactly p (standard speculative sampling).
+
+`verify` does this for every request of a step at once, on the device and without reading anything back
+(the device decode step and the host path run the same code). A sampled request draws its k uniforms up
+front, then one Exp(1) row for whichever token it emits (the residual's or the bonus one): the same numbers
+from its generator whatever the drafts' fate, so nothing on the host has to know where it stopped.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.runner.sampler import Sampler
+from engine.runner.inputs import device_index
+from engine.runner.sampler import RowParams, Sampler, filtered_probs
 
 
-def verify_drafts(sampler: Sampler, target_probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-                  greedy: bool, generator: torch.Generator | None) -> tuple[list[int], int]:
-    """target_probs [k+1, V] -> (emitted tokens, number of drafts accepted)."""
-    k = len(drafts)
-    if greedy:
-        best = target_probs.argmax(dim=-1).tolist()
-        n = 0
-        while n < k and drafts[n] == best[n]:
-            n += 1
-        return drafts[:n] + [best[n]], n
-    for i, d in enumerate(drafts):
-        p = target_probs[i]
-        q = draft_probs[i] if draft_probs is not None else torch.zeros_like(p).index_fill_(0, torch.tensor([d]), 1.0)
-        ratio = float(p[d]) / max(float(q[d]), 1e-30)
-        if sampler.uniform(generator) < min(1.0, ratio):
-            continue
-        residual = torch.clamp(p - q, min=0.0)
-        total = float(residual.sum())
-        dist = residual / total if total > 0 else p
-        tok = int(sampler.draw(dist[None], [generator])[0])
-        return drafts[:i] + [tok], i
-    tok = int(sampler.draw(target_probs[k][None], [generator])[0])
-    return list(drafts) + [tok], k
+@dataclass
+class StepRows:
+    """A step's sampling rows: request b has rows row_start[b] .. row_start[b] + nd[b] (the row of its last
+    known token, then one per draft), and row r's input token is ids[r] (its drafts at rows row_start[b] + 1..).
+    `order` (host, `sampled_order`) lists the non-greedy requests, `order_t` the same on the device."""
+
+    ids: torch.Tensor  # [N]
+    row_start: torch.Tensor  # [B]
+    nd: torch.Tensor  # [B]
+    nd_host: list[int]
+    k: int  # width of the emitted tokens - 1 (the engine's speculative tokens)
+    params: RowParams  # per request
+    gens: list[torch.Generator | None]  # per request: its generator, None: the engine's
+    order: list[int]
+    order_t: torch.Tensor
+    q: torch.Tensor | None = None  # [D, V] the drafts' distributions of the sampled requests with drafts
+    q_off: torch.Tensor | None = None  # [B] request b's first row of q
+    syn: torch.Tensor | None = None  # [B] synthetic acceptance: accepted drafts per request
+
+
+def draft_dists(dists: list[torch.Tensor], order: list[int], nd: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+    """The distributions the verified drafts were drawn from, of the sampled requests with drafts, as one
+    tensor [D, V] (one copy), and each request's first row in it (0 for the others)."""
+    parts, off, at = [], [0] * len(nd), 0
+    for b in order:
+        if nd[b]:
+            parts.append(dists[b][: nd[b]])
+            off[b] = at
+            at += nd[b]
+    return (torch.cat(parts) if parts else None), off
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] of every row -> (accepted drafts [B], emitted tokens [B, 1 + k]: valid up to accepted + 1)."""
+    k, dev = rows.k, logits.device
+    rs, nd = rows.row_start, rows.nd
+    best = logits.argmax(dim=-1)
+    j = torch.arange(k + 1, device=dev)[None, :]
+    valid = j[:, :k] < nd[:, None]
+    cur = torch.where(valid, rs[:, None] + j[:, :k], 0)  # row i verifies draft i + 1
+    drafts = rows.ids[rs[:, None] + torch.minimum(j + 1, nd[:, None])]  # [B, 1 + k]: draft j + 1 for j < nd
+    emitted = best[rs[:, None] + torch.minimum(j, nd[:, None])]
+    if rows.syn is not None:  # the accepted drafts themselves, then the target's token
+        n_acc = rows.syn
+        emitted = torch.where(j < n_acc[:, None], drafts, emitted)
+    match = (drafts[:, :k] == best[cur]) & valid
+    if not rows.order:
+        if rows.syn is None:
+            n_acc = match.long().cumprod(dim=1).sum(dim=1)
+        return n_acc, emitted
+    order, s = rows.order, rows.order_t
+    nd_s_host = [rows.nd_host[b] for b in order]
+    n_engine = sum(rows.gens[b] is None for b in order)
+    gens = [rows.gens[b] for b in order[n_engine:]]
+    # the sampled requests' rows, in their order: request order[i]'s at pstart[i] .. pstart[i] + nd
+    req_of_row = [b for b in order for _ in range(1 + rows.nd_host[b])]
+    nd_s = nd[s]
+    r = nd_s + 1
+    pstart = r.cumsum(0) - r
+    req_t = s.repeat_interleave(r, output_size=len(req_of_row))
+    local = torch.arange(len(req_of_row), device=dev) - pstart.repeat_interleave(r, output_size=len(req_of_row))
+    probs = filtered_probs(logits[rs[req_t] + local], rows.params.select(req_of_row, req_t))
+    drafts_s, valid_s = drafts[s], valid[s]
+    rejecting = rows.syn is None and max(nd_s_host) > 0
+    if rejecting:
+        u = sampler.uniforms(n_engine, gens, nd_s_host[n_engine:], k)
+        p_d = probs[pstart[:, None] + torch.where(valid_s, j[:, :k], 0), drafts_s[:, :k]]
+        q_d = rows.q[torch.where(valid_s, rows.q_off[s][:, None] + j[:, :k], 0), drafts_s[:, :k]]
+        ratio = p_d.double() / q_d.double().clamp_min(1e-30)
+        match[s] = (u.double() < ratio.clamp(max=1.0)) & valid_s
+    if rows.syn is None:
+        n_acc = match.long().cumprod(dim=1).sum(dim=1)
+    n_s = n_acc[s]
+    final = probs[pstart + n_s]
+    if rejecting:  # at the first rejection: the residual max(0, p - q), if any of it is left
+        rej = n_s < nd_s
+        resid = (final - rows.q[torch.where(rej, rows.q_off[s] + n_s, 0)]).clamp_min(0.0)
+        final = torch.where((rej & (resid > 0).any(dim=-1))[:, None], resid, final)
+    tok = (final / sampler.exponentials(n_engine, gens, logits.shape[-1])).argmax(dim=-1)
+    emitted[s] = torch.where(j < n_s[:, None], drafts_s, tok[:, None])
+    return n_acc, emitted
 
 
 def acceptance_rate_for_length(mean_length: float, k: int) -> float:
@@ -67,3 +133,33 @@ class SyntheticAcceptance:
         while n < num_drafts and float(torch.rand((), generator=self.generator)) < self.rate:
             n += 1
         return n
+
+
+class DraftDists:
+    """The distributions a step's sampled drafts are drawn from, in one [S, k, V] tensor for the S requests
+    that sample drafts at the first draft step; each request's `draft_probs` is its [k, V] view (rows past
+    the drafts it proposes are never read: the next step verifies at most those)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.buf: torch.Tensor | None = None
+        self.slot: dict[str, int] = {}
+
+    def add(self, step: int, states: list, order: list[int], probs: torch.Tensor | None) -> None:
+        """Draft step `step` drew the rows `order` of `states` (the active requests) from `probs`."""
+        if step == 0:
+            for st in states:
+                st.draft_probs = None
+            if not order:
+                return
+            self.buf = probs.new_empty((len(order), self.k, probs.shape[-1]))
+            for i, b in enumerate(order):
+                self.slot[states[b].req_id] = i
+                states[b].draft_probs = self.buf[i]
+        if not order:
+            return
+        slots = [self.slot[states[b].req_id] for b in order]
+        if slots == list(range(len(slots))):
+            self.buf[: len(slots), step] = probs
+        else:
+            self.buf[device_index(slots, probs.device), step] = probs

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.core.sampling_params import SamplingParams
-from engine.runner.sampler import RowSpec, Sampler
-from engine.runner.spec import SyntheticAcceptance, acceptance_rate_for_length, verify_drafts
+from engine.runner.sampler import RowParams, RowSpec, Sampler, draw_rows, filtered_probs, sampled_order
+from engine.runner.spec import StepRows, SyntheticAcceptance, acceptance_rate_for_length, verify
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -21,29 +21,49 @@ def test_invalid_params_raise(kw, match):
         SamplingParams(**kw)
 
 
-def _row(**kw):
-    return RowSpec(SamplingParams(**kw), [], [], None)
+def _probs(logits, **kw):
+    return filtered_probs(logits, RowParams.of([SamplingParams(**kw)] * logits.shape[0], logits.device))
+
+
+def _rows(ids, nd, params, gens, k, q=None, q_off=None):
+    """StepRows of B requests with nd[b] drafts each (rows laid out back to back)."""
+    order = sampled_order(params, gens)
+    row_start = [sum(1 + n for n in nd[:b]) for b in range(len(nd))]
+    return StepRows(ids=torch.tensor(ids), row_start=torch.tensor(row_start), nd=torch.tensor(nd), nd_host=nd, k=k,
+                    params=RowParams.of(params, torch.device("cpu")), gens=gens, order=order,
+                    order_t=torch.tensor(order, dtype=torch.int64), q=q,
+                    q_off=torch.tensor(q_off if q_off is not None else [0] * len(nd)))
 
 
 def test_filters_top_k_top_p_min_p():
-    s = Sampler(torch.device("cpu"), 0)
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
-    assert torch.count_nonzero(s.probs(logits, [_row(top_k=2)])[0]) == 2
-    p = s.probs(logits, [_row(top_p=0.7)])[0]
+    assert torch.count_nonzero(_probs(logits, top_k=2)[0]) == 2
+    p = _probs(logits, top_p=0.7)[0]
     assert torch.count_nonzero(p) == 2 and torch.isclose(p[0], torch.tensor(0.5 / 0.75))
-    assert torch.count_nonzero(s.probs(logits, [_row(min_p=0.4)])[0]) == 2  # keeps p >= 0.2
-    g = s.probs(logits, [_row(temperature=0.0)])[0]
-    assert g.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert torch.count_nonzero(_probs(logits, min_p=0.4)[0]) == 2  # keeps p >= 0.2
+
+
+def test_filters_per_row_in_one_batch():
+    """Each row gets its own filters in one call, bit for bit what it gets alone or beside other rows."""
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)) * 3
+    params = [SamplingParams(temperature=0.7), SamplingParams(top_k=20), SamplingParams(top_p=0.8, temperature=1.3),
+              SamplingParams(min_p=0.05), SamplingParams(top_k=50, top_p=0.9, min_p=0.01, temperature=0.5)]
+    batch = filtered_probs(x, RowParams.of(params, x.device))
+    for i, p in enumerate(params):
+        alone = filtered_probs(x[i:i + 1], RowParams.of([p], x.device))[0]
+        assert torch.equal(alone, batch[i])
+        assert torch.isclose(alone.sum(), torch.tensor(1.0))
+    assert [int(torch.count_nonzero(r)) for r in batch[1:2]] == [20]
 
 
 def test_penalties_follow_vllm_semantics():
     s = Sampler(torch.device("cpu"), 0)
     logits = torch.tensor([[2.0, -2.0, 1.0]])
-    row = RowSpec(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0], [1], None)
-    x = s._penalised(logits.clone(), [row])[0]
+    row = RowSpec(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0], [1])
+    x = s.penalise(logits, [row])[0]
     assert x.tolist() == [1.0, -4.0, 1.0]
-    row = RowSpec(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [], [2, 2], None)
-    assert s._penalised(logits.clone(), [row])[0].tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25]
+    row = RowSpec(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [], [2, 2])
+    assert s.penalise(logits, [row])[0].tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25]
 
 
 def test_seeded_draw_independent_of_batch():
@@ -53,36 +73,60 @@ def test_seeded_draw_independent_of_batch():
     def gen():
         return torch.Generator().manual_seed(1234)
 
-    alone = s.draw(torch.softmax(logits[1:2], -1), [gen()])
-    batch = s.draw(torch.softmax(logits, -1), [None, gen(), None])
-    assert alone[0] == batch[1]
+    sp = SamplingParams()
+    alone, _, _ = draw_rows(s, logits[1:2], RowParams.of([sp], logits.device), [gen()])
+    greedy = SamplingParams(temperature=0.0)
+    batch, _, order = draw_rows(s, logits, RowParams.of([sp, sp, greedy], logits.device), [None, gen(), None])
+    assert alone[0] == batch[1] and order == [0, 1]
+    assert batch[2] == logits[2].argmax()  # greedy rows stay greedy and draw nothing
 
 
 def test_rejection_sampling_preserves_target_distribution():
-    """First emitted token over 20,000 seeded trials matches the target softmax (TV <= 0.02)."""
+    """First emitted token over 20,000 trials (one request each, one batch) matches the target (TV <= 0.02)."""
     V, trials = 6, 20000
     g = torch.Generator().manual_seed(7)
     p = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
     q = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
-    sampler = Sampler(torch.device("cpu"), 0)
-    gen = torch.Generator().manual_seed(99)
-    counts = torch.zeros(V)
-    for _ in range(trials):
-        d = int(torch.multinomial(q, 1, generator=gen))
-        target = torch.stack([p, torch.softmax(torch.randn(V, generator=gen), -1)])
-        tokens, _ = verify_drafts(sampler, target, [d], q[None], greedy=False, generator=gen)
-        counts[tokens[0]] += 1
+    d = torch.multinomial(q, trials, replacement=True, generator=g)
+    logits = torch.stack([p.log().expand(trials, V), torch.randn(trials, V, generator=g)], dim=1).reshape(-1, V)
+    ids = torch.stack([torch.zeros_like(d), d], dim=1).reshape(-1).tolist()
+    rows = _rows(ids, [1] * trials, [SamplingParams()] * trials, [None] * trials, k=1,
+                 q=q.expand(trials, V).contiguous(), q_off=list(range(trials)))
+    n_acc, emitted = verify(Sampler(torch.device("cpu"), 0), logits, rows)
+    counts = torch.bincount(emitted[:, 0], minlength=V).float()
     tv = 0.5 * (counts / trials - p).abs().sum().item()
     assert tv <= 0.02, f"total variation {tv:.4f}"
+    assert 0 < n_acc.sum() < trials
+
+
+def test_seeded_verification_independent_of_batch():
+    """A seeded request's verification draws the same numbers whatever the drafts' fate and its batch."""
+    V = 40
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, V, generator=g)
+    q = torch.softmax(torch.randn(3, V, generator=g), -1)
+    sp = SamplingParams(temperature=0.9, top_p=0.95)
+
+    def seeded():
+        return torch.Generator().manual_seed(11)
+
+    alone = verify(Sampler(torch.device("cpu"), 0), logits[3:7], _rows([0, 5, 6, 7], [3], [sp], [seeded()], 3, q=q))
+    mates = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
+    batch = verify(Sampler(torch.device("cpu"), 1), logits,
+                   _rows([0, 1, 2, 0, 5, 6, 7], [1, 0, 3], [mates[0], mates[1], sp], [None, None, seeded()], 3,
+                         q=q, q_off=[0, 0, 0]))
+    assert batch[0][2] == alone[0][0] and torch.equal(batch[1][2, : int(alone[0][0]) + 1],
+                                                      alone[1][0, : int(alone[0][0]) + 1])
 
 
 def test_greedy_verification_accepts_longest_agreeing_prefix():
     V = 5
     rows = torch.eye(V)[[2, 3, 1, 4]]  # target argmax per row: 2, 3, 1, 4
-    tokens, n = verify_drafts(Sampler(torch.device("cpu"), 0), rows, [2, 3, 0], None, True, None)
-    assert (tokens, n) == ([2, 3, 1], 2)
-    tokens, n = verify_drafts(Sampler(torch.device("cpu"), 0), rows, [2, 3, 1], None, True, None)
-    assert (tokens, n) == ([2, 3, 1, 4], 3)
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    n, tokens = verify(Sampler(torch.device("cpu"), 0), torch.cat([rows, rows]),
+                       _rows([9, 2, 3, 0, 9, 2, 3, 1], [3, 3], greedy, [None, None], 3))
+    assert n.tolist() == [2, 3]
+    assert tokens[0, :3].tolist() == [2, 3, 1] and tokens[1].tolist() == [2, 3, 1, 4]
 
 
 def test_synthetic_acceptance_mean_length():
