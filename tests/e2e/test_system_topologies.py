@@ -5,6 +5,7 @@ kvstore tier after the prefill instances evicted a session's prefix)."""
 from __future__ import annotations
 
 import inspect
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -89,10 +90,23 @@ def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline, pc
         gained = system.wait_for(lambda: [h - b for h, b in zip(hits(), before)] if max(hits()) > max(before) else None)
         assert sorted(gained)[0] == 0 and sorted(gained)[1] >= 10 * 64, "turn 2 must go to the instance with the prefix"
 
-        # push the session out of both prefill instances (24 blocks each, of 64·DCP tokens); the kvstore keeps it
-        for i in range(8 * dcp):
+        # push the session out of both prefill instances (24 blocks each, of 64·DCP tokens); the kvstore keeps it.
+        # Fillers go two at a time (the router counts one in flight and sends the other elsewhere; sequential
+        # fillers tie on cost and split at random, which once left one instance holding the session) until
+        # the block index says no prefill instance holds any of the session's prefix.
+        def evicted() -> bool:
+            return _indexed(dep, session) == 0
+
+        def send(i: int) -> int:
             filler = _text(offline.tokenizer, 20000 + 900 * i, 15 * 64)
-            assert system.post(url, "/v1/completions", {**body, "prompt": filler})[0] == 200
+            return system.post(url, "/v1/completions", {**body, "prompt": filler})[0]
+
+        sent = 0
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            while sent < 24 * dcp and (sent < 8 * dcp or not evicted()):
+                assert list(pool.map(send, (sent, sent + 1))) == [200, 200]
+                sent += 2
+        assert system.wait_for(evicted, timeout=10), f"{sent} fillers left the session on a prefill instance"
         store = _instances(dep)["kvstore"][0].metrics_address
         served = system.metric(store, "pdserve:prefix_cache_hits_total")
         turn3 = session + _text(offline.tokenizer, 9000, 30)

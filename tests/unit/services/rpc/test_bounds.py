@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.runner.sampler import _filtered_probs
+from engine.runner.sampler import RowParams, filtered_probs
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2_grpc
 from services.decode.server import DecodeServicer
 from services.prefill.server import PrefillServicer
@@ -84,7 +84,9 @@ def test_accepted_sampling_params_convert_and_sample_without_an_exception(values
         return
     params = sampling_from_proto(m)
     logits = torch.randn(LIMITS.vocab_size, generator=torch.Generator().manual_seed(0)) * 20
-    probs = _filtered_probs(logits, params)
+    if params.greedy:  # an argmax: nothing to filter
+        return
+    probs = filtered_probs(logits[None], RowParams.of([params], logits.device))[0]
     assert not probs.isnan().any() and probs.sum() == pytest.approx(1.0, abs=1e-3), params
     if params.seed is not None:
         torch.Generator().manual_seed(params.seed)
