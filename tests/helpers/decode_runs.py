@@ -56,3 +56,26 @@ def run_joining_leaving(llm: LLM, prompts, late: int = 0, tokens: int = 12,
         steps += 1
     core.step()
     return [toks[r] for r in rids]
+
+
+def steps_without_syncs(llm: LLM, n: int) -> None:
+    """`n` engine steps whose launches run under torch.cuda.set_sync_debug_mode("error"): a synchronising CUDA
+    call inside a step's launch raises (what the device step and the HiSparse graphs promise)."""
+    import torch
+
+    runner = llm.core.runner
+    launch = runner.execute_async
+
+    def no_sync_launch(sched):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(sched)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.execute_async = no_sync_launch
+    try:
+        for _ in range(n):
+            llm.core.step()
+    finally:
+        runner.execute_async = launch

@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
-from tests.helpers.decode_runs import run_joining_leaving, source_prompts
+from tests.helpers.decode_runs import run_joining_leaving, source_prompts, steps_without_syncs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -181,21 +181,8 @@ def test_hisparse_graph_decode_step_never_syncs(code16):
         llm.core.add_request(Request(rid, p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
     for _ in range(4):
         llm.core.step()
-    captures, misses, launch = runner.static.num_captures, runner.hisparse.read_counters()[1], runner.execute_async
-
-    def no_sync_launch(sched):
-        torch.cuda.set_sync_debug_mode("error")  # a synchronising CUDA call raises
-        try:
-            return launch(sched)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    runner.execute_async = no_sync_launch
-    try:
-        for _ in range(12):
-            llm.core.step()
-    finally:
-        runner.execute_async = launch
+    captures, misses = runner.static.num_captures, runner.hisparse.read_counters()[1]
+    steps_without_syncs(llm, 12)
     assert runner.device_decode.num_syncs == 0 and runner.static.num_captures == captures
     assert runner.static.graphs.failed is None, runner.static.graphs.failed
     assert runner.hisparse.read_counters()[1] > misses

@@ -16,7 +16,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
-from tests.helpers.decode_runs import MIXED, run_joining_leaving, source_prompts
+from tests.helpers.decode_runs import MIXED, run_joining_leaving, source_prompts, steps_without_syncs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -69,22 +69,9 @@ def test_decode_step_never_syncs(tiny_code, spec, sampled):
     rids = _add(llm, _prompts(llm.tokenizer, 4), max_tokens=400, sampling=mix if sampled else None)
     for _ in range(6):  # prefill, then decode steps until every graph of this batch is captured
         llm.core.step()
-    captures, launch = runner.static.num_captures, runner.execute_async
+    captures = runner.static.num_captures
     steps = runner.device_decode.num_steps
-
-    def no_sync_launch(sched):
-        torch.cuda.set_sync_debug_mode("error")  # a synchronising CUDA call raises
-        try:
-            return launch(sched)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    runner.execute_async = no_sync_launch
-    try:
-        for _ in range(20):
-            llm.core.step()
-    finally:
-        runner.execute_async = launch
+    steps_without_syncs(llm, 20)
     dd = runner.device_decode
     assert dd.num_syncs == 0 and runner.num_placeholder_waits == 0 and dd.num_steps == steps + 20
     assert dd.num_placeholders >= 20 * 4 and runner.static.num_captures == captures > 0
