@@ -28,7 +28,9 @@ fixes its delay at 0), so by default there is none; instead a task on the owner'
 NIXL every `poll_interval_s` (2 ms; ~4-7% of a core idle). Both sides of a transfer need progress:
 the initiator's `wait` polls its transfer, and the passive side's task completes peers' READs and
 WRITEs and collects notifications. `progress_thread=True` (or PDSERVE_NIXL_PROGRESS_THREAD=1)
-restores NIXL's thread where a spare core is cheaper than the polling latency.
+restores NIXL's thread where a spare core is cheaper than the polling latency. A process whose main
+thread has no event loop (a worker rank, blocked in the engine's collectives between steps) keeps its
+agent on an `AgentThread`: a thread with an event loop of its own, whose task polls the agent the same way.
 
 Deadlines: NIXL reports a dead peer (nixlRemoteDisconnectError within milliseconds) but never a hung
 one (a stopped or wedged peer leaves a transfer in progress forever), so every wait takes an
@@ -44,7 +46,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -368,6 +370,42 @@ class NixlAgent:
         if threading.get_ident() != self._owner:
             raise RuntimeError(f"NixlAgent {self.name!r} used from another thread: NIXL agents are not "
                                "thread-safe; call it from the event loop thread that created it")
+
+
+class AgentThread:
+    """A NixlAgent for a process whose main thread has no event loop. A daemon thread runs an event loop of
+    its own and builds the agent there, so that loop's task drives its progress (no spinning progress
+    thread: an idle worker rank costs ~5% of a core, not a whole one); `call` and `submit` run work on it.
+
+        worker = AgentThread("prefill-0.r1.…", device=cache.index.device)
+        tensors = worker.call(lambda: worker.agent.register(regions))
+    """
+
+    def __init__(self, name: str, *, thread_name: str = "nixl", device: torch.device | None = None,
+                 start_timeout_s: float = 120.0, **agent_kwargs: Any):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name=thread_name, daemon=True)
+        self.thread.start()
+
+        def build() -> NixlAgent:
+            if device is not None and device.type == "cuda":  # a new thread starts on GPU 0
+                torch.cuda.set_device(device)
+            return NixlAgent(name, **agent_kwargs)  # on the running loop: its progress task starts there
+        self.agent: NixlAgent = self.call(build, timeout_s=start_timeout_s)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, fn: Callable[[], Any], timeout_s: float = 120.0) -> Any:
+        """fn() on the agent's thread: its result, or its exception raised here."""
+        async def run():
+            return fn()
+        return self.submit(run()).result(timeout_s)
+
+    def submit(self, coro) -> Any:
+        """Schedule a coroutine on the agent's loop; returns its concurrent.futures.Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
 
 def _check_pairing(local: BlockDescList, local_ids: Sequence[int], remote: BlockDescList,

@@ -1,9 +1,9 @@
 """NIXL on the worker ranks of a multi-rank prefill engine (run there through `collective_rpc`).
 
 Each worker rank registers its own cache regions (`engine.kv.export.kv_regions`) with its own NIXL
-agent. Workers have no event loop (they block in the engine's collectives between steps), so their
-agents use NIXL's progress thread: decode READs from them passively and needs the target side to make
-progress.
+agent. Workers have no event loop (they block in the engine's collectives between steps), and decode
+READs from them passively, which needs progress on this side: the agent lives on an `AgentThread`, whose
+event loop polls it (NIXL's own progress thread would spin a core per worker rank, idle or not).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import os
 import secrets
 
 from engine.kv.export import kv_regions
-from services.transfer.nixl_agent import NixlAgent
+from services.transfer.nixl_agent import AgentThread
 
-_AGENT: NixlAgent | None = None
+_AGENT: AgentThread | None = None
 _TENSORS: list = []  # this rank's registered cache tensors (BlockTensors), remembered for later calls
 
 
@@ -25,7 +25,10 @@ def setup(runner, instance_id: str) -> dict | None:
     if runner.comm.rank == 0:
         return None
     if _AGENT is None:
-        _AGENT = NixlAgent(f"{instance_id}.r{runner.comm.rank}.{os.getpid()}.{secrets.token_hex(3)}",
-                           progress_thread=True)
-        _TENSORS = _AGENT.register(kv_regions(runner.kv_cache))
-    return {"agent_name": _AGENT.name, "agent_metadata": _AGENT.metadata(), "tensors": _TENSORS}
+        regions = kv_regions(runner.kv_cache)
+        worker = AgentThread(f"{instance_id}.r{runner.comm.rank}.{os.getpid()}.{secrets.token_hex(3)}",
+                             thread_name="nixl-rank", device=regions["index"].device)
+        _TENSORS = worker.call(lambda: worker.agent.register(regions))
+        _AGENT = worker
+    agent = _AGENT.agent
+    return {"agent_name": agent.name, "agent_metadata": _AGENT.call(agent.metadata), "tensors": _TENSORS}

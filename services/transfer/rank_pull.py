@@ -10,8 +10,8 @@ rank r's own pages by rank r's own NIXL agent, commanded by the driver (rank 0, 
 
 A worker's main thread runs the model between collectives and has no event loop, and a NIXL agent belongs
 to the thread that built it (services/transfer/nixl_agent.py), so each worker rank runs one pull thread
-with its own event loop, which builds the agent (polled by that loop: no busy progress thread) and a
-`KVPuller` over the rank's cache (services/transfer/pull.py: the same plans, staging, memory types and
+with its own event loop (`AgentThread`), which builds the agent (polled by that loop: no busy progress
+thread) and a `KVPuller` over the rank's cache (services/transfer/pull.py: the same plans, staging, memory types and
 deadlines as rank 0's; with HiSparse the MLA rows land in the rank's host pool). Rank 0's own requests
 are pulled by the service's KVPuller on the service's event loop.
 
@@ -21,17 +21,13 @@ report, and gives up at once when the engine stops (a dead or hung rank: service
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import secrets
-import threading
 import time
 
-import torch
-
 from proto.pdserve.v1 import prefill_pb2
-from services.transfer.nixl_agent import NixlAgent, TransferError, TransferTimeout
+from services.transfer.nixl_agent import AgentThread, NixlAgent, TransferError, TransferTimeout
 from services.transfer.pull import KVPuller
 
 log = logging.getLogger(__name__)
@@ -45,42 +41,21 @@ _MAX_DETAIL = 512  # characters of an error carried in the notification
 # ---- worker side (through collective_rpc; rank 0 answers None / False) ------------------------------------
 
 class _PullThread:
-    """One thread with its own event loop, NIXL agent and KVPuller over this rank's cache."""
+    """This rank's NIXL agent on a thread with its own event loop (`AgentThread`) and a KVPuller over this
+    rank's cache, built and run on that thread."""
 
     def __init__(self, runner, instance_id: str, driver_metadata: bytes, staging_blocks: int, timeout_s: float):
         self.runner = runner
         self.name = f"{instance_id}.dp{runner.comm.rank}.{os.getpid()}.{secrets.token_hex(3)}"
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, name="kv-pull", daemon=True,
-                                       args=(runner, driver_metadata, staging_blocks, timeout_s))
-        self.thread.start()
-        if not self._ready.wait(120):
-            raise TimeoutError("the KV pull thread did not start within 120 s")
-        if self._error is not None:
-            raise RuntimeError(f"the KV pull thread failed to start: {self._error!r}") from self._error
-
-    def _main(self, runner, driver_metadata: bytes, staging_blocks: int, timeout_s: float) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            gpu = runner.kv_cache.index.device  # (a tensor's device names its GPU; cfg.device may not)
-            if gpu.type == "cuda":  # a new thread starts on GPU 0: the staged re-layout runs on this rank's
-                torch.cuda.set_device(gpu)
-            self.agent = NixlAgent(self.name)
-            self.puller = KVPuller(self.agent, runner.kv_cache, runner.spec, staging_blocks=staging_blocks,
-                                   timeout_s=timeout_s)
-            self.driver = self.agent.add_peer(driver_metadata)
-            self.loop.call_soon(self.agent.start)  # its progress task, on this loop once it runs
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller of the constructor
-            self._error = exc
-            return
-        finally:
-            self._ready.set()
-        self.loop.run_forever()
+        # (a tensor's device names the rank's GPU, cfg.device may not: the staged re-layout runs there)
+        self.worker = AgentThread(self.name, thread_name="kv-pull", device=runner.kv_cache.index.device)
+        self.agent = self.worker.agent
+        self.puller, self.driver = self.worker.call(lambda: (
+            KVPuller(self.agent, runner.kv_cache, runner.spec, staging_blocks=staging_blocks, timeout_s=timeout_s),
+            self.agent.add_peer(driver_metadata)))
 
     def submit(self, token: str, kv_bytes: bytes, block_ids: list[int], num_cached: int) -> None:
-        asyncio.run_coroutine_threadsafe(self._pull(token, kv_bytes, block_ids, num_cached), self.loop)
+        self.worker.submit(self._pull(token, kv_bytes, block_ids, num_cached))
 
     async def _pull(self, token: str, kv_bytes: bytes, block_ids: list[int], num_cached: int) -> None:
         try:

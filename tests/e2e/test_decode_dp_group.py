@@ -22,6 +22,7 @@ from tests.helpers.chaos import CLIENT_TIMEOUT_S, ROUTER
 pytestmark = pytest.mark.xdist_group("faults-dp")
 
 HANG_S = 10.0  # the group's hang timeout: a decode step of this tiny model takes well under a second
+RESTART_S = 300.0  # as long as the first start may take (launcher.up below); about 12 s when the machine is idle
 RANKS = ("decode-0-dp0", "decode-0-dp1")
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
@@ -34,7 +35,7 @@ def dep(tmp_path_factory):
     decode["data_parallel_size"] = 2
     decode["args"]["enable-expert-parallel"] = True
     decode["env"] = {"PDSERVE_RANK_HANG_TIMEOUT_S": str(HANG_S)}
-    d = launcher.up(topo, timeout_s=300, die_with_parent=True)
+    d = launcher.up(topo, timeout_s=RESTART_S, die_with_parent=True)
     yield d
     launcher.down(d)
 
@@ -123,8 +124,8 @@ def _rank_killed_mid_stream(dep, offline, dec, pre) -> None:
     for rank in ("decode-0.rank0", "decode-0.rank1"):  # the restarted group keeps the short hang timeout
         chaos.restart(dep, rank, env={"PDSERVE_RANK_HANG_TIMEOUT_S": str(HANG_S)})
     assert system.wait_for(lambda: all(i in chaos.instances(dep) for i in RANKS)
-                           and check_health_sync(dec.grpc_address), timeout=120, period=1.0), \
-        "the restarted group did not re-register"
+                           and check_health_sync(dec.grpc_address), timeout=RESTART_S, period=1.0), \
+        "the restarted group did not re-register\n" + chaos.log_tail(dep, "decode-0.rank0", "decode-0.rank1")
     _nothing_held(dec.metrics_address)
     _serves_equal_to_offline(dep, offline, dec.metrics_address, _chats(6, 24, start=40000))
     _nothing_held(dec.metrics_address)

@@ -71,6 +71,20 @@ def restart(dep: launcher.Deployment, name: str, env: dict[str, str] | None = No
     return rec
 
 
+def log_tail(dep: launcher.Deployment, *names: str, lines: int = 25) -> str:
+    """The last lines of each named process's log and its exit status, for an assertion's message."""
+    out = []
+    for name in names:
+        rec = record(dep, name)
+        try:
+            with open(rec.log, errors="replace") as f:
+                tail = f.read().splitlines()[-lines:]
+        except OSError as exc:
+            tail = [f"(no log: {exc})"]
+        out.append(f"--- {name} (pid {rec.pid}, exit status {exit_code(dep, name)}):\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
 def kill_redis(dep: launcher.Deployment) -> None:
     """SIGKILL the Redis the deployment started (a private one: never a shared server)."""
     assert dep.redis_pid and urlparse(dep.redis_url).port != 6379, "only the deployment's private Redis"
