@@ -104,11 +104,15 @@ def up(topology: str | Path | dict, *, run_dir: str | Path | None = None, timeou
             dep.redis_pid, dep.redis_workdir = server.pid, server.workdir
             echo(f"started redis-server at {dep.redis_url}")
         dep.save()
-        for spec in topo.services:
-            started = _start_service(topo, spec, dep, die_with_parent)
+        # The engines and the kvstore start together (none needs another to start: they meet in Redis);
+        # the router once they answer, so that its first request finds them registered.
+        routers = [s for s in topo.services if s.kind == "router"]
+        for wave in ([s for s in topo.services if s.kind != "router"], routers):
+            started = {spec.kind: _start_service(topo, spec, dep, die_with_parent) for spec in wave}
             dep.save()
-            _wait_ready(started, deadline)
-            echo(f"{spec.kind}: {', '.join(p.http or p.address for p in started if p.address)} healthy")
+            for kind, records in started.items():
+                _wait_ready(records, deadline)
+                echo(f"{kind}: {', '.join(p.http or p.address for p in records if p.address)} healthy")
     except BaseException:
         down(dep)
         raise

@@ -11,7 +11,7 @@ A topology (YAML or a dict; documented in configs/README.md):
     run_dir: .run                         # logs and state.json
     redis_url: redis://127.0.0.1:6379/0   # used if it answers, else a private redis-server there
     env: {UCX_TLS: tcp}                   # extra environment of every service process
-    services:                             # started in the order kvstore, prefill, decode, router
+    services:                             # kvstore, prefill, decode start together, the router after them
       kvstore: {replicas: 1, port: 50060, args: {pool-gib: 1}}
       prefill: {replicas: 1, port: 50051, prefill_context_parallel_size: 1,
                 decode_context_parallel_size: 1, args: {kv-cache-dtype: fp8_ds_mla}}

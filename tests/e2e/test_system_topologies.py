@@ -31,23 +31,6 @@ def offline(tiny_code) -> LLM:
     return LLM(str(tiny_code), kv_cache_dtype="fp8_ds_mla", num_blocks=256)
 
 
-def test_pcp2_dcp2_prefill_to_decode_equals_offline(tmp_path_factory, offline):
-    topo = system.topology(tmp_path_factory.mktemp("pcp"))
-    topo["services"]["prefill"].update(prefill_context_parallel_size=2, decode_context_parallel_size=2)
-    dep = launcher.up(topo, timeout_s=300, die_with_parent=True)
-    try:
-        url = dep.endpoints()["router"][0]
-        prompts = [_text(offline.tokenizer, 300 * i, 30 + 41 * i) for i in range(8)]
-        expected = offline.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-        for ids, want in zip(prompts, expected):
-            status, body = system.post(url, "/v1/completions", {"prompt": ids, "max_tokens": 16, "temperature": 0,
-                                                                "ignore_eos": True})
-            assert status == 200, body
-            assert body["choices"][0]["text"] == want.text, f"prompt of {len(ids)} tokens"
-    finally:
-        launcher.down(dep)
-
-
 def _instances(dep) -> dict[str, list]:
     out: dict[str, list] = {}
     for i in system.with_state(dep.redis_url, lambda s: s.instances()):
@@ -61,16 +44,30 @@ def _indexed(dep, ids: list[int]) -> int:
     return max(held.values(), default=0)
 
 
-@pytest.mark.parametrize("pcp,dcp", [(1, 1), (2, 1), (2, 2)], ids=["single-rank", "pcp2", "pcp2-dcp2"])
-def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline, pcp, dcp):
-    """pcp2: the prefill instances are PCP=2 engines; a prefix loaded from the kvstore lands in rank 0's
-    cache and is replicated to rank 1 before the prompt's remainder is computed. pcp2-dcp2: blocks are
-    sharded; offload and load go through rank 0's staging cache (gathered / scattered over the ranks)."""
+def _two_prefills(tmp_path_factory, pcp: int, dcp: int) -> launcher.Deployment:
+    """Two prefill instances of 24 KV blocks each (PCP x DCP ranks), a kvstore, a decode and a router."""
     topo = system.topology(tmp_path_factory.mktemp("cache"), prefill={"num-blocks": 24})
     topo["services"]["prefill"]["replicas"] = 2
     if pcp > 1:
         topo["services"]["prefill"].update(prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp)
-    dep = launcher.up(topo, timeout_s=300, die_with_parent=True)
+    return launcher.up(topo, timeout_s=300, die_with_parent=True)
+
+
+@pytest.fixture(scope="module")
+def pcp2_dcp2(tmp_path_factory):
+    """The PCP=DCP=2 deployment, shared by the last eviction case and the DCP re-layout test after it."""
+    dep = _two_prefills(tmp_path_factory, 2, 2)
+    yield dep
+    launcher.down(dep)
+
+
+@pytest.mark.parametrize("pcp,dcp", [(1, 1), (2, 1), (2, 2)], ids=["single-rank", "pcp2", "pcp2-dcp2"])
+def test_prefix_routing_and_kvstore_after_eviction(request, tmp_path_factory, offline, pcp, dcp):
+    """pcp2: the prefill instances are PCP=2 engines; a prefix loaded from the kvstore lands in rank 0's
+    cache and is replicated to rank 1 before the prompt's remainder is computed. pcp2-dcp2: blocks are
+    sharded; offload and load go through rank 0's staging cache (gathered / scattered over the ranks)."""
+    shared = (pcp, dcp) == (2, 2)
+    dep = request.getfixturevalue("pcp2_dcp2") if shared else _two_prefills(tmp_path_factory, pcp, dcp)
     try:
         url = dep.endpoints()["router"][0]
         body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -117,4 +114,18 @@ def test_prefix_routing_and_kvstore_after_eviction(tmp_path_factory, offline, pc
         (cold,) = offline.generate([turn3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         assert again["choices"][0]["text"] == cold.text
     finally:
-        launcher.down(dep)
+        if not shared:
+            launcher.down(dep)
+
+
+def test_pcp2_dcp2_prefill_to_decode_equals_offline(pcp2_dcp2, offline):
+    """Decode pulls KV from PCP=DCP=2 prefill instances (each rank's shard over NIXL, DCP shards re-laid
+    out token by token) and streams what the offline engine generates."""
+    url = pcp2_dcp2.endpoints()["router"][0]
+    prompts = [_text(offline.tokenizer, 300 * i, 30 + 41 * i) for i in range(8)]
+    expected = offline.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for ids, want in zip(prompts, expected):
+        status, body = system.post(url, "/v1/completions", {"prompt": ids, "max_tokens": 16, "temperature": 0,
+                                                            "ignore_eos": True})
+        assert status == 200, body
+        assert body["choices"][0]["text"] == want.text, f"prompt of {len(ids)} tokens"

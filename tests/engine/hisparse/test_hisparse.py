@@ -178,7 +178,7 @@ def test_virtual_layout_path_equals_resident(code16, prompts, reference, fused):
     llm = _hisparse(code16, num_blocks=7, spec=3)
     llm.core.runner.hisparse.assemble = False
     llm.core.runner.hisparse.fused_plan = fused
-    n = 8 if fused else NEW_TOKENS  # the interpreter is slow: greedy prefixes are enough there
+    n = 4 if fused else NEW_TOKENS  # the interpreter is slow: greedy prefixes (two MTP3 steps, misses) are enough there
     assert _run(llm, prompts, max_tokens=n) == [t[:n] for t in reference[3]]
     assert llm.get_stats().hisparse.misses > 0
     _assert_nothing_leaked(llm, 7)
