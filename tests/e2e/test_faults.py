@@ -79,8 +79,8 @@ def _decode_killed_mid_stream(dep, addr, offline, corpus):
     bodies = chaos.bodies(corpus, 2, 10, start=9000)
     want = chaos.expected(offline, bodies)
     ok = system.wait_for(lambda: system.post(addr["url"], "/v1/completions", bodies[0], timeout=30)[0] == 200,
-                         timeout=90, period=1.0)
-    assert ok, "the router did not route to the restarted decode"
+                         timeout=300, period=1.0)
+    assert ok, "the router did not route to the restarted decode\n" + chaos.log_tail(dep, "decode-0")
     for body, text in zip(bodies, want):
         status, out = system.post(addr["url"], "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
         assert status == 200 and out["choices"][0]["text"] == text, out

@@ -66,7 +66,8 @@ def _prefill_rank_death(dep, offline, corpus) -> None:
     chaos.restart(dep, "prefill-0.rank0")
     chaos.restart(dep, "prefill-0.rank1")
     assert system.wait_for(lambda: "prefill-0" in chaos.instances(dep) and check_health_sync(p0.grpc_address),
-                           timeout=120, period=1.0), "the restarted prefill did not re-register"
+                           timeout=300, period=1.0), \
+        "the restarted prefill did not re-register\n" + chaos.log_tail(dep, "prefill-0.rank0", "prefill-0.rank1")
 
     def p0_served() -> float:
         return system.metric(p0.metrics_address, "pdserve:time_to_first_token_seconds_count")
