@@ -9,11 +9,12 @@ The GEMM walks K in 128-wide blocks; each block's fp8 product (exact in fp32) is
 x_s[m, kb] * w_s[n // 128, kb] and added to an fp32 accumulator.
 
 Two kernels behind one launcher. Prefill (M > 256): `quant_act`, then 128 x 128 tiles over the whole K.
-Decode (M <= 256 = batch x (1 + drafts), weight-bandwidth-bound): kernels.fp8_splitk, one launch that
-splits K across programs so every multiprocessor streams a slice of the weight, quantizes x in its
-prologue and adds the fp32 partial tiles in a fixed order in the last split to arrive. Until that kernel
-has been timed on the H200, CUDA decode shapes keep the measured launch (`split_decode_config`: the
-prefill kernel with 64 x 64 tiles and interleaved K splits); `SPLITK_DECODE` says which one is default.
+Decode (M <= 256 = batch x (1 + drafts), weight-bandwidth-bound): `quant_act`, then kernels.fp8_splitk,
+which splits K across programs so every multiprocessor streams a slice of the weight and adds the fp32
+partial tiles in a fixed order in the last split to arrive (no third launch). On the H200 it is 1.14x
+faster than the earlier decode launch summed over GLM-5.3's projections (`split_decode_config`: the
+prefill kernel with 64 x 64 tiles, interleaved K splits and a torch sum), which `SPLITK_DECODE = False`
+brings back.
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.float8_e4m3fn), s
 
 
-# The decode default: kernels.fp8_splitk under the interpreter (CPU tests run it as the default path), the
-# measured two-launch split elsewhere, until bench.kernels.fp8_gemm --decode-only shows the new one faster.
-SPLITK_DECODE = interpreting()
+# The decode default: kernels.fp8_splitk (bench.kernels.fp8_gemm --decode-only on the H200: 1.14x the earlier
+# launch summed over the decode shapes, BENCHMARKS.md); False: split_decode_config's launch
+SPLITK_DECODE = True
 
 
 def split_decode_config(M: int, N: int, K: int, sms: int) -> tuple[int, int, int, int, int]:

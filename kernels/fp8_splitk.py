@@ -24,13 +24,12 @@ counted), so no memset and no data-dependent allocation: a CUDA graph captures t
 node with the partials in its own memory pool. Launches sharing the counters must not run concurrently
 (one stream, as the engine's forward and its graph replays are).
 
-The activation is quantized per token per 128 channels in the prologue of each k-block (with fuse_quant,
-the default): the program loads the [BLOCK_M, 128] slice of x it multiplies anyway, and its scales are one
-row max away (Triton's pipeliner prefetches that load as it does the weight's: it reaches the dot through
-the quantization). Every column tile repeats that work, about 3 instructions per activation element, i.e.
-3 * M / BLOCK_N per weight byte: small next to the 10 or so per byte a multiprocessor has while streaming
-at the copy rate, for M <= 64; at M = 256 the separate `quant_act` launch may win (`fuse_quant=False`,
-the benchmark's sweep decides).
+The activation comes quantized by `quant_act` (a launch before this one: `splitk_config` sets
+fuse_quant=False), or, with fuse_quant, is quantized per token per 128 channels in the prologue of each
+k-block: the program loads the [BLOCK_M, 128] slice of x it multiplies anyway. Every column tile repeats
+that work; on the H200 the fused form measured 1.0-4x slower than the separate launch at every GLM-5.3
+decode shape and split (BENCHMARKS.md, "FP8 block-scaled weights"), so it stays an option the benchmark
+sweeps, not the default.
 """
 
 from __future__ import annotations
@@ -44,8 +43,9 @@ import triton.language as tl
 from kernels._jit import interpreting, jit, next_pow2, quant_e4m3_rows
 
 MAX_M = 256  # rows up to which kernels.fp8_gemm takes this path
-MAX_SPLIT = 8  # bounds the last split's reads (S partial tiles); unmeasured, the benchmark sweeps up to 16
-MIN_KB_PER_SPLIT = 4  # a split streams >= 4 k-blocks: its partial (BLOCK_M x 4 B per column) stays <= half of them
+MAX_SPLIT = 8  # bounds the last split's reads (S partial tiles); the H200 sweep never chose more
+MIN_KB_PER_SPLIT = 12  # a split streams >= 12 k-blocks (H200 sweep: shorter splits lose to the partials' cost)
+PROGRAMS_PER_SM = 3  # splits stop at 3 programs per multiprocessor (H200 sweep: 4 x 96 tiles won, 6 x 96 lost)
 
 
 @dataclass(frozen=True)
@@ -69,28 +69,18 @@ class SplitKConfig:
 
 
 def splitk_config(M: int, N: int, K: int, num_sms: int) -> SplitKConfig:
-    """The launch for one decode problem on a GPU with `num_sms` multiprocessors.
+    """The launch for one decode problem on a GPU with `num_sms` multiprocessors, fitted to the H200 sweep of
+    `python -m bench.kernels.fp8_gemm --decode-only` (every GLM-5.3 projection at M = 64 and 256; the pick
+    is within 4% of the sweep's fastest at 17 of the 20 shapes and within 11% at all).
 
     Rows: one tile of the next power of two up to 64 (M = 256: four row tiles, one weight read from HBM).
-    Splits: as many as keep the grid within two programs per multiprocessor (3 stages of a 128 x 128 weight
-    tile and its activation tile each fit twice in 228 KB of shared memory), at most MAX_SPLIT and with
-    >= MIN_KB_PER_SPLIT k-blocks each. Columns: 128 (one weight scale per k-block, twice the bytes in flight
-    per program and half the repeated quantization of 64) unless even split that grid leaves a
-    multiprocessor without a program, then 64."""
+    Columns: 64 (64-column tiles beat 128 at 19 of 20 shapes). Splits: as many as keep the grid within
+    PROGRAMS_PER_SM programs per multiprocessor, at most MAX_SPLIT, with >= MIN_KB_PER_SPLIT k-blocks each;
+    a grid of 3 x num_sms tiles or more is not split. The activation is quantized by `quant_act` first."""
     block_m = min(64, max(16, next_pow2(M)))
-    num_m = triton.cdiv(M, block_m)
-    num_kb = triton.cdiv(K, 128)
-
-    def grid(block_n: int) -> tuple[int, int]:
-        tiles = num_m * triton.cdiv(N, block_n)
-        return tiles, max(1, min(2 * num_sms // tiles, MAX_SPLIT, num_kb // MIN_KB_PER_SPLIT))
-
-    block_n = 128
-    tiles, split = grid(block_n)
-    if tiles * split < num_sms:
-        block_n = 64
-        tiles, split = grid(block_n)
-    return SplitKConfig(block_m, block_n, split)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
+    split = max(1, min(PROGRAMS_PER_SM * num_sms // tiles, MAX_SPLIT, triton.cdiv(K, 128) // MIN_KB_PER_SPLIT))
+    return SplitKConfig(block_m, 64, split, fuse_quant=False)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -167,10 +157,10 @@ def _splitk_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, M, 
             for r in tl.static_range(0, BLOCK_M, 16):
                 mr = pid_m * BLOCK_M + r + tl.arange(0, 16)
                 mask = (mr < M)[:, None] & n_ok[None, :]
-                offs = mr[:, None].to(tl.int64) * sp_m + n[None, :]
+                chunk = mr[:, None].to(tl.int64) * sp_m + n[None, :]  # not `offs`: a name keeps one shape in Triton
                 total = tl.zeros([16, BLOCK_N], tl.float32)
                 for s in tl.static_range(SPLIT):
-                    total += tl.load(part_ptr + s * sp_s + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    total += tl.load(part_ptr + s * sp_s + chunk, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + mr[:, None].to(tl.int64) * so_m + n[None, :], total.to(out_ptr.dtype.element_ty),
                          mask=mask)
             tl.store(cnt_ptr + tile, 0)

@@ -73,8 +73,8 @@ def test_graphs_equal_enforce_eager_fp32(tiny_code):
 def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path, weights, monkeypatch):
     """GLM-5.3 widths (4 layers, 32 routed experts, random bf16 or FP8 block-scaled weights, fp8 KV) with
     MTP3: graph replay gives the padded eager forwards' tokens across padded batch sizes, with no capture
-    after start-up. fp8-splitk: every decode projection is the one-launch split-K GEMM (kernels.fp8_splitk),
-    whose launches share one set of tile counters inside each graph."""
+    after start-up. fp8-splitk: every decode projection is the split-K GEMM (kernels.fp8_splitk, the default),
+    whose launches share one set of tile counters inside each graph; fp8: the earlier decode launch."""
     import kernels.fp8_gemm
     from bench.serving.gpu_system import random_model_dir
 
