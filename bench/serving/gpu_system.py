@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random-model", action="store_true", help="GLM-5.3 widths, 4 layers, 32 experts, dummy weights")
     p.add_argument("--share", type=float, help="gpu-memory-utilization of each engine (override)")
     p.add_argument("--no-hisparse", action="store_true",
-                   help="decode without HiSparse (its steps are then CUDA graphs; HiSparse steps never are)")
+                   help="decode without HiSparse (CUDA graphs; HiSparse decode is captured only with --cuda-graphs)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="the decode plans step N+1 while N runs (docs/async_scheduling.md)")
     p.add_argument("--concurrency", default="1,8,32")
