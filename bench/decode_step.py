@@ -324,6 +324,7 @@ def main(argv=None) -> dict:
                 return LLM(path, **kw, **hs_kw, **graph_kw).core
         st = core.runner.static
         info["captures_at_start"] = st.num_captures if st is not None else 0
+        info["capture_s"] = sum(st.capture_seconds.values()) if st is not None else 0.0
         if a.host_phases:
             rows = [host_phases(core, getattr(llm, "tokenizer", None) if not a.standin else None, b, a.prompt_len,
                                 a.steps, a.warmup, "host") for b in batches]
@@ -342,6 +343,7 @@ def main(argv=None) -> dict:
             core = make_hisparse()  # padded and captured: the benchmark asks for graphs (GraphConfig.capture_hisparse)
             a.prompt_len = hs_prompt
             hst = core.runner.static
+            info["hisparse_capture_s"] = sum(hst.capture_seconds.values()) if hst is not None else 0.0
             hs_static = ["graphs" if hst.capture else "static"] if hst is not None else []
             hs_modes = ["eager"] + hs_static + (["async"] if a.async_scheduling and hst is not None else [])
             rows += run_modes(core, hs_modes, hs_batches, a, ceil.get("copy_tbps"), "hisparse")

@@ -22,6 +22,8 @@ per-step host routing: unpadded, never captured.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -29,6 +31,9 @@ import torch
 
 from engine.attention.metadata import AttnMetadata
 from engine.hisparse.forward import StaticRouting, static_routing
+
+log = logging.getLogger(__name__)
+PROGRESS_S = 10.0  # capture_all logs its progress at most this often
 
 
 @dataclass
@@ -88,6 +93,7 @@ class StaticDecode:
         self.num_derived = 0  # ... of those, derived on the device from the last build (`next_rows`)
         self.num_reruns = 0  # forwards run again on a built batch (the device step's MTP catch-up)
         self.shapes: Counter = Counter()  # (real requests, padded requests, rows per request) of each forward
+        self.capture_seconds: dict[tuple, float] = {}  # (kind, size, rows) -> its capture_all time (warm-up included)
 
     @property
     def num_captures(self) -> int:
@@ -210,15 +216,27 @@ class StaticDecode:
         if self.graphs is None:
             return
         mc = self.runner.cfg.model
-        for kind, size, R in self.keys():
+        keys = self.keys()
+        what = "HiSparse " if self.hisparse is not None else ""
+        log.info("capturing %d %sdecode graphs (sizes %s)", len(keys), what, ",".join(map(str, self.sizes)))
+        t0 = last = time.perf_counter()
+        for i, (kind, size, R) in enumerate(keys):
+            t = time.perf_counter()
             prev = None
             if kind == "mtp":
                 prev = self.graphs.static_prev(torch.zeros((size * R, mc.hidden_size), device=self.runner.device,
                                                            dtype=self.runner.cfg.torch_dtype))
             self.graphs.capture(kind, self.dummy(size, R), prev)
+            now = time.perf_counter()
+            self.capture_seconds[(kind, size, R)] = now - t
             if self.graphs.failed is not None:
                 return
+            if now - last >= PROGRESS_S and i + 1 < len(keys):
+                last = now
+                log.info("captured %d of %d decode graphs in %.1f s (last: %s, %d requests x %d rows, %.2f s)",
+                         i + 1, len(keys), now - t0, kind, size, R, now - t)
         torch.cuda.synchronize()
+        log.info("captured %d %sdecode graphs in %.1f s", len(keys), what, time.perf_counter() - t0)
 
     def run(self, kind: str, batch: PaddedBatch, prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The model (kind "target") or its MTP layer ("mtp") over the padded batch -> the real rows' outputs."""

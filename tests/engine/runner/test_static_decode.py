@@ -167,3 +167,38 @@ def test_hisparse_padding_only_batches_change_nothing(code16):
     for i in range(4):
         core.abort(f"q{i}")
     core.step()
+
+
+def test_capture_all_times_every_key_and_logs_progress(tiny_code, monkeypatch, caplog):
+    """Start-up capture (run here through a stand-in for the CUDA graphs) records each key's time and logs
+    its progress, so a slow start shows in the service's log which keys it spent on."""
+    import logging
+
+    import engine.runner.static_decode as sd
+
+    llm = LLM(str(tiny_code), num_blocks=16, enforce_eager=False, max_num_seqs=4, num_speculative_tokens=3)
+    st = llm.core.runner.static
+    seen = []
+
+    class Graphs:  # what capture_all calls of engine.runner.cuda_graphs.DecodeGraphs
+        failed = None
+
+        def static_prev(self, prev):
+            return prev
+
+        def capture(self, kind, batch, prev):
+            seen.append((kind, *batch.key))
+            return sd.eager_forward(llm.core.runner, kind, batch.input_ids, batch.meta, prev)
+
+    st.graphs = Graphs()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(sd, "PROGRESS_S", 0.0)
+    with caplog.at_level(logging.INFO, logger=sd.__name__):
+        st.capture_all()
+    assert seen == st.keys() and list(st.capture_seconds) == st.keys()
+    assert all(t > 0 for t in st.capture_seconds.values())
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith(f"capturing {len(seen)} decode graphs (sizes 1,2,4)")
+    assert lines[-1].startswith(f"captured {len(seen)} decode graphs in")
+    assert any(m.startswith(f"captured 1 of {len(seen)} decode graphs") for m in lines), lines
+    assert llm.get_stats().num_free_blocks == 16  # padding-only batches wrote nothing
