@@ -217,7 +217,10 @@ class Scheduler:
             req = self.waiting[0]
             if req.inflight is not None:  # preempted while its last step runs: admitted once that one is applied
                 return
-            hits, n_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            # prefix-cache hits only for a request holding no blocks: one whose import gave up computes into the
+            # blocks it reserved (hits appended after them would leave its first positions in its own blocks)
+            fresh = req.num_computed_tokens == 0 and not self.kv.block_ids(req.req_id)
+            hits, n_hit = self.kv.get_computed_blocks(req) if fresh else ([], 0)
             n_known = req.num_tokens - req.num_computed_tokens - n_hit
             if n_known > budget and not self.cfg.enable_chunked_prefill:
                 return

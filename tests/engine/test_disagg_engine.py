@@ -95,3 +95,42 @@ def test_reserve_import_reports_short_pool_without_side_effects(tiny_code):
     other.append_output([7])
     assert dec.reserve_import(other, 128) is None
     assert dec.stats().num_free_blocks == 0 and "other" not in dec.scheduler.requests
+
+
+def test_import_that_gives_up_after_its_prefix_was_cached_recomputes_into_its_own_blocks(tiny_code):
+    """Decode reserves a request's blocks (no local prefix hit yet); while its READ runs, another request
+    computes and caches the same prefix; the READ gives up (here: its pages hold NaN bytes, as a READ of
+    reused pages holds another request's). The request must compute its whole prompt into the blocks it
+    reserved: taking the new prefix hits at admission appended them after its own blocks, so its first
+    128 positions were read from the unwritten ones (greedy ids collapsed to token 0)."""
+    import random
+
+    rng = random.Random(0)
+    p0 = [rng.randrange(16, 4096) for _ in range(180)]
+    prompts = [p0, p0 + [rng.randrange(16, 4096) for _ in range(150)]]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [list(o.token_ids) for o in LLM(str(tiny_code), kv_cache_dtype="fp8_ds_mla").generate(prompts, sp)]
+    dec = LLM(str(tiny_code), kv_cache_dtype="fp8_ds_mla", num_blocks=32).core
+    got: dict[str, list[int]] = {}
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            for o in dec.step():
+                got[o.req_id].extend(o.new_token_ids)
+
+    for i, ids in enumerate(prompts):  # both imports give up; the second is reserved while the first runs
+        d = Request(f"d{i}", ids, sp)
+        d.append_output([want[i][0]])
+        got[d.req_id] = [want[i][0]]
+        blocks, n_cached = dec.reserve_import(d, len(ids))
+        assert n_cached == 0
+        steps(2)
+        for b in blocks:
+            dec.runner.kv_cache.mla[b].fill_(0xFF)  # NaN in fp8_ds_mla's codes and scales
+            dec.runner.kv_cache.index[b].fill_(0xFF)
+        steps(2)
+        dec.import_done(d.req_id, ok=False)
+    while dec.has_unfinished():
+        steps(1)
+    assert [got["d0"], got["d1"]] == want
+    assert dec.stats().num_free_blocks == 32
