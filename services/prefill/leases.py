@@ -2,7 +2,9 @@
 expired, and any offload to the kvstore that reads them has finished (whichever order).
 
 Page generations: every engine block id has a counter that moves on each time a lease gives the block
-back to the engine (after which it may be reused for another request). The KV handle carries the
+back to the engine (after which it may be reused for another request). A block that other live leases
+still hold (a prefix-cache hit shared by requests prefilled together) cannot be reused yet: its counter
+moves when the last of them goes, so one request's release never fails another's confirm. The KV handle carries the
 generations at export; a puller confirms after its one-sided READ (`confirm`) that the lease was still
 live and every page still had its generation -- otherwise the bytes it copied may belong to another
 request, and it must recompute instead of decoding from them.
@@ -107,7 +109,9 @@ class LeaseTable:
         if lease.readers or lease.lease_id not in self.leases:
             return
         del self.leases[lease.lease_id]
-        self.generations.bump(lease.block_ids)  # before the engine may hand the pages to anyone else
+        held = {b for other in self.leases.values() for b in other.block_ids}
+        # before the engine may hand the pages to anyone else; a page another lease holds stays where it is
+        self.generations.bump([b for b in lease.block_ids if b not in held])
         await self._release(lease.req_id)
 
     # ---- expiry ----------------------------------------------------------------------------------

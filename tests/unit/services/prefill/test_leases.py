@@ -82,3 +82,20 @@ def test_expiry_waits_for_readers_and_confirm_after_expiry_fails():
         assert engine.released == ["r1"]
         await t.stop()
     asyncio.run(run())
+
+
+def test_a_block_shared_by_live_leases_moves_on_only_with_the_last():
+    """Requests prefilled together share their prefix-cache hits: releasing one lease must not fail the
+    confirm of another that still holds the shared page; the page moves on when the last lets it go."""
+    async def run():
+        engine = _Engine()
+        t = _table(engine)
+        a = t.grant("a", block_ids=[1, 2])
+        b = t.grant("b", block_ids=[1, 3])  # block 1: the shared system prompt
+        assert await t.confirm(a.lease_id, a.generations)
+        assert t.generations.of([1, 2, 3]) == (0, 1, 0)  # b still holds block 1
+        assert await t.confirm(b.lease_id, b.generations), "a's release must not fail b's confirm"
+        assert t.generations.of([1, 2, 3]) == (1, 1, 1)
+        c = t.grant("c", block_ids=[1])  # reused once free: c's READ sees the new generation
+        assert c.generations == (1,) and engine.released == ["a", "b"]
+    asyncio.run(run())
