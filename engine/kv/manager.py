@@ -74,6 +74,8 @@ class KVCacheManager:
         (nothing changes then).
         """
         held = self.req_blocks.get(req.req_id, [])
+        if computed and held:  # hits are the first blocks of a table: after held ones they would map wrong positions
+            raise ValueError(f"request {req.req_id!r} already holds {len(held)} blocks: prefix hits are for a new one")
         if not computed and held and self.blocks_needed(req.num_computed_tokens + num_new_tokens + num_lookahead) \
                 <= len(held):
             return []  # most decode steps: the blocks held have the slots already

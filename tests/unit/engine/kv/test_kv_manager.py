@@ -86,3 +86,25 @@ def test_dcp_virtual_blocks_hash_their_last_sub_block():
     assert kv.pool.reset_prefix_cache()
     assert sorted(kv.pool.drain_events()) == sorted(("removed", h) for h in full[:4])
     assert not kv.pool.index_keys
+
+
+def test_manager_refuses_prefix_hits_for_a_request_that_holds_blocks():
+    """Hits are a block table's first blocks: appended after blocks a request already holds (an import
+    that gave up) they would map its first positions to the wrong blocks, so they are refused unchanged."""
+    kv = KVCacheManager(num_blocks=10)
+    r1 = req("r1", 200)
+    kv.allocate_slots(r1, 200)
+    r1.num_computed_tokens = 200
+    kv.cache_blocks(r1, 200)
+    r2 = req("r2", 260)
+    assert kv.allocate_slots(r2, 260) is not None  # reserved before r1's prefix was cached, say
+    held = kv.block_ids("r2")
+    hits, n = kv.get_computed_blocks(r2)
+    assert n == 192
+    try:
+        kv.allocate_slots(r2, 260 - 192, hits)
+    except ValueError as e:
+        assert "already holds" in str(e)
+    else:
+        raise AssertionError("prefix hits after held blocks were accepted")
+    assert kv.block_ids("r2") == held
