@@ -154,7 +154,15 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
 
 
 _PLAN = CompiledKernel(_plan_kernel)  # launched every decode step: skip the JIT's argument binding
-PLAN_WARPS = 8  # warps of the one program per request (BENCHMARKS.md, HiSparse plan kernel: measured)
+PLAN_WARPS = 8  # warps of the one program per request at small sizes (BENCHMARKS.md, HiSparse plan kernel)
+
+
+def plan_warps(n_pad: int, r_pad: int) -> int:
+    """Warps of the plan's program for N_PAD selections and R_PAD hot rows. Triton's compile time grows with
+    the elements each thread holds through the sorts: at 8 warps the service's shapes (top-k 2048 with MTP3:
+    N_PAD 8192, R_PAD 4096) took minutes to compile on an H200 host, at 32 about 25 s (docs/hisparse.md)."""
+    big = max(n_pad, r_pad)
+    return 32 if big >= 4096 else 16 if big >= 2048 else PLAN_WARPS
 
 
 def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tensor, hot_slot: torch.Tensor,
@@ -203,7 +211,7 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
                  row_pos, stamp, group * row_pos.stride(0), row_pos.stride(1),
                  dst_row.contiguous(), sel, sel.stride(0), msrc, mdst, scratch, counters,
                  bytes_per_miss, clock, R, K, M, block_size),
-          dict(N_PAD=n_pad, R_PAD=r_pad, LOG_R=r_pad.bit_length() - 1), num_warps or PLAN_WARPS)
+          dict(N_PAD=n_pad, R_PAD=r_pad, LOG_R=r_pad.bit_length() - 1), num_warps or plan_warps(n_pad, r_pad))
     return msrc, mdst
 
 

@@ -1,4 +1,4 @@
-"""The decode GEMM's split-K kernel compiles for the H200 at the launches the engine makes.
+"""The decode GEMM's split-K kernel and HiSparse's plan kernel compile for the H200 at the launches the engine makes.
 
 Triton's interpreter, which runs the kernel in every other CPU test, accepted a partial-sum loop the
 compiler rejects; this builds the cubin itself (tests/helpers/sm90.py)."""
@@ -33,3 +33,27 @@ def test_splitk_kernel_compiles_for_sm90():
     ''')
     builds = [line.split() for line in out.splitlines()]
     assert len(builds) >= 6 and all(len(b) == 5 and int(b[4]) > 0 for b in builds), out  # tile, split, cubin bytes
+
+
+def test_hisparse_plan_kernel_compiles_for_sm90_at_the_service_shapes():
+    """Top-k 2048 with MTP3 (8192 selections per request) and the default hot buffer (4096 rows) at the warps
+    the launcher picks for them: at 8 warps this build took minutes (docs/hisparse.md, "Under CUDA graphs")."""
+    out = compile_sm90('''
+        import time
+        from kernels.hisparse_plan import _plan_kernel, plan_warps
+
+        P = "*i64"
+        sig = dict(topk_ptr="*i32", s_topk="i64", entry_ptr=P, start_ptr=P, hot_slot_ptr=P, table_slot_ptr=P,
+                   hot_base_ptr=P, page_ptr="*i32", s_page="i64", host_ptr="*i32", s_host="i64", hblk_ptr="*i32",
+                   s_hblk="i64", rowpos_ptr=P, stamp_ptr=P, state_off="i64", s_state="i64", dst_row_ptr=P,
+                   sel_ptr="*i32", s_sel="i64", msrc_ptr=P, mdst_ptr=P, scratch_ptr=P, counters_ptr=P,
+                   bytes_per_miss="i64", clock_ptr=P, R="i32", K="i32", M="i32", BS="i32")
+        n_pad, r_pad = 8192, 4096
+        t = time.perf_counter()
+        size = build(_plan_kernel, sig, dict(N_PAD=n_pad, R_PAD=r_pad, LOG_R=r_pad.bit_length() - 1),
+                     num_warps=plan_warps(n_pad, r_pad))
+        print(plan_warps(n_pad, r_pad), size, round(time.perf_counter() - t, 1))
+    ''', timeout=900)
+    warps, size, seconds = out.split()
+    assert int(warps) == 32 and int(size) > 0, out
+    print(f"plan kernel for sm_90: {seconds} s to compile")
