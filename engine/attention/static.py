@@ -120,16 +120,18 @@ class StaticMetadataBuilder:
         return self.input_ids[:T], meta, out
 
     def derive(self, positions: torch.Tensor, seq_lens_cpu: list[int], num_padded: int,
-               requests: torch.Tensor | None = None,
-               pad_req_ints: tuple[int, ...] = ()) -> tuple[torch.Tensor, AttnMetadata]:
+               requests: torch.Tensor | None = None, pad_req_ints: tuple[int, ...] = (),
+               live: torch.Tensor | None = None) -> tuple[torch.Tensor, AttnMetadata]:
         """The forward of one row per request at `positions` [B] (device), written into the buffers on the device:
         no host list is packed and nothing is copied from the host. The requests are those of the buffers' block
         table (`requests`: which of its rows, in order, gathered first; None: its first B), so each position must
         lie in the blocks the last build gave its request; padded to `num_padded` requests as a build pads (one
         row at position 0, slot -1, seq len 1, an empty table row). `seq_lens_cpu`: the host list of every seq
         len (exact, or upper bounds for a graph-safe backend). The per-request ints follow their requests;
-        `pad_req_ints`: the value of each list for a padding request. Returns (input_ids [num_padded],
-        metadata); the caller writes the token ids."""
+        `pad_req_ints`: the value of each list for a padding request. `live` [B] (device, nonzero: a real
+        request): rows of the others write nowhere, as padding requests' rows (the whole-step graph passes
+        its padding requests as requests). Returns (input_ids [num_padded], metadata); the caller writes the
+        token ids."""
         B, Bp, bs = positions.shape[0], num_padded, self.block_size
         n_ints = len(pad_req_ints)
         if requests is not None:
@@ -144,7 +146,10 @@ class StaticMetadataBuilder:
         pos = torch.nn.functional.pad(positions.long(), (0, Bp - B))
         slots = self.block_table[:Bp].long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         self.positions[:Bp].copy_(pos)
-        self.slot_mapping[:Bp].copy_(torch.where(self.arange[:Bp] < B, slots, -1))
+        writes = self.arange[:Bp] < B
+        if live is not None:
+            writes = writes & torch.nn.functional.pad(live != 0, (0, Bp - B))
+        self.slot_mapping[:Bp].copy_(torch.where(writes, slots, -1))
         self.seq_lens[:Bp].copy_(pos + 1)
         self.token_req_idx[:Bp].copy_(self.arange[:Bp])
         self.query_start_loc[:Bp + 1].copy_(self.arange[:Bp + 1])

@@ -34,6 +34,7 @@ from engine.core.scheduler_output import RunnerOutput, SampledOutput, ScheduledC
 from engine.runner.inputs import device_index
 from engine.runner.sampler import RowParams, draw_rows, sampled_order
 from engine.runner.spec import DraftDists, StepRows, draft_dists, verify
+from engine.runner.step_graph import StepGraphs
 from engine.runner.step_output import LastStep, StepHandle
 
 
@@ -45,6 +46,8 @@ class DeviceDecode:
         self.num_steps = 0  # steps that took this path
         self.num_placeholders = 0  # placeholder chunks filled in on the device
         self.num_syncs = 0  # host reads inside a step on a GPU (0 with a graph-safe backend)
+        # greedy steps with full drafts as one graph each (engine/runner/step_graph.py)
+        self.step_graphs = StepGraphs(self) if StepGraphs.supported(self) else None
 
     def eligible(self, chunks: list[ScheduledChunk]) -> bool:
         """Decode rows only, in a batch the static buffers hold, of requests with nothing host-side:
@@ -76,6 +79,9 @@ class DeviceDecode:
         r, k = self.runner, self.k
         self.num_steps += 1
         states = [r.states[c.req_id] for c in chunks]
+        size = self.step_graphs.key(chunks, states) if self.step_graphs is not None else None
+        if size is not None:
+            return self.step_graphs.run(chunks, states, last, size)
         nd = [c.num_draft_tokens for c in chunks]
         ph = [int(c.placeholder) for c in chunks]
         starts = [c.start for c in chunks]  # exact, or for a placeholder the largest it can be

@@ -76,6 +76,8 @@ class ModelRunner:
             self.static.capture_all()  # CUDA graphs of every bucket, before the first request
         # decode steps with no host sync, from the static buffers (engine/runner/device_step.py)
         self.device_decode = DeviceDecode(self) if self.static is not None else None
+        if self.device_decode is not None and self.device_decode.step_graphs is not None:
+            self.device_decode.step_graphs.capture_all()  # the whole greedy MTP step, per capture size
         self.last: LastStep | None = None  # where the last step's sampled requests continue (placeholders)
         self.num_host_placeholders = 0  # placeholder chunks filled in from the last step's host copy
         self.num_placeholder_waits = 0  # ... of those, steps that had to wait for it (a GPU still running it)

@@ -157,12 +157,13 @@ class StaticDecode:
         return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R), extra_t)
 
     def next_rows(self, positions: torch.Tensor, host_positions: list[int], req_ids: list[str],
-                  requests: torch.Tensor | None = None) -> PaddedBatch:
+                  requests: torch.Tensor | None = None, live: torch.Tensor | None = None) -> PaddedBatch:
         """One row per request of the last built batch at `positions` [B] (device; `host_positions` the same on
         the host, exact or upper bounds as the backend needs them), derived on the device (the builder's
         `derive`): the decode step's MTP draft passes. `requests`: which of the batch's requests, by index into
-        the last forward's requests, in order (None: its first B, in order); `req_ids` theirs. The caller writes
-        the token ids (`input_ids[real_idx]`)."""
+        the last forward's requests, in order (None: its first B, in order); `req_ids` theirs; `live` [B]: which
+        of them write their row (None: all; the builder's `derive`). The caller writes the token ids
+        (`input_ids[real_idx]`)."""
         B = len(host_positions)
         B_pad = self.bucket(B) if self.pad else B
         lens = [p + 1 for p in host_positions] + [1] * (B_pad - B)
@@ -170,7 +171,7 @@ class StaticDecode:
         # HiSparse: the host lists of the same routing; its device ints follow their requests in `derive`
         route = self._routing(meta_ids, lens, 1)
         pads = (self.hisparse.spare_slot, -1) if route is not None else ()
-        ids, meta = self.builder.derive(positions, lens, B_pad, requests, pads)
+        ids, meta = self.builder.derive(positions, lens, B_pad, requests, pads, live)
         meta.req_ids = meta_ids
         meta.max_seq_len_bound = self.bound
         meta.hisparse_routing = self._attach(route, B_pad)

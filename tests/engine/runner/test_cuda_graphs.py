@@ -21,12 +21,15 @@ BF16 = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_ds_mla")
 FP32 = dict(device="cuda", dtype="float32", kv_cache_dtype="float32", indexer_precision="fp32")
 
 
-def _graph_llm(path, capture: bool = True, **kw) -> LLM:
+def _graph_llm(path, capture: bool = True, whole: bool = False, **kw) -> LLM:
+    """whole: greedy MTP steps as whole-step graphs (engine/runner/step_graph.py); else one graph per forward."""
     llm = LLM(str(path), enforce_eager=False, max_num_seqs=8, cuda_graph_sizes=SIZES, **kw)
     st = llm.core.runner.static
     assert st is not None and st.capture and st.graphs is not None
     if not capture:  # the same padded static forwards, run eagerly
         st.graphs = None
+    if not (capture and whole):
+        llm.core.runner.device_decode.step_graphs = None
     return llm
 
 
@@ -67,6 +70,31 @@ def test_graphs_equal_enforce_eager_fp32(tiny_code):
     assert run_joining_leaving(llm, prompts, late=2) == ref
     assert llm.core.runner.static.graphs.failed is None, llm.core.runner.static.graphs.failed
     assert llm.core.runner.static.num_captures > 0
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_whole_step_graphs_equal_per_forward_graphs_fp32(tiny_code, async_):
+    """The greedy MTP3 step as one graph per capture size gives the per-forward graphs' tokens (fp32: the
+    padded requests change the GEMMs' row counts, so bf16 could differ in the last bit), captured at start-up
+    only, across padded batch sizes and requests joining and leaving."""
+    kw = dict(num_blocks=256, num_speculative_tokens=3, async_scheduling=async_, **FP32)
+    ref_llm = _graph_llm(tiny_code, **kw)
+    prompts = source_prompts(ref_llm.tokenizer, 7)
+    ref = run_joining_leaving(ref_llm, prompts, late=3, tokens=20)
+    del ref_llm
+    llm = _graph_llm(tiny_code, whole=True, **kw)
+    sg = llm.core.runner.device_decode.step_graphs
+    assert sg.failed is None, sg.failed
+    assert sg.num_captures == len(SIZES) == len(sg.capture_seconds), "every capture size at start-up"
+    got = run_joining_leaving(llm, prompts, late=3, tokens=20)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i} diverged under the whole-step graphs"
+    assert sg.num_replays == sg.num_steps > 0 and llm.core.runner.device_decode.num_steps > sg.num_steps
+    more = source_prompts(llm.tokenizer, 5, base=23)
+    run_joining_leaving(llm, more, late=2)
+    assert sg.num_captures == len(SIZES), "a request joining or leaving captured a step again"
+    assert any(b < bp for b, bp, r in llm.core.runner.static.shapes if r == 4)
+    assert llm.get_stats().num_free_blocks == 256
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8-splitk"])

@@ -56,7 +56,7 @@ def _drain(llm: LLM, rids) -> list[list[int]]:
 def test_decode_step_never_syncs(tiny_code, spec, sampled):
     """Steady decode of 4 requests (graphs captured in the warm-up), greedy or a mix of greedy, sampled and
     seeded ones: every launch of a step runs under sync-debug "error", every step took the device path, and
-    it counted no host read."""
+    it counted no host read; greedy with MTP3, each step is a whole-step graph replay."""
     kw = dict(num_blocks=256, max_num_seqs=8, cuda_graph_sizes=SIZES, enforce_eager=False, async_scheduling=True,
               **BF16)
     if spec == "synthetic":
@@ -76,6 +76,9 @@ def test_decode_step_never_syncs(tiny_code, spec, sampled):
     assert dd.num_syncs == 0 and runner.num_placeholder_waits == 0 and dd.num_steps == steps + 20
     assert dd.num_placeholders >= 20 * 4 and runner.static.num_captures == captures > 0
     assert runner.static.graphs.failed is None, runner.static.graphs.failed
+    if spec and not sampled:  # greedy with drafts: every steady step is one whole-step graph
+        sg = dd.step_graphs
+        assert sg.failed is None and sg.num_replays >= 20, (sg.failed, sg.num_replays)
     for rid in rids:
         llm.core.abort(rid)
     _drain(llm, [])
