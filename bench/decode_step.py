@@ -6,6 +6,7 @@ graphs on CUDA), with the GPU's busy time and the step's memory floor beside the
     python -m bench.decode_step --standin --batches 1,16,64 --out standin.json    # one EP8 rank, FP8, MTP3
     ... --hisparse-pool-gib 16    # also a HiSparse engine (padded and captured: the benchmark asks for graphs)
     ... --temperature 0.8 --top-p 0.95 --seeded    # sampled requests instead of greedy ones
+    ... --per-forward-graphs --modes graphs,async --top-kernels 25   # no whole-step graphs; the heaviest kernels
 
 One engine per model serves every mode, so the weights are built once: `eager` runs the plain path
 (`runner.static` off), `graphs` the padded static path, captured on CUDA at start-up (on the CPU the
@@ -85,6 +86,17 @@ def busy_seconds(prof) -> float:
     return total / 1e6
 
 
+def kernel_table(prof, steps: int, top: int) -> list[dict]:
+    """The `top` CUDA kernels by total time in a torch.profiler session: name, launches and ms per step."""
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > 0:
+            per.setdefault(e.name, []).append((e.time_range.end - e.time_range.start) / 1e3)
+    rows = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"kernel": name[:120], "launches_per_step": len(ts) / steps, "ms_per_step": sum(ts) / steps}
+            for name, ts in rows]
+
+
 def time_steps(core, batch: int, a, tag: str) -> dict:
     prompt_len, steps, warmup, profile_steps = a.prompt_len, a.steps, a.warmup, a.profile_steps
     rids = _fill(core, batch, prompt_len, 12 * (warmup + steps + profile_steps + 4), tag, a)
@@ -105,7 +117,7 @@ def time_steps(core, batch: int, a, tag: str) -> dict:
         _sync()
         walls.append(time.perf_counter() - t0)
         tokens += sum(len(o.new_token_ids) for o in outs)
-    busy = []
+    busy, kernels = [], []
     if torch.cuda.is_available() and profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
@@ -117,6 +129,8 @@ def time_steps(core, batch: int, a, tag: str) -> dict:
                     core.step()
                 _sync()
             busy.append(busy_seconds(prof) / n)
+            if getattr(a, "top_kernels", 0) and not kernels:
+                kernels = kernel_table(prof, n, a.top_kernels)
     for r in rids:
         core.abort(r)
     while core.has_unfinished():  # the step in flight too (async)
@@ -128,6 +142,8 @@ def time_steps(core, batch: int, a, tag: str) -> dict:
     if busy:
         row["busy_ms"] = 1e3 * statistics.median(busy)
         row["wall_over_busy"] = wall / statistics.median(busy)
+    if kernels:
+        row["kernels"] = kernels
     return row
 
 
@@ -228,6 +244,8 @@ def run_modes(core, modes: list[str], batches: list[int], a, copy_tbps: float | 
         for b in batches:
             row = {"engine": label, "mode": mode, **time_steps(core, b, a, f"{label}-{mode}")}
             row["captures"] = static.num_captures if static is not None else 0
+            sg = runner.device_decode.step_graphs if runner.device_decode is not None else None
+            row["whole_step_replays"] = sg.num_replays if sg is not None else 0
             hs = core.stats().hisparse
             if hs is not None:
                 row["hisparse"] = {"hits": hs.hits, "misses": hs.misses}
@@ -241,6 +259,8 @@ def run_modes(core, modes: list[str], batches: list[int], a, copy_tbps: float | 
             floor = f"floor {row['floor_ms']:8.2f} ms ({row['wall_over_floor']:.2f}x)" if "floor_ms" in row else ""
             print(f"{label:9s} {mode:6s} B={b:3d}  wall {row['wall_ms']:8.2f} ms  {busy}  {floor}  "
                   f"{row['tokens_per_step']:.1f} tok/step  captures {row['captures']}", flush=True)
+            for k in row.get("kernels", []):
+                print(f"    {k['ms_per_step']:8.3f} ms  x{k['launches_per_step']:6.1f}  {k['kernel']}", flush=True)
     runner.static = static
     core.async_scheduling = False
     return rows
@@ -274,6 +294,12 @@ def main(argv=None) -> dict:
                    help="also the static path with async scheduling (mode `async`)")
     p.add_argument("--host-phases", action="store_true",
                    help="only where the static path's decode step spends its host time, by phase (docstring)")
+    p.add_argument("--per-forward-graphs", action="store_true",
+                   help="no whole-step graphs (engine/runner/step_graph.py): a graph per forward, the rest eager")
+    p.add_argument("--modes", default=None,
+                   help="comma-separated subset of eager,graphs,async to time (default: all that apply)")
+    p.add_argument("--top-kernels", type=int, default=0, metavar="N",
+                   help="record the N CUDA kernels that take the most time in a profiled step (`kernels` per row)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
@@ -323,6 +349,12 @@ def main(argv=None) -> dict:
             def make_hisparse():
                 return LLM(path, **kw, **hs_kw, **graph_kw).core
         st = core.runner.static
+        dd = core.runner.device_decode
+        if a.per_forward_graphs and dd is not None:
+            dd.step_graphs = None
+        sg = dd.step_graphs if dd is not None else None
+        info["whole_step_graphs"] = sg.num_captures if sg is not None else 0
+        info["whole_step_capture_s"] = sum(sg.capture_seconds.values()) if sg is not None else 0.0
         info["captures_at_start"] = st.num_captures if st is not None else 0
         info["capture_s"] = sum(st.capture_seconds.values()) if st is not None else 0.0
         if a.host_phases:
@@ -333,6 +365,8 @@ def main(argv=None) -> dict:
                       + f"  ms/step, {row['tokens_per_step']:.1f} tok/step", flush=True)
             batches = []  # nothing else to time
         modes = ["eager", "graphs"] + (["async"] if a.async_scheduling and st is not None else [])
+        if a.modes:
+            modes = [m for m in modes if m in a.modes.split(",")]
         if batches and not a.hisparse_only:
             rows += run_modes(core, modes, batches, a, ceil.get("copy_tbps"), "resident")
         if hs_kw and batches:
@@ -346,6 +380,8 @@ def main(argv=None) -> dict:
             info["hisparse_capture_s"] = sum(hst.capture_seconds.values()) if hst is not None else 0.0
             hs_static = ["graphs" if hst.capture else "static"] if hst is not None else []
             hs_modes = ["eager"] + hs_static + (["async"] if a.async_scheduling and hst is not None else [])
+            if a.modes:
+                hs_modes = [m for m in hs_modes if m in a.modes.split(",") or (m == "static" and "graphs" in a.modes)]
             rows += run_modes(core, hs_modes, hs_batches, a, ceil.get("copy_tbps"), "hisparse")
     result = {"model": "standin" if a.standin else (f"random-{a.random_model}" if a.random_model else a.model),
               "spec": a.spec, "device": device, "ceilings": ceil, "info": info, "rows": rows,

@@ -58,10 +58,11 @@ def random_model_dir(out: Path, layers: int = 4, experts: int = 32) -> Path:
 
 
 def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share: float | None,
-             hisparse: bool = True, async_scheduling: bool = False) -> dict:
+             hisparse: bool = True, async_scheduling: bool = False, cuda_graphs: bool = False) -> dict:
     """The topology file for one benchmark run: fresh ports and Redis; the model, dummy weights, memory
     share, (hisparse False) a decode without HiSparse, whose decode step is then graph-captured, and
-    (async_scheduling) a decode that plans its next step while one runs."""
+    (async_scheduling) a decode that plans its next step while one runs, (cuda_graphs) a decode that pads and
+    captures its HiSparse decode too (`--cuda-graphs`)."""
     from engine.parallel.dist import free_port
 
     topo = yaml.safe_load(config.read_text())
@@ -80,6 +81,8 @@ def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share:
                 args["gpu-memory-utilization"] = share
             if kind == "decode" and async_scheduling:
                 args["async-scheduling"] = True
+            if kind == "decode" and cuda_graphs:
+                args["cuda-graphs"] = True
             if kind == "decode" and not hisparse:
                 attn = dict(args.pop("attention-config", None) or {})
                 attn.pop("hisparse_config", None)
@@ -201,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode without HiSparse (CUDA graphs; HiSparse decode is captured only with --cuda-graphs)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="the decode plans step N+1 while N runs (docs/async_scheduling.md)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the decode pads and captures its HiSparse decode too (engine flag --cuda-graphs)")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--prompts-per-level", default="6,24,64")
     p.add_argument("--input-len", type=int, default=1024)
@@ -218,11 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-system-"))
     model = str(random_model_dir(work / "model")) if a.random_model else None
     topo = topology(Path(a.config), work / "run", model, a.random_model, a.share, hisparse=not a.no_hisparse,
-                    async_scheduling=a.async_scheduling)
+                    async_scheduling=a.async_scheduling, cuda_graphs=a.cuda_graphs)
     t0 = time.perf_counter()
     dep = launcher.up(topo, timeout_s=400, die_with_parent=True, echo=print)
     name = "glm-5.3 widths, 4 layers, 32 experts (random)" if model else topo["model"]  # no temporary path
     out = {"topology": Path(a.config).name, "hisparse": not a.no_hisparse, "async_scheduling": a.async_scheduling,
+           "cuda_graphs": a.cuda_graphs,
            "model": name,
            "startup_s": time.perf_counter() - t0,
            "serve": [], "agentx": None}
