@@ -42,7 +42,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | EngineArgs, core: Any = None, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig | EngineArgs, core: Any = None, tokenizer: Tokenizer | None = None,
+                 text: bool = True):
+        """text False: the outputs carry token ids only, except for requests with stop strings (which need the
+        text to be found): what the services stream (OutputProcessor)."""
         self.config = config.create_engine_config() if isinstance(config, EngineArgs) else config
         self.core = core if core is not None else make_engine_core(self.config)
         if tokenizer is None:
@@ -51,7 +54,7 @@ class AsyncEngine:
             except FileNotFoundError:
                 tokenizer = None
         self.tokenizer = tokenizer
-        self.processor = OutputProcessor(tokenizer)
+        self.processor = OutputProcessor(tokenizer, text=text)
         self._streams: dict[str, asyncio.Queue] = {}
         self._commands: list[tuple[Callable, asyncio.Future | None]] = []  # under _lock
         self._lock = threading.Lock()

@@ -1,6 +1,8 @@
 """EngineCoreOutput stream -> RequestOutputs: detokenization, stop strings, logprobs, timing.
 
-A stop string is found here (it needs text); the caller then aborts the request in the core.
+A stop string is found here (it needs text); the caller then aborts the request in the core. A processor
+built with `text=False` (the services: token ids go on the wire, the router makes the text) detokenizes only
+the requests that have stop strings; the others' outputs carry no text.
 """
 
 from __future__ import annotations
@@ -25,15 +27,17 @@ class _Tracked:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None):
+    def __init__(self, tokenizer: Tokenizer | None, text: bool = True):
         self.tokenizer = tokenizer
+        self.text = text
         self.tracked: dict[str, _Tracked] = {}
 
     def add(self, req: Request) -> None:
         out = RequestOutput(req_id=req.req_id, prompt_token_ids=list(req.prompt_token_ids),
                             logprobs=[] if req.sampling_params.logprobs is not None else None,
                             metrics=RequestMetrics(arrival_time=time.monotonic()))
-        detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params) if self.tokenizer else None
+        wants_text = self.text or bool(req.sampling_params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params) if self.tokenizer and wants_text else None
         if detok is not None and req.output_token_ids:  # tokens produced elsewhere (prefill): context only
             detok.update(list(req.output_token_ids))
             detok.flush()

@@ -87,3 +87,33 @@ async def _leave_after(stream, n: int) -> list[int]:
     finally:
         await stream.aclose()  # the client goes away: its request is aborted
     raise AssertionError("the stream ended before the client left")
+
+
+@pytest.mark.timeout(120)
+def test_a_token_id_engine_detokenizes_only_for_stop_strings(tiny_code):
+    """AsyncEngine(text=False), as the services build it: the same tokens, finish reasons and stop strings as the
+    offline engine, with no detokenizer (and no text) for the requests that have no stop strings."""
+    offline = LLM(str(tiny_code), **KW)
+    prompts = _prompts(offline.tokenizer, 3)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    text = offline.generate(prompts[1], greedy)[0].text
+    params = [greedy, dataclasses.replace(greedy, stop=[text[len(text) // 2: len(text) // 2 + 3]]),
+              dataclasses.replace(greedy, max_tokens=5)]
+    ref = offline.generate(prompts, params)
+
+    async def run():
+        engine = AsyncEngine(EngineArgs(model=str(tiny_code), **KW), text=False)
+        engine.start()
+        try:
+            streams = [engine.add_request(p, sp, req_id=f"t{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+            tracked = [engine.processor.tracked[f"t{i}"].detok is not None for i in range(3)]
+            return await asyncio.gather(*[_last(s) for s in streams]), tracked
+        finally:
+            await engine.shutdown()
+
+    outs, tracked = asyncio.run(run())
+    assert tracked == [False, True, False], "a detokenizer only where a stop string needs the text"
+    for o, r in zip(outs, ref):
+        assert (o.token_ids, o.finish_reason, o.stop_reason) == (r.token_ids, r.finish_reason, r.stop_reason)
+    assert outs[1].finish_reason == "stop" and outs[1].text == ref[1].text
+    assert outs[0].text == "" and outs[2].text == ""
