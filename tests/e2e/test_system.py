@@ -61,6 +61,22 @@ def test_greedy_outputs_equal_the_offline_engine(url, offline):
         assert body["usage"]["completion_tokens"] == 24
 
 
+def test_a_stop_string_ends_the_request_where_the_offline_engine_ends_it(url, offline):
+    """The services' engines detokenize a request only when it has stop strings (they stream token ids): one
+    found late in the text ends the request with the offline engine's text, tokens and finish reason."""
+    (prompt,) = _prompts(offline.tokenizer, 1)
+    plain = offline.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].text
+    stop = plain[len(plain) * 2 // 3: len(plain) * 2 // 3 + 4]
+    (want,) = offline.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))
+    status, body = system.post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                                        "ignore_eos": True, "stop": [stop], "return_token_ids": True})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert want.finish_reason == "stop" and choice["finish_reason"] == "stop", (choice, stop)
+    assert choice["text"] == want.text and stop not in choice["text"]
+    assert body["usage"]["completion_tokens"] == len(want.token_ids) < 40
+
+
 def test_second_turn_reuses_the_prefix(url, offline):
     import difflib
     first = offline.tokenizer.encode(inspect.getsource(difflib))[2000:2400]
