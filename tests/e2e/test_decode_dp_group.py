@@ -92,7 +92,12 @@ def test_dp_group_serves_then_a_dead_or_hung_rank_takes_it_out(dep, offline):
 
 
 def _mid_stream(dep, chats: list[dict]) -> chaos.Load:
-    """Long streams on both ranks, every one of them past its first tokens."""
+    """Long streams on both ranks, every one of them past its first tokens. The router places them by the
+    loads the ranks publish each heartbeat plus its own in-flight counts: it starts once both ranks have
+    published themselves idle, so a load left over from the chats before cannot steer every stream to one rank."""
+    assert system.wait_for(lambda: all(v.get("running", 0) == 0 and v.get("waiting", 0) == 0
+                                       for v in _loads(dep).values()), timeout=15), \
+        f"the ranks still publish work from before: {_loads(dep)}"
     load = chaos.Load(dep.url, chats, CLIENT_TIMEOUT_S, path="/v1/chat/completions").start()
     assert load.wait_started(60), "streams did not start"
     assert system.wait_for(lambda: all(v.get("running", 0) >= 1 for v in _loads(dep).values()), timeout=10), \
