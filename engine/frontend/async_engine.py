@@ -43,9 +43,12 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | EngineArgs, core: Any = None, tokenizer: Tokenizer | None = None,
-                 text: bool = True):
+                 text: bool = True, cumulative: bool = True):
         """text False: the outputs carry token ids only, except for requests with stop strings (which need the
-        text to be found): what the services stream (OutputProcessor)."""
+        text to be found). cumulative False: a stream's outputs carry the step's delta (`delta_token_ids`, and
+        `logprobs` for just those tokens), the whole `token_ids` only on the final one, so a step costs the same
+        however long a request has run. The services use both (they stream deltas of token ids)."""
+        self.cumulative = cumulative
         self.config = config.create_engine_config() if isinstance(config, EngineArgs) else config
         self.core = core if core is not None else make_engine_core(self.config)
         if tokenizer is None:
@@ -246,7 +249,7 @@ class AsyncEngine:
         for out in updated:
             q = self._streams.get(out.req_id)
             if q is not None:
-                snap = _snapshot(out)
+                snap = _snapshot(out) if self.cumulative else _delta_snapshot(out)
                 snap.step_time = step_time
                 q.put_nowait(snap)
 
@@ -262,6 +265,19 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
     snap.token_ids, snap.delta_token_ids = list(out.token_ids), list(out.delta_token_ids)
     if out.logprobs is not None:
         snap.logprobs = list(out.logprobs)
+    return snap
+
+
+def _delta_snapshot(out: RequestOutput) -> RequestOutput:
+    """A step's delta (AsyncEngine(cumulative=False)): its tokens' logprobs only, and every token id only once the
+    request has finished; nothing proportional to the tokens produced so far is copied before that."""
+    snap = object.__new__(RequestOutput)
+    snap.__dict__.update(out.__dict__)
+    n = len(out.delta_token_ids)
+    snap.delta_token_ids = list(out.delta_token_ids)
+    snap.token_ids = list(out.token_ids) if out.finished else []
+    if out.logprobs is not None:
+        snap.logprobs = out.logprobs[len(out.logprobs) - n:] if n else []
     return snap
 
 

@@ -83,7 +83,7 @@ def _infos(engine: AsyncEngine, ranks: list[DecodeRank], address: str, metrics_a
 
 
 async def serve(args: argparse.Namespace) -> int:
-    engine = AsyncEngine(EngineArgs.from_cli_args(args), text=False)  # token ids on the wire (stop strings: text)
+    engine = AsyncEngine(EngineArgs.from_cli_args(args), text=False, cumulative=False)  # token-id deltas
     host = advertise_host(args.advertise_host, args.host)
     server = GrpcServer(args.port, args.host)
     port = server.bind()

@@ -89,7 +89,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         async for out in stream:
             if out.delta_token_ids and t_first is None:
                 t_first = time.monotonic()
-            lps = out.logprobs[n_seen: n_seen + len(out.delta_token_ids)] if out.logprobs else None
+            if not out.logprobs:
+                lps = None
+            elif self.engine.cumulative:
+                lps = out.logprobs[n_seen: n_seen + len(out.delta_token_ids)]
+            else:  # the engine streams deltas: these are the new tokens' own
+                lps = out.logprobs
             n_seen += len(out.delta_token_ids)
             yield decode_pb2.DecodeResponse(delta=delta_to_proto(out.delta_token_ids, lps, out.finish_reason,
                                                                  out.stop_reason))

@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
-    engine = AsyncEngine(engine_args, text=False)  # token ids on the wire: text only where stop strings need it
+    engine = AsyncEngine(engine_args, text=False, cumulative=False)  # deltas of token ids on the wire
     host = advertise_host(args.advertise_host, args.host)
     server = GrpcServer(args.port, args.host)
     port = server.bind()

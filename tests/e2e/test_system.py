@@ -77,6 +77,25 @@ def test_a_stop_string_ends_the_request_where_the_offline_engine_ends_it(url, of
     assert body["usage"]["completion_tokens"] == len(want.token_ids) < 40
 
 
+def test_logprobs_through_prefill_and_decode_equal_the_offline_engine(url, offline):
+    """The first token's logprobs come from the prefill, the rest from the decode's deltas: each token's logprob
+    and its top-2 alternatives as the offline engine computes them."""
+    (prompt,) = _prompts(offline.tokenizer, 1)
+    (want,) = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2))
+    status, body = system.post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                        "ignore_eos": True, "logprobs": 2, "return_token_ids": True})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == list(want.token_ids)
+    got = choice["logprobs"]["token_logprobs"]
+    assert len(got) == 12 and len(choice["logprobs"]["top_logprobs"]) == 12
+    for i, (lp, tok) in enumerate(zip(got, want.token_ids)):
+        assert abs(lp - want.logprobs[i][tok]) < 1e-3, (i, lp, want.logprobs[i])
+    for i, top in enumerate(choice["logprobs"]["top_logprobs"]):
+        best = sorted(want.logprobs[i].values(), reverse=True)[:2]
+        assert sorted(top.values(), reverse=True)[:2] == pytest.approx(best, abs=1e-3), (i, top, want.logprobs[i])
+
+
 def test_second_turn_reuses_the_prefix(url, offline):
     import difflib
     first = offline.tokenizer.encode(inspect.getsource(difflib))[2000:2400]

@@ -90,30 +90,41 @@ async def _leave_after(stream, n: int) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-def test_a_token_id_engine_detokenizes_only_for_stop_strings(tiny_code):
-    """AsyncEngine(text=False), as the services build it: the same tokens, finish reasons and stop strings as the
-    offline engine, with no detokenizer (and no text) for the requests that have no stop strings."""
+def test_a_service_engine_streams_token_id_deltas(tiny_code):
+    """AsyncEngine(text=False, cumulative=False), as the services build it: the same tokens, finish reasons, stop
+    strings and logprobs as the offline engine; a detokenizer only for the request with stop strings; each output
+    carries its step's tokens and their logprobs, and the whole token list only on the final one."""
     offline = LLM(str(tiny_code), **KW)
-    prompts = _prompts(offline.tokenizer, 3)
+    prompts = _prompts(offline.tokenizer, 4)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     text = offline.generate(prompts[1], greedy)[0].text
     params = [greedy, dataclasses.replace(greedy, stop=[text[len(text) // 2: len(text) // 2 + 3]]),
-              dataclasses.replace(greedy, max_tokens=5)]
+              dataclasses.replace(greedy, max_tokens=5), dataclasses.replace(greedy, logprobs=2)]
     ref = offline.generate(prompts, params)
 
+    async def collect(stream):
+        return [out async for out in stream]
+
     async def run():
-        engine = AsyncEngine(EngineArgs(model=str(tiny_code), **KW), text=False)
+        engine = AsyncEngine(EngineArgs(model=str(tiny_code), **KW), text=False, cumulative=False)
         engine.start()
         try:
             streams = [engine.add_request(p, sp, req_id=f"t{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
-            tracked = [engine.processor.tracked[f"t{i}"].detok is not None for i in range(3)]
-            return await asyncio.gather(*[_last(s) for s in streams]), tracked
+            tracked = [engine.processor.tracked[f"t{i}"].detok is not None for i in range(4)]
+            return await asyncio.gather(*[collect(s) for s in streams]), tracked
         finally:
             await engine.shutdown()
 
-    outs, tracked = asyncio.run(run())
-    assert tracked == [False, True, False], "a detokenizer only where a stop string needs the text"
-    for o, r in zip(outs, ref):
-        assert (o.token_ids, o.finish_reason, o.stop_reason) == (r.token_ids, r.finish_reason, r.stop_reason)
-    assert outs[1].finish_reason == "stop" and outs[1].text == ref[1].text
-    assert outs[0].text == "" and outs[2].text == ""
+    runs, tracked = asyncio.run(run())
+    assert tracked == [False, True, False, False], "a detokenizer only where a stop string needs the text"
+    for outs, r in zip(runs, ref):
+        last = outs[-1]
+        assert (last.token_ids, last.finish_reason, last.stop_reason) == (r.token_ids, r.finish_reason, r.stop_reason)
+        assert [t for o in outs for t in o.delta_token_ids] == r.token_ids
+        assert all(o.token_ids == [] for o in outs[:-1]), "nothing cumulative before the end"
+    assert runs[1][-1].finish_reason == "stop" and runs[1][-1].text == ref[1].text
+    assert runs[0][-1].text == "" and runs[2][-1].text == ""
+    lps = [lp for o in runs[3] for lp in o.logprobs]
+    assert len(lps) == len(ref[3].logprobs) == 24
+    assert [sorted(a) for a in lps] == [sorted(b) for b in ref[3].logprobs]
+    assert all(abs(a[t] - b[t]) < 1e-4 for a, b in zip(lps, ref[3].logprobs) for t in a)
