@@ -15,6 +15,7 @@ shapes from the step plan, which every rank knows in full.
 
 from __future__ import annotations
 
+import random
 import socket
 from collections import Counter
 from dataclasses import dataclass
@@ -65,10 +66,36 @@ class DistEnv:
                 "MASTER_PORT": str(self.master_port)}
 
 
+_PORTS = random.SystemRandom()  # not the global generator: processes that seed it alike would pick alike
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the OS hands out on its own (connections' local ports, bind to port 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS may hand it out again: bind soon). The one definition: the
-    ranks' rendezvous, the services, the launcher and the tests all take their free ports here."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port that was free a moment ago, to be bound soon by another process. The one definition: the ranks'
+    rendezvous, the services, the launcher and the tests all take their free ports here.
+
+    It is drawn at random below the OS's ephemeral range, where the OS gives no port to anyone on its own: a
+    port the OS picked (bind to 0) could meanwhile become some client socket's local port, and the process
+    meant to listen there would fail with "address already in use"."""
+    hi = min(_ephemeral_low(), 65536)
+    lo = max(1024, hi - 12000)
+    for _ in range(64):
+        port = _PORTS.randrange(lo, hi)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # that range is crowded: let the OS choose
         s.bind((host, 0))
         return s.getsockname()[1]
 
