@@ -24,6 +24,23 @@ from services.rpc.net import is_local_address
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+class PortTaken(RuntimeError):
+    """The port a redis-server was started on is held by another process."""
+
+
+def _server_pid(url: str) -> int | None:
+    """The process id of the Redis answering at `url` (INFO server), or None."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        return int(client.info("server")["process_id"])
+    except (redis.RedisError, OSError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
+
+
 def ping(url: str, timeout: float = 0.5) -> bool:
     """True if a Redis answers PING at `url` (synchronous: used before any event loop exists)."""
     import redis
@@ -55,7 +72,14 @@ class RedisServer:
         if not os.path.exists(binary):
             raise FileNotFoundError("redis-server not found: install Redis (apt-get install redis-server) "
                                     "or point --redis-url at a running one")
-        port = port or free_port(host)
+        if port is None or port == 0:  # a free port: another process may take it first, then try another
+            for attempt in range(3):
+                try:
+                    return cls.start(free_port(host), host=host, binary=binary, workdir=workdir, timeout=timeout,
+                                     die_with_parent=die_with_parent)
+                except PortTaken:
+                    if attempt == 2:
+                        raise
         workdir = workdir or tempfile.mkdtemp(prefix="pdserve-redis-")
         os.makedirs(workdir, exist_ok=True)
         cmd = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
@@ -72,7 +96,11 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ping(self.url, timeout=0.2):
-                return
+                owner = _server_pid(self.url)
+                if owner == self.pid:
+                    return
+                self.stop()  # another Redis holds the port (ours could not bind it): never report that one as ours
+                raise PortTaken(f"{self.url} is answered by another redis-server (pid {owner}), not the one started")
             if self._proc is not None and self._proc.poll() is not None:
                 break
             time.sleep(0.02)

@@ -155,3 +155,20 @@ async def _lookup_is(state: RedisState, hashes, expected) -> bool:
         return await state.lookup_prefix(hashes) == expected
     except Exception:  # noqa: BLE001 - polled until true: a failed lookup is just "not yet"
         return False
+
+
+def test_a_redis_that_cannot_bind_its_port_is_never_reported_as_started(redis_server):
+    """Started on a port another redis-server already holds, ours fails to bind while the other answers PING: the
+    start must fail (PortTaken) instead of handing out the other server as this one, which a caller would then
+    stop, pause or flush as its own. An auto-chosen port moves on to another."""
+    from services.cluster.redis_server import PortTaken, _server_pid
+
+    taken = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(PortTaken, match="another redis-server"):
+        RedisServer.start(taken, die_with_parent=True)
+    assert _server_pid(redis_server.url) == redis_server.pid  # the other one is untouched
+    own = RedisServer.start(die_with_parent=True)
+    try:
+        assert own.url != redis_server.url and _server_pid(own.url) == own.pid
+    finally:
+        own.stop()
