@@ -19,6 +19,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ class LeaseTable:
         self.default_s, self.max_s = default_s, max_s
         self._on_expired = on_expired
         self.leases: dict[str, Lease] = {}
+        self._holders: Counter[int] = Counter()  # block id -> live leases holding it
         self.generations = PageGenerations()
         self._task: asyncio.Task | None = None
 
@@ -66,6 +68,7 @@ class LeaseTable:
         lease = Lease(lease_id=secrets.token_hex(8), req_id=req_id, expires=time.monotonic() + s,
                       block_ids=tuple(block_ids), generations=self.generations.of(block_ids))
         self.leases[lease.lease_id] = lease
+        self._holders.update(lease.block_ids)
         return lease
 
     async def confirm(self, lease_id: str, generations) -> bool:
@@ -109,9 +112,12 @@ class LeaseTable:
         if lease.readers or lease.lease_id not in self.leases:
             return
         del self.leases[lease.lease_id]
-        held = {b for other in self.leases.values() for b in other.block_ids}
+        self._holders.subtract(lease.block_ids)
+        freed = [b for b in lease.block_ids if self._holders[b] <= 0]
+        for b in freed:
+            del self._holders[b]
         # before the engine may hand the pages to anyone else; a page another lease holds stays where it is
-        self.generations.bump([b for b in lease.block_ids if b not in held])
+        self.generations.bump(freed)
         await self._release(lease.req_id)
 
     # ---- expiry ----------------------------------------------------------------------------------
