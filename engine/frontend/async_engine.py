@@ -155,7 +155,7 @@ class AsyncEngine:
         out = self.processor.abort(req_id)
         q = self._streams.get(req_id)
         if q is not None and out is not None:
-            q.put_nowait(_snapshot(out))
+            q.put_nowait(_snapshot(out, self.cumulative))
 
     def cancel(self, req_id: str) -> None:
         """Abort a request whose output stream will never be read (its consumer gave up before
@@ -249,7 +249,7 @@ class AsyncEngine:
         for out in updated:
             q = self._streams.get(out.req_id)
             if q is not None:
-                snap = _snapshot(out) if self.cumulative else _delta_snapshot(out)
+                snap = _snapshot(out, self.cumulative)
                 snap.step_time = step_time
                 q.put_nowait(snap)
 
@@ -257,27 +257,18 @@ class AsyncEngine:
         return self.last_stats
 
 
-def _snapshot(out: RequestOutput) -> RequestOutput:
+def _snapshot(out: RequestOutput, cumulative: bool = True) -> RequestOutput:
     """A copy the processor no longer changes (its lists copied): one per request per step, so the fields are
-    copied as they are (a fifth of `dataclasses.replace`'s cost, which re-runs __init__)."""
+    copied as they are (a fifth of `dataclasses.replace`'s cost, which re-runs __init__). Not cumulative
+    (AsyncEngine(cumulative=False)): the step's tokens' logprobs only, and the token ids only once the request
+    has finished, so nothing proportional to the tokens produced so far is copied before that."""
     snap = object.__new__(RequestOutput)
     snap.__dict__.update(out.__dict__)
-    snap.token_ids, snap.delta_token_ids = list(out.token_ids), list(out.delta_token_ids)
-    if out.logprobs is not None:
-        snap.logprobs = list(out.logprobs)
-    return snap
-
-
-def _delta_snapshot(out: RequestOutput) -> RequestOutput:
-    """A step's delta (AsyncEngine(cumulative=False)): its tokens' logprobs only, and every token id only once the
-    request has finished; nothing proportional to the tokens produced so far is copied before that."""
-    snap = object.__new__(RequestOutput)
-    snap.__dict__.update(out.__dict__)
-    n = len(out.delta_token_ids)
     snap.delta_token_ids = list(out.delta_token_ids)
-    snap.token_ids = list(out.token_ids) if out.finished else []
+    snap.token_ids = list(out.token_ids) if cumulative or out.finished else []
     if out.logprobs is not None:
-        snap.logprobs = out.logprobs[len(out.logprobs) - n:] if n else []
+        n = len(out.delta_token_ids)
+        snap.logprobs = list(out.logprobs) if cumulative else out.logprobs[len(out.logprobs) - n:] if n else []
     return snap
 
 
