@@ -60,12 +60,19 @@ def num_sms(device: torch.device) -> int:
 # hardware conversions (round-to-nearest-even) and skips this.
 
 @triton.jit
+def on_bf16_grid(x):
+    """fp32 -> the nearest bf16 value (ties to even), still fp32 (finite inputs), in integer ops. An eager bf16
+    op's rounding of an intermediate result: compiled, a `.to(bf16).to(fp32)` pair may be dropped and the
+    product before it contracted into the next sum (measured on the H200: kernels/rope.py)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def to_bf16(x, ROUND_FIRST: tl.constexpr):
     """fp32 -> bf16, round to nearest even (finite inputs)."""
     if ROUND_FIRST:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = bits.to(tl.float32, bitcast=True)
+        x = on_bf16_grid(x)
     return x.to(tl.bfloat16)
 
 

@@ -115,9 +115,12 @@ def _moe_config(num_assign: int, num_experts: int) -> tuple[int, int, int, int, 
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              expert_offset: int = 0) -> torch.Tensor:
+              expert_offset: int = 0, small_routing: bool = True) -> torch.Tensor:
     """Triton `fused_moe_ref` (same arguments): a grouped GEMM over expert-sorted assignments, with
-    SiLU-and-mul fused into the first GEMM and the routing weight into the second; no host syncs."""
+    SiLU-and-mul fused into the first GEMM and the routing weight into the second; no host syncs.
+    small_routing: as `kernels.fp8_moe.fused_moe_fp8`'s."""
+    from kernels.moe_routing import MAX_SMALL_ASSIGNMENTS, align_by_expert_small, moe_combine
+
     T, H = x.shape
     E, two_i, H_w = w13.shape
     inner = two_i // 2
@@ -134,9 +137,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     block_m, block_n, block_k, warps, stages = _moe_config(ids.numel(), E)
-    rows, block_expert = align_by_expert(ids, E, expert_offset, block_m)
+    rows, block_expert = (align_by_expert_small if small_routing and ids.numel() <= MAX_SMALL_ASSIGNMENTS
+                          else align_by_expert)(ids, E, expert_offset, block_m)
     h = torch.empty((rows.shape[0], inner), dtype=x.dtype, device=x.device)
-    y = torch.zeros((T * top_k, H), dtype=torch.float32, device=x.device)
+    y = (torch.empty if small_routing else torch.zeros)((T * top_k, H), dtype=torch.float32, device=x.device)
     dot_f32 = interpreting() or x.dtype == torch.float32
     nb = block_expert.shape[0]
     _moe_up_kernel[(nb, triton.cdiv(inner, block_n))](
@@ -147,6 +151,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     _moe_down_kernel[(nb, triton.cdiv(H, block_n))](
         h, w2, y, rows, block_expert, w_flat, E, H, inner, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32, num_warps=warps, num_stages=stages)
+    if small_routing:
+        return moe_combine(y, ids, E, expert_offset, x.dtype)
     return y.view(T, top_k, H).sum(dim=1).to(x.dtype)
 
 

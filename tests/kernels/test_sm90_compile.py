@@ -57,3 +57,37 @@ def test_hisparse_plan_kernel_compiles_for_sm90_at_the_service_shapes():
     warps, size, seconds = out.split()
     assert int(warps) == 32 and int(size) > 0, out
     print(f"plan kernel for sm_90: {seconds} s to compile")
+
+
+def test_small_fused_kernels_compile_for_sm90():
+    """The norm, RoPE and MoE-routing kernels at the launches a GLM-5.3 decode step makes (bitonic sort,
+    histogram and barrier in the one-program expert sort among them)."""
+    out = compile_sm90('''
+        from kernels.moe_routing import _align_kernel, _combine_kernel, _route_kernel
+        from kernels.norm import _rms_norm_kernel
+        from kernels.rope import _rope_cat_kernel, _rope_kernel
+
+        i = "i32"
+        for block, res in ((8192, True), (2048, False), (512, False)):
+            print("norm", build(_rms_norm_kernel, {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16",
+                  "y_ptr": "*bf16", "sum_ptr": "*bf16", "D": i, "eps": "fp32", "sx": i, "sr": i, "sy": i, "ss": i},
+                  dict(BLOCK_D=block, HAS_RES=res, ROUND_FIRST=False), num_warps=max(1, block // 512)))
+        for inter, bh in ((True, 32), (False, 16)):
+            print("rope", build(_rope_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32",
+                  "sin_ptr": "*fp32", "H": i, "sx_t": i, "sx_h": i, "so_t": i, "so_h": i, "sc_t": i},
+                  dict(HALF=32, BLOCK_H=bh, INTERLEAVE=inter)))
+        print("rope_cat", build(_rope_cat_kernel, {"a_ptr": "*bf16", "x_ptr": "*bf16", "out_ptr": "*bf16",
+              "cos_ptr": "*fp32", "sin_ptr": "*fp32", **{k: i for k in "A sa_t sa_h sx_t sx_h so_t so_h sc_t".split()}},
+              dict(BLOCK_A=512, HALF=32)))
+        print("route", build(_route_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32",
+              "ids_ptr": "*i64", "E": i, "top_k": i, "scaling": "fp32", "sl_t": i},
+              dict(BLOCK_E=256, BLOCK_K=8, HAS_BIAS=True, NORMALIZE=True)))
+        for block_a, block_e, block_r, block_b, bm in ((2048, 64, 4096, 128, 32), (8192, 512, 16384, 1024, 16)):
+            print("align", build(_align_kernel, {"ids_ptr": "*i64", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
+                  "scratch_ptr": "*i32", **{k: i for k in "A num_experts offset max_rows num_blocks".split()}},
+                  dict(BLOCK_A=block_a, BLOCK_E=block_e, BLOCK_R=block_r, BLOCK_B=block_b, BLOCK_M=bm), num_warps=8))
+        print("combine", build(_combine_kernel, {"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16",
+              **{k: i for k in "H top_k num_experts offset sy_a so_t".split()}}, dict(BLOCK_H=1024, ROUND_FIRST=False)))
+    ''')
+    sizes = [line.split() for line in out.splitlines()]
+    assert len(sizes) == 10 and all(int(s[1]) > 0 for s in sizes), out

@@ -1,0 +1,90 @@
+"""RMSNorm in one launch, optionally with the residual add before it.
+
+    y = w * cast(x / rms(x))           rms(x) = sqrt(mean(x^2) + eps), computed in fp32
+    add: s = cast(x + residual);  y = norm(s), and s is returned as the new residual
+
+`cast` is to x's dtype, in HF's order of operations (`rms_norm_ref`, what the eager `RMSNorm` module
+runs): the normalised row is rounded to x's dtype before the weight multiplies it, and y takes the promoted
+dtype of weight and x. The eager module is eight kernels (upcast, square, mean, add, rsqrt, multiply,
+downcast, weight); on a decode step of a 78-layer model that is about 2,500 launches. This is one launch.
+Against the reference it differs only in the order of the fp32 sum of squares.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from kernels._jit import check_device, interpreting, jit, next_pow2, on_bf16_grid, to_bf16
+
+
+@jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, sx, sr, sy, ss,
+                     BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """One row per program: y[row] = w * cast(s / rms(s)), s = x[row] (+ res[row], stored to sum[row])."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    x = tl.load(x_ptr + row * sx + d, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * sr + d, mask=m, other=0.0).to(tl.float32)
+        if sum_ptr.dtype.element_ty == tl.bfloat16:
+            x = on_bf16_grid(x)  # integer rounding: a compiled cast pair could be dropped
+        else:
+            x = x.to(sum_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(sum_ptr + row * ss + d, x.to(sum_ptr.dtype.element_ty), mask=m)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    xn = x * inv
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        xn = on_bf16_grid(xn)
+    elif x_ptr.dtype.element_ty != tl.float32:
+        xn = xn.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32) * xn
+    if y_ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(y_ptr + row * sy + d, to_bf16(y, ROUND_FIRST), mask=m)
+    else:
+        tl.store(y_ptr + row * sy + d, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
+    """[..., D] -> a [rows, D] view with unit stride along D (a copy only when no such view exists)."""
+    t2 = t.reshape(-1, D) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Triton `rms_norm_ref`: x [..., D] (rows may be strided), weight [D].
+
+    With `residual` (x's shape and dtype) returns (norm(x + residual), x + residual), the sum rounded to
+    x's dtype as an eager `x + residual` would be; without it, norm(x)."""
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"weight {tuple(weight.shape)} must be [{D}] for x {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    check_device(x, weight, *(() if residual is None else (residual,)))
+    x2 = _rows(x, D)
+    rows = x2.shape[0]
+    y = torch.empty((rows, D), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    s = torch.empty((rows, D), dtype=x.dtype, device=x.device) if residual is not None else y
+    r2 = _rows(residual, D) if residual is not None else x2
+    if rows:
+        block = next_pow2(D)
+        _rms_norm_kernel[(rows,)](
+            x2, r2, weight, y, s, D, float(eps), x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
+            BLOCK_D=block, HAS_RES=residual is not None, ROUND_FIRST=interpreting(),
+            num_warps=max(1, min(16, block // 512)))
+    y = y.view(*x.shape[:-1], D)
+    return y if residual is None else (y, s.view(*x.shape[:-1], D))
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The semantics (the eager RMSNorm module's arithmetic): see the module docstring."""
+    s = x if residual is None else x + residual
+    dtype = s.dtype
+    xf = s.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(dtype)
+    return y if residual is None else (y, s)

@@ -1,0 +1,126 @@
+"""rms_norm (with and without the residual add) and rope / rope_cat against their eager references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.layers import rope_cos_sin, rope_inv_freq
+from kernels.norm import rms_norm, rms_norm_ref
+from kernels.rope import rope, rope_cat, rope_cat_ref, rope_ref
+from tests.helpers.kernel_inputs import gpu, interp, randn
+
+
+def check_norm(T: int, D: int, dtype, device, strided: bool = False):
+    gen = torch.Generator().manual_seed(T * 7 + D)
+    base = randn(gen, T, D + 64 if strided else D, dtype=dtype, device=device, scale=3.0)
+    x = base[:, :D] if strided else base  # a row-strided view, as kv_a's latent part
+    w = randn(gen, D, dtype=dtype, device=device)
+    res = randn(gen, T, D, dtype=dtype, device=device)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    y = rms_norm(x, w, 1e-6)
+    want = rms_norm_ref(x, w, 1e-6)
+    assert y.dtype == want.dtype and y.shape == want.shape
+    torch.testing.assert_close(y.float(), want.float(), **tol)
+    y2, s = rms_norm(x, w, 1e-6, residual=res)
+    want2, want_s = rms_norm_ref(x, w, 1e-6, residual=res)
+    assert torch.equal(s, want_s), "the residual sum is the eager x + residual, bit for bit"
+    torch.testing.assert_close(y2.float(), want2.float(), **tol)
+    if dtype == torch.bfloat16:  # bf16 outputs may differ by one rounding of the sum of squares, no more
+        assert (y.float() != want.float()).float().mean() < 0.01
+
+
+@interp
+@pytest.mark.parametrize("T,D,dtype,strided", [(5, 48, torch.float32, False), (3, 512, torch.bfloat16, True),
+                                               (1, 96, torch.bfloat16, False), (0, 32, torch.float32, False)])
+def test_rms_norm_interp(T, D, dtype, strided):
+    check_norm(T, D, dtype, "cpu", strided)
+
+
+@interp
+def test_rms_norm_promotes_like_the_module_interp():
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    w = torch.randn(16)  # fp32 weight times a bf16 row: fp32, as the eager module gives
+    y = rms_norm(x, w, 1e-6)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, w, 1e-6, residual=torch.zeros(3, 16))
+
+
+def angles(T: int, d: int, device, gen):
+    pos = torch.randint(0, 100_000, (T,), generator=gen)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(d, 10_000.0))
+    return cos.to(device), sin.to(device)
+
+
+def assert_rope_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(got, want), "every product and sum rounded as the eager ops round them"
+
+
+def check_rope(T: int, H: int, D: int, r: int, interleave: bool, dtype, device):
+    gen = torch.Generator().manual_seed(T + H + D)
+    x = randn(gen, T, H, D, dtype=dtype, device=device)
+    cos, sin = angles(T, r, device, gen)
+    want = rope_ref(x[..., :r], cos, sin, interleave)
+    got = rope(x[..., :r], cos, sin, interleave)
+    exact = dtype != torch.float32
+    if exact:
+        assert_rope_equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    rest = x[..., r:].clone()
+    rope(x, cos, sin, interleave, rope_dim=r, out=x)  # in place: the rest of each head untouched
+    assert torch.equal(x[..., r:], rest)
+    assert_rope_equal(x[..., :r], want) if exact else torch.testing.assert_close(x[..., :r], want, rtol=1e-6, atol=1e-6)
+
+
+@interp
+@pytest.mark.parametrize("T,H,D,r,interleave,dtype", [(3, 4, 24, 8, True, torch.bfloat16),
+                                                      (2, 3, 32, 16, False, torch.bfloat16),
+                                                      (4, 1, 16, 16, True, torch.float32)])
+def test_rope_interp(T, H, D, r, interleave, dtype):
+    check_rope(T, H, D, r, interleave, dtype, "cpu")
+
+
+@interp
+def test_rope_on_a_2d_strided_row_interp():
+    gen = torch.Generator().manual_seed(3)
+    kv = randn(gen, 5, 40, dtype=torch.bfloat16)
+    cos, sin = angles(5, 8, "cpu", gen)
+    assert_rope_equal(rope(kv[:, 32:], cos, sin, True), rope_ref(kv[:, 32:], cos, sin, True))
+    with pytest.raises(ValueError, match="cos"):
+        rope(kv[:, 32:], cos[:4], sin[:4], True)
+
+
+def check_rope_cat(T: int, H: int, A: int, P: int, dtype, device):
+    gen = torch.Generator().manual_seed(T * H)
+    a = randn(gen, H, T, A, dtype=dtype, device=device).transpose(0, 1)  # an einsum's permuted output
+    q = randn(gen, T, H, 16 + P, dtype=dtype, device=device)
+    cos, sin = angles(T, P, device, gen)
+    got = rope_cat(a, q[..., 16:], cos, sin)
+    want = rope_cat_ref(a, q[..., 16:], cos, sin)
+    assert got.is_contiguous() and got.shape == (T, H, A + P)
+    if dtype != torch.float32:
+        assert_rope_equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@interp
+@pytest.mark.parametrize("T,H,A,P,dtype", [(3, 4, 40, 8, torch.bfloat16), (2, 2, 16, 16, torch.float32)])
+def test_rope_cat_interp(T, H, A, P, dtype):
+    check_rope_cat(T, H, A, P, dtype, "cpu")
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_norm_rope_gpu(mark):
+    for T in (1, 256, 4099):  # decode rows, a verify batch, prefill rows
+        check_norm(T, 6144, torch.bfloat16, "cuda")
+        check_norm(T, 512, torch.bfloat16, "cuda", strided=True)
+        check_rope(T, 64, 192 + 64, 64, True, torch.bfloat16, "cuda")
+        check_rope(T, 32, 128, 64, False, torch.bfloat16, "cuda")
+        check_rope_cat(T, 64, 512, 64, torch.bfloat16, "cuda")
+    check_norm(7, 6144, torch.float32, "cuda")
