@@ -25,6 +25,12 @@ def cpu_threads() -> int:
     return env_int("PDSERVE_CPU_THREADS", 1)
 
 
+def fused_ops() -> bool:
+    """On CUDA, the norms, RoPE and MoE routing as one Triton launch each (1, default) or as eager torch ops
+    (0: for comparison; the arithmetic is the same, engine/model/layers.py)."""
+    return env_int("PDSERVE_FUSED_OPS", 1) != 0
+
+
 # ---- multi-rank engines (torchrun's variables; set by engine.parallel.spawn for spawned ranks) ----
 def dist_rank() -> int | None:
     """This process's rank when torchrun or engine.parallel.spawn started it, else None."""

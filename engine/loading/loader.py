@@ -82,12 +82,23 @@ def _normal(t: torch.Tensor, std: float, g: torch.Generator) -> None:
         t.normal_(0.0, std, generator=g)
 
 
-def use_kernel_moe(model: GlmDsaForCausalLM, on: bool) -> None:
-    """Route every MoE layer through the Triton grouped GEMM (CUDA) or the torch reference."""
-    from engine.model.moe import Experts
+def use_kernels(model: GlmDsaForCausalLM, on: bool, fused: bool = True) -> None:
+    """Route every MoE layer through the Triton grouped GEMM and, with `fused`, the norms, RoPE and routing
+    through their one-launch kernels (on: CUDA), or everything through the torch references (off).
+    on with fused=False keeps the eager small ops beside the kernels (PDSERVE_FUSED_OPS=0, for comparison)."""
+    from functools import partial
+
+    from engine.model.attention import Indexer, MLAttention
+    from engine.model.layers import RMSNorm
+    from engine.model.moe import Experts, MoEGate
     from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref
     from kernels.moe import fused_moe, fused_moe_ref
 
+    small = on and fused
     for m in model.modules():
         if isinstance(m, Experts):
-            m.impl = (fused_moe_fp8 if on else fused_moe_fp8_ref) if m.fp8 else (fused_moe if on else fused_moe_ref)
+            kernel = fused_moe_fp8 if m.fp8 else fused_moe
+            m.impl = (kernel if small else partial(kernel, small_routing=False)) if on else (
+                fused_moe_fp8_ref if m.fp8 else fused_moe_ref)
+        elif isinstance(m, (RMSNorm, MLAttention, Indexer, MoEGate)):
+            m.fused = small

@@ -17,10 +17,13 @@ from engine.model.context import ForwardContext
 from engine.model.fp8 import Fp8Linear
 from engine.model.layers import RMSNorm, apply_rope
 from kernels.fp8_absorbed import absorbed_weights
+from kernels.rope import rope, rope_cat
 
 
 class Indexer(nn.Module):
     """Scores past tokens per query: I[s, t] = sum_h w_h * ReLU(q_h . k_t / sqrt(D)); keeps the top-k."""
+
+    fused = False  # RoPE as one launch, in place (kernels.rope; set by engine.loading.loader.use_kernels)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -39,8 +42,12 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))
         r = self.rope_dim  # layout per head: [rope | rest]
-        q = torch.cat([apply_rope(q[..., :r], ctx.cos, ctx.sin, self.interleave), q[..., r:]], dim=-1)
-        k = torch.cat([apply_rope(k[..., :r], ctx.cos, ctx.sin, self.interleave), k[..., r:]], dim=-1)
+        if self.fused:  # q and k are this forward's own tensors: rotated where they lie
+            rope(q, ctx.cos, ctx.sin, self.interleave, rope_dim=r, out=q)
+            rope(k, ctx.cos, ctx.sin, self.interleave, rope_dim=r, out=k)
+        else:
+            q = torch.cat([apply_rope(q[..., :r], ctx.cos, ctx.sin, self.interleave), q[..., r:]], dim=-1)
+            k = torch.cat([apply_rope(k[..., :r], ctx.cos, ctx.sin, self.interleave), k[..., r:]], dim=-1)
         ctx.backend.store_index_k(ctx.kv_cache, layer, k, ctx.meta)
         # weights carry 1/sqrt(H) (the model's) and 1/sqrt(D) (the score scale): both positive, so they
         # fold through the ReLU and the kernels need not know them.
@@ -50,6 +57,8 @@ class Indexer(nn.Module):
 
 
 class MLAttention(nn.Module):
+    fused = False  # RoPE, and RoPE with the query's concatenation, as one launch each (kernels.rope)
+
     def __init__(self, cfg: ModelConfig, layer_id: int, has_indexer: bool):
         super().__init__()
         self.layer_id = layer_id
@@ -87,8 +96,10 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, : self.latent])
-        k_pe = apply_rope(kv[:, self.latent:], ctx.cos, ctx.sin, self.interleave)
-        q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, self.interleave)
+        fused = self.fused and self.interleave
+        k_pe = (rope if fused else apply_rope)(kv[:, self.latent:], ctx.cos, ctx.sin, self.interleave)
+        if not fused:
+            q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, self.interleave)
         ctx.backend.store_kv(ctx.kv_cache, self.layer_id, latent, k_pe, ctx.meta)
 
         if self.indexer is not None:
@@ -100,7 +111,7 @@ class MLAttention(nn.Module):
 
         w_uk, w_uv = self._absorbed(x.dtype)
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        q_full = torch.cat([q_lat, q_pe], dim=-1)
+        q_full = rope_cat(q_lat, q_pe, ctx.cos, ctx.sin) if fused else torch.cat([q_lat, q_pe], dim=-1)
         out_lat, _ = ctx.backend.sparse_mla(ctx.kv_cache, self.layer_id, q_full, topk, ctx.meta, self.scale)
         o = torch.einsum("thr,hvr->thv", out_lat.to(x.dtype), w_uv).reshape(T, self.num_heads * self.v_dim)
         return self.o_proj(o), topk

@@ -1,4 +1,8 @@
-"""Small building blocks: RMSNorm, RoPE (interleaved and half-split), the gated MLP."""
+"""Small building blocks: RMSNorm, RoPE (interleaved and half-split), the gated MLP.
+
+Modules with a `fused` switch run one Triton launch in place of their eager ops when it is on (CUDA: set
+by `engine.loading.loader.use_kernels`); their arithmetic is the eager one (kernels/norm.py, kernels/rope.py).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.norm import rms_norm, rms_norm_ref
+from kernels.rope import rope_ref
+
 
 class RMSNorm(nn.Module):
     """y = w · x / rms(x), computed in fp32 and cast back before the weight (HF's order of operations)."""
+
+    fused = False
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -16,10 +25,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return (rms_norm if self.fused else rms_norm_ref)(x, self.weight, self.eps)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add and the norm after it, one launch when fused."""
+        return (rms_norm if self.fused else rms_norm_ref)(x, self.weight, self.eps, residual=residual)
 
 
 def rope_inv_freq(rope_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
@@ -33,20 +43,12 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """Rotate the last dim of x [T, ..., d] by per-token angles cos/sin [T, d/2].
+    """Rotate the last dim of x [T, ..., d] by per-token angles cos/sin [T, d/2] (eager ops: kernels.rope.rope_ref).
 
     interleave=True rotates pairs (2i, 2i+1) in place (GLM / DeepSeek MLA layout, what the cache stores);
     interleave=False rotates (i, i + d/2) (the half-split layout of DeepSeek-V3.2's indexer).
     """
-    shape = [x.shape[0]] + [1] * (x.dim() - 2) + [cos.shape[-1]]
-    c = cos.view(shape).to(x.dtype)
-    s = sin.view(shape).to(x.dtype)
-    if interleave:
-        x0, x1 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    x0, x1 = x[..., :half], x[..., half:]
-    return torch.cat((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1)
+    return rope_ref(x, cos, sin, interleave)
 
 
 class GatedMLP(nn.Module):

@@ -27,8 +27,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         attn, topk = self.self_attn(self.input_layernorm(x), ctx, prev_topk)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.forward_add(attn, x)  # x + attn, then its norm
+        x = x + self.mlp(h)
         return x, topk
 
 

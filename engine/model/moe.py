@@ -9,9 +9,18 @@ from engine.config.model import ModelConfig
 from engine.model.layers import GatedMLP
 from kernels.fp8_moe import fused_moe_fp8_ref
 from kernels.moe import fused_moe_ref, route_ref
+from kernels.moe_routing import route
 
 
 class MoEGate(nn.Module):
+    """fp32 logits (x . w in fp32, the reference's precision) -> sigmoid routing (kernels.moe.route_ref).
+
+    fused (CUDA, engine.loading.loader.use_kernels): bf16 x and w multiply into fp32 logits in one GEMM (a
+    product of two bf16 values is exact in fp32, so this is the fp32 GEMM up to the order of its sums,
+    without the fp32 copies of x and w), and the routing is one launch (kernels.moe_routing.route)."""
+
+    fused = False
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
@@ -24,8 +33,12 @@ class MoEGate(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = x.float() @ self.weight.float().t()
-        return route_ref(logits, self.e_score_correction_bias, self.top_k, n_group=self.n_group,
+        if self.fused and x.is_cuda and x.dtype == self.weight.dtype == torch.bfloat16:
+            logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        else:
+            logits = x.float() @ self.weight.float().t()
+        return (route if self.fused else route_ref)(logits, self.e_score_correction_bias, self.top_k,
+                                                    n_group=self.n_group,
                          topk_group=self.topk_group, normalize=self.normalize, scaling=self.scaling)
 
 

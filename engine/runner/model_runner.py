@@ -20,7 +20,7 @@ from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.kv.offload import KVCopy
 from engine.kv.offload_buffer import OffloadBuffer
-from engine.loading.loader import build_model, dummy_init, use_kernel_moe
+from engine.loading.loader import build_model, dummy_init, use_kernels
 from engine.model.context import ForwardContext
 from engine.model.layers import rope_cos_sin, rope_inv_freq
 from engine.runner.device_step import DeviceDecode
@@ -88,7 +88,7 @@ class ModelRunner:
     def make_attention_backend(self):
         """The attention backend stack of this runner (engine.attention.base.AttentionBackend)."""
         backend = get_attention_backend(self.spec, self.device, self.cfg.attention_backend)
-        use_kernel_moe(self.model, backend.name == "triton")  # one switch for every kernel
+        use_kernels(self.model, backend.name == "triton", envs.fused_ops())  # one switch for every kernel
         if self.hisparse is not None:
             backend = self.hisparse.wrap(backend)
         return backend
