@@ -44,7 +44,7 @@ demo: install
 # Lint and import order first (configured in pyproject.toml [tool.ruff]): a violation fails the run.
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 test-fast: install
 	$(PY) -m pytest -q -x tests/unit
