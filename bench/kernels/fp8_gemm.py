@@ -1,6 +1,6 @@
 """FP8 block-scaled GEMMs on the GPU against measured ceilings and the bf16 paths they replace.
 
-    python -m bench.kernels.fp8_gemm --out results.json [--quick] [--no-sweep] [--decode-only]
+    python -m bench.kernels.fp8_gemm --out results.json [--quick] [--no-sweep] [--decode-only | --moe-only]
 
 Ceilings, measured in the same run: copy bandwidth (bytes read + written), dense bf16 matmul and dense
 FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's projection shapes:
@@ -9,13 +9,14 @@ FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's project
   decode rows time the split-K path (kernels.fp8_splitk, one launch) and, beside it as `legacy_us`, the
   two-launch path CUDA still defaults to (`quant_act`, 64 x 64 tiles with interleaved K splits, a torch
   sum: kernels.fp8_gemm.split_decode_config); `speedup_vs_legacy` decides `SPLITK_DECODE`;
-* the grouped MoE (32 local experts, H 6144, I 2048, top-8): prefill 8,192 tokens and decode 64 tokens,
+* the grouped MoE (32 local experts, H 6144, I 2048, top-8): prefill 8,192 tokens and decode 256 and 64 tokens,
   FP8 `fused_moe_fp8` against the bf16 `fused_moe`;
 * the MLA absorbed matmuls on bf16 W_UK / W_UV against the FP8 path (kernels.fp8_absorbed's dequantization,
   then the same einsums), for the kv_b_proj decision.
 A config sweep per shape reports the launcher's pick and the best found; at decode shapes it crosses the
 column tile (64, 128), the split count and whether x is quantized in the kernel or by `quant_act`, so
-one run can retune `splitk_config`. `--decode-only` runs the decode rows alone.
+one run can retune `splitk_config`. `--decode-only` runs the decode rows alone, `--moe-only` the grouped MoE alone
+(8,192 tokens; 256 = the verify rows of 64 requests with MTP3, where the decode step spends its MoE time; 64).
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="three shapes only")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--decode-only", action="store_true", help="the GEMM's decode rows (M = 64, 256) alone")
+    p.add_argument("--moe-only", action="store_true", help="the grouped MoE rows alone")
     a = p.parse_args()
     dev = torch.device("cuda")
     ceil = ceilings(dev)
@@ -193,17 +195,19 @@ def main() -> None:
     import triton
     res["triton"] = triton.__version__
     shapes = SHAPES[:3] if a.quick else SHAPES
-    for M in (64, 256) if a.decode_only else (8192, 64, 256):
+    for M in () if a.moe_only else (64, 256) if a.decode_only else (8192, 64, 256):
         for name, N, K in shapes:
             r = bench_gemm(dev, ceil, name, M, N, K, not a.no_sweep)
             res["gemm"].append(r)
             _save(a.out, res, r)
     if a.decode_only:
         return
-    for T in (8192, 64):  # ids spread evenly over the 32 local experts (balanced EP8)
+    for T in (8192, 256, 64):  # ids spread evenly over the 32 local experts (balanced EP8)
         r = bench_moe(dev, ceil, T, 32, 6144, 2048, 8, not a.no_sweep)
         res["moe"].append(r)
         _save(a.out, res, r)
+    if a.moe_only:
+        return
     res["absorbed"] = [bench_absorbed(dev, T) for T in (64, 256, 8192)]
     _save(a.out, res, {"absorbed": res["absorbed"]})
 
