@@ -81,9 +81,15 @@ def _rope_cat_kernel(a_ptr, x_ptr, out_ptr, cos_ptr, sin_ptr, A, sa_t, sa_h, sx_
     tl.store(orow + A + 2 * i + 1, y1.to(dtype))
 
 
+def rope_fits(d: int) -> bool:
+    """Whether the kernels take a rotated width of d: an even d whose half is a power of two (64 in every
+    GLM-5.x / DeepSeek MLA config); other widths take the eager ops."""
+    return d >= 2 and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
+
+
 def _check_angles(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     T = x.shape[0]
-    if d % 2 or d == 0 or (d // 2) & (d // 2 - 1):
+    if not rope_fits(d):
         raise ValueError(f"the rotated width must be an even power of two here, got {d}")
     if cos.shape != (T, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must be [{T}, {d // 2}]")

@@ -17,7 +17,7 @@ from engine.model.context import ForwardContext
 from engine.model.fp8 import Fp8Linear
 from engine.model.layers import RMSNorm, apply_rope
 from kernels.fp8_absorbed import absorbed_weights
-from kernels.rope import rope, rope_cat
+from kernels.rope import rope, rope_cat, rope_fits
 
 
 class Indexer(nn.Module):
@@ -42,7 +42,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))
         r = self.rope_dim  # layout per head: [rope | rest]
-        if self.fused:  # q and k are this forward's own tensors: rotated where they lie
+        if self.fused and rope_fits(r):  # q and k are this forward's own tensors: rotated where they lie
             rope(q, ctx.cos, ctx.sin, self.interleave, rope_dim=r, out=q)
             rope(k, ctx.cos, ctx.sin, self.interleave, rope_dim=r, out=k)
         else:
@@ -96,7 +96,7 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, : self.latent])
-        fused = self.fused and self.interleave
+        fused = self.fused and self.interleave and rope_fits(self.rope)
         k_pe = (rope if fused else apply_rope)(kv[:, self.latent:], ctx.cos, ctx.sin, self.interleave)
         if not fused:
             q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, self.interleave)

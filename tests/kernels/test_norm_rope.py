@@ -7,7 +7,7 @@ import torch
 
 from engine.model.layers import rope_cos_sin, rope_inv_freq
 from kernels.norm import rms_norm, rms_norm_ref
-from kernels.rope import rope, rope_cat, rope_cat_ref, rope_ref
+from kernels.rope import rope, rope_cat, rope_cat_ref, rope_fits, rope_ref
 from tests.helpers.kernel_inputs import gpu, interp, randn
 
 
@@ -93,6 +93,9 @@ def test_rope_on_a_2d_strided_row_interp():
     assert_rope_equal(rope(kv[:, 32:], cos, sin, True), rope_ref(kv[:, 32:], cos, sin, True))
     with pytest.raises(ValueError, match="cos"):
         rope(kv[:, 32:], cos[:4], sin[:4], True)
+    assert rope_fits(64) and rope_fits(2) and not rope_fits(48) and not rope_fits(7)
+    with pytest.raises(ValueError, match="power of two"):
+        rope(kv[:, 16:], *angles(5, 24, "cpu", gen), True)  # 24 wide: the eager ops take it
 
 
 def check_rope_cat(T: int, H: int, A: int, P: int, dtype, device):
