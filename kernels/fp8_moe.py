@@ -9,7 +9,7 @@ ids outside this rank's [offset, offset + E) are skipped (expert parallelism).
 
 x is quantized per token per 128 channels once (kernels.fp8_gemm.quant_act); the first GEMM's epilogue
 quantizes h the same way (its 128-wide column tile is exactly one scale block), so the second GEMM
-reads fp8 h and its scales. Assignments are sorted by expert with `kernels.moe.align_by_expert`.
+reads fp8 h and its scales. Assignments are sorted by expert with `kernels.moe_routing.sort_by_expert`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import triton.language as tl
 
 from kernels._jit import check_device, interpreting, jit, to_e4m3
 from kernels.fp8_gemm import BLOCK, dequant_act_ref, dequantize_weight_ref, quant_act, quant_act_ref
-from kernels.moe import align_by_expert, sort_assignments
-from kernels.moe_routing import MAX_SMALL_ASSIGNMENTS, align_by_expert_small, moe_combine
+from kernels.moe import sort_assignments
+from kernels.moe_routing import assignment_rows, combine, sort_by_expert
 
 
 @jit
@@ -151,13 +151,12 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     w13_scale = w13_scale if w13_scale.stride(2) == 1 else w13_scale.contiguous()
     w2_scale = w2_scale if w2_scale.stride(2) == 1 else w2_scale.contiguous()
     block_m, block_n, warps, stages = config or _config(ids.numel(), E)
-    rows, block_expert = (align_by_expert_small if small_routing and ids.numel() <= MAX_SMALL_ASSIGNMENTS
-                          else align_by_expert)(ids, E, expert_offset, block_m)
+    rows, block_expert = sort_by_expert(ids, E, expert_offset, block_m, small_routing)
     xq, xs = quant_act(x)
     ib, hb = triton.cdiv(inner, BLOCK), triton.cdiv(H, BLOCK)
     h = torch.empty((rows.shape[0], inner), dtype=torch.uint8, device=x.device)
     hs = torch.empty((rows.shape[0], ib), dtype=torch.float32, device=x.device)
-    y = (torch.empty if small_routing else torch.zeros)((T * top_k, H), dtype=torch.float32, device=x.device)
+    y = assignment_rows(T * top_k, H, small_routing, x.device)
     nb = block_expert.shape[0]
     dot_f32 = interpreting()
     _fp8_moe_up_kernel[(nb, ib)](
@@ -170,9 +169,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
         h.view(torch.float8_e4m3fn), hs, w2, w2_scale, y, rows, block_expert, w_flat, E, H, inner, ib,
         h.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_f32, num_warps=warps, num_stages=stages)
-    if small_routing:
-        return moe_combine(y, ids, E, expert_offset, x.dtype)
-    return y.view(T, top_k, H).sum(dim=1).to(x.dtype)
+    return combine(y, ids, E, expert_offset, x.dtype, small_routing)
 
 
 def merge_gate_up_scales(gate_scale: torch.Tensor, up_scale: torch.Tensor) -> torch.Tensor:

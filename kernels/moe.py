@@ -119,7 +119,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     """Triton `fused_moe_ref` (same arguments): a grouped GEMM over expert-sorted assignments, with
     SiLU-and-mul fused into the first GEMM and the routing weight into the second; no host syncs.
     small_routing: as `kernels.fp8_moe.fused_moe_fp8`'s."""
-    from kernels.moe_routing import MAX_SMALL_ASSIGNMENTS, align_by_expert_small, moe_combine
+    from kernels.moe_routing import assignment_rows, combine, sort_by_expert  # it builds on this module
 
     T, H = x.shape
     E, two_i, H_w = w13.shape
@@ -137,10 +137,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     block_m, block_n, block_k, warps, stages = _moe_config(ids.numel(), E)
-    rows, block_expert = (align_by_expert_small if small_routing and ids.numel() <= MAX_SMALL_ASSIGNMENTS
-                          else align_by_expert)(ids, E, expert_offset, block_m)
+    rows, block_expert = sort_by_expert(ids, E, expert_offset, block_m, small_routing)
     h = torch.empty((rows.shape[0], inner), dtype=x.dtype, device=x.device)
-    y = (torch.empty if small_routing else torch.zeros)((T * top_k, H), dtype=torch.float32, device=x.device)
+    y = assignment_rows(T * top_k, H, small_routing, x.device)
     dot_f32 = interpreting() or x.dtype == torch.float32
     nb = block_expert.shape[0]
     _moe_up_kernel[(nb, triton.cdiv(inner, block_n))](
@@ -151,9 +150,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     _moe_down_kernel[(nb, triton.cdiv(H, block_n))](
         h, w2, y, rows, block_expert, w_flat, E, H, inner, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32, num_warps=warps, num_stages=stages)
-    if small_routing:
-        return moe_combine(y, ids, E, expert_offset, x.dtype)
-    return y.view(T, top_k, H).sum(dim=1).to(x.dtype)
+    return combine(y, ids, E, expert_offset, x.dtype, small_routing)
 
 
 def moe_impl_for(device: torch.device | str):

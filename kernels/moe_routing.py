@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels._jit import check_device, interpreting, jit, next_pow2, to_bf16
+from kernels.moe import align_by_expert, route_ref
 
 MAX_SMALL_ASSIGNMENTS = 8192
 
@@ -55,8 +56,6 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top
           topk_group: int = 1, normalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `route_ref` (same arguments) for ungrouped routing; grouped routing (n_group > 1) runs the
     reference. No host synchronisation."""
-    from kernels.moe import route_ref
-
     if n_group > 1:
         return route_ref(router_logits, correction_bias, top_k, n_group=n_group, topk_group=topk_group,
                          normalize=normalize, scaling=scaling)
@@ -178,3 +177,26 @@ def moe_combine_ref(y: torch.Tensor, ids: torch.Tensor, num_experts: int, expert
     local = ((ids - expert_offset) >= 0) & ((ids - expert_offset) < num_experts)
     rows = torch.where(local.reshape(-1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))
     return rows.view(T, k, -1).sum(dim=1).to(dtype)
+
+
+# ---- what the grouped MoE GEMMs call (kernels.moe.fused_moe, kernels.fp8_moe.fused_moe_fp8) ----------------
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, expert_offset: int, block_m: int,
+                   small: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s result: from the one-launch sort when `small` and the assignments fit it."""
+    fits = small and ids.numel() <= MAX_SMALL_ASSIGNMENTS
+    return (align_by_expert_small if fits else align_by_expert)(ids, num_experts, expert_offset, block_m)
+
+
+def assignment_rows(num_assign: int, H: int, small: bool, device: torch.device) -> torch.Tensor:
+    """The fp32 per-assignment output rows [A, H]: left unwritten for `moe_combine` (which reads only this
+    rank's rows), zeroed for the torch sum."""
+    return (torch.empty if small else torch.zeros)((num_assign, H), dtype=torch.float32, device=device)
+
+
+def combine(y: torch.Tensor, ids: torch.Tensor, num_experts: int, expert_offset: int, dtype: torch.dtype,
+            small: bool) -> torch.Tensor:
+    """Each token's rows summed: `moe_combine` when `small`, else a torch sum over zeroed rows."""
+    if small:
+        return moe_combine(y, ids, num_experts, expert_offset, dtype)
+    return y.view(ids.shape[0], ids.shape[1], -1).sum(dim=1).to(dtype)

@@ -38,8 +38,8 @@ class MoEGate(nn.Module):
         else:
             logits = x.float() @ self.weight.float().t()
         return (route if self.fused else route_ref)(logits, self.e_score_correction_bias, self.top_k,
-                                                    n_group=self.n_group,
-                         topk_group=self.topk_group, normalize=self.normalize, scaling=self.scaling)
+                                                    n_group=self.n_group, topk_group=self.topk_group,
+                                                    normalize=self.normalize, scaling=self.scaling)
 
 
 class Experts(nn.Module):
