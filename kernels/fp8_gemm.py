@@ -8,7 +8,9 @@ x_s fp32 [M, ceil(K/128)], x_s = amax(|x| over the 128 channels) / 448, x_q = ro
 The GEMM walks K in 128-wide blocks; each block's fp8 product (exact in fp32) is scaled by
 x_s[m, kb] * w_s[n // 128, kb] and added to an fp32 accumulator.
 
-Two kernels behind one launcher. Prefill (M > 256): `quant_act`, then 128 x 128 tiles over the whole K.
+Two Triton kernels behind one launcher, and on Hopper cuBLAS's block-scaled GEMM (kernels.fp8_cublas: every
+prefill shape, and the widest projections at 129-256 rows, where it was measured faster). Prefill (M > 256):
+`quant_act`, then 128 x 128 tiles over the whole K.
 Decode (M <= 256 = batch x (1 + drafts), weight-bandwidth-bound): `quant_act`, then kernels.fp8_splitk,
 which splits K across programs so every multiprocessor streams a slice of the weight and adds the fp32
 partial tiles in a fixed order in the last split to arrive (no third launch). On the H200 it is 1.14x
@@ -33,17 +35,19 @@ MIN_AMAX = 1e-10  # an all-zero block gets a tiny positive scale (its codes are 
 
 
 @jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, sq_m, ss_m,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_out, K, sx_m, sx_k, sq_m, ss_m, ss_k,
                       BLOCK_M: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """One [BLOCK_M, 128] tile of x -> its e4m3 codes (stored as bytes) and one fp32 scale per row."""
+    """One [BLOCK_M, 128] tile of x -> its e4m3 codes (stored as bytes) and one fp32 scale per row. Rows
+    M <= m < M_out (padding for cuBLAS) get zero codes and the all-zero block's scale."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     k = kb * 128 + tl.arange(0, 128)
-    mask = (m[:, None] < M) & (k[None, :] < K)
-    x = tl.load(x_ptr + m[:, None].to(tl.int64) * sx_m + k[None, :] * sx_k, mask=mask, other=0.0).to(tl.float32)
+    k_ok = k[None, :] < K
+    x = tl.load(x_ptr + m[:, None].to(tl.int64) * sx_m + k[None, :] * sx_k, mask=(m[:, None] < M) & k_ok,
+                other=0.0).to(tl.float32)
     q, s = quant_e4m3_rows(x, ROUND_FIRST)
-    tl.store(q_ptr + m[:, None].to(tl.int64) * sq_m + k[None, :], q, mask=mask)
-    tl.store(s_ptr + m.to(tl.int64) * ss_m + kb, s, mask=m < M)
+    tl.store(q_ptr + m[:, None].to(tl.int64) * sq_m + k[None, :], q, mask=(m[:, None] < M_out) & k_ok)
+    tl.store(s_ptr + m.to(tl.int64) * ss_m + kb * ss_k, s, mask=m < M_out)
 
 
 @jit
@@ -88,19 +92,29 @@ def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_kb, sa_m
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (any float dtype, any strides) -> (x_q float8_e4m3fn [M, K], x_s fp32 [M, ceil(K/128)])."""
+def quant_act(x: torch.Tensor, *, col_major_scales: bool = False,
+              pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype, any strides) -> (x_q float8_e4m3fn [M, K], x_s fp32 [M, ceil(K/128)]).
+
+    For cuBLAS's block-scaled GEMM (kernels.fp8_cublas): `pad_rows_to` rounds the rows up (the extra rows
+    are zero codes with the all-zero block's scale) and `col_major_scales` stores x_s column-major
+    (strides (1, rows)), the layout cuBLAS reads."""
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"quant_act takes a 2-D float tensor, got {tuple(x.shape)} {x.dtype}")
     check_device(x)
     M, K = x.shape
+    rows = -(-M // pad_rows_to) * pad_rows_to
     kb = triton.cdiv(K, BLOCK)
-    q = torch.empty((M, K), dtype=torch.uint8, device=x.device)
-    s = torch.empty((M, kb), dtype=torch.float32, device=x.device)
-    if M and K:
+    q = torch.empty((rows, K), dtype=torch.uint8, device=x.device)
+    if col_major_scales:
+        s = torch.empty((kb, rows), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((rows, kb), dtype=torch.float32, device=x.device)
+    if rows and K:
         block_m = 16 if interpreting() else 32
-        _act_quant_kernel[(triton.cdiv(M, block_m), kb)](x, q, s, M, K, x.stride(0), x.stride(1), q.stride(0),
-                                                         s.stride(0), BLOCK_M=block_m, ROUND_FIRST=interpreting())
+        _act_quant_kernel[(triton.cdiv(rows, block_m), kb)](
+            x, q, s, M, rows, K, x.stride(0), x.stride(1), q.stride(0), s.stride(0), s.stride(1),
+            BLOCK_M=block_m, ROUND_FIRST=interpreting())
     return q.view(torch.float8_e4m3fn), s
 
 
@@ -129,7 +143,7 @@ def gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 
 def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                           out_dtype: torch.dtype | None = None,
-                          config: SplitKConfig | tuple | None = None) -> torch.Tensor:
+                          config: SplitKConfig | tuple | None = None, impl: str | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight * scales)^T, x quantized per token per 128 channels on the fly.
 
     x: bf16/fp16/fp32 [M, K] (any strides); weight float8_e4m3fn [N, K] with unit K stride;
@@ -137,7 +151,10 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
     M <= 256 runs the decode default (`SPLITK_DECODE`: kernels.fp8_splitk with `splitk_config`, else the
     prefill kernel with `split_decode_config`), larger M the prefill kernel (`gemm_config`). `config`
     overrides the choice (benchmarks sweep it): a `SplitKConfig` runs kernels.fp8_splitk, a tuple
-    (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) the prefill kernel, at any M."""
+    (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) the prefill kernel, at any M.
+    On Hopper, bf16 outputs of the prefill shapes (and of the widest projections at 129-256 rows) go to
+    cuBLAS's block-scaled GEMM instead (kernels.fp8_cublas.use_dense); `impl` "triton" or "cublas" forces
+    one (cublas: where cuBLAS takes the shape)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit [M, K] x [N, K]")
     if weight.dtype != torch.float8_e4m3fn:
@@ -154,6 +171,17 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
         return torch.empty((0, N), dtype=out_dtype, device=x.device)
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     weight_scale_inv = weight_scale_inv if weight_scale_inv.stride(1) == 1 else weight_scale_inv.contiguous()
+    if impl not in (None, "triton", "cublas"):
+        raise ValueError(f"impl must be 'triton' or 'cublas', got {impl!r}")
+    if config is None and impl != "triton":
+        from kernels import fp8_cublas
+
+        if (fp8_cublas.use_dense(M, N, K, out_dtype, x.device) if impl is None else
+                out_dtype == torch.bfloat16 and fp8_cublas.shape_fits(N, K) and fp8_cublas.available(x.device)):
+            return fp8_cublas.dense_mm(x, weight, weight_scale_inv)
+        if impl == "cublas":
+            raise ValueError(f"cuBLAS's block-scaled GEMM does not take [{M}, {K}] x [{N}, {K}] -> {out_dtype} "
+                             f"on {x.device}")
     if config is None:
         if M > DECODE_MAX_M:
             config = gemm_config(M, N, K)

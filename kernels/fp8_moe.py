@@ -136,20 +136,36 @@ def _config(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
 
 def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                   w2_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int = 0,
-                  config: tuple | None = None, small_routing: bool = True) -> torch.Tensor:
+                  config: tuple | None = None, small_routing: bool = True, impl: str | None = None) -> torch.Tensor:
     """Triton `fused_moe_fp8_ref` (same arguments); no host synchronisation. Returns x's dtype [T, H].
 
     small_routing: sort and combine the assignments with kernels.moe_routing's one-launch kernels (the
-    sort at decode sizes; False: the eager sort, zeroed rows and a torch sum, for comparison)."""
+    sort at decode sizes; False: the eager sort, zeroed rows and a torch sum, for comparison).
+    On Hopper, prefill batches (kernels.fp8_cublas.use_moe: >= 1,024 tokens and 2,048 assignments per
+    local expert, bf16, outside graph capture) run one
+    cuBLAS block-scaled GEMM per expert instead (kernels.fp8_cublas: one host synchronisation per call);
+    `impl` "triton" or "cublas" forces one."""
     T, H, E, inner = _check(x, w13, w13_scale, w2, w2_scale, weights, ids)
     check_device(x, w13, w13_scale, w2, w2_scale, weights, ids)
     top_k = ids.shape[1]
     if T == 0 or top_k == 0:
         return torch.zeros_like(x)
+    if impl not in (None, "triton", "cublas"):
+        raise ValueError(f"impl must be 'triton' or 'cublas', got {impl!r}")
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     w13_scale = w13_scale if w13_scale.stride(2) == 1 else w13_scale.contiguous()
     w2_scale = w2_scale if w2_scale.stride(2) == 1 else w2_scale.contiguous()
+    if config is None and impl != "triton":
+        from kernels import fp8_cublas
+
+        if (fp8_cublas.use_moe(T, ids.numel(), E, H, inner, x.dtype, x.device) if impl is None else
+                x.dtype == torch.bfloat16 and fp8_cublas.moe_fits(H, inner) and fp8_cublas.available(x.device)
+                and not fp8_cublas.capturing(x.device)):
+            return fp8_cublas.fused_moe_fp8_cublas(x, w13, w13_scale, w2, w2_scale, weights, ids, expert_offset)
+        if impl == "cublas":
+            raise ValueError(f"cuBLAS's block-scaled GEMM does not take this MoE (H {H}, I {inner}, {x.dtype}) "
+                             f"on {x.device}")
     block_m, block_n, warps, stages = config or _config(ids.numel(), E)
     rows, block_expert = sort_by_expert(ids, E, expert_offset, block_m, small_routing)
     xq, xs = quant_act(x)

@@ -30,6 +30,7 @@ import time
 import torch
 
 from bench.kernels.timing import ceilings, num_sets, time_plain, time_rotating
+from kernels import fp8_cublas
 from kernels._jit import num_sms
 from kernels.fp8_absorbed import dequantize_fp8
 from kernels.fp8_gemm import gemm_config, quant_act, quantize_weight_ref, split_decode_config, w8a8_block_fp8_matmul
@@ -82,15 +83,29 @@ def bench_gemm(dev, ceil, name, M, N, K, sweep: bool) -> dict:
     ws = _weights(N, K, dev, sets)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
 
-    def timed(cfg):  # seconds per call of the FP8 GEMM (cfg a launch config) or of bf16 `x @ W^T` (cfg None)
-        calls = [lambda w=w: x @ w[0].t() if cfg is None else w8a8_block_fp8_matmul(x, w[1], w[2], config=cfg)
-                 for w in ws]
+    def timed(cfg):  # seconds per call of the FP8 GEMM (cfg a launch config, "default" the launcher's own
+        # choice, "cublas" cuBLAS) or of bf16 `x @ W^T` (cfg None)
+        def one(w):
+            if cfg is None:
+                return x @ w[0].t()
+            if cfg in ("default", "cublas"):
+                return w8a8_block_fp8_matmul(x, w[1], w[2], impl=None if cfg == "default" else cfg)
+            return w8a8_block_fp8_matmul(x, w[1], w[2], config=cfg)
+        calls = [lambda w=w: one(w) for w in ws]
         return time_rotating(calls, dev) if decode else time_plain(calls[0], dev, rep_ms=100)
 
     pick = splitk_config(M, N, K, num_sms(dev)) if decode else gemm_config(M, N, K)
-    t, t_bf16 = timed(pick), timed(None)
+    t_triton, t_bf16 = timed(pick), timed(None)
+    cublas_ok = fp8_cublas.shape_fits(N, K) and fp8_cublas.available(dev)
+    t_cublas = timed("cublas") if cublas_ok else None
+    impl = "cublas" if fp8_cublas.use_dense(M, N, K, torch.bfloat16, dev) else "triton"
+    t = t_cublas if impl == "cublas" else t_triton
     row = {"name": name, "M": M, "N": N, "K": K, "config": dataclasses.asdict(pick) if decode else list(pick),
-           "us": t * 1e6, "quant_us": time_plain(lambda: quant_act(x), dev, rep_ms=50) * 1e6, "bf16_us": t_bf16 * 1e6}
+           "impl": impl, "us": t * 1e6, "triton_us": t_triton * 1e6,
+           "cublas_us": t_cublas * 1e6 if t_cublas else None,
+           "quant_us": time_plain(lambda: quant_act(x), dev, rep_ms=50) * 1e6, "bf16_us": t_bf16 * 1e6}
+    row["triton_frac_fp8_rate"] = 2 * M * N * K / t_triton / 1e12 / ceil["fp8_tflops"]
+    row["triton_frac_copy_bw"] = _frac_bw(N * K, row["triton_us"], ceil)
     if decode:
         legacy = split_decode_config(M, N, K, num_sms(dev))
         row.update(legacy_config=list(legacy), legacy_us=timed(legacy) * 1e6)
@@ -137,8 +152,11 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
     def timed(fn):  # decode: CUDA-graph replays (no host gaps between the routing ops and the GEMMs)
         return time_rotating([fn], dev) if T < 1024 else time_plain(fn, dev, rep_ms=200)
 
-    t = timed(lambda: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=pick))
+    t_triton = timed(lambda: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=pick))
     t_bf16 = timed(lambda: fused_moe(x, w13, w2, weights, ids))
+    cublas = fp8_cublas.use_moe(T, ids.numel(), E, H, inner, x.dtype, dev)
+    t_cublas = timed(lambda: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, impl="cublas")) if cublas else None
+    t = t_cublas if cublas else t_triton
     tried = {}
     if sweep:
         for cfg in MOE_SWEEP:
@@ -150,7 +168,10 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
     flops = T * k * 3 * 2 * H * inner
     wbytes = E * 3 * H * inner
     return {"name": f"moe T={T} E={E} k={k}", "T": T, "E": E, "H": H, "I": inner, "config": list(pick),
-            "us": t * 1e6, "best_us": best, "bf16_us": t_bf16 * 1e6, "tflops": flops / t / 1e12,
+            "impl": "cublas" if cublas else "triton", "triton_us": t_triton * 1e6,
+            "cublas_us": t_cublas * 1e6 if t_cublas else None,
+            "triton_frac_fp8_rate": flops / t_triton / 1e12 / ceil["fp8_tflops"], "us": t * 1e6, "best_us": best,
+            "bf16_us": t_bf16 * 1e6, "tflops": flops / t / 1e12,
             "frac_fp8_rate": flops / t / 1e12 / ceil["fp8_tflops"], "weight_tbps": wbytes / t / 1e12,
             "frac_copy_bw": wbytes / t / 1e12 / ceil["copy_tbps"], "speedup_vs_bf16": t_bf16 / t,
             "best_frac_fp8_rate": flops / best * 1e6 / 1e12 / ceil["fp8_tflops"],
@@ -202,7 +223,7 @@ def main() -> None:
             _save(a.out, res, r)
     if a.decode_only:
         return
-    for T in (8192, 256, 64):  # ids spread evenly over the 32 local experts (balanced EP8)
+    for T in (8192, 2048, 256, 64):  # ids spread evenly over the 32 local experts (balanced EP8)
         r = bench_moe(dev, ceil, T, 32, 6144, 2048, 8, not a.no_sweep)
         res["moe"].append(r)
         _save(a.out, res, r)

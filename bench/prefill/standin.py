@@ -4,6 +4,7 @@ decode steps with MTP3.
 
     python -m bench.prefill.standin --out standin.json [--prefill-tokens 32768] [--batches 1,16,64]
                                     [--weight-dtype fp8|bf16] [--set num_hidden_layers=8 ...]
+                                    [--prefill-repeats 2 --compare-env PDSERVE_FP8_CUBLAS=0]
 
 The rank holds every attention, indexer, dense and MTP weight and 32 of the 256 routed experts (experts
 [0, 32)). Routing is remapped so the local experts get the load they would get under balanced EP8: each
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -99,9 +101,10 @@ def _ids(core: EngineCore, n: int, seed: int) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run_prefill(core: EngineCore, n: int, device: str) -> float:
-    ids = _ids(core, n, 0)
-    core.add_request(Request("prefill", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+def _run_prefill(core: EngineCore, n: int, device: str, seed: int = 0) -> float:
+    ids = _ids(core, n, seed)  # a new seed per run: no prefix-cache hits between runs
+    core.add_request(Request(f"prefill-{seed}", ids, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                    ignore_eos=True)))
     _sync(device)
     t0 = time.perf_counter()
     while core.has_unfinished():
@@ -144,6 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16, 64])
     p.add_argument("--decode-steps", type=int, default=10)
+    p.add_argument("--prefill-repeats", type=int, default=0,
+                   help="warm prefills after the first (cold) one, new tokens each; their median is reported")
+    p.add_argument("--compare-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="also time the warm prefills with this environment variable set (A/B in one run)")
     a = p.parse_args(argv)
     overrides = {k: json.loads(v) for k, _, v in (s.partition("=") for s in a.set)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,6 +159,23 @@ def main(argv: list[str] | None = None) -> dict:
            "weight_gib": sum(info["weight_bytes"].values()) / 2**30,
            "kv_gib": info["kv_blocks"] * core.runner.spec.block_bytes / 2**30}
     res["prefill_s"] = _run_prefill(core, a.prefill_tokens, a.device)
+    if a.prefill_repeats:
+        res["prefill_warm_s"] = [_run_prefill(core, a.prefill_tokens, a.device, 1 + i)
+                                 for i in range(a.prefill_repeats)]
+        res["prefill_warm_median_s"] = statistics.median(res["prefill_warm_s"])
+        for j, spec in enumerate(a.compare_env):
+            name, _, value = spec.partition("=")
+            old_value = os.environ.get(name)
+            os.environ[name] = value
+            try:
+                times = [_run_prefill(core, a.prefill_tokens, a.device, 100 * (j + 1) + i)
+                         for i in range(a.prefill_repeats)]
+            finally:
+                if old_value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = old_value
+            res.setdefault("prefill_compare", {})[spec] = {"warm_s": times, "warm_median_s": statistics.median(times)}
     res["decode_step_s"] = {b: _run_decode(core, b, a.decode_steps, a.device) for b in a.batches}
     st = core.stats()
     res["spec_mean_acceptance_length"] = st.spec_mean_acceptance_length

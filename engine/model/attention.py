@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.config.model import ModelConfig
 from engine.model.context import ForwardContext
-from engine.model.fp8 import Fp8Linear
+from engine.model.fp8 import Fp8Linear, project
 from engine.model.layers import RMSNorm, apply_rope
 from kernels.fp8_absorbed import absorbed_weights
 from kernels.rope import rope, rope_cat, rope_fits
@@ -91,10 +91,10 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         T = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q_a, kv = project(x, self.q_a_proj, self.kv_a_proj_with_mqa)  # x quantized once where it can be
+        q_resid = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_resid).view(T, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
-        kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, : self.latent])
         fused = self.fused and self.interleave and rope_fits(self.rope)
         k_pe = (rope if fused else apply_rope)(kv[:, self.latent:], ctx.cos, ctx.sin, self.interleave)

@@ -271,7 +271,7 @@ def test_splitk_gemm_cuda_graph_gpu(mark, monkeypatch):
 
     monkeypatch.setattr(kernels.fp8_gemm, "SPLITK_DECODE", True)
     gen = torch.Generator().manual_seed(5)
-    shapes = [(2048, 6144), (576, 6144), (6144, 2048)]
+    shapes = [(2048, 6144), (576, 6144), (6144, 12288)]  # each split at 64 rows (splitk_config)
     weights = [quantize_weight_ref(torch.randn(N, K, generator=gen).cuda() * K ** -0.5) for N, K in shapes]
     xs = [torch.randn(64, K, generator=gen).cuda().bfloat16() for _, K in shapes]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
