@@ -5,12 +5,15 @@
 Ceilings, measured in the same run: copy bandwidth (bytes read + written), dense bf16 matmul and dense
 FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's projection shapes:
 * the w8a8 block-scaled GEMM at prefill M = 8192 (TFLOP/s vs the FP8 rate) and decode M = 64, 256
-  (weight bytes per second vs copy bandwidth), activation quantization included, against bf16 `x @ W^T`;
+  (weight bytes per second vs copy bandwidth), activation quantization included, against bf16 `x @ W^T`:
+  the launcher's choice (`us`, `impl`), the Triton kernel's pick (`triton_us`) and cuBLAS (`cublas_us`, and
+  `cublas_gemm_only_us` with x quantized beforehand, as when two projections share it);
   decode rows time the split-K path (kernels.fp8_splitk, one launch) and, beside it as `legacy_us`, the
   two-launch path CUDA still defaults to (`quant_act`, 64 x 64 tiles with interleaved K splits, a torch
   sum: kernels.fp8_gemm.split_decode_config); `speedup_vs_legacy` decides `SPLITK_DECODE`;
-* the grouped MoE (32 local experts, H 6144, I 2048, top-8): prefill 8,192 tokens and decode 256 and 64 tokens,
-  FP8 `fused_moe_fp8` against the bf16 `fused_moe`;
+* the grouped MoE (32 local experts, H 6144, I 2048, top-8): prefill 8,192 and 2,048 tokens and decode 256 and
+  64 tokens, FP8 `fused_moe_fp8` (Triton, and at prefill sizes the per-expert cuBLAS path) against the bf16
+  `fused_moe`;
 * the MLA absorbed matmuls on bf16 W_UK / W_UV against the FP8 path (kernels.fp8_absorbed's dequantization,
   then the same einsums), for the kv_b_proj decision.
 A config sweep per shape reports the launcher's pick and the best found; at decode shapes it crosses the
@@ -98,11 +101,17 @@ def bench_gemm(dev, ceil, name, M, N, K, sweep: bool) -> dict:
     t_triton, t_bf16 = timed(pick), timed(None)
     cublas_ok = fp8_cublas.shape_fits(N, K) and fp8_cublas.available(dev)
     t_cublas = timed("cublas") if cublas_ok else None
+    t_cublas_gemm = None
+    if cublas_ok:  # x quantized once beforehand: what a projection costs when it shares its input's
+        pre = fp8_cublas.quantize_input(x)  # quantization (engine.model.fp8.project: q_a_proj and kv_a_proj)
+        calls = [lambda w=w: fp8_cublas.dense_mm(x, w[1], w[2], pre) for w in ws]
+        t_cublas_gemm = time_rotating(calls, dev) if decode else time_plain(calls[0], dev, rep_ms=100)
     impl = "cublas" if fp8_cublas.use_dense(M, N, K, torch.bfloat16, dev) else "triton"
     t = t_cublas if impl == "cublas" else t_triton
     row = {"name": name, "M": M, "N": N, "K": K, "config": dataclasses.asdict(pick) if decode else list(pick),
            "impl": impl, "us": t * 1e6, "triton_us": t_triton * 1e6,
            "cublas_us": t_cublas * 1e6 if t_cublas else None,
+           "cublas_gemm_only_us": t_cublas_gemm * 1e6 if t_cublas_gemm else None,
            "quant_us": time_plain(lambda: quant_act(x), dev, rep_ms=50) * 1e6, "bf16_us": t_bf16 * 1e6}
     row["triton_frac_fp8_rate"] = 2 * M * N * K / t_triton / 1e12 / ceil["fp8_tflops"]
     row["triton_frac_copy_bw"] = _frac_bw(N * K, row["triton_us"], ceil)
@@ -154,8 +163,9 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
 
     t_triton = timed(lambda: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=pick))
     t_bf16 = timed(lambda: fused_moe(x, w13, w2, weights, ids))
-    cublas = fp8_cublas.use_moe(T, ids.numel(), E, H, inner, x.dtype, dev)
-    t_cublas = timed(lambda: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, impl="cublas")) if cublas else None
+    cublas = fp8_cublas.use_moe(T, ids.numel(), E, H, inner, x.dtype, dev)  # the launcher's choice
+    cublas_ok = T >= 1024 and fp8_cublas.moe_fits(H, inner) and fp8_cublas.available(dev)  # timed eagerly only
+    t_cublas = timed(lambda: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, impl="cublas")) if cublas_ok else None
     t = t_cublas if cublas else t_triton
     tried = {}
     if sweep:
