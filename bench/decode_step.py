@@ -16,7 +16,9 @@ greedy (or sampled) requests of `--prompt-len` tokens are prefilled, a few decod
 `EngineCore.step()` is timed by wall clock between device synchronisations (median); `async` steps run
 back to back instead, and a step's wall time is the measured steps' total over their number. The GPU's
 busy time of a step is the union of its kernels' intervals under torch.profiler (median over
-`--profile-steps` steps; `async`: one profile over them all, divided by their number). The memory floor is the bytes one
+`--profile-steps` steps; `async`: one profile over them all, divided by their number). Each row also says how many
+requests were decoding when the measured steps began and ended, how many waited and how many were preempted in
+between: a batch the KV could not hold shows there. The memory floor is the bytes one
 step must read at least (below) over the device-to-device copy bandwidth measured in the same run:
 
     weights   every parameter of the model but the embedding table, once per pass that uses it: the
@@ -73,6 +75,11 @@ def _fill(core, batch: int, prompt_len: int, max_tokens: int, tag: str, a) -> li
     return rids
 
 
+def _decoding(core) -> int:
+    """Running requests past their prompt (the batch a decode step serves)."""
+    return sum(r.num_computed_tokens >= r.num_prompt_tokens for r in core.scheduler.running)
+
+
 def busy_seconds(prof) -> float:
     """Union of the CUDA kernels' [start, end] intervals recorded by a torch.profiler session (s)."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
@@ -102,6 +109,7 @@ def time_steps(core, batch: int, a, tag: str) -> dict:
     rids = _fill(core, batch, prompt_len, 12 * (warmup + steps + profile_steps + 4), tag, a)
     for _ in range(warmup):
         core.step()
+    preempted0, decoding0 = core.scheduler.num_preemptions, _decoding(core)
     walls, tokens = [], 0
     if core.async_scheduling:  # a pipeline: one interval over the measured steps
         _sync()
@@ -117,6 +125,8 @@ def time_steps(core, batch: int, a, tag: str) -> dict:
         _sync()
         walls.append(time.perf_counter() - t0)
         tokens += sum(len(o.new_token_ids) for o in outs)
+    occupancy = {"decoding_requests": [decoding0, _decoding(core)], "waiting_requests": len(core.scheduler.waiting),
+                 "preemptions": core.scheduler.num_preemptions - preempted0}  # a batch that did not hold says so
     busy, kernels = [], []
     if torch.cuda.is_available() and profile_steps:
         from torch.profiler import ProfilerActivity, profile
@@ -138,7 +148,7 @@ def time_steps(core, batch: int, a, tag: str) -> dict:
     core.step()
     wall = statistics.median(walls)
     row = {"batch": batch, "wall_ms": 1e3 * wall, "tokens_per_step": tokens / steps,
-           "tok_s": tokens / sum(walls)}
+           "tok_s": tokens / sum(walls), **occupancy}
     if busy:
         row["busy_ms"] = 1e3 * statistics.median(busy)
         row["wall_over_busy"] = wall / statistics.median(busy)
@@ -258,7 +268,8 @@ def run_modes(core, modes: list[str], batches: list[int], a, copy_tbps: float | 
             busy = f"busy {row['busy_ms']:8.2f} ms ({row['wall_over_busy']:.2f}x)" if "busy_ms" in row else ""
             floor = f"floor {row['floor_ms']:8.2f} ms ({row['wall_over_floor']:.2f}x)" if "floor_ms" in row else ""
             print(f"{label:9s} {mode:6s} B={b:3d}  wall {row['wall_ms']:8.2f} ms  {busy}  {floor}  "
-                  f"{row['tokens_per_step']:.1f} tok/step  captures {row['captures']}", flush=True)
+                  f"{row['tokens_per_step']:.1f} tok/step  decoding {row['decoding_requests']}  "
+                  f"preempted {row['preemptions']}  captures {row['captures']}", flush=True)
             for k in row.get("kernels", []):
                 print(f"    {k['ms_per_step']:8.3f} ms  x{k['launches_per_step']:6.1f}  {k['kernel']}", flush=True)
     runner.static = static

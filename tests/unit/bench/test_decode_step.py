@@ -31,6 +31,7 @@ def test_modes_and_floor_on_cpu(tiny_code, tmp_path):
     for r in res["rows"]:
         fb = r["floor_bytes"]
         assert r["wall_ms"] > 0 and r["tokens_per_step"] >= r["batch"]
+        assert r["decoding_requests"] == [r["batch"]] * 2 and r["preemptions"] == 0 and r["waiting_requests"] == 0
         assert fb["target_weights"] > 0 and fb["mtp_weights"] > 0 and fb["kv"] > 0
         assert abs(fb["total"] - fb["target_weights"] - fb["mtp_weights"] - fb["kv"]) < 1
     one, three = res["rows"][0]["floor_bytes"], res["rows"][1]["floor_bytes"]
