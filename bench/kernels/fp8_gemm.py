@@ -179,6 +179,7 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
     wbytes = E * 3 * H * inner
     return {"name": f"moe T={T} E={E} k={k}", "T": T, "E": E, "H": H, "I": inner, "config": list(pick),
             "impl": "cublas" if cublas else "triton", "triton_us": t_triton * 1e6,
+            "cublas_out_arg": fp8_cublas._OUT_ARG[0] if cublas_ok else None,  # False: each GEMM's rows copied
             "cublas_us": t_cublas * 1e6 if t_cublas else None,
             "triton_frac_fp8_rate": flops / t_triton / 1e12 / ceil["fp8_tflops"], "us": t * 1e6, "best_us": best,
             "bf16_us": t_bf16 * 1e6, "tflops": flops / t / 1e12,
