@@ -78,6 +78,16 @@ def available(device: torch.device) -> bool:
     return _AVAILABLE[index]
 
 
+def chosen(impl: str | None, automatic: bool, can_run: bool, what: str) -> bool:
+    """A launcher's decision: `impl` None takes the measured rule (`automatic`), "cublas" demands cuBLAS (a
+    ValueError naming `what` where it cannot run), "triton" declines it."""
+    if impl not in (None, "triton", "cublas"):
+        raise ValueError(f"impl must be 'triton' or 'cublas', got {impl!r}")
+    if impl == "cublas" and not can_run:
+        raise ValueError(f"cuBLAS's block-scaled GEMM does not take {what}")
+    return automatic if impl is None else impl == "cublas"
+
+
 def shape_fits(N: int, K: int) -> bool:
     return K % (4 * BLOCK) == 0 and N % 16 == 0
 

@@ -171,17 +171,14 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
         return torch.empty((0, N), dtype=out_dtype, device=x.device)
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     weight_scale_inv = weight_scale_inv if weight_scale_inv.stride(1) == 1 else weight_scale_inv.contiguous()
-    if impl not in (None, "triton", "cublas"):
-        raise ValueError(f"impl must be 'triton' or 'cublas', got {impl!r}")
-    if config is None and impl != "triton":
-        from kernels import fp8_cublas
+    from kernels import fp8_cublas
 
-        if (fp8_cublas.use_dense(M, N, K, out_dtype, x.device) if impl is None else
-                out_dtype == torch.bfloat16 and fp8_cublas.shape_fits(N, K) and fp8_cublas.available(x.device)):
-            return fp8_cublas.dense_mm(x, weight, weight_scale_inv)
-        if impl == "cublas":
-            raise ValueError(f"cuBLAS's block-scaled GEMM does not take [{M}, {K}] x [{N}, {K}] -> {out_dtype} "
-                             f"on {x.device}")
+    auto = config is None and impl is None and fp8_cublas.use_dense(M, N, K, out_dtype, x.device)
+    can = impl == "cublas" and out_dtype == torch.bfloat16 and fp8_cublas.shape_fits(N, K) and \
+        fp8_cublas.available(x.device)
+    # `impl` is checked whatever the config; a config runs the Triton kernel it names
+    if fp8_cublas.chosen(impl, auto, can, f"[{M}, {K}] x [{N}, {K}] -> {out_dtype} on {x.device}") and config is None:
+        return fp8_cublas.dense_mm(x, weight, weight_scale_inv)
     if config is None:
         if M > DECODE_MAX_M:
             config = gemm_config(M, N, K)

@@ -150,22 +150,18 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     top_k = ids.shape[1]
     if T == 0 or top_k == 0:
         return torch.zeros_like(x)
-    if impl not in (None, "triton", "cublas"):
-        raise ValueError(f"impl must be 'triton' or 'cublas', got {impl!r}")
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     w13_scale = w13_scale if w13_scale.stride(2) == 1 else w13_scale.contiguous()
     w2_scale = w2_scale if w2_scale.stride(2) == 1 else w2_scale.contiguous()
-    if config is None and impl != "triton":
-        from kernels import fp8_cublas
+    from kernels import fp8_cublas
 
-        if (fp8_cublas.use_moe(T, ids.numel(), E, H, inner, x.dtype, x.device) if impl is None else
-                x.dtype == torch.bfloat16 and fp8_cublas.moe_fits(H, inner) and fp8_cublas.available(x.device)
-                and not fp8_cublas.capturing(x.device)):
-            return fp8_cublas.fused_moe_fp8_cublas(x, w13, w13_scale, w2, w2_scale, weights, ids, expert_offset)
-        if impl == "cublas":
-            raise ValueError(f"cuBLAS's block-scaled GEMM does not take this MoE (H {H}, I {inner}, {x.dtype}) "
-                             f"on {x.device}")
+    auto = config is None and impl is None and fp8_cublas.use_moe(T, ids.numel(), E, H, inner, x.dtype, x.device)
+    can = impl == "cublas" and x.dtype == torch.bfloat16 and fp8_cublas.moe_fits(H, inner) and \
+        fp8_cublas.available(x.device) and not fp8_cublas.capturing(x.device)
+    # `impl` is checked whatever the config; a config runs the Triton kernel it names
+    if fp8_cublas.chosen(impl, auto, can, f"this MoE (H {H}, I {inner}, {x.dtype}) on {x.device}") and config is None:
+        return fp8_cublas.fused_moe_fp8_cublas(x, w13, w13_scale, w2, w2_scale, weights, ids, expert_offset)
     block_m, block_n, warps, stages = config or _config(ids.numel(), E)
     rows, block_expert = sort_by_expert(ids, E, expert_offset, block_m, small_routing)
     xq, xs = quant_act(x)

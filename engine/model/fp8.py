@@ -66,7 +66,7 @@ class Fp8Linear(nn.Module):
 def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
     """[mod(x) for mod in mods], with x quantized once when every mod is an Fp8Linear that cuBLAS serves at
     this size (MLA's q_a_proj and kv_a_proj_with_mqa read the same hidden states: at 8,192 prefill tokens the
-    quantization is 35 us of kv_a_proj's 121, BENCHMARKS.md "FP8 block-scaled weights")."""
+    quantization is most of kv_a_proj's time, BENCHMARKS.md "FP8 block-scaled weights")."""
     from kernels import fp8_cublas
 
     x2 = x.reshape(-1, x.shape[-1])
