@@ -137,6 +137,8 @@ def test_republish_after_redis_restart():
             await asyncio.sleep(0.5)  # heartbeats fail meanwhile and are retried
             server = RedisServer.start(port, die_with_parent=True)
             await _until(lambda: _lookup_is(state, held, {"kv-r": 4}), 10.0, "re-publication")
+            # the lookup can see the re-added blocks before the heartbeat task resumes to count its re-publication
+            await _until(lambda: _async(presence.num_republished >= 1), 2.0, "the re-publication counted")
             assert presence.num_republished >= 1
             assert [i.instance_id for i in await state.instances()] == ["kv-r"]
             await _until(lambda: _async(any(e.kind == "resync" for e in events)), 10.0, "event resync")
