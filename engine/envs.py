@@ -25,6 +25,12 @@ def cpu_threads() -> int:
     return env_int("PDSERVE_CPU_THREADS", 1)
 
 
+def packed_projections() -> bool:
+    """MLA's projections of one input as one GEMM (1, default; engine.model.projections) or one GEMM each (0:
+    for comparison)."""
+    return env_int("PDSERVE_PACKED_PROJECTIONS", 1) != 0
+
+
 def fused_ops() -> bool:
     """On CUDA, the norms, RoPE and MoE routing as one Triton launch each (1, default) or as eager torch ops
     (0: for comparison; the arithmetic is the same, engine/model/layers.py)."""

@@ -1,6 +1,7 @@
 """FP8 block-scaled GEMMs on the GPU against measured ceilings and the bf16 paths they replace.
 
     python -m bench.kernels.fp8_gemm --out results.json [--quick] [--no-sweep] [--decode-only | --moe-only]
+        [--only q_a_proj,kv_a_proj,packed_x --rows 4,64,256,8192]
 
 Ceilings, measured in the same run: copy bandwidth (bytes read + written), dense bf16 matmul and dense
 FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's projection shapes:
@@ -20,6 +21,8 @@ A config sweep per shape reports the launcher's pick and the best found; at deco
 column tile (64, 128), the split count and whether x is quantized in the kernel or by `quant_act`, so
 one run can retune `splitk_config`. `--decode-only` runs the decode rows alone, `--moe-only` the grouped MoE alone
 (8,192 tokens; 256 = the verify rows of 64 requests with MTP3, where the decode step spends its MoE time; 64).
+`packed_x` / `packed_q_resid` are the packed projections the model runs (engine.model.projections) beside
+their members' rows; `--only` / `--rows` pick projections and M values (GEMM rows only).
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ from kernels.moe import fused_moe
 SHAPES = [("q_a_proj", 2048, 6144), ("q_b_proj", 16384, 2048), ("kv_a_proj", 576, 6144),
           ("o_proj", 6144, 16384), ("dense_gate_up", 24576, 6144), ("dense_down", 6144, 12288),
           ("shared_gate_up", 4096, 6144), ("shared_down", 6144, 2048), ("indexer_wq_b", 4096, 2048),
-          ("eh_proj", 6144, 12288)]
+          ("eh_proj", 6144, 12288), ("indexer_wk", 128, 6144),
+          # the packs the model runs (engine.model.projections): q_a_proj + indexer wk + kv_a_proj over the
+          # hidden states, q_b_proj + indexer wq_b over the query residual
+          ("packed_x", 2048 + 128 + 576, 6144), ("packed_q_resid", 16384 + 4096, 2048)]
 PREFILL_SWEEP = [(128, 128, 1, 8, 4), (64, 256, 1, 8, 3), (64, 256, 1, 8, 4), (256, 64, 1, 8, 3), (64, 128, 1, 4, 4)]
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 MOE_SWEEP = [(32, 64, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4)]
@@ -103,7 +109,7 @@ def bench_gemm(dev, ceil, name, M, N, K, sweep: bool) -> dict:
     t_cublas = timed("cublas") if cublas_ok else None
     t_cublas_gemm = None
     if cublas_ok:  # x quantized once beforehand: what a projection costs when it shares its input's
-        pre = fp8_cublas.quantize_input(x)  # quantization (engine.model.fp8.project: q_a_proj and kv_a_proj)
+        pre = fp8_cublas.quantize_input(x)  # quantization (engine.model.projections.project)
         calls = [lambda w=w: fp8_cublas.dense_mm(x, w[1], w[2], pre) for w in ws]
         t_cublas_gemm = time_rotating(calls, dev) if decode else time_plain(calls[0], dev, rep_ms=100)
     impl = "cublas" if fp8_cublas.use_dense(M, N, K, torch.bfloat16, dev) else "triton"
@@ -217,6 +223,8 @@ def main() -> None:
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--decode-only", action="store_true", help="the GEMM's decode rows (M = 64, 256) alone")
     p.add_argument("--moe-only", action="store_true", help="the grouped MoE rows alone")
+    p.add_argument("--only", default=None, metavar="NAMES", help="comma-separated projection names (GEMM rows only)")
+    p.add_argument("--rows", default=None, metavar="MS", help="comma-separated M values (default 8192,64,256)")
     a = p.parse_args()
     dev = torch.device("cuda")
     ceil = ceilings(dev)
@@ -227,12 +235,19 @@ def main() -> None:
     import triton
     res["triton"] = triton.__version__
     shapes = SHAPES[:3] if a.quick else SHAPES
-    for M in () if a.moe_only else (64, 256) if a.decode_only else (8192, 64, 256):
+    if a.only:
+        names = a.only.split(",")
+        unknown = sorted(set(names) - {n for n, _, _ in SHAPES})
+        if unknown:
+            p.error(f"unknown projection(s) {unknown}; known: {[n for n, _, _ in SHAPES]}")
+        shapes = [s for s in SHAPES if s[0] in names]
+    rows = [int(m) for m in a.rows.split(",")] if a.rows else (64, 256) if a.decode_only else (8192, 64, 256)
+    for M in () if a.moe_only else rows:
         for name, N, K in shapes:
             r = bench_gemm(dev, ceil, name, M, N, K, not a.no_sweep)
             res["gemm"].append(r)
             _save(a.out, res, r)
-    if a.decode_only:
+    if a.decode_only or a.only:
         return
     for T in (8192, 2048, 256, 64):  # ids spread evenly over the 32 local experts (balanced EP8)
         r = bench_moe(dev, ceil, T, 32, 6144, 2048, 8, not a.no_sweep)

@@ -14,8 +14,9 @@ from torch import nn
 
 from engine.config.model import ModelConfig
 from engine.model.context import ForwardContext
-from engine.model.fp8 import Fp8Linear, project
+from engine.model.fp8 import Fp8Linear
 from engine.model.layers import RMSNorm, apply_rope
+from engine.model.projections import project
 from kernels.fp8_absorbed import absorbed_weights
 from kernels.rope import rope, rope_cat, rope_fits
 
@@ -37,10 +38,13 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, layer: int, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, layer: int, ctx: ForwardContext,
+                q: torch.Tensor | None = None, k: torch.Tensor | None = None) -> torch.Tensor:
+        """q / k: wq_b(q_resid) and wk(x) when the caller computed them (with its own projections of the same
+        inputs: engine.model.projections)."""
         T = x.shape[0]
-        q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x))
+        q = (self.wq_b(q_resid) if q is None else q).view(T, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x) if k is None else k)
         r = self.rope_dim  # layout per head: [rope | rest]
         if self.fused and rope_fits(r):  # q and k are this forward's own tensors: rotated where they lie
             rope(q, ctx.cos, ctx.sin, self.interleave, rope_dim=r, out=q)
@@ -91,9 +95,12 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         T = x.shape[0]
-        q_a, kv = project(x, self.q_a_proj, self.kv_a_proj_with_mqa)  # x quantized once where it can be
+        idx = self.indexer
+        # each input read (and quantized) once: one GEMM per pack (engine.model.projections)
+        q_a, idx_k, kv = project(x, self.q_a_proj, idx.wk if idx else None, self.kv_a_proj_with_mqa)
         q_resid = self.q_a_layernorm(q_a)
-        q = self.q_b_proj(q_resid).view(T, self.num_heads, self.nope + self.rope)
+        q, idx_q = project(q_resid, self.q_b_proj, idx.wq_b if idx else None)
+        q = q.view(T, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
         latent = self.kv_a_layernorm(kv[:, : self.latent])
         fused = self.fused and self.interleave and rope_fits(self.rope)
@@ -103,7 +110,7 @@ class MLAttention(nn.Module):
         ctx.backend.store_kv(ctx.kv_cache, self.layer_id, latent, k_pe, ctx.meta)
 
         if self.indexer is not None:
-            topk = self.indexer(x, q_resid, self.layer_id, ctx)
+            topk = self.indexer(x, q_resid, self.layer_id, ctx, q=idx_q, k=idx_k)
         elif prev_topk is None:
             raise RuntimeError(f"layer {self.layer_id} shares its indexer but no earlier layer produced a top-k")
         else:

@@ -63,22 +63,6 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block 128x128"
 
 
-def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
-    """[mod(x) for mod in mods], with x quantized once when every mod is an Fp8Linear that cuBLAS serves at
-    this size (MLA's q_a_proj and kv_a_proj_with_mqa read the same hidden states: at 8,192 prefill tokens the
-    quantization is most of kv_a_proj's time, BENCHMARKS.md "FP8 block-scaled weights")."""
-    from kernels import fp8_cublas
-
-    x2 = x.reshape(-1, x.shape[-1])
-    M, K = x2.shape
-    if len(mods) < 2 or not x2.is_cuda or M == 0 or not all(
-            isinstance(m, Fp8Linear) and fp8_cublas.use_dense(M, m.out_features, K, x.dtype, x.device) for m in mods):
-        return [m(x) for m in mods]
-    quantized = fp8_cublas.quantize_input(x2)
-    return [fp8_cublas.dense_mm(x2, m.weight, m.weight_scale_inv, quantized).view(*x.shape[:-1], m.out_features)
-            for m in mods]
-
-
 def not_convert_list(cfg: ModelConfig) -> tuple[str, ...]:
     return cfg.modules_to_not_convert if cfg.modules_to_not_convert is not None else DEFAULT_NOT_CONVERT
 

@@ -23,6 +23,7 @@ from engine.kv.offload_buffer import OffloadBuffer
 from engine.loading.loader import build_model, dummy_init, use_kernels
 from engine.model.context import ForwardContext
 from engine.model.layers import rope_cos_sin, rope_inv_freq
+from engine.model.projections import pack_projections
 from engine.runner.device_step import DeviceDecode
 from engine.runner.inputs import BatchRows, build_batch, chunk_rows, device_index, rows_layout, slots_for
 from engine.runner.mtp import MTPProposer
@@ -46,6 +47,9 @@ class ModelRunner:
             cfg.model, device=self.device, dtype=cfg.torch_dtype, with_mtp=self.with_mtp, checkpoint=cfg.checkpoint)
         if model is None and cfg.checkpoint is None:
             dummy_init(self.model, cfg.seed)
+        if envs.packed_projections() and pack_projections(self.model) and self.device.type == "cuda":
+            # the members' own weight tensors were freed: hand their memory back before the KV budget reads it
+            torch.cuda.empty_cache()
         self.spec = KVCacheSpec.from_model(cfg.model, block_size=self.block_size,
                                            kv_cache_dtype=cfg.cache.kv_cache_dtype,
                                            indexer_precision=cfg.cache.indexer_precision, with_mtp=self.with_mtp)

@@ -189,7 +189,8 @@ def test_cublas_grouped_moe_gpu(T, mark):
 def test_projections_of_one_input_share_its_quantization_gpu(M, mark):
     """MLA's q_a_proj and kv_a_proj_with_mqa through `project`: x quantized once, the bits of two separate
     calls (where cuBLAS does not serve both, the separate calls themselves)."""
-    from engine.model.fp8 import Fp8Linear, project
+    from engine.model.fp8 import Fp8Linear
+    from engine.model.projections import project
     from kernels.fp8_gemm import quantize_weight_ref
 
     gen = torch.Generator().manual_seed(4)
