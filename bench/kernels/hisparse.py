@@ -4,8 +4,9 @@
     copy  the row copy (kernels.hisparse_gather): random 656-B fp8_ds_mla rows from a pinned host pool into
           device blocks, as many as one full layer's misses at batch 64 (10% of 64 x 2,048) and four times
           that (a group of layers in one launch), against one DMA copy of the same bytes
-    plan  the plan (kernels.hisparse_plan): B requests at 1M context, top-k 2,048, an LRU of 4,096 rows, 10% of
-          each selection new per step (the state is warmed by as many steps as the LRU needs to fill)
+    plan  the plan (kernels.hisparse_plan): B requests at 1M context, top-k 2,048, an LRU of 4,096 rows (with
+          --plan-spec 3 the MTP3 shape: 4 rows of the top-k per request, 8,256 hot rows), 10% of each selection
+          new per step (the state is warmed by as many steps as the LRU needs to fill)
 """
 
 from __future__ import annotations
@@ -71,8 +72,12 @@ def bench_copy(dev, rows_list: list[int], tiles: list[tuple[int, int]], vecs: li
     return out
 
 
-def bench_plan(dev, batches: list[int], warps: list[int], context: int = 1048448, topk: int = 2048) -> list[dict]:
-    layout = HotLayout.create(topk, 2 * topk, 0, BS)
+def bench_plan(dev, batches: list[int], warps: list[int | None], context: int = 1048448, topk: int = 2048,
+               spec: int = 0) -> list[dict]:
+    """`spec` drafts: each request plans 1 + spec rows of the top-k (the MTP verify rows) over a hot buffer of
+    at least (1 + spec) x top-k rows; warps None = the launcher's pick."""
+    layout = HotLayout.create(topk, 2 * topk, spec, BS)
+    n = 1 + spec
     out = []
     for B in batches:
         for nw in warps:
@@ -80,16 +85,16 @@ def bench_plan(dev, batches: list[int], warps: list[int], context: int = 1048448
             for s in range(B):
                 hot.assign(s, list(range(s * layout.num_blocks, (s + 1) * layout.num_blocks)))
             ar = torch.arange(B, device=dev)
-            entry_rows, dst_row = ar[:, None].clone(), ar[:, None].clone()
+            entry_rows = dst_row = torch.arange(B * n, device=dev).view(B, n)
             start = torch.full((B,), context - 1, dtype=torch.int64, device=dev)
             table_slot, hot_slot = ar.clone(), ar.clone()
             hot_base = torch.full((B,), -(-context // BS) * BS, dtype=torch.int64, device=dev)
             page_table = torch.full((B, -(-context // BS) + 1), -1, dtype=torch.int32, device=dev)
             host_table = torch.arange(B * page_table.shape[1], dtype=torch.int32, device=dev).view(B, -1)
-            sel = torch.empty((B, topk), dtype=torch.int32, device=dev)
+            sel = torch.empty((B * n, topk), dtype=torch.int32, device=dev)
             counters = torch.zeros(4, dtype=torch.int64, device=dev)
-            stream = TopkStream(B, topk, 0.1, dev, seed=1)
-            lens = torch.full((B,), context, dtype=torch.int32, device=dev)
+            stream = TopkStream(B * n, topk, 0.1, dev, seed=1)
+            lens = torch.full((B * n,), context, dtype=torch.int32, device=dev)
 
             def step():
                 hot.clock += 1
@@ -113,7 +118,8 @@ def bench_plan(dev, batches: list[int], warps: list[int], context: int = 1048448
                                        counters, ROW, BS, num_warps=nw)
             ms = _time(plan_only, reps=20, warmup=0)
             hits, misses = (counters - c0)[:2].tolist()
-            out.append({"kernel": "plan", "batch": B, "warps": nw, "ms": round(ms, 4),
+            out.append({"kernel": "plan", "batch": B, "spec": spec, "lru_rows": layout.lru_rows, "warps": nw,
+                        "ms": round(ms, 4),
                         "first_call_s": round(first_s, 2), "hit_rate": round(hits / max(hits + misses, 1), 3)})
             print(json.dumps(out[-1]), flush=True)
     return out
@@ -176,7 +182,8 @@ def main(argv=None) -> None:
     p.add_argument("--vecs", default="1,4", help="largest words per access (1: the kernel before the hints)")
     p.add_argument("--pools-gib", default="2.75", help="host pool sizes the rows are drawn from")
     p.add_argument("--plan-batches", default="1,64")
-    p.add_argument("--plan-warps", default="4,8,16")
+    p.add_argument("--plan-warps", default="auto", help="warp counts, or auto (the launcher's pick)")
+    p.add_argument("--plan-spec", type=int, default=0, help="MTP drafts: 1 + spec rows of the top-k per request")
     p.add_argument("--launch", action="store_true", help="only the host cost of one launch, several ways")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -193,8 +200,9 @@ def main(argv=None) -> None:
     rows = bench_copy(dev, [int(n) for n in args.copy_rows.split(",")], tiles, [int(v) for v in args.vecs.split(",")],
                       [float(x) for x in args.pools_gib.split(",")]) if args.copy_rows else []
     if args.plan_batches:
-        batches, warps = [int(b) for b in args.plan_batches.split(",")], [int(w) for w in args.plan_warps.split(",")]
-        rows += bench_plan(dev, batches, warps)
+        batches = [int(b) for b in args.plan_batches.split(",")]
+        warps = [None if w == "auto" else int(w) for w in args.plan_warps.split(",")]
+        rows += bench_plan(dev, batches, warps, spec=args.plan_spec)
     with open(args.out, "w") as f:
         json.dump({"command": "python -m bench.kernels.hisparse " + " ".join(argv or []),
                    "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
