@@ -9,6 +9,8 @@ A row with no valid index returns out = 0 and lse = -inf (so a DCP merge ignores
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,7 +42,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
                        R: tl.constexpr, P: tl.constexpr, TILE: tl.constexpr, KV_FP8: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        IDX_AHEAD: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                       POSITIONS: tl.constexpr):
+                       POSITIONS: tl.constexpr, TRIM: tl.constexpr, K_POW2: tl.constexpr):
     """Program (query row, head block, split): online softmax over indices [split*split_len, +split_len).
 
     Rows of q/indices are (b, s) pairs, row = b * sq_len + s (strides per level, so any q view works).
@@ -49,6 +51,9 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     fp8 rows are dequantised to bf16 exactly (fp8 times a power of two), so the QK dot sees the cached
     values bit for bit; P is rounded to bf16 for the PV dot. Scores are kept in log2 units. BLOCK_SIZE
     (tokens per page; 1 for a workspace) is a constant so slot -> page is a shift, not a 64-bit divide.
+    TRIM: the loop stops after the row's last valid index (one load of the whole index row first): the -1
+    entries after it add exactly nothing (p = 0, alpha = 1), so the result is the same bits, without the
+    blocks of a row shorter than K (a context below top-k, the first rows of a prefill).
     """
     NT: tl.constexpr = R // TILE
     DOT: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
@@ -71,6 +76,10 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     acc = tl.zeros([BLOCK_H, R], tl.float32)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, num_idx)
+    if TRIM:
+        kk = tl.arange(0, K_POW2)
+        ix = tl.load(idx_row + kk, mask=kk < num_idx, other=-1)
+        hi = tl.minimum(hi, tl.max(tl.where(ix >= 0, kk, -1), axis=0) + 1)
     offs = lo + tl.arange(0, BLOCK_N)
     slot_next = _slots(idx_row, offs, hi, tab, POSITIONS, BLOCK_SIZE)
     for n0 in range(lo, hi, BLOCK_N):
@@ -117,6 +126,13 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     tl.store(lse_ptr + split * sl_split + row * sl_row + heads, lse, mask=hmask)
 
 
+def trim_tail() -> bool:
+    """Whether rows stop after their last valid index (PDSERVE_SPARSE_MLA_TRIM=1). Off by default until it is
+    timed on a GPU: the index-row load is one more step before the loop, and the pipelined loop gets a bound
+    known only at run time (the same bits either way: tests/kernels/test_sparse_mla.py)."""
+    return os.environ.get("PDSERVE_SPARSE_MLA_TRIM", "0").strip() not in ("0", "false", "no", "")
+
+
 def _config(num_heads: int, dot_f32: bool, kv_fp8: bool) -> tuple[int, int, int, int, bool]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD): the fastest of the H200 sweeps in
     BENCHMARKS.md. 64 heads fill one wgmma M tile; the [64, R] fp32 accumulator needs two warpgroups to
@@ -152,8 +168,8 @@ def _row_strides(t: torch.Tensor, lead: int) -> tuple[int, int, int]:
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                latent_dim: int = 512, *, num_splits: int | None = None, config: tuple | None = None,
-               block_table: torch.Tensor | None = None,
-               token_req_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               block_table: torch.Tensor | None = None, token_req_idx: torch.Tensor | None = None,
+               trim: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `sparse_mla_ref`. q [T, H, R+P] or [B, Sq, H, R+P] (bf16/fp32, any strides with the last
     dim contiguous); kv a paged layer view [num_blocks, block_size, row] (fp8_ds_mla uint8, bf16, fp32;
     indices are global slots) or a workspace [S, R+P] (indices are rows); indices [..., K] int, -1 = skip.
@@ -161,6 +177,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     each row's request, mapped to slots inside the kernel (what `rows_to_slots` computes, without its ops).
     Returns (out [..., H, R] in q's dtype, lse [..., H] fp32); a row with no valid index gives 0 / -inf.
     `num_splits` / `config` (BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD) override the heuristics.
+    `trim`: stop each row after its last valid index (same result; None = `trim_tail()`).
     """
     lead = q.dim() - 2
     if lead not in (1, 2) or indices.shape[:-1] != q.shape[:-2]:
@@ -221,7 +238,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
         token_req_idx if positions else indices,
         R=R, P=P, TILE=tile, KV_FP8=kv.dtype == torch.uint8, BLOCK_SIZE=paged.shape[1], BLOCK_H=block_h,
         BLOCK_N=block_n, IDX_AHEAD=idx_ahead, DOT_F32=dot_f32, ROUND_FIRST=interpreting(), POSITIONS=positions,
-        num_warps=warps, num_stages=stages)
+        TRIM=trim_tail() if trim is None else trim, K_POW2=next_pow2(max(K, 1)), num_warps=warps, num_stages=stages)
     if splits > 1:
         merge_attn_states(dst, dst_lse, out=out.view(rows, H, R), lse=lse.view(rows, H))
     return out, lse

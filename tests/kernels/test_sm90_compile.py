@@ -59,6 +59,26 @@ def test_hisparse_plan_kernel_compiles_for_sm90_at_the_service_shapes():
     print(f"plan kernel for sm_90: {seconds} s to compile")
 
 
+def test_sparse_mla_kernel_with_trim_compiles_for_sm90():
+    """The sparse MLA kernel at the decode tile (64 heads, fp8 pages of 64 tokens) with and without TRIM (the
+    index-row load and the run-time loop bound before the pipelined loop)."""
+    out = compile_sm90('''
+        ints = ("num_heads num_idx split_len sq_len sq_b sq_s sq_h si_b si_s skv_blk skv_tok so_split so_row so_h "
+                "sl_split sl_row").split()
+        from kernels.sparse_mla import _sparse_mla_kernel
+
+        sig = {"q_ptr": "*bf16", "kv_ptr": "*u8", "kv_scale_ptr": "*fp32", "kv_rope_ptr": "*bf16", "idx_ptr": "*i32",
+               "out_ptr": "*fp32", "lse_ptr": "*fp32", **{k: "i32" for k in ints}, "sm_scale_log2": "fp32",
+               "table_ptr": "*i32", "s_table": "i32", "req_ptr": "*i32"}
+        for trim in (False, True):
+            const = dict(R=512, P=64, TILE=128, KV_FP8=True, BLOCK_SIZE=64, BLOCK_H=64, BLOCK_N=64, IDX_AHEAD=True,
+                         DOT_F32=False, ROUND_FIRST=False, POSITIONS=False, TRIM=trim, K_POW2=2048)
+            print(trim, build(_sparse_mla_kernel, sig, const, num_warps=8, num_stages=3))
+    ''', timeout=900)
+    builds = [line.split() for line in out.splitlines()]
+    assert [b[0] for b in builds] == ["False", "True"] and all(int(b[1]) > 0 for b in builds), out
+
+
 def test_small_fused_kernels_compile_for_sm90():
     """The norm, RoPE and MoE-routing kernels at the launches a GLM-5.3 decode step makes (bitonic sort,
     histogram and barrier in the one-program expert sort among them)."""

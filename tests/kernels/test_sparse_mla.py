@@ -172,3 +172,48 @@ def test_decode_fp8_gpu(B, Sq, H, mark):
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_prefill_gpu(kind, q_dtype, mark):
     check_prefill(kind, T=128, H=64, K=2048, R=512, P=64, device="cuda", q_dtype=q_dtype)
+
+
+def check_trim(B: int, Sq: int, H: int, K: int, R: int, P: int, block_size: int, device, splits):
+    """`trim` (stop after each row's last valid index) gives the untrimmed kernel's bits: rows shorter than K
+    with their positions first and -1 after (what the indexer writes), rows with -1 anywhere, a full row and an
+    empty one; and both match the fp32 reference."""
+    gen = torch.Generator().manual_seed(B + K + Sq)
+    seq_lens = [K // 3 + 5 * b for b in range(B - 1)] + [2 * K]
+    cache, table = make_cache("fp8", seq_lens, R, P, block_size, device, gen)
+    rows = []
+    for b in range(B):
+        for s in range(Sq):
+            n = min(seq_lens[b], K)
+            sel = torch.full((K,), -1, dtype=torch.int64)
+            sel[:n] = torch.randperm(seq_lens[b], generator=gen)[:n].sort().values
+            if s % 2:  # -1 anywhere, the last valid entry before the end
+                sel = sel[torch.randperm(K, generator=gen)]
+                sel[-3:] = -1
+            rows.append(torch.where(sel >= 0, slots_of(table[b], sel.clamp(min=0).to(device), block_size), -1))
+    idx = torch.stack(rows).view(B, Sq, K).to(torch.int32)
+    idx[0, 0] = -1  # nothing selected
+    q = randn(gen, B, Sq, H, R + P, dtype=torch.bfloat16, device=device)
+    trimmed = sparse_mla(q, cache, idx, 0.1, R, num_splits=splits, trim=True)
+    full = sparse_mla(q, cache, idx, 0.1, R, num_splits=splits, trim=False)
+    assert torch.equal(trimmed[0], full[0]) and torch.equal(trimmed[1], full[1])
+    ref_out, ref_lse = sparse_mla_ref(q.float(), cache, idx, 0.1, R, P)
+    assert_attention_close(trimmed[0], trimmed[1], ref_out, ref_lse)
+
+
+@interp
+@pytest.mark.parametrize("splits", [1, 3])
+def test_trim_gives_the_same_bits_interp(splits):
+    check_trim(B=3, Sq=2, H=4, K=48, R=128, P=16, block_size=16, device="cpu", splits=splits)
+
+
+@interp
+def test_trim_through_the_block_table_interp(monkeypatch):
+    monkeypatch.setenv("PDSERVE_SPARSE_MLA_TRIM", "1")
+    check_positions(B=3, H=4, K=40, R=128, P=16, block_size=16, device="cpu", num_splits=2)
+
+
+@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_trim_gives_the_same_bits_gpu(splits, mark):
+    check_trim(B=17, Sq=4, H=64, K=2048, R=512, P=64, block_size=64, device="cuda", splits=splits)
