@@ -7,6 +7,7 @@ graphs on CUDA), with the GPU's busy time and the step's memory floor beside the
     ... --hisparse-pool-gib 16    # also a HiSparse engine (padded and captured: the benchmark asks for graphs)
     ... --temperature 0.8 --top-p 0.95 --seeded    # sampled requests instead of greedy ones
     ... --per-forward-graphs --modes graphs,async --top-kernels 25   # no whole-step graphs; the heaviest kernels
+    python -m bench.decode_step --standin --roofline-only 4.27,679 --contexts 320,4096 --batches 1,16,64  # CPU
 
 One engine per model serves every mode, so the weights are built once: `eager` runs the plain path
 (`runner.static` off), `graphs` the padded static path, captured on CUDA at start-up (on the CPU the
@@ -27,6 +28,11 @@ step must read at least (below) over the device-to-device copy bandwidth measure
               of E local experts
     KV        per request and attention layer of the target pass: min(context, top-k) MLA rows and the
               whole context's indexer keys (bytes per token of the engine's KV format)
+
+The roofline floor (`roofline_ms`) counts compute too: each part at max(bytes / copy bandwidth, FLOPs / rate),
+bf16 at the matmul rate measured in the same run and FP8 at twice it. With MTP3 at batch 64 the verify pass
+has 256 rows, so its FP8 projections (512 FLOPs per weight byte) and, past 2,048 tokens of context, sparse MLA
+(73 GFLOP a GLM-5.3 layer against 86 MB of KV rows) are compute-bound, which the memory floor does not see.
 
 `--host-phases` instead times where a decode step's host time goes, on the static path, per batch: the
 engine's own phase counters (`EngineCore.step_phase_seconds`: schedule, launch, device wait, read-back,
@@ -244,7 +250,96 @@ def floor_bytes(core, batch: int, context: int) -> dict:
     return {"target_weights": target, "mtp_weights": mtp, "kv": float(kv), "total": target + mtp + kv}
 
 
-def run_modes(core, modes: list[str], batches: list[int], a, copy_tbps: float | None, label: str) -> list[dict]:
+def roofline_ms(core, batch: int, context: int, copy_tbps: float, bf16_tflops: float) -> dict:
+    """A step's floor with compute counted too (module docstring): each part at max(bytes / copy bandwidth,
+    FLOPs / rate), bf16 at the measured matmul rate, FP8 at twice it. Weights per pass and dtype (2 x rows
+    FLOPs per element: the projections, the absorbed kv_b_proj, lm_head), the routed experts (2 x assignments
+    FLOPs per expert element), and attention: sparse MLA over min(context, top-k) rows (2 x (R + P + R)
+    FLOPs per head and row) and the indexer's scores over the context, against the KV bytes. The verify pass
+    has batch x (1 + drafts) rows; each MTP pass is charged one row per request (a lower bound)."""
+    runner, cfg = core.runner, core.cfg
+    mc, k = cfg.model, cfg.num_spec_tokens
+    model = runner.model
+    rows = batch * (1 + k)
+    bw, r16, r8 = copy_tbps * 1e12, bf16_tflops * 1e12, 2 * bf16_tflops * 1e12
+
+    def weights(module, rows: int) -> float:
+        experts = [m.experts for m in module.modules() if isinstance(m, MoE)]
+        expert_ids = {id(p) for e in experts for p in e.parameters()}
+        t = 0.0
+        for fp8 in (True, False):
+            ps = [p for n, p in module.named_parameters() if "embed" not in n and id(p) not in expert_ids
+                  and (p.dtype == torch.float8_e4m3fn) == fp8]
+            flops = sum(2 * rows * p.numel() for p in ps if p.dim() >= 2)
+            t += max(sum(p.numel() * p.element_size() for p in ps) / bw, flops / (r8 if fp8 else r16))
+        for e in experts:
+            E = e.w13.shape[0]
+            assignments = rows * mc.num_experts_per_tok
+            share = 1 - (1 - 1 / E) ** assignments
+            nbytes = sum(p.numel() * p.element_size() for p in e.parameters())
+            elems = sum(p.numel() for p in (e.w13, e.w2)) / E
+            t += max(nbytes * share / bw, 2 * assignments * elems / (r8 if e.fp8 else r16))
+        return t
+
+    def attention(module, layers: int, rows: int) -> float:
+        attn = [m for m in module.modules() if type(m).__name__ == "MLAttention"][:layers]
+        spec = runner.spec
+        mla_b = spec.mla_row * torch.empty((), dtype=spec.mla_torch_dtype).element_size()
+        idx_b = spec.index_row * torch.empty((), dtype=spec.index_torch_dtype).element_size()
+        n = min(context, mc.index_topk)
+        R, P, H = mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_attention_heads
+        flops = len(attn) * rows * H * n * 2 * (R + P + R)
+        idx_flops = sum(a.indexer is not None for a in attn) * rows * mc.index_n_heads * mc.index_head_dim * 2 * context
+        kv = len(attn) * batch * (n * mla_b + context * idx_b)
+        return max(kv / bw, flops / r16 + idx_flops / r8)
+
+    head = model.lm_head.weight
+
+    def lm(rows: int) -> float:
+        return max(head.numel() * head.element_size() / bw, 2 * rows * head.numel() / r16)
+
+    parts = {"target_weights": weights(model.model, rows) + lm(rows),
+             "target_attention": attention(model.model, 10**9, rows)}
+    mtp = getattr(model, "mtp", None)  # its compute at one row per request (a lower bound), bytes as the memory floor
+    parts["mtp"] = (weights(mtp, batch) + lm(batch) + attention(mtp, 1, batch)) * k if mtp is not None and k else 0.0
+    out = {name: 1e3 * v for name, v in parts.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def standin_roofline(batches: list[int], contexts: list[int], copy_tbps: float, bf16_tflops: float) -> list[dict]:
+    """`roofline_ms` of the one-rank stand-in with no GPU: its model built on `meta` (the engine's own shapes and
+    dtypes), for the ceilings a GPU run measured."""
+    from types import SimpleNamespace
+
+    from bench.prefill import standin
+    from engine.config.arg_utils import EngineArgs
+    from engine.kv.cache import KVCacheSpec
+    from engine.loading.loader import build_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = EngineArgs(model=str(standin.rank_config_dir(Path(tmp))), device="cpu", load_format="dummy",
+                          kv_cache_dtype="fp8_ds_mla", num_blocks=16, max_num_seqs=max(batches),
+                          speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        cfg = args.create_engine_config()
+    mc = cfg.model
+    model = build_model(mc, device=torch.device("meta"), dtype=torch.bfloat16, with_mtp=True,
+                        expert_shard=(0, mc.n_routed_experts // standin.EP))
+    spec = KVCacheSpec.from_model(mc, block_size=cfg.cache.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
+                                  indexer_precision=cfg.cache.indexer_precision, with_mtp=True)
+    core = SimpleNamespace(runner=SimpleNamespace(model=model, spec=spec), cfg=cfg)
+    out = []
+    for b in batches:
+        for ctx in contexts:
+            r = {"batch": b, "context": ctx, "roofline_ms": roofline_ms(core, b, ctx, copy_tbps, bf16_tflops),
+                 "floor_ms": 1e3 * floor_bytes(core, b, ctx)["total"] / (copy_tbps * 1e12)}
+            print(f"B={b:3d} context {ctx:7d}  memory floor {r['floor_ms']:7.2f} ms  roofline "
+                  + "  ".join(f"{k} {v:.2f}" for k, v in r["roofline_ms"].items()), flush=True)
+            out.append(r)
+    return out
+
+
+def run_modes(core, modes: list[str], batches: list[int], a, ceil: dict, label: str) -> list[dict]:
     runner = core.runner
     static = runner.static
     rows = []
@@ -261,12 +356,18 @@ def run_modes(core, modes: list[str], batches: list[int], a, copy_tbps: float | 
                 row["hisparse"] = {"hits": hs.hits, "misses": hs.misses}
             fb = floor_bytes(core, b, a.prompt_len + 8 * a.steps)
             row["floor_bytes"] = fb
-            if copy_tbps:
-                row["floor_ms"] = 1e3 * fb["total"] / (copy_tbps * 1e12)
+            if ceil.get("copy_tbps"):
+                row["floor_ms"] = 1e3 * fb["total"] / (ceil["copy_tbps"] * 1e12)
                 row["wall_over_floor"] = row["wall_ms"] / row["floor_ms"]
+                row["roofline_ms"] = roofline_ms(core, b, a.prompt_len + 8 * a.steps, ceil["copy_tbps"],
+                                                 ceil["bf16_tflops"])
+                row["wall_over_roofline"] = row["wall_ms"] / row["roofline_ms"]["total"]
             rows.append(row)
             busy = f"busy {row['busy_ms']:8.2f} ms ({row['wall_over_busy']:.2f}x)" if "busy_ms" in row else ""
-            floor = f"floor {row['floor_ms']:8.2f} ms ({row['wall_over_floor']:.2f}x)" if "floor_ms" in row else ""
+            floor = ""
+            if "floor_ms" in row:
+                floor = (f"floor {row['floor_ms']:8.2f} ms ({row['wall_over_floor']:.2f}x)  roofline "
+                         f"{row['roofline_ms']['total']:8.2f} ms ({row['wall_over_roofline']:.2f}x)")
             print(f"{label:9s} {mode:6s} B={b:3d}  wall {row['wall_ms']:8.2f} ms  {busy}  {floor}  "
                   f"{row['tokens_per_step']:.1f} tok/step  decoding {row['decoding_requests']}  "
                   f"preempted {row['preemptions']}  captures {row['captures']}", flush=True)
@@ -311,8 +412,22 @@ def main(argv=None) -> dict:
                    help="comma-separated subset of eager,graphs,async to time (default: all that apply)")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N",
                    help="record the N CUDA kernels that take the most time in a profiled step (`kernels` per row)")
+    p.add_argument("--roofline-only", metavar="COPY_TBPS,BF16_TFLOPS", default=None,
+                   help="with --standin: only the floors, from the model on meta and these ceilings (no GPU)")
+    p.add_argument("--contexts", default=None, help="--roofline-only's contexts (default: what a timed run has)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.roofline_only:
+        if not a.standin:
+            p.error("--roofline-only needs --standin")
+        copy, bf16 = (float(x) for x in a.roofline_only.split(","))
+        res = {"roofline": standin_roofline([int(b) for b in a.batches.split(",")],
+                                            [int(c) for c in a.contexts.split(",")] if a.contexts
+                                            else [a.prompt_len + 8 * a.steps], copy, bf16),
+               "ceilings": {"copy_tbps": copy, "bf16_tflops": bf16}}
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=1))
+        return res
     batches = [int(b) for b in a.batches.split(",")]
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     ceil = {}
@@ -379,7 +494,7 @@ def main(argv=None) -> dict:
         if a.modes:
             modes = [m for m in modes if m in a.modes.split(",")]
         if batches and not a.hisparse_only:
-            rows += run_modes(core, modes, batches, a, ceil.get("copy_tbps"), "resident")
+            rows += run_modes(core, modes, batches, a, ceil, "resident")
         if hs_kw and batches:
             del core, st
             gc.collect()
@@ -393,7 +508,7 @@ def main(argv=None) -> dict:
             hs_modes = ["eager"] + hs_static + (["async"] if a.async_scheduling and hst is not None else [])
             if a.modes:
                 hs_modes = [m for m in hs_modes if m in a.modes.split(",") or (m == "static" and "graphs" in a.modes)]
-            rows += run_modes(core, hs_modes, hs_batches, a, ceil.get("copy_tbps"), "hisparse")
+            rows += run_modes(core, hs_modes, hs_batches, a, ceil, "hisparse")
     result = {"model": "standin" if a.standin else (f"random-{a.random_model}" if a.random_model else a.model),
               "spec": a.spec, "device": device, "ceilings": ceil, "info": info, "rows": rows,
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
