@@ -219,6 +219,28 @@ def host_phases(core, tokenizer, batch: int, prompt_len: int, steps: int, warmup
             "ms": {k: round(v, 3) for k, v in ms.items()}}
 
 
+def _split_weights(module) -> tuple[list, list]:
+    """(the parameters a pass reads whole: all but the embeddings and the routed experts, the routed experts)."""
+    experts = [m.experts for m in module.modules() if isinstance(m, MoE)]
+    expert_ids = {id(p) for e in experts for p in e.parameters()}
+    return [p for n, p in module.named_parameters() if "embed" not in n and id(p) not in expert_ids], experts
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _touched(experts, assignments: int) -> float:
+    """Expected share of E local experts that `assignments` routed rows touch: 1 - (1 - 1/E)^assignments."""
+    return 1 - (1 - 1 / experts.w13.shape[0]) ** assignments
+
+
+def _kv_row_bytes(spec) -> tuple[int, int]:
+    """Bytes of one token's MLA row and indexer key in the engine's KV format."""
+    return (spec.mla_row * torch.empty((), dtype=spec.mla_torch_dtype).element_size(),
+            spec.index_row * torch.empty((), dtype=spec.index_torch_dtype).element_size())
+
+
 def floor_bytes(core, batch: int, context: int) -> dict:
     """The bytes one decode step reads at least (module docstring), by part."""
     runner, cfg = core.runner, core.cfg
@@ -226,26 +248,18 @@ def floor_bytes(core, batch: int, context: int) -> dict:
     model = runner.model
     rows = 1 + k
 
-    def nbytes(params) -> int:
-        return sum(p.numel() * p.element_size() for p in params)
-
     def pass_bytes(module, rows_per_req: int) -> float:
-        experts = [m.experts for m in module.modules() if isinstance(m, MoE)]
-        expert_ids = {id(p) for e in experts for p in e.parameters()}
-        dense = nbytes(p for n, p in module.named_parameters() if "embed" not in n and id(p) not in expert_ids)
-        total = float(dense)
+        dense, experts = _split_weights(module)
+        total = float(_nbytes(dense))
         for e in experts:
-            E = e.w13.shape[0]
-            share = 1 - (1 - 1 / E) ** (batch * rows_per_req * mc.num_experts_per_tok)
-            total += nbytes(e.parameters()) * share
+            total += _nbytes(e.parameters()) * _touched(e, batch * rows_per_req * mc.num_experts_per_tok)
         return total
 
-    head = nbytes(model.lm_head.parameters())
+    head = _nbytes(model.lm_head.parameters())
     target = pass_bytes(model.model, rows) + head
     mtp = (pass_bytes(model.mtp, rows) + head) * k if getattr(model, "mtp", None) is not None and k else 0.0
     spec = runner.spec
-    mla_b = spec.mla_row * torch.empty((), dtype=spec.mla_torch_dtype).element_size()
-    idx_b = spec.index_row * torch.empty((), dtype=spec.index_torch_dtype).element_size()
+    mla_b, idx_b = _kv_row_bytes(spec)
     kv = batch * spec.num_mla_layers * (min(context, mc.index_topk) * mla_b + context * idx_b)
     return {"target_weights": target, "mtp_weights": mtp, "kv": float(kv), "total": target + mtp + kv}
 
@@ -264,28 +278,22 @@ def roofline_ms(core, batch: int, context: int, copy_tbps: float, bf16_tflops: f
     bw, r16, r8 = copy_tbps * 1e12, bf16_tflops * 1e12, 2 * bf16_tflops * 1e12
 
     def weights(module, rows: int) -> float:
-        experts = [m.experts for m in module.modules() if isinstance(m, MoE)]
-        expert_ids = {id(p) for e in experts for p in e.parameters()}
+        dense, experts = _split_weights(module)
         t = 0.0
         for fp8 in (True, False):
-            ps = [p for n, p in module.named_parameters() if "embed" not in n and id(p) not in expert_ids
-                  and (p.dtype == torch.float8_e4m3fn) == fp8]
+            ps = [p for p in dense if (p.dtype == torch.float8_e4m3fn) == fp8]
             flops = sum(2 * rows * p.numel() for p in ps if p.dim() >= 2)
-            t += max(sum(p.numel() * p.element_size() for p in ps) / bw, flops / (r8 if fp8 else r16))
+            t += max(_nbytes(ps) / bw, flops / (r8 if fp8 else r16))
         for e in experts:
-            E = e.w13.shape[0]
             assignments = rows * mc.num_experts_per_tok
-            share = 1 - (1 - 1 / E) ** assignments
-            nbytes = sum(p.numel() * p.element_size() for p in e.parameters())
-            elems = sum(p.numel() for p in (e.w13, e.w2)) / E
-            t += max(nbytes * share / bw, 2 * assignments * elems / (r8 if e.fp8 else r16))
+            elems = (e.w13.numel() + e.w2.numel()) / e.w13.shape[0]
+            t += max(_nbytes(e.parameters()) * _touched(e, assignments) / bw,
+                     2 * assignments * elems / (r8 if e.fp8 else r16))
         return t
 
     def attention(module, layers: int, rows: int) -> float:
         attn = [m for m in module.modules() if type(m).__name__ == "MLAttention"][:layers]
-        spec = runner.spec
-        mla_b = spec.mla_row * torch.empty((), dtype=spec.mla_torch_dtype).element_size()
-        idx_b = spec.index_row * torch.empty((), dtype=spec.index_torch_dtype).element_size()
+        mla_b, idx_b = _kv_row_bytes(runner.spec)
         n = min(context, mc.index_topk)
         R, P, H = mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_attention_heads
         flops = len(attn) * rows * H * n * 2 * (R + P + R)

@@ -41,6 +41,12 @@ def check_device(*tensors: torch.Tensor) -> torch.device:
     return dev
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """A kernel switch from the environment: unset or empty is `default`, "0", "false" or "no" off, anything else on."""
+    value = os.environ.get(name, "").strip()
+    return default if not value else value not in ("0", "false", "no")
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -29,13 +29,11 @@ where the GPU time of each GEMM outweighs its host cost.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import interpreting, jit, quant_e4m3_rows, to_bf16
+from kernels._jit import env_flag, interpreting, jit, quant_e4m3_rows, to_bf16
 
 BLOCK = 128
 ROW_ALIGN = 16  # each expert's rows are padded to this (cuBLAS wants M % 4 == 0 and aligned scale blocks)
@@ -51,7 +49,7 @@ _AVAILABLE: dict[int, bool] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get("PDSERVE_FP8_CUBLAS", "1").strip() not in ("0", "false", "no")
+    return env_flag("PDSERVE_FP8_CUBLAS", True)
 
 
 def available(device: torch.device) -> bool:

@@ -9,13 +9,11 @@ A row with no valid index returns out = 0 and lse = -inf (so a DCP merge ignores
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit, next_pow2, num_sms, to_bf16
+from kernels._jit import check_device, env_flag, interpreting, jit, next_pow2, num_sms, to_bf16
 from kernels.formats import tile_size
 from kernels.merge import merge_attn_states
 from kernels.store_kv import cache_views, gather_kv_ref
@@ -130,7 +128,7 @@ def trim_tail() -> bool:
     """Whether rows stop after their last valid index (PDSERVE_SPARSE_MLA_TRIM=1). Off by default until it is
     timed on a GPU: the index-row load is one more step before the loop, and the pipelined loop gets a bound
     known only at run time (the same bits either way: tests/kernels/test_sparse_mla.py)."""
-    return os.environ.get("PDSERVE_SPARSE_MLA_TRIM", "0").strip() not in ("0", "false", "no", "")
+    return env_flag("PDSERVE_SPARSE_MLA_TRIM", False)
 
 
 def _config(num_heads: int, dot_f32: bool, kv_fp8: bool) -> tuple[int, int, int, int, bool]:

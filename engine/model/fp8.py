@@ -43,6 +43,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (weight * block scales)^T -> [..., N] in x's dtype: the w8a8 GEMM on CUDA, its fp32
+    reference elsewhere."""
+    x2 = x.reshape(-1, weight.shape[1])
+    gemm = w8a8_block_fp8_matmul if x2.is_cuda else w8a8_block_fp8_matmul_ref
+    return gemm(x2, weight, weight_scale_inv, x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
 class Fp8Linear(nn.Module):
     """y = x @ (weight * block scales)^T (no bias: the checkpoint's quantized projections have none)."""
 
@@ -55,9 +63,7 @@ class Fp8Linear(nn.Module):
                                                          dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        gemm = w8a8_block_fp8_matmul if x2.is_cuda else w8a8_block_fp8_matmul_ref
-        return gemm(x2, self.weight, self.weight_scale_inv, x.dtype).view(*x.shape[:-1], self.out_features)
+        return fp8_linear(x, self.weight, self.weight_scale_inv)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block 128x128"

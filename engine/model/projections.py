@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.fp8 import Fp8Linear
-from kernels.fp8_gemm import BLOCK, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref
+from engine.model.fp8 import Fp8Linear, fp8_linear
+from kernels.fp8_gemm import BLOCK
 
 
 class Pack:
@@ -58,11 +58,7 @@ class Pack:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] (every member's output side by side)."""
-        if not self.fp8:
-            return F.linear(x, self.weight)
-        x2 = x.reshape(-1, self.in_features)
-        gemm = w8a8_block_fp8_matmul if x2.is_cuda else w8a8_block_fp8_matmul_ref
-        return gemm(x2, self.weight, self.weight_scale_inv, x.dtype).view(*x.shape[:-1], self.out_features)
+        return fp8_linear(x, self.weight, self.weight_scale_inv) if self.fp8 else F.linear(x, self.weight)
 
     def part(self, y: torch.Tensor, m: nn.Module) -> torch.Tensor:
         """Member m's columns of the packed output y (a view: rows keep the packed stride)."""
