@@ -40,7 +40,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
                        R: tl.constexpr, P: tl.constexpr, TILE: tl.constexpr, KV_FP8: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        IDX_AHEAD: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                       POSITIONS: tl.constexpr, TRIM: tl.constexpr, K_POW2: tl.constexpr):
+                       POSITIONS: tl.constexpr, TRIM: tl.constexpr):
     """Program (query row, head block, split): online softmax over indices [split*split_len, +split_len).
 
     Rows of q/indices are (b, s) pairs, row = b * sq_len + s (strides per level, so any q view works).
@@ -49,7 +49,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     fp8 rows are dequantised to bf16 exactly (fp8 times a power of two), so the QK dot sees the cached
     values bit for bit; P is rounded to bf16 for the PV dot. Scores are kept in log2 units. BLOCK_SIZE
     (tokens per page; 1 for a workspace) is a constant so slot -> page is a shift, not a 64-bit divide.
-    TRIM: the loop stops after the row's last valid index (one load of the whole index row first): the -1
+    TRIM: the loop stops after the split's last valid index (found by a first pass over its indices): the -1
     entries after it add exactly nothing (p = 0, alpha = 1), so the result is the same bits, without the
     blocks of a row shorter than K (a context below top-k, the first rows of a prefill).
     """
@@ -74,10 +74,14 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     acc = tl.zeros([BLOCK_H, R], tl.float32)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, num_idx)
-    if TRIM:
-        kk = tl.arange(0, K_POW2)
-        ix = tl.load(idx_row + kk, mask=kk < num_idx, other=-1)
-        hi = tl.minimum(hi, tl.max(tl.where(ix >= 0, kk, -1), axis=0) + 1)
+    if TRIM:  # a split ending in a valid index (a full row) keeps its bound; others find their last valid one
+        if tl.load(idx_row + tl.maximum(hi - 1, 0), mask=hi > lo, other=0) < 0:
+            last = lo - 1
+            for c in range(lo, hi, 256):  # 256 entries at a time: a whole-row load costs registers
+                kk = c + tl.arange(0, 256)
+                ix = tl.load(idx_row + kk, mask=kk < hi, other=-1)
+                last = tl.maximum(last, tl.max(tl.where(ix >= 0, kk, -1), axis=0))
+            hi = last + 1
     offs = lo + tl.arange(0, BLOCK_N)
     slot_next = _slots(idx_row, offs, hi, tab, POSITIONS, BLOCK_SIZE)
     for n0 in range(lo, hi, BLOCK_N):
@@ -125,10 +129,10 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
 
 
 def trim_tail() -> bool:
-    """Whether rows stop after their last valid index (PDSERVE_SPARSE_MLA_TRIM=1). Off by default until it is
-    timed on a GPU: the index-row load is one more step before the loop, and the pipelined loop gets a bound
-    known only at run time (the same bits either way: tests/kernels/test_sparse_mla.py)."""
-    return env_flag("PDSERVE_SPARSE_MLA_TRIM", False)
+    """Whether rows stop after their last valid index (PDSERVE_SPARSE_MLA_TRIM, on by default; =0 turns it
+    off). The same bits either way (tests/kernels/test_sparse_mla.py); on the H200 a 320-token context's
+    decode rows took 4.4x less time and full rows the same (BENCHMARKS.md, "sparse_mla_decode")."""
+    return env_flag("PDSERVE_SPARSE_MLA_TRIM", True)
 
 
 def _config(num_heads: int, dot_f32: bool, kv_fp8: bool) -> tuple[int, int, int, int, bool]:
@@ -236,7 +240,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
         token_req_idx if positions else indices,
         R=R, P=P, TILE=tile, KV_FP8=kv.dtype == torch.uint8, BLOCK_SIZE=paged.shape[1], BLOCK_H=block_h,
         BLOCK_N=block_n, IDX_AHEAD=idx_ahead, DOT_F32=dot_f32, ROUND_FIRST=interpreting(), POSITIONS=positions,
-        TRIM=trim_tail() if trim is None else trim, K_POW2=next_pow2(max(K, 1)), num_warps=warps, num_stages=stages)
+        TRIM=trim_tail() if trim is None else trim, num_warps=warps, num_stages=stages)
     if splits > 1:
         merge_attn_states(dst, dst_lse, out=out.view(rows, H, R), lse=lse.view(rows, H))
     return out, lse

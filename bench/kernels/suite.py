@@ -44,21 +44,52 @@ def fp8_cache(num_tokens: int, device, layers: int = 2, gen=None) -> torch.Tenso
 
 
 def bench_decode(dev, ceil, H: int, Sq: int, batches: list[int], K: int, ctx: int, ref: bool,
-                 config: tuple | None = None) -> list[dict]:
+                 config: tuple | None = None, trim: bool | None = None, valid: int | None = None,
+                 label: str = "") -> list[dict]:
+    """sparse_mla_decode rows; `trim` as sparse_mla's (None: the default), `valid`: only the first
+    `valid` of each row's K indices are real (the rest -1, a context shorter than the top-k); bytes and FLOPs
+    count the real ones."""
     cache = fp8_cache(ctx, dev)
     rows_out = []
+    n = K if valid is None else min(valid, K)
     for B in batches:
         q = torch.randn(B, Sq, H, R + P, device=dev, dtype=torch.bfloat16)
         rows = B * Sq
-        kv_bytes = rows * K * ROW + rows * K * 4
+        kv_bytes = rows * n * ROW + rows * K * 4
         io_bytes = q.numel() * 2 + rows * H * (R * 2 + 4)
         sets = [torch.randint(0, ctx, (B, Sq, K), device=dev, dtype=torch.int32) for _ in range(num_sets(kv_bytes))]
-        t = time_rotating([functools.partial(sparse_mla, q, cache, idx, 0.0625, config=config) for idx in sets], dev)
+        if n < K:
+            for idx in sets:
+                idx[..., n:] = -1
+        call = functools.partial(sparse_mla, config=config, trim=trim)
+        t = time_rotating([functools.partial(call, q, cache, idx, 0.0625) for idx in sets], dev)
         t_ref = time_plain(lambda: sparse_mla_ref(q, cache, sets[0], 0.0625, R, P), dev, rep_ms=50) if ref else None
-        rows_out.append(roofline_row(f"sparse_mla_decode H={H} Sq={Sq} B={B}", t, kv_bytes + io_bytes,
-                                     rows * H * K * FLOP_PER_ROW_HEAD, ceil, t_ref, H=H, Sq=Sq, B=B, K=K,
-                                     config=config or "default"))
+        name = f"sparse_mla_decode H={H} Sq={Sq} B={B}" + (f" valid={n}" if n < K else "") + label
+        rows_out.append(roofline_row(name, t, kv_bytes + io_bytes, rows * H * n * FLOP_PER_ROW_HEAD, ceil, t_ref,
+                                     H=H, Sq=Sq, B=B, K=K, valid=n, config=config or "default", trim=trim))
     return rows_out
+
+
+def bench_sparse_mla_variants(dev, ceil) -> list[dict]:
+    """`--only sparse-mla`: the decode kernel at H = 64, K = 2,048, batch 32 / 64 / 128, 1 and 4 query rows,
+    untrimmed and trimmed, at its default tile and two others (16 warps; 32 indices a block); then rows
+    holding 320 real indices of 2,048 (a context below the top-k), untrimmed and trimmed. (A folded-scale
+    form, bench/data/kernels/sparse-mla-fold, lost 1.3-2x at every shape and is not kept.)"""
+    rows: list[dict] = []
+    variants = [("", None, False), (" trim", None, True), (" 16w", (64, 64, 16, 3, True), False),
+                (" bn32", (64, 32, 8, 3, True), False)]
+    for Sq in (1, 4):
+        for label, cfg, trim in variants:
+            n = len(rows)
+            _guard(rows, lambda: bench_decode(dev, ceil, 64, Sq, [32, 64, 128], K=2048, ctx=1 << 21, ref=False,
+                                              config=cfg, trim=trim, label=label))
+            print_table(rows[n:])
+    for trim in (False, True):
+        n = len(rows)
+        _guard(rows, lambda: bench_decode(dev, ceil, 64, 4, [1, 8, 64], K=2048, ctx=1 << 21, ref=False, trim=trim,
+                                          valid=320, label=" trim" if trim else ""))
+        print_table(rows[n:])
+    return rows
 
 
 def bench_prefill(dev, ceil, T: int, K: int, kind: str, ref_rows: int, config: tuple | None = None) -> dict:
@@ -195,6 +226,8 @@ def run(dev: torch.device, quick: bool, sweep: bool, only: str = "all") -> dict:
     print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s", flush=True)
     rows: list[dict] = []
     sweeps: list[dict] = []
+    if only == "sparse-mla" and not quick:
+        return {"ceilings": ceil, "rows": bench_sparse_mla_variants(dev, ceil), "sweep": sweeps}
     if only == "indexer":
         rows, sweeps = indexer_bench.run(dev, ceil, quick, sweep, _guard)
         if sweeps:
@@ -245,8 +278,9 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, numbers mean nothing")
     ap.add_argument("--sweep", action="store_true", help="also time tile configurations of the main kernels")
-    ap.add_argument("--only", choices=["all", "indexer"], default="all",
-                    help="indexer: the ceilings and the indexer cases only (radix against fused)")
+    ap.add_argument("--only", choices=["all", "indexer", "sparse-mla"], default="all",
+                    help="indexer: the ceilings and the indexer cases only (radix against fused); sparse-mla: the "
+                         "decode kernel's variants (trimmed rows, other tiles)")
     ap.add_argument("--profile", choices=["decode64", "decode8"], help="run one case for a profiler, then exit")
     args = ap.parse_args()
     if args.profile:

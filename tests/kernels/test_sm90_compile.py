@@ -72,7 +72,7 @@ def test_sparse_mla_kernel_with_trim_compiles_for_sm90():
                "table_ptr": "*i32", "s_table": "i32", "req_ptr": "*i32"}
         for trim in (False, True):
             const = dict(R=512, P=64, TILE=128, KV_FP8=True, BLOCK_SIZE=64, BLOCK_H=64, BLOCK_N=64, IDX_AHEAD=True,
-                         DOT_F32=False, ROUND_FIRST=False, POSITIONS=False, TRIM=trim, K_POW2=2048)
+                         DOT_F32=False, ROUND_FIRST=False, POSITIONS=False, TRIM=trim)
             print(trim, build(_sparse_mla_kernel, sig, const, num_warps=8, num_stages=3))
     ''', timeout=900)
     builds = [line.split() for line in out.splitlines()]

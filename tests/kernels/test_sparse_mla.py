@@ -190,7 +190,8 @@ def check_trim(B: int, Sq: int, H: int, K: int, R: int, P: int, block_size: int,
             if s % 2:  # -1 anywhere, the last valid entry before the end
                 sel = sel[torch.randperm(K, generator=gen)]
                 sel[-3:] = -1
-            rows.append(torch.where(sel >= 0, slots_of(table[b], sel.clamp(min=0).to(device), block_size), -1))
+            sel = sel.to(device)
+            rows.append(torch.where(sel >= 0, slots_of(table[b], sel.clamp(min=0), block_size), -1))
     idx = torch.stack(rows).view(B, Sq, K).to(torch.int32)
     idx[0, 0] = -1  # nothing selected
     q = randn(gen, B, Sq, H, R + P, dtype=torch.bfloat16, device=device)
@@ -209,7 +210,7 @@ def test_trim_gives_the_same_bits_interp(splits):
 
 @interp
 def test_trim_through_the_block_table_interp(monkeypatch):
-    monkeypatch.setenv("PDSERVE_SPARSE_MLA_TRIM", "1")
+    monkeypatch.setenv("PDSERVE_SPARSE_MLA_TRIM", "1")  # the default: set so the test holds if it changes
     check_positions(B=3, H=4, K=40, R=128, P=16, block_size=16, device="cpu", num_splits=2)
 
 
@@ -217,3 +218,4 @@ def test_trim_through_the_block_table_interp(monkeypatch):
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_trim_gives_the_same_bits_gpu(splits, mark):
     check_trim(B=17, Sq=4, H=64, K=2048, R=512, P=64, block_size=64, device="cuda", splits=splits)
+
