@@ -61,8 +61,8 @@ def bench_decode(dev, ceil, H: int, Sq: int, batches: list[int], K: int, ctx: in
         if n < K:
             for idx in sets:
                 idx[..., n:] = -1
-        call = functools.partial(sparse_mla, config=config, trim=trim)
-        t = time_rotating([functools.partial(call, q, cache, idx, 0.0625) for idx in sets], dev)
+        t = time_rotating([functools.partial(sparse_mla, q, cache, idx, 0.0625, config=config, trim=trim)
+                           for idx in sets], dev)
         t_ref = time_plain(lambda: sparse_mla_ref(q, cache, sets[0], 0.0625, R, P), dev, rep_ms=50) if ref else None
         name = f"sparse_mla_decode H={H} Sq={Sq} B={B}" + (f" valid={n}" if n < K else "") + label
         rows_out.append(roofline_row(name, t, kv_bytes + io_bytes, rows * H * n * FLOP_PER_ROW_HEAD, ceil, t_ref,

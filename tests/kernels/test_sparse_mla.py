@@ -210,7 +210,7 @@ def test_trim_gives_the_same_bits_interp(splits):
 
 @interp
 def test_trim_through_the_block_table_interp(monkeypatch):
-    monkeypatch.setenv("PDSERVE_SPARSE_MLA_TRIM", "1")  # the default: set so the test holds if it changes
+    monkeypatch.setenv("PDSERVE_SPARSE_MLA_TRIM", "1")
     check_positions(B=3, H=4, K=40, R=128, P=16, block_size=16, device="cpu", num_splits=2)
 
 
@@ -218,4 +218,3 @@ def test_trim_through_the_block_table_interp(monkeypatch):
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_trim_gives_the_same_bits_gpu(splits, mark):
     check_trim(B=17, Sq=4, H=64, K=2048, R=512, P=64, block_size=64, device="cuda", splits=splits)
-
