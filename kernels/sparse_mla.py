@@ -129,12 +129,11 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
 
 
 def trim_tail() -> bool:
-    """Whether rows stop after their last valid index (PDSERVE_SPARSE_MLA_TRIM=1). The same bits either way
-    (tests/kernels/test_sparse_mla.py). On the H200 a first form (every split scanning its indices) took a
-    320-token context's decode rows 4.4x faster and a B = 64 stand-in step 97.3 -> 72.2 ms, but cost full rows
-    5-7% at 4 query rows (BENCHMARKS.md, "sparse_mla_decode"); this form skips the scan when a split's last
-    index is valid (a full row) and is off by default until it is timed on a GPU."""
-    return env_flag("PDSERVE_SPARSE_MLA_TRIM", False)
+    """Whether rows stop after their last valid index (on unless PDSERVE_SPARSE_MLA_TRIM=0). The same bits either
+    way (tests/kernels/test_sparse_mla.py). On the H200 (2026-12-03, BENCHMARKS.md, "sparse_mla_decode") a
+    320-token context's rows at 4 query rows, B = 64, take 88.9 us trimmed against 370.5; full rows (a split's
+    last index valid: one scalar load, no scan) cost 0-1% at one query row and 1-2% at four."""
+    return env_flag("PDSERVE_SPARSE_MLA_TRIM", True)
 
 
 def _config(num_heads: int, dot_f32: bool, kv_fp8: bool) -> tuple[int, int, int, int, bool]:

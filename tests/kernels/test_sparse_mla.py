@@ -209,8 +209,9 @@ def test_trim_gives_the_same_bits_interp(splits):
 
 
 @interp
-def test_trim_through_the_block_table_interp(monkeypatch):
-    monkeypatch.setenv("PDSERVE_SPARSE_MLA_TRIM", "1")
+@pytest.mark.parametrize("flag", ["0", "1", ""])
+def test_trim_through_the_block_table_interp(monkeypatch, flag):
+    monkeypatch.setenv("PDSERVE_SPARSE_MLA_TRIM", flag)
     check_positions(B=3, H=4, K=40, R=128, P=16, block_size=16, device="cpu", num_splits=2)
 
 
