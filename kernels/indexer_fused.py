@@ -144,7 +144,7 @@ class FusedConfig:
 PREFILL = FusedConfig()
 DECODE = FusedConfig(block_t=1, block_n=64, num_stages=4, keys_per_prog=4096)
 INTERPRETED = FusedConfig(block_t=4, block_n=16, num_stages=1, keys_per_prog=64,
-                          select=SelectConfig(group=4, sum_cap=64, cap=64, scan=32, block=32))
+                          select=SelectConfig(group=4, sum_cap=64, gcap=64, cap=64, scan=32, block=32))
 
 
 def _most_rows(query_start_loc_cpu: list[int] | None) -> int:

@@ -1,30 +1,35 @@
-"""Exact causal top-k from a threshold: one pass over the scores instead of the radix select's five.
+"""Exact causal top-k from a threshold: a few passes over a row's group maxima and its best groups' scores.
 
 The fused score kernel (`kernels.indexer_fused`) also writes, per row, the maximum of every group of
 GROUP consecutive positions. Those maxima come from disjoint sets of real scores, so if a row has at
 least k of them, their k-th largest, theta, is a lower bound of the row's k-th largest score: at least
-k scores are >= theta, and every score of the top-k is. Selection per row t (n_t = positions[t] + 1):
+k scores are >= theta, and every score of the top-k is. And a score >= theta lies in a group whose
+maximum is >= theta. One program per row (a persistent grid, scratch per program), n_t = positions[t] + 1:
 
     1. theta    the k-th largest of the row's ceil(n_t / GROUP) maxima (folded by max to <= SUM_CAP
                 values first: a max over several groups is still a max over a disjoint set)
-    2. compact  one pass over the scores: those >= theta, in ascending position order, into a
-                candidate buffer (NCHUNK programs per row, each a contiguous range of positions; a small
-                kernel then appends chunk c's candidates after those of chunks < c)
-    3. select   the exact k-th largest of the <= CAP candidates in registers (bisection on the 32-bit
-                key that orders like the float: one count over the registers per halving, ~15-20 of
-                them), then every key above it and the lowest positions of the keys equal to it: the
-                set a stable descending sort takes, written by a second pass over the candidates.
+    2. groups   one pass over the maxima: the groups whose maximum is >= theta, ascending, into a list of
+                at most GCAP (about k of them: k when unfolded, a little more when folded)
+    3. compact  the listed groups' scores >= theta, in ascending position order, into a candidate buffer
+                of at most CAP (SCAN scores per step: whole groups, 64-byte runs)
+    4. select   the exact k-th largest of the candidates in registers (bisection on the 32-bit key that
+                orders like the float: one count over the registers per halving), then every key above
+                it and the lowest positions of the keys equal to it: the set a stable descending sort
+                takes, written by a second pass over the candidates.
 
-Costs (sm_90a, Triton 3.6): the compaction program has 16 warps streaming 32 KB of scores per step; the
-selection 4 warps and under 170 registers, three per SM, so their reductions' latencies overlap. At
-S = 128K the pass reads the 1 GB of scores once (the radix select read them five times).
+Steps 2-3 read ceil(n_t / GROUP) maxima and about k * GROUP scores, whatever n_t is: at S = 128K a row's
+selection reads 32 KB of maxima and ~128 KB of its 512 KB of scores, at S = 1M 256 KB and ~128 KB of 4 MB.
+(The previous form scanned every score of a row in one program, 16 to 128 serial steps of 8,192: 2.1 ms of
+a 128K prefill's 5.6 ms on the H200, bench/data/kernels/NOTES.md.) Each step is a block-wide scan or
+reduction; the list and the candidates go through global scratch that the same program reads back after a
+barrier (L1/L2-resident).
 
 With random-like scores and about 4k maxima per row, ~1.15 k scores pass theta (2,048 -> ~2,400). A
 row with fewer than k maxima skips the threshold: with n_t <= CAP the selection reads the row itself
-(S = 8K), else its candidates are all of it. A row whose candidates outgrow CAP (many equal scores)
-falls back to the radix select of `kernels.topk` on the full row, so the result is exact for any input.
-Rows with n_t <= k take every position. Output as `topk_rows`: int32 [T, k], ascending positions (or
-slots), then -1.
+(S = 8K), else the radix select. A row whose passing groups outgrow GCAP or whose candidates outgrow CAP
+(many equal scores) falls back to the radix select of `kernels.topk` on the full row, so the result is
+exact for any input. Rows with n_t <= k take every position. Output as `topk_rows`: int32 [T, k],
+ascending positions (or slots), then -1.
 """
 
 from __future__ import annotations
@@ -49,16 +54,24 @@ def _ordered(x):
 
 
 @jit
-def _kth_largest(key, k):
-    """int64 T with count(key >= T) >= k > count(key > T), over the keys that are not _KEY_MIN (at least
-    k of them): the k-th largest key, or, when a probe leaves exactly k keys at or above it, that probe."""
+def _kth_largest(key, k, slack, PROBES: tl.constexpr):
+    """int64 T with k <= count(key >= T) <= k + slack, over the keys that are not _KEY_MIN (at least k of them);
+    with slack 0 also count(key > T) < k: the k-th largest key, or a probe that leaves exactly k keys at or
+    above it. Each step counts PROBES probes spread over (lo, hi] at once (PROBES + 1 sections a step: one
+    block-wide reduction of PROBES counts instead of log2(PROBES + 1) reductions of one)."""
     lo = tl.min(tl.where(key != _KEY_MIN, key, 2147483647), axis=0).to(tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64)
+    j = tl.arange(0, PROBES).to(tl.int64) + 1
     while lo < hi:  # count(key >= lo) >= k > count(key > hi); every probe is > lo, so _KEY_MIN never counts
-        mid = lo + (hi - lo + 1) // 2
-        c = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-        hi = tl.where(c >= k, tl.where(c == k, mid, hi), mid - 1)
-        lo = tl.where(c >= k, mid, lo)
+        probe = tl.minimum(lo + ((hi - lo) * j + PROBES) // (PROBES + 1), hi)
+        c = tl.sum((key[:, None] >= probe[None, :].to(tl.int32)).to(tl.int32), axis=0)  # non-increasing in j
+        ok = c >= k
+        hit = ok & (c <= k + slack)
+        new_lo = tl.max(tl.where(ok, probe, lo), axis=0)
+        new_hi = tl.min(tl.where(ok, hi, probe - 1), axis=0)
+        done = tl.max(hit.to(tl.int32), axis=0) > 0
+        lo = tl.where(done, tl.max(tl.where(hit, probe, lo), axis=0), new_lo)
+        hi = tl.where(done, lo, new_hi)
     return lo
 
 
@@ -71,71 +84,61 @@ def _folded_maxima(n, GROUP: tl.constexpr, SUM_CAP: tl.constexpr):
 
 
 @jit
-def _candidates_kernel(score_ptr, gmax_ptr, pos_ptr, cand_ptr, cpos_ptr, count_ptr, row_offset, ss_row, sg_row, k,
-                       GROUP: tl.constexpr, SUM_CAP: tl.constexpr, CAP: tl.constexpr, NCHUNK: tl.constexpr,
-                       SCAN: tl.constexpr):
-    """Program (row r, chunk c): theta from the row's maxima, then its positions' keys >= theta -> the
-    chunk's candidate slots [r, c, 0..CAP) and its count (uncapped) -> count[r, c]."""
-    r = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    n = tl.load(pos_ptr + row_offset + r).to(tl.int32) + 1
-    num_groups, fold, num_folded = _folded_maxima(n, GROUP, SUM_CAP)
-    if (n > k) & (num_folded >= k):
-        i = tl.arange(0, SUM_CAP)
-        m = tl.full([SUM_CAP], float("-inf"), tl.float32)
-        for j in range(fold):
-            g = i * fold + j
-            m = tl.maximum(m, tl.load(gmax_ptr + r * sg_row + g, mask=(i < num_folded) & (g < num_groups),
-                                      other=float("-inf")))
-        theta = _kth_largest(tl.where(i < num_folded, _ordered(m), _KEY_MIN), k).to(tl.int32)
-        span = tl.cdiv(tl.cdiv(n, NCHUNK), SCAN) * SCAN
-        lo = chunk * span
-        hi = tl.minimum(n, lo + span)
-        slot = (r * NCHUNK + chunk) * CAP
-        count = 0
-        for c0 in range(lo, hi, SCAN):
-            cols = c0 + tl.arange(0, SCAN)
-            key = _ordered(tl.load(score_ptr + r * ss_row + cols, mask=cols < hi, other=0.0))
-            take = (cols < hi) & (key >= theta)
-            dst = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(cand_ptr + slot + dst, key, mask=take & (dst < CAP))
-            tl.store(cpos_ptr + slot + dst, cols, mask=take & (dst < CAP))
-            count += tl.sum(take.to(tl.int32), axis=0)
-        tl.store(count_ptr + r * NCHUNK + chunk, count)
+def _theta(gmax_row, num_groups, fold, num_folded, k, SUM_CAP: tl.constexpr, PROBES: tl.constexpr):
+    """A value with k to k + k / 8 of the row's folded group maxima at or above it (int32 key): a lower bound of
+    its k-th largest score (the exact k-th largest maximum would be a tighter one, for ~2x the probes)."""
+    i = tl.arange(0, SUM_CAP)
+    m = tl.full([SUM_CAP], float("-inf"), tl.float32)
+    for j in range(fold):
+        g = i * fold + j
+        m = tl.maximum(m, tl.load(gmax_row + g, mask=(i < num_folded) & (g < num_groups), other=float("-inf")))
+    return _kth_largest(tl.where(i < num_folded, _ordered(m), _KEY_MIN), k, k // 8, PROBES).to(tl.int32)
 
 
 @jit
-def _gather_chunks_kernel(cand_ptr, cpos_ptr, count_ptr, pos_ptr, row_offset, k, GROUP: tl.constexpr,
-                          SUM_CAP: tl.constexpr, CAP: tl.constexpr, NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row r, chunk c >= 1): chunk c's candidates -> row r's chunk-0 slots, after those of chunks
-    < c (position order), where they fit. Chunk 0's own candidates stay; no program reads another's writes."""
-    r = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) + 1
-    n = tl.load(pos_ptr + row_offset + r).to(tl.int32) + 1
-    _, _, num_folded = _folded_maxima(n, GROUP, SUM_CAP)
-    if (n > k) & (num_folded >= k):
-        j = tl.arange(0, NCHUNK)
-        counts = tl.load(count_ptr + r * NCHUNK + j)
-        start = tl.sum(tl.where(j < c, counts, 0), axis=0)
-        cnt = tl.minimum(tl.sum(tl.where(j == c, counts, 0), axis=0), CAP - start)
-        for i0 in range(0, cnt, BLOCK):
-            i = i0 + tl.arange(0, BLOCK)
-            ok = i < cnt
-            src = (r * NCHUNK + c) * CAP + i
-            dst = r * NCHUNK * CAP + start + i
-            tl.store(cand_ptr + dst, tl.load(cand_ptr + src, mask=ok), mask=ok)
-            tl.store(cpos_ptr + dst, tl.load(cpos_ptr + src, mask=ok), mask=ok)
+def _passing_groups(gmax_row, num_groups, theta, glist, GCAP: tl.constexpr, SCAN: tl.constexpr):
+    """Ids of the groups whose maximum is >= theta, ascending -> glist[0, min(count, GCAP)); returns the count."""
+    count = 0
+    for g0 in range(0, num_groups, SCAN):
+        g = g0 + tl.arange(0, SCAN)
+        ok = g < num_groups
+        take = ok & (_ordered(tl.load(gmax_row + g, mask=ok, other=0.0)) >= theta)
+        dst = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(glist + dst, g, mask=take & (dst < GCAP))
+        count += tl.sum(take.to(tl.int32), axis=0)
+    return count
+
+
+@jit
+def _compact(s_row, n, theta, glist, num_listed, cand, cpos, CAP: tl.constexpr, GROUP: tl.constexpr,
+             SCAN: tl.constexpr):
+    """Scores >= theta of the listed groups (positions < n), ascending -> cand (keys) / cpos (positions)
+    [0, min(count, CAP)); returns the count."""
+    count = 0
+    i = tl.arange(0, SCAN)
+    for e0 in range(0, num_listed * GROUP, SCAN):
+        e = e0 + i
+        listed = e < num_listed * GROUP
+        cols = tl.load(glist + e // GROUP, mask=listed, other=0) * GROUP + e % GROUP
+        ok = listed & (cols < n)
+        key = _ordered(tl.load(s_row + cols, mask=ok, other=0.0))
+        take = ok & (key >= theta)
+        dst = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(cand + dst, key, mask=take & (dst < CAP))
+        tl.store(cpos + dst, cols, mask=take & (dst < CAP))
+        count += tl.sum(take.to(tl.int32), axis=0)
+    return count
 
 
 @jit
 def _emit_selected(key, src_ptr, cpos_row, num, k, bt_row, o_row, AS_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   FROM_SCORES: tl.constexpr, BLOCK: tl.constexpr):
+                   FROM_SCORES: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
     """The k largest of `key` (the `num` entries of src_ptr in registers, _KEY_MIN elsewhere) -> o_row[0, k)
     in entry order (ascending positions); of the keys equal to the k-th largest, the first ones win. The
     emission streams the entries again, BLOCK at a time, so the registers hold only the one [CAP] tensor:
     src_ptr holds scores (FROM_SCORES: an entry's position is its index) or candidate keys (its position is
     cpos_row[index])."""
-    thr = _kth_largest(key, k).to(tl.int32)
+    thr = _kth_largest(key, k, 0, PROBES).to(tl.int32)
     k_eq = k - tl.sum((key > thr).to(tl.int32), axis=0)
     gt_seen = 0
     eq_seen = 0
@@ -163,65 +166,79 @@ def _emit_selected(key, src_ptr, cpos_row, num, k, bt_row, o_row, AS_SLOTS: tl.c
 
 
 @jit
-def _select_kernel(score_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, cand_ptr, cpos_ptr, count_ptr, row_offset, ss_row,
-                   so_row, s_bt, k, BLOCK_SIZE: tl.constexpr, AS_SLOTS: tl.constexpr, GROUP: tl.constexpr,
-                   SUM_CAP: tl.constexpr, CAP: tl.constexpr, NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row r): the row's top-k from its candidates, its own scores (no threshold, n <= CAP), or
-    the radix select (too many candidates)."""
-    r = tl.program_id(0).to(tl.int64)
-    row = row_offset + r
-    n = tl.load(pos_ptr + row).to(tl.int32) + 1
-    bt_row = bt_ptr + tl.load(req_ptr + row).to(tl.int64) * s_bt
-    o_row = out_ptr + row * so_row
-    _, _, num_folded = _folded_maxima(n, GROUP, SUM_CAP)
+def _select_kernel(score_ptr, gmax_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, glist_ptr, cand_ptr, cpos_ptr, rows,
+                   row_offset, ss_row, sg_row, so_row, s_bt, k, BLOCK_SIZE: tl.constexpr, AS_SLOTS: tl.constexpr,
+                   GROUP: tl.constexpr, SUM_CAP: tl.constexpr, GCAP: tl.constexpr, CAP: tl.constexpr,
+                   SCAN: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+    """Persistent program p: rows p, p + programs, ...: each row's top-k from its threshold candidates, its
+    own scores (no threshold, n <= CAP), or the radix select (too many candidates, or neither)."""
+    p = tl.program_id(0).to(tl.int64)
+    glist = glist_ptr + p * GCAP
+    cand = cand_ptr + p * CAP
+    cpos = cpos_ptr + p * CAP
     i = tl.arange(0, CAP)
-    s_row = score_ptr + r * ss_row
-    if n <= k:
-        _emit_all(n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
-    elif num_folded >= k:
-        total = tl.sum(tl.load(count_ptr + r * NCHUNK + tl.arange(0, NCHUNK)), axis=0)
-        if total <= CAP:  # else a chunk overflowed its slots, or they do not fit the registers together
-            c_row = cand_ptr + r * NCHUNK * CAP
-            key = tl.load(c_row + i, mask=i < total, other=_KEY_MIN)
-            _emit_selected(key, c_row, cpos_ptr + r * NCHUNK * CAP, total, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE,
-                           False, BLOCK)
+    for r32 in range(tl.program_id(0), rows, tl.num_programs(0)):
+        r = tl.cast(r32, tl.int64)
+        row = row_offset + r
+        n = tl.load(pos_ptr + row).to(tl.int32) + 1
+        bt_row = bt_ptr + tl.load(req_ptr + row).to(tl.int64) * s_bt
+        o_row = out_ptr + row * so_row
+        s_row = score_ptr + r * ss_row
+        gmax_row = gmax_ptr + r * sg_row
+        num_groups, fold, num_folded = _folded_maxima(n, GROUP, SUM_CAP)
+        tl.debug_barrier()  # the last row's reads of the scratch are done before it is written again
+        if n <= k:
+            _emit_all(n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
+        elif num_folded >= k:
+            theta = _theta(gmax_row, num_groups, fold, num_folded, k, SUM_CAP, PROBES)
+            listed = _passing_groups(gmax_row, num_groups, theta, glist, GCAP, SCAN)
+            total = tl.full([], CAP + 1, tl.int32)
+            if listed <= GCAP:
+                tl.debug_barrier()  # the list, written by every thread, is read by every thread
+                total = _compact(s_row, n, theta, glist, listed, cand, cpos, CAP, GROUP, SCAN)
+            if total <= CAP:
+                tl.debug_barrier()
+                key = tl.load(cand + i, mask=i < total, other=_KEY_MIN)
+                _emit_selected(key, cand, cpos, total, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, False, BLOCK, PROBES)
+            else:
+                _radix_select_row(s_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
+        elif n <= CAP:
+            key = tl.where(i < n, _ordered(tl.load(s_row + i, mask=i < n, other=0.0)), _KEY_MIN)
+            _emit_selected(key, s_row, cpos, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, True, BLOCK, PROBES)
         else:
             _radix_select_row(s_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
-    elif n <= CAP:
-        key = tl.where(i < n, _ordered(tl.load(s_row + i, mask=i < n, other=0.0)), _KEY_MIN)
-        _emit_selected(key, s_row, cpos_ptr, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, True, BLOCK)
-    else:
-        _radix_select_row(s_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
 
 
 @dataclass(frozen=True)
 class SelectConfig:
-    """`group` positions per maximum (the score kernel's GROUP), at most `sum_cap` folded maxima and `cap`
-    candidates per row held in registers, `scan` scores per step of the compaction pass (several KB in
-    flight per program), `block` per step of the radix fallback, `num_chunks` compaction programs per row
-    (None: enough to fill the GPU)."""
+    """`group` positions per maximum (the score kernel's GROUP), at most `sum_cap` folded maxima, `gcap`
+    passing groups and `cap` candidates per row (the candidates and the maxima are held in registers),
+    `scan` maxima or scores per step of the list and compaction passes, `block` per step of the emission and
+    the radix fallback, `probes` counted per step of a k-th-largest search, `num_warps` per program,
+    `programs` per multiprocessor (the persistent grid; each program has its own scratch), `maxnreg` the
+    registers per thread the compiler may use (None: its choice)."""
     group: int = 16
     sum_cap: int = 8192
+    gcap: int = 8192
     cap: int = 8192
     scan: int = 8192
     block: int = 2048
-    num_chunks: int | None = None
+    probes: int = 4
+    num_warps: int = 8
+    programs: int = 4
+    maxnreg: int | None = None
 
     def __post_init__(self):
-        for name in ("group", "sum_cap", "cap", "scan", "block", "num_chunks"):
+        for name in ("group", "sum_cap", "gcap", "cap", "scan", "block", "probes"):
             v = getattr(self, name)
-            if v is not None and (v < 1 or v & (v - 1)):
+            if v < 1 or v & (v - 1):
                 raise ValueError(f"SelectConfig.{name} = {v} must be a power of two")
         if self.block > 1 << 14:
             raise ValueError(f"SelectConfig.block = {self.block}: at most 16384 (the emission packs two counts)")
-
-
-def _num_chunks(rows: int, cfg: SelectConfig, device: torch.device) -> int:
-    """Programs per row for the compaction: about 4 programs per SM over all rows, at most 16."""
-    if cfg.num_chunks is not None:
-        return cfg.num_chunks
-    want = -(-4 * num_sms(device) // max(rows, 1))
-    return min(16, 1 << max(0, (want - 1).bit_length()))
+        if self.scan < self.group:
+            raise ValueError(f"SelectConfig.scan = {self.scan} must cover a group ({self.group})")
+        if self.num_warps < 1 or self.programs < 1:
+            raise ValueError("SelectConfig.num_warps and programs must be >= 1")
 
 
 def topk_threshold_rows(scores: torch.Tensor, gmax: torch.Tensor, positions: torch.Tensor, k: int, out: torch.Tensor,
@@ -241,19 +258,15 @@ def topk_threshold_rows(scores: torch.Tensor, gmax: torch.Tensor, positions: tor
     req = token_req_idx if as_slots else positions
     table = block_table if as_slots else positions
     check_device(scores, gmax, positions, out, req, table)
-    nchunk = _num_chunks(rows, cfg, scores.device)
-    cand = torch.empty((rows, nchunk, cfg.cap), dtype=torch.int32, device=scores.device)
+    programs = min(rows, cfg.programs * num_sms(scores.device))
+    glist = torch.empty((programs, cfg.gcap), dtype=torch.int32, device=scores.device)
+    cand = torch.empty((programs, cfg.cap), dtype=torch.int32, device=scores.device)
     cand_pos = torch.empty_like(cand)
-    counts = torch.empty((rows, nchunk), dtype=torch.int32, device=scores.device)
-    consts = dict(GROUP=cfg.group, SUM_CAP=cfg.sum_cap, CAP=cfg.cap, NCHUNK=nchunk)
-    _candidates_kernel[(rows, nchunk)](scores, gmax, positions, cand, cand_pos, counts, row_offset, scores.stride(0),
-                                       gmax.stride(0), k, **consts, SCAN=cfg.scan, num_warps=16)
-    if nchunk > 1:
-        _gather_chunks_kernel[(rows, nchunk - 1)](cand, cand_pos, counts, positions, row_offset, k, **consts,
-                                                  BLOCK=cfg.block, num_warps=4)
-    _select_kernel[(rows,)](scores, positions, req, table, out, cand, cand_pos, counts, row_offset, scores.stride(0),
-                            out.stride(0), table.stride(0) if as_slots else 0, k, BLOCK_SIZE=block_size,
-                            AS_SLOTS=as_slots, **consts, BLOCK=cfg.block, num_warps=4)
+    _select_kernel[(programs,)](scores, gmax, positions, req, table, out, glist, cand, cand_pos, rows, row_offset,
+                                scores.stride(0), gmax.stride(0), out.stride(0), table.stride(0) if as_slots else 0,
+                                k, BLOCK_SIZE=block_size, AS_SLOTS=as_slots, GROUP=cfg.group, SUM_CAP=cfg.sum_cap,
+                                GCAP=cfg.gcap, CAP=cfg.cap, SCAN=cfg.scan, BLOCK=cfg.block, PROBES=cfg.probes,
+                                num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 
 
 def num_maxima(seq_len: int, cfg: SelectConfig) -> int:

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from bench.kernels.timing import roofline_row, time_plain
+from bench.kernels.timing import device_time, roofline_row, time_plain
 from kernels.indexer import _prepare, indexer_topk, indexer_topk_ref, store_index_k
 from kernels.indexer_fused import DECODE, PREFILL, FusedConfig, default_config, fused_scores, tile_tensor
 from kernels.topk import topk_rows
@@ -112,14 +112,17 @@ def bench_prefill(dev, ceil, S: int, T: int, ref_rows: int, config: FusedConfig 
     t_old = time_plain(lambda: case.select("radix"), dev, rep_ms=200)
     t_old_topk = _radix_topk_time(dev, case)
     t_new = time_plain(lambda: case.select("fused", cfg), dev, rep_ms=200)
+    t_dev, kernels = device_time(lambda: case.select("fused", cfg), dev)
     t_scores, t_select = _fused_parts(dev, case, cfg)
     common = dict(peak_scale=2.0, S=S, T=T, ref_rows=n, case="prefill")
+    floor = roofline_row("", 1.0, bytes_min, flops, ceil, peak_scale=2.0)["floor_us"] / 1e6
     return [roofline_row(f"indexer_topk radix S={S} T={T}", t_old, bytes_min, flops, ceil, t_ref, impl="radix",
                          score_tflops=flops / max(t_old - t_old_topk, 1e-9) / 1e12, topk_share=t_old_topk / t_old,
                          **common),
             roofline_row(f"indexer_topk fused S={S} T={T}", t_new, bytes_min, flops, ceil, t_ref, impl="fused",
                          config=_cfg_str(cfg), score_tflops=flops / t_scores / 1e12, topk_share=t_select / t_new,
                          score_us=t_scores * 1e6, select_us=t_select * 1e6, speedup_vs_radix=t_old / t_new,
+                         device_us=t_dev * 1e6, device_floor_frac=floor / t_dev, device_kernels_us=_us(kernels),
                          agreement=_agreement(case.select("radix"), case.select("fused", cfg)), **common)]
 
 
@@ -132,17 +135,25 @@ def bench_decode(dev, ceil, B: int, S: int, config: FusedConfig | None, topk: in
                                                 case.pos[:2], topk, return_slots=False), dev, rep_ms=50) * B / 2
     t_old = time_plain(lambda: case.select("radix"), dev, rep_ms=200)
     t_new = time_plain(lambda: case.select("fused", cfg), dev, rep_ms=200)
+    t_dev, kernels = device_time(lambda: case.select("fused", cfg), dev)
     t_scores, t_select = _fused_parts(dev, case, cfg)
     common = dict(B=B, S=S, case="decode")
     rows = []
     for impl, t in (("radix", t_old), ("fused", t_new)):
         extra = dict(config=_cfg_str(cfg), score_us=t_scores * 1e6, select_us=t_select * 1e6,
                      score_copy_frac=key_bytes / t_scores / (ceil["copy_tbps"] * 1e12), speedup_vs_radix=t_old / t_new,
+                     device_us=t_dev * 1e6, device_key_copy_frac=key_bytes / t_dev / (ceil["copy_tbps"] * 1e12),
+                     device_kernels_us=_us(kernels),
                      agreement=_agreement(case.select("radix"), case.select("fused", cfg))) if impl == "fused" else {}
         rows.append(roofline_row(f"indexer_topk {impl} decode B={B} S={S}", t, key_bytes, flops, ceil, t_ref,
                                  peak_scale=2.0, impl=impl, key_copy_frac=key_bytes / t / (ceil["copy_tbps"] * 1e12),
                                  **common, **extra))
     return rows
+
+
+def _us(kernels: dict) -> dict:
+    """{kernel: us per call}, long C++ names cut to their first 60 characters."""
+    return {name[:60]: round(sec * 1e6, 1) for name, sec in kernels.items()}
 
 
 def _cfg_str(cfg: FusedConfig) -> str:

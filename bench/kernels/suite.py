@@ -217,6 +217,9 @@ def print_table(rows: list[dict]) -> None:
             extra += f"  keys at {r['key_copy_frac']:.0%} of copy"
         if "agreement" in r:
             extra += f"  {r['speedup_vs_radix']:.1f}x radix, same picks {r['agreement']:.2%}"
+        if "device_us" in r:
+            frac = r.get("device_floor_frac", r.get("device_key_copy_frac", 0.0))
+            extra += f"  device {r['device_us']:.1f} us ({frac:.1%} of floor)"
         print(f"{r['kernel']:54s} {r['us']:10.1f} {r['tbps']:6.2f} {r['tflops']:8.1f} {100 * r['roofline_frac']:6.1f}% "
               f"{r['bound']:>7s} {sp:>8s}{extra}")
 

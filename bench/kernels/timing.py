@@ -68,6 +68,27 @@ def time_rotating(calls: list[Callable[[], object]], device: torch.device, repla
     return statistics.median(times)
 
 
+def device_time(fn: Callable[[], object], device: torch.device, calls: int = 5) -> tuple[float, dict]:
+    """(seconds of device work per call, {kernel name: seconds per call}) from torch.profiler over `calls`
+    calls after one warm-up: the kernels' own durations, without the host's launch gaps between them (what a
+    call costs inside a CUDA graph or behind a host that runs ahead). Wall clock on a CPU."""
+    if device.type != "cuda":
+        return time_plain(fn, device), {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    kernels: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e6 / calls
+    return sum(kernels.values()), kernels
+
+
 def num_sets(bytes_per_call: float, at_least: int = 2, at_most: int = 48) -> int:
     """Input sets so that one graph replay touches several times the L2 (about 50 MB on an H200)."""
     return int(min(at_most, max(at_least, -(-4 * L2_FLUSH_BYTES // 5 // max(bytes_per_call, 1)))))

@@ -84,10 +84,10 @@ def test_fused_maxima_interp():
 
 
 @interp
-@pytest.mark.parametrize("chunks", [1, 4])
-def test_fused_decode_interp(chunks):
+@pytest.mark.parametrize("programs", [1, 4])
+def test_fused_decode_interp(programs):
     cfg = FusedConfig(block_t=1, block_n=16, num_stages=1, keys_per_prog=32,
-                      select=SelectConfig(group=4, sum_cap=64, cap=64, scan=32, block=32, num_chunks=chunks))
+                      select=SelectConfig(group=4, sum_cap=64, gcap=64, cap=64, scan=32, block=32, programs=programs))
     check_decode("cpu", [300, 37, 180, 9, 250], H=16, D=32, topk=24, block_size=16, config=cfg)
 
 

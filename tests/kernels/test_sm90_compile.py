@@ -111,3 +111,22 @@ def test_small_fused_kernels_compile_for_sm90():
     ''')
     sizes = [line.split() for line in out.splitlines()]
     assert len(sizes) == 10 and all(int(s[1]) > 0 for s in sizes), out
+
+
+def test_threshold_select_kernel_compiles_for_sm90():
+    """The threshold top-k's one kernel (persistent rows: theta, the group list, compaction, selection, and the
+    radix fallback) at the launcher's default configuration, as positions and as slots."""
+    out = compile_sm90('''
+        from kernels.topk_threshold import SelectConfig, _select_kernel
+
+        c = SelectConfig()
+        sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "pos_ptr": "*i64", "req_ptr": "*i32", "bt_ptr": "*i32",
+               "out_ptr": "*i32", "glist_ptr": "*i32", "cand_ptr": "*i32", "cpos_ptr": "*i32",
+               **{k: "i32" for k in "rows row_offset ss_row sg_row so_row s_bt k".split()}}
+        for slots in (False, True):
+            const = dict(BLOCK_SIZE=64, AS_SLOTS=slots, GROUP=c.group, SUM_CAP=c.sum_cap, GCAP=c.gcap, CAP=c.cap,
+                         SCAN=c.scan, BLOCK=c.block, PROBES=c.probes)
+            print(slots, build(_select_kernel, sig, const, num_warps=c.num_warps, num_stages=1))
+    ''', timeout=900)
+    builds = [line.split() for line in out.splitlines()]
+    assert [b[0] for b in builds] == ["False", "True"] and all(int(b[1]) > 0 for b in builds), out

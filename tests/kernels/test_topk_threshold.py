@@ -7,6 +7,8 @@ branch ran, so a change of sizes cannot quietly stop covering one.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def group_maxima(scores: torch.Tensor, positions: torch.Tensor, group: int) -> t
 
 
 def branch(scores: torch.Tensor, n: int, k: int, cfg: SelectConfig) -> str:
-    """The kernel's path for a row of n positions (a mirror of `_candidates_kernel` / `_select_kernel`)."""
+    """The kernel's path for a row of n positions (a mirror of `_select_kernel`)."""
     if n <= k:
         return "all"
     groups = -(-n // cfg.group)
@@ -39,6 +41,9 @@ def branch(scores: torch.Tensor, n: int, k: int, cfg: SelectConfig) -> str:
     g = torch.full((folded * fold * cfg.group,), float("-inf"))
     g[:n] = scores[:n].cpu()
     theta = g.view(folded, fold * cfg.group).amax(dim=1).sort(descending=True).values[k - 1]
+    listed = int((g.view(-1, cfg.group).amax(dim=1) >= theta).sum())
+    if listed > cfg.gcap:
+        return "radix (groups)"
     kind = "threshold" if int((scores[:n].cpu() >= theta).sum()) <= cfg.cap else "radix"
     return kind + (" folded" if fold > 1 else "")
 
@@ -84,22 +89,23 @@ def check_threshold(device, S: int, k: int, cfg: SelectConfig, positions: list[i
 
 
 CASES = {  # name: (S, k, config, positions, branches that must be hit)
-    "threshold": (700, 20, SelectConfig(group=4, sum_cap=256, cap=128, scan=64, block=64, num_chunks=1),
+    "threshold": (700, 20, SelectConfig(group=4, sum_cap=256, gcap=128, cap=128, scan=64, block=64, programs=1),
                   [699, 650, 600, 699, 680, 699, 19, 18, 20], {"all", "threshold", "radix"}),
-    "chunks": (700, 20, SelectConfig(group=4, sum_cap=256, cap=128, scan=32, block=32, num_chunks=4),
-               [699, 650, 600, 699, 680, 699, 300], {"threshold", "radix"}),
-    "folded": (900, 16, SelectConfig(group=4, sum_cap=64, cap=128, scan=128, block=64, num_chunks=2),
+    "small steps": (700, 20, SelectConfig(group=4, sum_cap=256, gcap=64, cap=128, scan=32, block=32, num_warps=4),
+                    [699, 650, 600, 699, 680, 699, 300], {"threshold", "radix (groups)"}),
+    "folded": (900, 16, SelectConfig(group=4, sum_cap=64, gcap=64, cap=128, scan=128, block=64, programs=2),
                [899, 880, 870, 899, 700, 899], {"threshold folded"}),
-    "direct": (300, 40, SelectConfig(group=16, sum_cap=64, cap=256, scan=64, block=64, num_chunks=2),
+    "direct": (300, 40, SelectConfig(group=16, sum_cap=64, gcap=64, cap=256, scan=64, block=64),
                [255, 250, 200, 299, 255, 255, 39], {"all", "direct", "radix"}),
 }
 
 
 @interp
+@pytest.mark.parametrize("probes", [1, 4, 8])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_threshold_interp(case):
+def test_threshold_interp(case, probes):
     S, k, cfg, positions, expect = CASES[case]
-    check_threshold("cpu", S, k, cfg, positions, expect)
+    check_threshold("cpu", S, k, replace(cfg, probes=probes), positions, expect)
 
 
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
@@ -108,5 +114,5 @@ def test_threshold_gpu(mark):
     positions = [S - 1, S - 7, 100_000, S - 1, S - 1, S - 1, 2047, 5000, 8191]
     check_threshold("cuda", S, k, SelectConfig(), positions, {"all", "threshold", "radix", "direct"}, block_size=64)
     S = 1 << 20
-    check_threshold("cuda", S, k, SelectConfig(num_chunks=4), [S - 1, S - 3, 700_000, S - 1, S - 1, S - 1],
-                    {"threshold folded", "radix folded"}, block_size=64)
+    check_threshold("cuda", S, k, SelectConfig(programs=1), [S - 1, S - 3, 700_000, S - 1, S - 1, S - 1],
+                    {"threshold folded", "radix (groups)"}, block_size=64)
