@@ -84,15 +84,15 @@ def _folded_maxima(n, GROUP: tl.constexpr, SUM_CAP: tl.constexpr):
 
 
 @jit
-def _theta(gmax_row, num_groups, fold, num_folded, k, SUM_CAP: tl.constexpr, PROBES: tl.constexpr):
-    """A value with k to k + k / 8 of the row's folded group maxima at or above it (int32 key): a lower bound of
-    its k-th largest score (the exact k-th largest maximum would be a tighter one, for ~2x the probes)."""
+def _theta(gmax_row, num_groups, fold, num_folded, k, slack, SUM_CAP: tl.constexpr, PROBES: tl.constexpr):
+    """A value with k to k + slack of the row's folded group maxima at or above it (int32 key): a lower bound of
+    its k-th largest score (slack 0: the k-th largest maximum, the tightest such bound, for more probes)."""
     i = tl.arange(0, SUM_CAP)
     m = tl.full([SUM_CAP], float("-inf"), tl.float32)
     for j in range(fold):
         g = i * fold + j
         m = tl.maximum(m, tl.load(gmax_row + g, mask=(i < num_folded) & (g < num_groups), other=float("-inf")))
-    return _kth_largest(tl.where(i < num_folded, _ordered(m), _KEY_MIN), k, k // 8, PROBES).to(tl.int32)
+    return _kth_largest(tl.where(i < num_folded, _ordered(m), _KEY_MIN), k, slack, PROBES).to(tl.int32)
 
 
 @jit
@@ -167,7 +167,8 @@ def _emit_selected(key, src_ptr, cpos_row, num, k, bt_row, o_row, AS_SLOTS: tl.c
 
 @jit
 def _select_kernel(score_ptr, gmax_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, glist_ptr, cand_ptr, cpos_ptr, rows,
-                   row_offset, ss_row, sg_row, so_row, s_bt, k, BLOCK_SIZE: tl.constexpr, AS_SLOTS: tl.constexpr,
+                   row_offset, ss_row, sg_row, so_row, s_bt, k, theta_slack, BLOCK_SIZE: tl.constexpr,
+                   AS_SLOTS: tl.constexpr,
                    GROUP: tl.constexpr, SUM_CAP: tl.constexpr, GCAP: tl.constexpr, CAP: tl.constexpr,
                    SCAN: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
     """Persistent program p: rows p, p + programs, ...: each row's top-k from its threshold candidates, its
@@ -190,7 +191,7 @@ def _select_kernel(score_ptr, gmax_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, glist
         if n <= k:
             _emit_all(n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
         elif num_folded >= k:
-            theta = _theta(gmax_row, num_groups, fold, num_folded, k, SUM_CAP, PROBES)
+            theta = _theta(gmax_row, num_groups, fold, num_folded, k, theta_slack, SUM_CAP, PROBES)
             listed = _passing_groups(gmax_row, num_groups, theta, glist, GCAP, SCAN)
             total = tl.full([], CAP + 1, tl.int32)
             if listed <= GCAP:
@@ -214,7 +215,9 @@ class SelectConfig:
     """`group` positions per maximum (the score kernel's GROUP), at most `sum_cap` folded maxima, `gcap`
     passing groups and `cap` candidates per row (the candidates and the maxima are held in registers),
     `scan` maxima or scores per step of the list and compaction passes, `block` per step of the emission and
-    the radix fallback, `probes` counted per step of a k-th-largest search, `num_warps` per program,
+    the radix fallback, `probes` counted per step of a k-th-largest search, `theta_slack` how close theta's
+    search must come (k / theta_slack maxima above the k-th; 0: exact), `num_warps` per program
+    (`direct_warps` when no row is long enough for a threshold: S <= `cap`, each row ranked in registers),
     `programs` per multiprocessor (the persistent grid; each program has its own scratch), `maxnreg` the
     registers per thread the compiler may use (None: its choice)."""
     group: int = 16
@@ -224,7 +227,9 @@ class SelectConfig:
     scan: int = 8192
     block: int = 2048
     probes: int = 4
+    theta_slack: int = 8
     num_warps: int = 8
+    direct_warps: int = 4
     programs: int = 4
     maxnreg: int | None = None
 
@@ -237,8 +242,10 @@ class SelectConfig:
             raise ValueError(f"SelectConfig.block = {self.block}: at most 16384 (the emission packs two counts)")
         if self.scan < self.group:
             raise ValueError(f"SelectConfig.scan = {self.scan} must cover a group ({self.group})")
-        if self.num_warps < 1 or self.programs < 1:
-            raise ValueError("SelectConfig.num_warps and programs must be >= 1")
+        if self.theta_slack < 0:
+            raise ValueError(f"SelectConfig.theta_slack = {self.theta_slack} must be >= 0")
+        if min(self.num_warps, self.direct_warps, self.programs) < 1:
+            raise ValueError("SelectConfig.num_warps, direct_warps and programs must be >= 1")
 
 
 def topk_threshold_rows(scores: torch.Tensor, gmax: torch.Tensor, positions: torch.Tensor, k: int, out: torch.Tensor,
@@ -262,11 +269,14 @@ def topk_threshold_rows(scores: torch.Tensor, gmax: torch.Tensor, positions: tor
     glist = torch.empty((programs, cfg.gcap), dtype=torch.int32, device=scores.device)
     cand = torch.empty((programs, cfg.cap), dtype=torch.int32, device=scores.device)
     cand_pos = torch.empty_like(cand)
+    slack = k // cfg.theta_slack if cfg.theta_slack else 0
     _select_kernel[(programs,)](scores, gmax, positions, req, table, out, glist, cand, cand_pos, rows, row_offset,
                                 scores.stride(0), gmax.stride(0), out.stride(0), table.stride(0) if as_slots else 0,
-                                k, BLOCK_SIZE=block_size, AS_SLOTS=as_slots, GROUP=cfg.group, SUM_CAP=cfg.sum_cap,
-                                GCAP=cfg.gcap, CAP=cfg.cap, SCAN=cfg.scan, BLOCK=cfg.block, PROBES=cfg.probes,
-                                num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+                                k, slack, BLOCK_SIZE=block_size, AS_SLOTS=as_slots, GROUP=cfg.group,
+                                SUM_CAP=cfg.sum_cap, GCAP=cfg.gcap, CAP=cfg.cap, SCAN=cfg.scan, BLOCK=cfg.block,
+                                PROBES=cfg.probes,
+                                num_warps=cfg.direct_warps if scores.shape[1] <= cfg.cap else cfg.num_warps,
+                                **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 
 
 def num_maxima(seq_len: int, cfg: SelectConfig) -> int:

@@ -12,7 +12,8 @@ path alone (the score kernel; the selection over those scores), and checks that 
 Floor: prefill max(bytes / copy, FLOPs / (2 x bf16 matmul)), FLOPs = 2·H·D per (row, causal key), bytes =
 the key rows once + q + w + the output; decode the key bytes B·S·132 over the copy bandwidth ("% copy
 on keys"). Both ceilings are measured first in the same run (`bench.kernels.timing.ceilings`).
-`--sweep` also times score-kernel tiles at S = 128K and the decode case and uses the fastest.
+`--sweep` also times score-kernel tiles at S = 128K and the decode case, then (`--sweep select` alone) the
+selection's warps / probes per step / register cap at S = 128K, 8K and decode, and uses the fastest.
 """
 
 from __future__ import annotations
@@ -190,21 +191,74 @@ def sweep(dev, ceil, kind: str, best: dict, S: int = 131072, n: int | None = Non
     return out
 
 
-def run(dev, ceil, quick: bool, do_sweep: bool, guard) -> tuple[list[dict], list[dict]]:
+# (warps, probes, theta_slack, maxnreg); the first is the selection's first form (2026-12-03 run 2)
+SWEEP_SELECT = [(8, 1, 0, None), (8, 1, 8, None), (8, 4, 0, None), (8, 4, 8, None), (8, 8, 8, None), (16, 4, 8, None),
+                (16, 8, 8, None), (4, 1, 0, None), (4, 4, 8, None), (4, 8, 8, None), (8, 4, 8, 128)]
+
+
+def sweep_select(dev, ceil, kind: str, best: dict, S: int, n: int, variants: list | None = None,
+                 topk: int = 2048) -> list[dict]:
+    """The threshold selection alone over the score kernel's real outputs, per (warps, probes, theta_slack,
+    maxnreg): the
+    prefill case (n rows at the end of an S-token context) or the decode case (n requests, one row each); the
+    fastest select configuration goes into best[kind] (`warps` is `direct_warps` when S <= cap). Every
+    variant must pick what the first picked."""
+    base = best.get(kind) or (DECODE if kind == "decode" else PREFILL)
+    case = Case(dev, [S] * n, 1, topk) if kind == "decode" else Case(dev, [S], n, topk)
+    q, w, _ = _prepare(case.q, case.w, case.cache, None)
+    T = q.shape[0]
+    block_t = 1 if kind == "decode" else base.block_t
+    scores = torch.empty((T, S), dtype=torch.float32, device=dev)
+    gmax = torch.empty((T, num_maxima(S, base.select)), dtype=torch.float32, device=dev)
+    tiles = tile_tensor(0, T, case.qsl, case.seq_lens, topk, block_t, dev)
+    fused_scores(q, w, case.cache, case.table, case.req, case.pos, tiles, scores, gmax, 0, block_t, base)
+    out = torch.empty((T, topk), dtype=torch.int32, device=dev)
+    rows, first, fastest = [], None, float("inf")
+    for warps, probes, slack, maxnreg in variants or SWEEP_SELECT:
+        sel = replace(base.select, num_warps=warps, direct_warps=warps, probes=probes, theta_slack=slack,
+                      maxnreg=maxnreg)
+        name = f"sweep select {kind} S={S} warps={warps} probes={probes} slack={slack} maxnreg={maxnreg}"
+        try:
+            t = time_plain(lambda: topk_threshold_rows(scores, gmax, case.pos, topk, out, 0, sel), dev, rep_ms=100)
+        except Exception as e:  # noqa: BLE001 - a variant the device cannot run is reported, the sweep goes on
+            rows.append({"kernel": name, "error": repr(e)[:200]})
+            continue
+        picked = torch.sort(out, dim=1).values
+        first = picked if first is None else first
+        same = bool(torch.equal(picked, first))
+        rows.append(roofline_row(name, t, T * S * 4, 0, ceil, warps=warps, probes=probes, theta_slack=slack,
+                                 maxnreg=maxnreg, same_picks=same, case=kind, S=S, rows=T))
+        if same and t < fastest:
+            fastest = t
+            keep = (dict(direct_warps=warps) if S <= sel.cap else
+                    dict(num_warps=warps, probes=probes, theta_slack=slack, maxnreg=maxnreg))
+            best[kind] = replace(base, select=replace(base.select, **keep))
+    return rows
+
+
+def run(dev, ceil, quick: bool, do_sweep: str | bool | None, guard) -> tuple[list[dict], list[dict]]:
     """(rows, sweep rows) of the indexer section; `guard(rows, fn)` runs one part, keeping the rest on failure."""
     rows: list[dict] = []
     sweeps: list[dict] = []
     if quick:  # the script itself, through the interpreter on a CPU: numbers mean nothing
         if do_sweep:
             guard(sweeps, lambda: sweep(dev, ceil, "prefill", {}, 200, 4, 32, [(2, 32, 4, 1)]))
+            variants = [(4, 1, 0, None), (4, 4, 8, None)]
+            guard(sweeps, lambda: sweep_select(dev, ceil, "prefill", {}, 300, 8, variants, 32))
         guard(rows, lambda: bench_prefill(dev, ceil, 300, 8, 4, None, topk=32))
         guard(rows, lambda: bench_decode(dev, ceil, 3, 300, None, topk=32))
         return rows, sweeps
-    best: dict = {"prefill": None, "decode": None}
-    if do_sweep:
-        for kind in best:
+    best: dict = {"prefill": None, "decode": None, "prefill-short": None}
+    if do_sweep in (True, "all"):  # score-kernel tiles
+        for kind in ("prefill", "decode"):
             guard(sweeps, lambda: sweep(dev, ceil, kind, best))
+    if do_sweep in (True, "all", "select"):
+        best["prefill-short"] = best["prefill"]
+        guard(sweeps, lambda: sweep_select(dev, ceil, "prefill", best, 131072, 2048))
+        guard(sweeps, lambda: sweep_select(dev, ceil, "prefill-short", best, 8192, 2048))
+        guard(sweeps, lambda: sweep_select(dev, ceil, "decode", best, 131072, 64))
     for S, ref_rows in ((8192, 256), (131072, 16), (1 << 20, 2)):
-        guard(rows, lambda: bench_prefill(dev, ceil, S, 2048, ref_rows, best["prefill"]))
+        cfg = best["prefill-short" if S <= 8192 else "prefill"]
+        guard(rows, lambda: bench_prefill(dev, ceil, S, 2048, ref_rows, cfg))
     guard(rows, lambda: bench_decode(dev, ceil, 64, 131072, best["decode"]))
     return rows, sweeps

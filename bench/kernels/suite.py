@@ -224,7 +224,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r['bound']:>7s} {sp:>8s}{extra}")
 
 
-def run(dev: torch.device, quick: bool, sweep: bool, only: str = "all") -> dict:
+def run(dev: torch.device, quick: bool, sweep: str | None, only: str = "all") -> dict:
     ceil = ceilings(dev)
     print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s", flush=True)
     rows: list[dict] = []
@@ -244,7 +244,7 @@ def run(dev: torch.device, quick: bool, sweep: bool, only: str = "all") -> dict:
         rows.append(bench_moe(dev, ceil, 16, 4, 64, 32, 2))
         return {"ceilings": ceil, "rows": rows, "sweep": sweeps}
     best: dict[str, tuple | None] = {"H64": None, "H8": None, "prefill": None}
-    if sweep:
+    if sweep == "all":
         h64 = [(64, 64, 8, 2, True), (64, 64, 8, 2, False), (64, 64, 8, 3, True), (64, 32, 8, 2, True)]
         h8 = [(16, 32, 4, 2, True), (16, 32, 4, 2, False), (16, 64, 8, 2, True), (16, 32, 4, 3, True)]
         pre = [(64, 64, 8, 2, True), (64, 32, 8, 2, True), (64, 64, 8, 3, True)]
@@ -280,7 +280,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, numbers mean nothing")
-    ap.add_argument("--sweep", action="store_true", help="also time tile configurations of the main kernels")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "select"],
+                    help="also time tile configurations of the main kernels (select: only the indexer selection's)")
     ap.add_argument("--only", choices=["all", "indexer", "sparse-mla"], default="all",
                     help="indexer: the ceilings and the indexer cases only (radix against fused); sparse-mla: the "
                          "decode kernel's variants (trimmed rows, other tiles)")
