@@ -54,24 +54,16 @@ def _ordered(x):
 
 
 @jit
-def _kth_largest(key, k, slack, PROBES: tl.constexpr):
-    """int64 T with k <= count(key >= T) <= k + slack, over the keys that are not _KEY_MIN (at least k of them);
-    with slack 0 also count(key > T) < k: the k-th largest key, or a probe that leaves exactly k keys at or
-    above it. Each step counts PROBES probes spread over (lo, hi] at once (PROBES + 1 sections a step: one
-    block-wide reduction of PROBES counts instead of log2(PROBES + 1) reductions of one)."""
+def _kth_largest(key, k):
+    """int64 T with count(key >= T) >= k > count(key > T), over the keys that are not _KEY_MIN (at least
+    k of them): the k-th largest key, or, when a probe leaves exactly k keys at or above it, that probe."""
     lo = tl.min(tl.where(key != _KEY_MIN, key, 2147483647), axis=0).to(tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64)
-    j = tl.arange(0, PROBES).to(tl.int64) + 1
     while lo < hi:  # count(key >= lo) >= k > count(key > hi); every probe is > lo, so _KEY_MIN never counts
-        probe = tl.minimum(lo + ((hi - lo) * j + PROBES) // (PROBES + 1), hi)
-        c = tl.sum((key[:, None] >= probe[None, :].to(tl.int32)).to(tl.int32), axis=0)  # non-increasing in j
-        ok = c >= k
-        hit = ok & (c <= k + slack)
-        new_lo = tl.max(tl.where(ok, probe, lo), axis=0)
-        new_hi = tl.min(tl.where(ok, hi, probe - 1), axis=0)
-        done = tl.max(hit.to(tl.int32), axis=0) > 0
-        lo = tl.where(done, tl.max(tl.where(hit, probe, lo), axis=0), new_lo)
-        hi = tl.where(done, lo, new_hi)
+        mid = lo + (hi - lo + 1) // 2
+        c = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+        hi = tl.where(c >= k, tl.where(c == k, mid, hi), mid - 1)
+        lo = tl.where(c >= k, mid, lo)
     return lo
 
 
@@ -84,15 +76,14 @@ def _folded_maxima(n, GROUP: tl.constexpr, SUM_CAP: tl.constexpr):
 
 
 @jit
-def _theta(gmax_row, num_groups, fold, num_folded, k, slack, SUM_CAP: tl.constexpr, PROBES: tl.constexpr):
-    """A value with k to k + slack of the row's folded group maxima at or above it (int32 key): a lower bound of
-    its k-th largest score (slack 0: the k-th largest maximum, the tightest such bound, for more probes)."""
+def _theta(gmax_row, num_groups, fold, num_folded, k, SUM_CAP: tl.constexpr):
+    """The k-th largest of the row's folded group maxima (int32 key): a lower bound of its k-th largest score."""
     i = tl.arange(0, SUM_CAP)
     m = tl.full([SUM_CAP], float("-inf"), tl.float32)
     for j in range(fold):
         g = i * fold + j
         m = tl.maximum(m, tl.load(gmax_row + g, mask=(i < num_folded) & (g < num_groups), other=float("-inf")))
-    return _kth_largest(tl.where(i < num_folded, _ordered(m), _KEY_MIN), k, slack, PROBES).to(tl.int32)
+    return _kth_largest(tl.where(i < num_folded, _ordered(m), _KEY_MIN), k).to(tl.int32)
 
 
 @jit
@@ -132,13 +123,13 @@ def _compact(s_row, n, theta, glist, num_listed, cand, cpos, CAP: tl.constexpr, 
 
 @jit
 def _emit_selected(key, src_ptr, cpos_row, num, k, bt_row, o_row, AS_SLOTS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   FROM_SCORES: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+                   FROM_SCORES: tl.constexpr, BLOCK: tl.constexpr):
     """The k largest of `key` (the `num` entries of src_ptr in registers, _KEY_MIN elsewhere) -> o_row[0, k)
     in entry order (ascending positions); of the keys equal to the k-th largest, the first ones win. The
     emission streams the entries again, BLOCK at a time, so the registers hold only the one [CAP] tensor:
     src_ptr holds scores (FROM_SCORES: an entry's position is its index) or candidate keys (its position is
     cpos_row[index])."""
-    thr = _kth_largest(key, k, 0, PROBES).to(tl.int32)
+    thr = _kth_largest(key, k).to(tl.int32)
     k_eq = k - tl.sum((key > thr).to(tl.int32), axis=0)
     gt_seen = 0
     eq_seen = 0
@@ -167,10 +158,9 @@ def _emit_selected(key, src_ptr, cpos_row, num, k, bt_row, o_row, AS_SLOTS: tl.c
 
 @jit
 def _select_kernel(score_ptr, gmax_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, glist_ptr, cand_ptr, cpos_ptr, rows,
-                   row_offset, ss_row, sg_row, so_row, s_bt, k, theta_slack, BLOCK_SIZE: tl.constexpr,
-                   AS_SLOTS: tl.constexpr,
+                   row_offset, ss_row, sg_row, so_row, s_bt, k, BLOCK_SIZE: tl.constexpr, AS_SLOTS: tl.constexpr,
                    GROUP: tl.constexpr, SUM_CAP: tl.constexpr, GCAP: tl.constexpr, CAP: tl.constexpr,
-                   SCAN: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+                   SCAN: tl.constexpr, BLOCK: tl.constexpr):
     """Persistent program p: rows p, p + programs, ...: each row's top-k from its threshold candidates, its
     own scores (no threshold, n <= CAP), or the radix select (too many candidates, or neither)."""
     p = tl.program_id(0).to(tl.int64)
@@ -191,7 +181,7 @@ def _select_kernel(score_ptr, gmax_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, glist
         if n <= k:
             _emit_all(n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
         elif num_folded >= k:
-            theta = _theta(gmax_row, num_groups, fold, num_folded, k, theta_slack, SUM_CAP, PROBES)
+            theta = _theta(gmax_row, num_groups, fold, num_folded, k, SUM_CAP)
             listed = _passing_groups(gmax_row, num_groups, theta, glist, GCAP, SCAN)
             total = tl.full([], CAP + 1, tl.int32)
             if listed <= GCAP:
@@ -200,12 +190,12 @@ def _select_kernel(score_ptr, gmax_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, glist
             if total <= CAP:
                 tl.debug_barrier()
                 key = tl.load(cand + i, mask=i < total, other=_KEY_MIN)
-                _emit_selected(key, cand, cpos, total, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, False, BLOCK, PROBES)
+                _emit_selected(key, cand, cpos, total, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, False, BLOCK)
             else:
                 _radix_select_row(s_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
         elif n <= CAP:
             key = tl.where(i < n, _ordered(tl.load(s_row + i, mask=i < n, other=0.0)), _KEY_MIN)
-            _emit_selected(key, s_row, cpos, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, True, BLOCK, PROBES)
+            _emit_selected(key, s_row, cpos, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, True, BLOCK)
         else:
             _radix_select_row(s_row, n, k, bt_row, o_row, AS_SLOTS, BLOCK_SIZE, BLOCK)
 
@@ -215,26 +205,22 @@ class SelectConfig:
     """`group` positions per maximum (the score kernel's GROUP), at most `sum_cap` folded maxima, `gcap`
     passing groups and `cap` candidates per row (the candidates and the maxima are held in registers),
     `scan` maxima or scores per step of the list and compaction passes, `block` per step of the emission and
-    the radix fallback, `probes` counted per step of a k-th-largest search, `theta_slack` how close theta's
-    search must come (k / theta_slack maxima above the k-th; 0: exact), `num_warps` per program
-    (`direct_warps` when no row is long enough for a threshold: S <= `cap`, each row ranked in registers),
-    `programs` per multiprocessor (the persistent grid; each program has its own scratch), `maxnreg` the
-    registers per thread the compiler may use (None: its choice)."""
+    the radix fallback, `num_warps` per program (`direct_warps` when no row is long enough for a threshold:
+    S <= `cap`, each row ranked in registers), `programs` per multiprocessor (the persistent grid; each program
+    has its own scratch). Defaults: the fastest of `python -m bench.kernels --only indexer --sweep select` on
+    the H200 (bench/data/kernels/indexer-select/NOTES.md)."""
     group: int = 16
     sum_cap: int = 8192
     gcap: int = 8192
     cap: int = 8192
-    scan: int = 8192
+    scan: int = 4096
     block: int = 2048
-    probes: int = 4
-    theta_slack: int = 8
     num_warps: int = 8
     direct_warps: int = 4
     programs: int = 4
-    maxnreg: int | None = None
 
     def __post_init__(self):
-        for name in ("group", "sum_cap", "gcap", "cap", "scan", "block", "probes"):
+        for name in ("group", "sum_cap", "gcap", "cap", "scan", "block"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"SelectConfig.{name} = {v} must be a power of two")
@@ -242,8 +228,6 @@ class SelectConfig:
             raise ValueError(f"SelectConfig.block = {self.block}: at most 16384 (the emission packs two counts)")
         if self.scan < self.group:
             raise ValueError(f"SelectConfig.scan = {self.scan} must cover a group ({self.group})")
-        if self.theta_slack < 0:
-            raise ValueError(f"SelectConfig.theta_slack = {self.theta_slack} must be >= 0")
         if min(self.num_warps, self.direct_warps, self.programs) < 1:
             raise ValueError("SelectConfig.num_warps, direct_warps and programs must be >= 1")
 
@@ -269,14 +253,11 @@ def topk_threshold_rows(scores: torch.Tensor, gmax: torch.Tensor, positions: tor
     glist = torch.empty((programs, cfg.gcap), dtype=torch.int32, device=scores.device)
     cand = torch.empty((programs, cfg.cap), dtype=torch.int32, device=scores.device)
     cand_pos = torch.empty_like(cand)
-    slack = k // cfg.theta_slack if cfg.theta_slack else 0
     _select_kernel[(programs,)](scores, gmax, positions, req, table, out, glist, cand, cand_pos, rows, row_offset,
                                 scores.stride(0), gmax.stride(0), out.stride(0), table.stride(0) if as_slots else 0,
-                                k, slack, BLOCK_SIZE=block_size, AS_SLOTS=as_slots, GROUP=cfg.group,
-                                SUM_CAP=cfg.sum_cap, GCAP=cfg.gcap, CAP=cfg.cap, SCAN=cfg.scan, BLOCK=cfg.block,
-                                PROBES=cfg.probes,
-                                num_warps=cfg.direct_warps if scores.shape[1] <= cfg.cap else cfg.num_warps,
-                                **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+                                k, BLOCK_SIZE=block_size, AS_SLOTS=as_slots, GROUP=cfg.group, SUM_CAP=cfg.sum_cap,
+                                GCAP=cfg.gcap, CAP=cfg.cap, SCAN=cfg.scan, BLOCK=cfg.block,
+                                num_warps=cfg.direct_warps if scores.shape[1] <= cfg.cap else cfg.num_warps)
 
 
 def num_maxima(seq_len: int, cfg: SelectConfig) -> int:

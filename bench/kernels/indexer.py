@@ -13,7 +13,7 @@ Floor: prefill max(bytes / copy, FLOPs / (2 x bf16 matmul)), FLOPs = 2·H·D per
 the key rows once + q + w + the output; decode the key bytes B·S·132 over the copy bandwidth ("% copy
 on keys"). Both ceilings are measured first in the same run (`bench.kernels.timing.ceilings`).
 `--sweep` also times score-kernel tiles at S = 128K and the decode case, then (`--sweep select` alone) the
-selection's warps / probes per step / register cap at S = 128K, 8K and decode, and uses the fastest.
+selection's warps and scan step at S = 128K, 8K and decode, and uses the fastest.
 """
 
 from __future__ import annotations
@@ -191,15 +191,14 @@ def sweep(dev, ceil, kind: str, best: dict, S: int = 131072, n: int | None = Non
     return out
 
 
-# (warps, probes, theta_slack, maxnreg); the first is the selection's first form (2026-12-03 run 2)
-SWEEP_SELECT = [(8, 1, 0, None), (8, 1, 8, None), (8, 4, 0, None), (8, 4, 8, None), (8, 8, 8, None), (16, 4, 8, None),
-                (16, 8, 8, None), (4, 1, 0, None), (4, 4, 8, None), (4, 8, 8, None), (8, 4, 8, 128)]
+# (warps, scan); also timed on 2026-12-03 and not kept: several probes per search step (4, 8), a theta search
+# stopping within k/8 of the k-th maximum, a 128-register cap (bench/data/kernels/indexer-select/NOTES.md)
+SWEEP_SELECT = [(8, 4096), (8, 8192), (16, 4096), (4, 4096), (4, 2048)]
 
 
 def sweep_select(dev, ceil, kind: str, best: dict, S: int, n: int, variants: list | None = None,
                  topk: int = 2048) -> list[dict]:
-    """The threshold selection alone over the score kernel's real outputs, per (warps, probes, theta_slack,
-    maxnreg): the
+    """The threshold selection alone over the score kernel's real outputs, per (warps, scan): the
     prefill case (n rows at the end of an S-token context) or the decode case (n requests, one row each); the
     fastest select configuration goes into best[kind] (`warps` is `direct_warps` when S <= cap). Every
     variant must pick what the first picked."""
@@ -214,10 +213,9 @@ def sweep_select(dev, ceil, kind: str, best: dict, S: int, n: int, variants: lis
     fused_scores(q, w, case.cache, case.table, case.req, case.pos, tiles, scores, gmax, 0, block_t, base)
     out = torch.empty((T, topk), dtype=torch.int32, device=dev)
     rows, first, fastest = [], None, float("inf")
-    for warps, probes, slack, maxnreg in variants or SWEEP_SELECT:
-        sel = replace(base.select, num_warps=warps, direct_warps=warps, probes=probes, theta_slack=slack,
-                      maxnreg=maxnreg)
-        name = f"sweep select {kind} S={S} warps={warps} probes={probes} slack={slack} maxnreg={maxnreg}"
+    for warps, scan in variants or SWEEP_SELECT:
+        sel = replace(base.select, num_warps=warps, direct_warps=warps, scan=scan)
+        name = f"sweep select {kind} S={S} warps={warps} scan={scan}"
         try:
             t = time_plain(lambda: topk_threshold_rows(scores, gmax, case.pos, topk, out, 0, sel), dev, rep_ms=100)
         except Exception as e:  # noqa: BLE001 - a variant the device cannot run is reported, the sweep goes on
@@ -226,12 +224,11 @@ def sweep_select(dev, ceil, kind: str, best: dict, S: int, n: int, variants: lis
         picked = torch.sort(out, dim=1).values
         first = picked if first is None else first
         same = bool(torch.equal(picked, first))
-        rows.append(roofline_row(name, t, T * S * 4, 0, ceil, warps=warps, probes=probes, theta_slack=slack,
-                                 maxnreg=maxnreg, same_picks=same, case=kind, S=S, rows=T))
+        rows.append(roofline_row(name, t, T * S * 4, 0, ceil, warps=warps, scan=scan, same_picks=same, case=kind,
+                                 S=S, rows=T))
         if same and t < fastest:
             fastest = t
-            keep = (dict(direct_warps=warps) if S <= sel.cap else
-                    dict(num_warps=warps, probes=probes, theta_slack=slack, maxnreg=maxnreg))
+            keep = dict(direct_warps=warps) if S <= sel.cap else dict(num_warps=warps, scan=scan)
             best[kind] = replace(base, select=replace(base.select, **keep))
     return rows
 
@@ -243,7 +240,7 @@ def run(dev, ceil, quick: bool, do_sweep: str | bool | None, guard) -> tuple[lis
     if quick:  # the script itself, through the interpreter on a CPU: numbers mean nothing
         if do_sweep:
             guard(sweeps, lambda: sweep(dev, ceil, "prefill", {}, 200, 4, 32, [(2, 32, 4, 1)]))
-            variants = [(4, 1, 0, None), (4, 4, 8, None)]
+            variants = [(4, 4096), (8, 2048)]
             guard(sweeps, lambda: sweep_select(dev, ceil, "prefill", {}, 300, 8, variants, 32))
         guard(rows, lambda: bench_prefill(dev, ceil, 300, 8, 4, None, topk=32))
         guard(rows, lambda: bench_decode(dev, ceil, 3, 300, None, topk=32))

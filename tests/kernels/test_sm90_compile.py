@@ -122,10 +122,10 @@ def test_threshold_select_kernel_compiles_for_sm90():
         c = SelectConfig()
         sig = {"score_ptr": "*fp32", "gmax_ptr": "*fp32", "pos_ptr": "*i64", "req_ptr": "*i32", "bt_ptr": "*i32",
                "out_ptr": "*i32", "glist_ptr": "*i32", "cand_ptr": "*i32", "cpos_ptr": "*i32",
-               **{k: "i32" for k in "rows row_offset ss_row sg_row so_row s_bt k theta_slack".split()}}
+               **{k: "i32" for k in "rows row_offset ss_row sg_row so_row s_bt k".split()}}
         for slots in (False, True):
             const = dict(BLOCK_SIZE=64, AS_SLOTS=slots, GROUP=c.group, SUM_CAP=c.sum_cap, GCAP=c.gcap, CAP=c.cap,
-                         SCAN=c.scan, BLOCK=c.block, PROBES=c.probes)
+                         SCAN=c.scan, BLOCK=c.block)
             print(slots, build(_select_kernel, sig, const, num_warps=c.num_warps, num_stages=1))
     ''', timeout=900)
     builds = [line.split() for line in out.splitlines()]
