@@ -24,6 +24,7 @@ pytestmark = pytest.mark.xdist_group("faults-dp")
 HANG_S = 10.0  # the group's hang timeout: a decode step of this tiny model takes well under a second
 RESTART_S = 300.0  # as long as the first start may take (launcher.up below); about 12 s when the machine is idle
 RANKS = ("decode-0-dp0", "decode-0-dp1")
+ROUTER_SETTLE_S = 1.5  # three of the router's 0.5 s load refreshes
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
@@ -94,10 +95,13 @@ def test_dp_group_serves_then_a_dead_or_hung_rank_takes_it_out(dep, offline):
 def _mid_stream(dep, chats: list[dict]) -> chaos.Load:
     """Long streams on both ranks, every one of them past its first tokens. The router places them by the
     loads the ranks publish each heartbeat plus its own in-flight counts: it starts once both ranks have
-    published themselves idle, so a load left over from the chats before cannot steer every stream to one rank."""
+    published themselves idle and the router has had time to read that (on a loaded 2-core CI machine one
+    run saw all four streams go to rank 0 without the wait), so a load left over from the chats before cannot
+    steer every stream to one rank."""
     assert system.wait_for(lambda: all(v.get("running", 0) == 0 and v.get("waiting", 0) == 0
                                        for v in _loads(dep).values()), timeout=15), \
         f"the ranks still publish work from before: {_loads(dep)}"
+    time.sleep(ROUTER_SETTLE_S)  # the router re-reads those loads every 0.5 s: let it see them idle too
     load = chaos.Load(dep.url, chats, CLIENT_TIMEOUT_S, path="/v1/chat/completions").start()
     assert load.wait_started(60), "streams did not start"
     assert system.wait_for(lambda: all(v.get("running", 0) >= 1 for v in _loads(dep).values()), timeout=10), \
