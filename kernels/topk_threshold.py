@@ -20,7 +20,7 @@ maximum is >= theta. One program per row (a persistent grid, scratch per program
 Steps 2-3 read ceil(n_t / GROUP) maxima and about k * GROUP scores, whatever n_t is: at S = 128K a row's
 selection reads 32 KB of maxima and ~128 KB of its 512 KB of scores, at S = 1M 256 KB and ~128 KB of 4 MB.
 (The previous form scanned every score of a row in one program, 16 to 128 serial steps of 8,192: 2.1 ms of
-a 128K prefill's 5.6 ms on the H200, bench/data/kernels/NOTES.md.) Each step is a block-wide scan or
+a 128K prefill's 5.6 ms on the H200, bench/data/kernels/indexer-select/NOTES.md.) Each step is a block-wide scan or
 reduction; the list and the candidates go through global scratch that the same program reads back after a
 barrier (L1/L2-resident).
 

@@ -76,17 +76,24 @@ def _agreement(a: torch.Tensor, b: torch.Tensor, rows: int = 16) -> float:
     return sum(shared) / len(shared)
 
 
-def _fused_parts(dev, case: Case, cfg: FusedConfig) -> tuple[float, float]:
-    """Seconds of the fused score kernel and of the threshold selection alone over the first chunk of rows."""
+def _score_outputs(dev, case: Case, cfg: FusedConfig, rows: int):
+    """(launch of the fused score kernel, scores, gmax) over the first `rows` query rows; the launch fills them."""
     q, w, _ = _prepare(case.q, case.w, case.cache, None)
-    T = q.shape[0]
-    rows = min(T, max(cfg.block_t, (1 << 30) // (4 * case.S)))
-    block_t = 1 if len(case.qsl) - 1 == T else cfg.block_t
+    block_t = 1 if len(case.qsl) - 1 == q.shape[0] else cfg.block_t
     scores = torch.empty((rows, case.S), dtype=torch.float32, device=dev)
     gmax = torch.empty((rows, num_maxima(case.S, cfg.select)), dtype=torch.float32, device=dev)
     tiles = tile_tensor(0, rows, case.qsl, case.seq_lens, case.k, block_t, dev)
-    t_scores = time_plain(lambda: fused_scores(q, w, case.cache, case.table, case.req, case.pos, tiles, scores, gmax,
-                                               0, block_t, cfg), dev, rep_ms=100)
+    launch = functools.partial(fused_scores, q, w, case.cache, case.table, case.req, case.pos, tiles, scores, gmax, 0,
+                               block_t, cfg)
+    return launch, scores, gmax
+
+
+def _fused_parts(dev, case: Case, cfg: FusedConfig) -> tuple[float, float]:
+    """Seconds of the fused score kernel and of the threshold selection alone over the first chunk of rows."""
+    T = case.pos.shape[0]
+    rows = min(T, max(cfg.block_t, (1 << 30) // (4 * case.S)))
+    launch, scores, gmax = _score_outputs(dev, case, cfg, rows)
+    t_scores = time_plain(launch, dev, rep_ms=100)
     out = torch.empty((T, case.k), dtype=torch.int32, device=dev)
     t_select = time_plain(lambda: topk_threshold_rows(scores, gmax, case.pos, case.k, out, 0, cfg.select), dev,
                           rep_ms=100)
@@ -204,13 +211,9 @@ def sweep_select(dev, ceil, kind: str, best: dict, S: int, n: int, variants: lis
     variant must pick what the first picked."""
     base = best.get(kind) or (DECODE if kind == "decode" else PREFILL)
     case = Case(dev, [S] * n, 1, topk) if kind == "decode" else Case(dev, [S], n, topk)
-    q, w, _ = _prepare(case.q, case.w, case.cache, None)
-    T = q.shape[0]
-    block_t = 1 if kind == "decode" else base.block_t
-    scores = torch.empty((T, S), dtype=torch.float32, device=dev)
-    gmax = torch.empty((T, num_maxima(S, base.select)), dtype=torch.float32, device=dev)
-    tiles = tile_tensor(0, T, case.qsl, case.seq_lens, topk, block_t, dev)
-    fused_scores(q, w, case.cache, case.table, case.req, case.pos, tiles, scores, gmax, 0, block_t, base)
+    T = case.pos.shape[0]
+    launch, scores, gmax = _score_outputs(dev, case, base, T)
+    launch()
     out = torch.empty((T, topk), dtype=torch.int32, device=dev)
     rows, first, fastest = [], None, float("inf")
     for warps, scan in variants or SWEEP_SELECT:
@@ -233,7 +236,7 @@ def sweep_select(dev, ceil, kind: str, best: dict, S: int, n: int, variants: lis
     return rows
 
 
-def run(dev, ceil, quick: bool, do_sweep: str | bool | None, guard) -> tuple[list[dict], list[dict]]:
+def run(dev, ceil, quick: bool, do_sweep: str | None, guard) -> tuple[list[dict], list[dict]]:
     """(rows, sweep rows) of the indexer section; `guard(rows, fn)` runs one part, keeping the rest on failure."""
     rows: list[dict] = []
     sweeps: list[dict] = []
@@ -246,10 +249,10 @@ def run(dev, ceil, quick: bool, do_sweep: str | bool | None, guard) -> tuple[lis
         guard(rows, lambda: bench_decode(dev, ceil, 3, 300, None, topk=32))
         return rows, sweeps
     best: dict = {"prefill": None, "decode": None, "prefill-short": None}
-    if do_sweep in (True, "all"):  # score-kernel tiles
+    if do_sweep == "all":  # score-kernel tiles
         for kind in ("prefill", "decode"):
             guard(sweeps, lambda: sweep(dev, ceil, kind, best))
-    if do_sweep in (True, "all", "select"):
+    if do_sweep in ("all", "select"):
         best["prefill-short"] = best["prefill"]
         guard(sweeps, lambda: sweep_select(dev, ceil, "prefill", best, 131072, 2048))
         guard(sweeps, lambda: sweep_select(dev, ceil, "prefill-short", best, 8192, 2048))

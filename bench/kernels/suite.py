@@ -238,7 +238,7 @@ def run(dev: torch.device, quick: bool, sweep: str | None, only: str = "all") ->
         return {"ceilings": ceil, "rows": rows, "sweep": sweeps}
     if quick:
         rows += bench_decode(dev, ceil, 5, 2, [2], K=32, ctx=256, ref=True)
-        _guard(rows, lambda: indexer_bench.run(dev, ceil, True, False, _guard)[0])
+        _guard(rows, lambda: indexer_bench.run(dev, ceil, True, None, _guard)[0])
         rows += bench_store_gather(dev, ceil, 64)
         rows.append(bench_merge(dev, ceil, 2, 16))
         rows.append(bench_moe(dev, ceil, 16, 4, 64, 32, 2))
