@@ -46,6 +46,10 @@ Why this shape (the legacy `_index_scores_kernel` put the (row, head) pairs on t
   split into KEYS_PER_PROG ranges over many programs, 4 pipeline stages of 64-key tiles, 80-106
   registers; at 62 FLOP per key byte it is bound by the key stream.
 
+On sm_90 the prefill tile (4 rows x 32 heads, 64-key tiles) runs `kernels.indexer_gluon` instead: the same
+arithmetic and outputs, with each tile's MMA issued asynchronously and overlapped with the previous tile's
+epilogue, which Triton's `tl.dot` cannot express (PDSERVE_INDEXER_GLUON=1 turns it on; off by default until timed).
+
 Tensors: q fp8 [T, H, D] (rows 4-byte aligned), w fp32 [T, H] with the q scale folded in; the key cache
 layer [num_blocks, block_size, D + 4] uint8 read through fp8 / fp32 views of its bytes; scores fp32
 [rows, S] and gmax fp32 [rows, ceil(S / GROUP)] for rows [row_offset, row_offset + rows) (only positions
@@ -60,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import indexer_gluon
 from kernels._jit import interpreting, jit, next_pow2
 from kernels.topk_threshold import SelectConfig, num_maxima, topk_threshold_rows
 
@@ -230,6 +235,11 @@ def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, bl
     flat = index_cache.as_strided((span,), (1,))
     h_pad = max(16, next_pow2(H))
     grid = (tiles.shape[0], triton.cdiv(scores.shape[1], cfg.keys_per_prog))
+    if indexer_gluon.supported(q.device, block_t, H, D, block_n):  # sm_90: MMA overlapped with the epilogue
+        indexer_gluon.launch(grid, q, w, flat.view(torch.float8_e4m3fn), flat.view(torch.float32), block_table,
+                             tiles, token_req_idx, positions, scores, gmax, row_offset, H, sb, st, bs,
+                             cfg.keys_per_prog, cfg.select.group)
+        return
     _fused_scores_kernel[grid](
         q, w, flat.view(torch.float8_e4m3fn), flat.view(torch.float32), block_table, tiles, token_req_idx,
         positions, scores, gmax, row_offset, H, q.stride(0), q.stride(1), w.stride(0), sb, st,

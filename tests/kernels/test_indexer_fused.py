@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import indexer_gluon
 from kernels.indexer import _prepare, index_scores, indexer_topk, topk_positions_ref
 from kernels.indexer_fused import INTERPRETED, PREFILL, FusedConfig, fused_scores, tile_tensor
 from kernels.topk_threshold import SelectConfig, num_maxima
@@ -17,9 +18,9 @@ from tests.helpers.kernel_inputs import as_sets, gpu, interp
 from tests.kernels.test_indexer import make_batch, ref_scores
 
 
-def check_maxima(device, seq_lens, rows, H, D, block_size, cfg: FusedConfig, eps: float) -> None:
+def check_maxima(device, seq_lens, rows, H, D, block_size, cfg: FusedConfig, eps: float) -> torch.Tensor:
     """Host-layout tiles of up to cfg.block_t rows: scores close to the reference, maxima exact, and nothing
-    written past a row's position (sentinels stay)."""
+    written past a row's position (sentinels stay). Returns the scores."""
     bt = make_batch("fp8", seq_lens, rows, H, D, block_size, spare_blocks=3, device=device)
     S = max(seq_lens)
     q, w, _ = _prepare(bt.q, bt.w, bt.cache, None)
@@ -43,6 +44,7 @@ def check_maxima(device, seq_lens, rows, H, D, block_size, cfg: FusedConfig, eps
     written = torch.arange(cols, device=device)[None, :] * G <= bt.pos[:, None]
     assert torch.equal(gmax[written], expect[written]), "group maxima differ from the kernel's own scores"
     assert torch.all(gmax[~written] == sentinel), "maxima written past a row's groups"
+    return scores
 
 
 def decode_batch(device, seq_lens: list[int], H: int, D: int, block_size: int, dup_every: int):
@@ -95,6 +97,33 @@ def test_fused_decode_interp(programs):
 def test_fused_maxima_gpu(mark):
     rows = [list(range(60_000 - 8, 60_000)), [9_000, 9_001, 9_002], [500]]
     check_maxima("cuda", [60_000, 9_003, 501], rows, H=32, D=128, block_size=64, cfg=PREFILL, eps=1e-2)
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_gluon_scores_gpu(mark, monkeypatch):
+    """sm_90: the launcher takes the Gluon kernel at the prefill tile (its launches counted), its scores and maxima
+    pass the Triton kernel's checks, and the two kernels' scores agree up to summation order. Key ranges of an odd
+    and an even number of 64-key tiles, a partial last tile, tiles of 1 to 4 rows, rows out of position order."""
+    dev = torch.device("cuda")
+    monkeypatch.setenv("PDSERVE_INDEXER_GLUON", "1")
+    if not indexer_gluon.supported(dev, PREFILL.block_t, 32, 128, PREFILL.block_n):
+        pytest.skip("no Gluon kernel on this GPU / Triton")
+    launches = []
+    real = indexer_gluon.launch
+    monkeypatch.setattr(indexer_gluon, "launch", lambda *a, **k: (launches.append(1), real(*a, **k)))
+    seq_lens = [20_001, 8_192 + 3 * 64 + 17, 130, 8_192 * 2]
+    rows = [[20_000, 19_990, 19_999, 11_000, 64, 9_000, 9_001], [8_192 + 3 * 64 + 16, 8_200],
+            [129, 100, 3, 64, 65], [8_192 * 2 - 1, 8_192 * 2 - 2, 8_191, 8_192]]
+    got = check_maxima("cuda", seq_lens, rows, H=32, D=128, block_size=64, cfg=PREFILL, eps=1e-2)
+    assert launches, "the Gluon kernel did not run"
+    monkeypatch.setenv("PDSERVE_INDEXER_GLUON", "0")
+    n = len(launches)
+    want = check_maxima("cuda", seq_lens, rows, H=32, D=128, block_size=64, cfg=PREFILL, eps=1e-2)
+    assert len(launches) == n, "PDSERVE_INDEXER_GLUON=0 still ran the Gluon kernel"
+    live = torch.isfinite(want) & (want != 12345.0)
+    scale = want.masked_fill(~live, 0).abs().amax(dim=1, keepdim=True).clamp(min=1e-6)
+    err = ((got - want).masked_fill(~live, 0).abs() / scale).max().item()
+    assert torch.equal(got == 12345.0, want == 12345.0) and err <= 1e-5, f"Gluon vs Triton scores: {err:.3g}"
 
 
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])

@@ -130,3 +130,29 @@ def test_threshold_select_kernel_compiles_for_sm90():
     ''', timeout=900)
     builds = [line.split() for line in out.splitlines()]
     assert [b[0] for b in builds] == ["False", "True"] and all(int(b[1]) > 0 for b in builds), out
+
+
+def test_gluon_indexer_scores_kernel_compiles_for_sm90():
+    """The Gluon score kernel (kernels/indexer_gluon.py) at the prefill tile: it builds, and its loop keeps one
+    wgmma in flight over the epilogue (a `wgmma.wait_group 1`), which is the point of the kernel."""
+    out = compile_sm90('''
+        import re
+        from triton.experimental.gluon._runtime import GluonASTSource
+        import kernels.indexer_gluon as g
+
+        k = g._gluon_scores_kernel
+        sig = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", k_ptr="*fp8e4nv", ks_ptr="*fp32", bt_ptr="*i32", tile_ptr="*i32",
+                   req_ptr="*i32", pos_ptr="*i64", score_ptr="*fp32", gmax_ptr="*fp32")
+        sig.update({a: "i32" for a in "row_offset num_heads sq_t sq_h sw_t sk_blk sk_tok s_bt ss_row sg_row".split()})
+        const = dict(BLOCK_SIZE=64, D=g.D, H_PAD=g.H_PAD, BLOCK_T=g.BLOCK_T, BLOCK_N=g.BLOCK_N, KEYS_PER_PROG=8192,
+                     GROUP=16, STAGES=g.STAGES)
+        full = {a: sig.get(a, "constexpr") for a in k.arg_names}
+        consts = {(k.arg_names.index(n),): v for n, v in const.items()}
+        attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*")}
+        out = triton.compile(GluonASTSource(k, full, constexprs=consts, attrs=attrs), target=TARGET,
+                             options={"num_warps": g.NUM_WARPS})
+        ptx = out.asm["ptx"]
+        print(len(out.asm["cubin"]), len(re.findall(r"wgmma.wait_group.sync.aligned\\s+1;", ptx)))
+    ''')
+    size, overlapped = out.split()
+    assert int(size) > 0 and int(overlapped) >= 1, out
