@@ -57,6 +57,16 @@ DEFAULT = False  # PDSERVE_INDEXER_GLUON's default
 
 if gluon is not None:
     _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 / 3.6
+
+    @gluon.jit
+    def _landed(STAGES: gl.constexpr):
+        """The oldest pending key tile is in shared memory and visible to the wgmma: every thread's copies done,
+        each thread's proxy fence (cp.async writes through the generic proxy, wgmma reads through the async one),
+        then a barrier, the order the Triton kernel's pipeline uses."""
+        cp.wait_group(STAGES - 2)
+        fence_async_shared()
+        _barrier()
 
     @gluon.jit
     def _issue(k_smem, k_ptr, bt_row, s_lo, tile, n_tiles, sk_blk, sk_tok, off, rows,
@@ -171,8 +181,7 @@ if gluon is not None:
                 # after the next issue) keeps ptxas from serialising the wgmmas, and costs no overlap: the tensor
                 # cores run one MMA of the warpgroup at a time anyway
                 acc_b = warpgroup_mma_wait(0, deps=(acc_b,))
-                cp.wait_group(STAGES - 2)
-                fence_async_shared()
+                _landed(STAGES)
                 acc_a = warpgroup_mma(k_smem.index(i % STAGES), qt, acc_a, use_acc=False, is_async=True)
                 _issue(k_smem, k_ptr, bt_row, s_lo, i + STAGES - 1, n_tiles, sk_blk, sk_tok, off, rows[:, None],
                        BLOCK_SIZE, BLOCK_N, STAGES)
@@ -181,8 +190,7 @@ if gluon is not None:
                     _epilogue(acc_b, w, ks_b, s_lo + (i - 1) * BLOCK_N, s_end, score_rows, gmax_ptrs, pos, pos_g,
                               pos_min, t_ok, ok_g, SCORE_L, GMAX_L, BLOCK_N, BLOCK_T, H_PAD, GROUP)
 
-                cp.wait_group(STAGES - 2)
-                fence_async_shared()
+                _landed(STAGES)
                 acc_b = warpgroup_mma(k_smem.index((i + 1) % STAGES), qt, acc_b, use_acc=False, is_async=True)
                 acc_a = warpgroup_mma_wait(1, deps=(acc_a,))
                 _issue(k_smem, k_ptr, bt_row, s_lo, i + STAGES, n_tiles, sk_blk, sk_tok, off, rows[:, None],
