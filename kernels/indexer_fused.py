@@ -46,9 +46,10 @@ Why this shape (the legacy `_index_scores_kernel` put the (row, head) pairs on t
   split into KEYS_PER_PROG ranges over many programs, 4 pipeline stages of 64-key tiles, 80-106
   registers; at 62 FLOP per key byte it is bound by the key stream.
 
-On sm_90 the prefill tile (4 rows x 32 heads, 64-key tiles) runs `kernels.indexer_gluon` instead: the same
+On sm_90 the prefill tile (4 rows x 32 heads, 64-key tiles) can run `kernels.indexer_gluon` instead: the same
 arithmetic and outputs, with each tile's MMA issued asynchronously and overlapped with the previous tile's
-epilogue, which Triton's `tl.dot` cannot express (PDSERVE_INDEXER_GLUON=1 turns it on; off by default until timed).
+epilogue, which Triton's `tl.dot` cannot express (PDSERVE_INDEXER_GLUON=1; off by default: measured 1.05-1.24x
+slower, the epilogue's issue and latency, not the MMA, bound this kernel).
 
 Tensors: q fp8 [T, H, D] (rows 4-byte aligned), w fp32 [T, H] with the q scale folded in; the key cache
 layer [num_blocks, block_size, D + 4] uint8 read through fp8 / fp32 views of its bytes; scores fp32

@@ -23,9 +23,16 @@ fp8 keys. Why Gluon, and this structure:
   Full warp specialisation (a producer warp and two consumer warpgroups) would free the consumers from issuing
   the copies (about 15% of the loop); not needed for the overlap itself.
 
-Triton 3.6 names the copy `async_copy_global_to_shared`, later versions `async_load`; both are accepted. The
-Triton kernel stays the path everywhere else (CPU interpreter, other GPUs, other tiles, decode), and is the
-default on sm_90 too until this kernel has been timed on the H200: `PDSERVE_INDEXER_GLUON=1` turns it on.
+Measured on the H200 (bench/data/kernels/indexer-gluon/NOTES.md, `python -m bench.kernels.gluon_ab`): scores
+bitwise equal to the Triton kernel's, and slower: 4,259 against 3,447 us at S = 128K (1.24x), 1.11x at 1M,
+1.05x at 8K. The tensor cores were not the limit: the Triton kernel spends ~3x the MMA's cycles per tile on the
+epilogue's instructions and their latencies, hidden by three programs (12 warps) per SM; two accumulators cost
+this kernel a third of that occupancy. So the Triton kernel stays the default everywhere; `PDSERVE_INDEXER_GLUON=1`
+runs this one on sm_90 (kept, tested, as the base for a form with a shorter epilogue).
+
+Triton 3.6 names the copy `async_copy_global_to_shared` and the barrier `thread_barrier`, later versions
+`async_load` and `barrier`; both are accepted. The Triton kernel is the path everywhere else (CPU interpreter,
+other GPUs, other tiles, decode).
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ D = 128
 BLOCK_N = 64
 STAGES = 4
 NUM_WARPS = 4
-DEFAULT = False  # PDSERVE_INDEXER_GLUON's default
+DEFAULT = False  # PDSERVE_INDEXER_GLUON's default: off, measured slower than the Triton kernel
+MAXNREG: int | None = None  # a register cap for the launch (None: the compiler's choice)
 
 if gluon is not None:
     _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
@@ -207,7 +215,7 @@ if gluon is not None:
 
 def supported(device: torch.device, block_t: int, num_heads: int, head_dim: int, block_n: int) -> bool:
     """True where the Gluon kernel runs: a Hopper GPU (sm_90), the prefill tile (4 rows x <= 32 heads x 128,
-    64-key tiles), Gluon present, and PDSERVE_INDEXER_GLUON set to 1 (off by default until timed on the H200)."""
+    64-key tiles), Gluon present, and PDSERVE_INDEXER_GLUON set to 1 (off by default: slower, see above)."""
     if gluon is None or device.type != "cuda" or interpreting() or not env_flag("PDSERVE_INDEXER_GLUON", DEFAULT):
         return False
     return (torch.cuda.get_device_capability(device) == (9, 0) and block_t == BLOCK_T and num_heads <= H_PAD
@@ -221,4 +229,4 @@ def launch(grid, q, w, k_fp8, k_f32, block_table, tiles, token_req_idx, position
         q, w, k_fp8, k_f32, block_table, tiles, token_req_idx, positions, scores, gmax, row_offset, num_heads,
         q.stride(0), q.stride(1), w.stride(0), sb, st, block_table.stride(0), scores.stride(0), gmax.stride(0),
         BLOCK_SIZE=bs, D=D, H_PAD=H_PAD, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, KEYS_PER_PROG=keys_per_prog,
-        GROUP=group, STAGES=STAGES, num_warps=NUM_WARPS)
+        GROUP=group, STAGES=STAGES, num_warps=NUM_WARPS, **({"maxnreg": MAXNREG} if MAXNREG else {}))
