@@ -83,17 +83,18 @@ def _infos(engine: AsyncEngine, ranks: list[DecodeRank], address: str, metrics_a
 
 
 async def serve(args: argparse.Namespace) -> int:
-    engine = AsyncEngine(EngineArgs.from_cli_args(args), text=False, cumulative=False)  # token-id deltas
     host = advertise_host(args.advertise_host, args.host)
     server = GrpcServer(args.port, args.host)
-    port = server.bind()
+    port = server.bind()  # gRPC and metrics ports bound before the engine loads (seconds): a port the
+    # launcher picked could meanwhile be taken by another process
     instance_id = args.instance_id or f"decode-{host}-{port}"
     metrics, state = ServiceMetrics("decode", instance_id), RedisState(args.redis_url)
+    metrics_port = metrics.serve(args.metrics_port, args.host)
+    engine = AsyncEngine(EngineArgs.from_cli_args(args), text=False, cumulative=False)  # token-id deltas
     agent = NixlAgent(f"{instance_id}.{os.getpid()}.{secrets.token_hex(3)}", metrics=metrics)
     ranks = _ranks(args, engine, agent, instance_id)
     servicer = DecodeServicer(engine, None, metrics, admit_timeout_s=args.admit_timeout_s, ranks=ranks)
     server.add_service(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, SERVICE_NAME)
-    metrics_port = metrics.serve(args.metrics_port, args.host)
     infos = _infos(engine, ranks, f"{host}:{port}", f"{host}:{metrics_port}", agent)
     host_obj = EngineHost(engine, infos, state, metrics, heartbeat_s=args.heartbeat_s,
                           instance_ttl_s=args.instance_ttl_s, block_ttl_s=args.block_ttl_s, publish_blocks=False)

@@ -50,12 +50,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
-    engine = AsyncEngine(engine_args, text=False, cumulative=False)  # deltas of token ids on the wire
     host = advertise_host(args.advertise_host, args.host)
     server = GrpcServer(args.port, args.host)
-    port = server.bind()
+    port = server.bind()  # gRPC and metrics ports bound before the engine loads (seconds): a port the
+    # launcher picked could meanwhile be taken by another process
     instance_id = args.instance_id or f"prefill-{host}-{port}"
     metrics, state = ServiceMetrics("prefill", instance_id), RedisState(args.redis_url)
+    metrics_port = metrics.serve(args.metrics_port, args.host)
+    engine = AsyncEngine(engine_args, text=False, cumulative=False)  # deltas of token ids on the wire
     exporter = KVExporter(instance_id, engine, metrics)
     link = None
     if args.kvstore != "off":
@@ -67,7 +69,6 @@ async def serve(args: argparse.Namespace) -> int:
                                Admission("prefill", args.max_inflight_requests, args.max_queued_requests),
                                grpc_address=f"{host}:{port}")
     server.add_service(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer, SERVICE_NAME)
-    metrics_port = metrics.serve(args.metrics_port, args.host)
     cfg = engine.config
     info = InstanceInfo("prefill", instance_id, f"{host}:{port}", f"{host}:{metrics_port}",
                         capacity={"num_blocks": engine.stats().num_blocks,

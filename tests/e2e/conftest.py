@@ -1,5 +1,6 @@
-"""Fixtures of the e2e tier: a private Redis per test session (never the machine's shared one), the `hardened`
-deployment and its addresses, the offline engine and corpus the fault tests compare with."""
+"""Fixtures of the e2e tier: a private Redis per test session (never the machine's shared one), the default
+deployment, the `hardened` deployment and its addresses, the offline engine and corpus the fault tests compare
+with."""
 
 from __future__ import annotations
 
@@ -26,6 +27,21 @@ def redis_url(redis_server):
     client.flushall()
     client.close()
     return redis_server.url
+
+
+# ---- the default topology, as `pdserve up` starts it (test_system, test_agent_api, test_anthropic,
+# test_structured_outputs) ----
+@pytest.fixture(scope="session")
+def default_deployment(tmp_path_factory):
+    """The shipped CPU topology on free ports. Shared by the modules of xdist group "default": their tests
+    leave nothing behind that another could see (requests end, blocks are freed, metrics are read as
+    deltas or lower bounds), so one start serves them all."""
+    from services.deploy import launcher
+    from tests.helpers import system
+
+    dep = system.up(tmp_path_factory.mktemp("default"))
+    yield dep
+    launcher.down(dep)
 
 
 # ---- one deployment with small admission bounds and API keys (test_overload, test_security, test_fuzz) ----

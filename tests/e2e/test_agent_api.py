@@ -11,10 +11,7 @@ import json
 
 import pytest
 
-from services.deploy import launcher
-from tests.helpers import system
-
-pytestmark = pytest.mark.xdist_group("agent_api")
+pytestmark = pytest.mark.xdist_group("default")  # shares conftest.default_deployment
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -32,10 +29,8 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    dep = system.up(tmp_path_factory.mktemp("agent"))
-    yield dep
-    launcher.down(dep)
+def deployment(default_deployment):
+    return default_deployment
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.deploy import launcher
 from tests.helpers import system
 
 anthropic = pytest.importorskip("anthropic")
-pytestmark = pytest.mark.xdist_group("anthropic")
+pytestmark = pytest.mark.xdist_group("default")  # shares conftest.default_deployment
 
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
            # values the grammar bounds: a random-weight model would write free text forever
@@ -22,10 +21,8 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def router_url(tmp_path_factory):
-    dep = system.up(tmp_path_factory.mktemp("anthropic"))
-    yield dep.endpoints()["router"][0]
-    launcher.down(dep)
+def router_url(default_deployment):
+    return default_deployment.endpoints()["router"][0]
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ import jsonschema
 import pytest
 import yaml
 
-from services.deploy import launcher
 from tests.helpers import system
 
-pytestmark = pytest.mark.xdist_group("structured")
+pytestmark = pytest.mark.xdist_group("default")  # shares conftest.default_deployment
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 10},
@@ -26,10 +25,8 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    dep = system.up(tmp_path_factory.mktemp("structured"))
-    yield dep.endpoints()["router"][0]
-    launcher.down(dep)
+def url(default_deployment):
+    return default_deployment.endpoints()["router"][0]
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,14 @@ import inspect
 import pytest
 
 from engine import LLM, SamplingParams
-from services.deploy import launcher
 from tests.helpers import system
 
-pytestmark = pytest.mark.xdist_group("system")
+pytestmark = pytest.mark.xdist_group("default")  # shares conftest.default_deployment
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    dep = system.up(tmp_path_factory.mktemp("system"))
-    yield dep
-    launcher.down(dep)
+def deployment(default_deployment):
+    return default_deployment
 
 
 @pytest.fixture(scope="module")
