@@ -77,6 +77,19 @@ def quantize_index_rows_ref(k: torch.Tensor) -> torch.Tensor:
     return torch.cat([q.view(torch.uint8), scale[:, None].contiguous().view(torch.uint8)], dim=1)
 
 
+def index_rows_to_blocked(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A [num_blocks, block_size, D + 4] uint8 cache of indexer rows -> the same bytes block-major, in a tensor
+    of the same shape: each block's block_size x D fp8 values (every key's values one 16-byte aligned D-byte
+    row), then its block_size fp32 scales. 132 bytes per token either way; the score kernel reads this form
+    with 16-byte copies (`fused_scores(..., blocked=True)`)."""
+    nb, bs, row = cache.shape
+    if cache.dtype != torch.uint8 or row != head_dim + 4:
+        raise ValueError(f"expected uint8 rows of {head_dim + 4} bytes, got {cache.dtype} {tuple(cache.shape)}")
+    values = cache[:, :, :head_dim].reshape(nb, bs * head_dim)
+    scales = cache[:, :, head_dim:].reshape(nb, bs * 4)
+    return torch.cat([values, scales], dim=1).view(nb, bs, row)
+
+
 def dequantize_index_rows_ref(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     """[..., D + 4] uint8 -> [..., D] float32."""
     lead = rows.shape[:-1]

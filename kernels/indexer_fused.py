@@ -36,12 +36,13 @@ Why this shape (the legacy `_index_scores_kernel` put the (row, head) pairs on t
   About 55% of those instructions are the epilogue (ReLU, weight, head sum, group maxima: ~3 per
   logit), ~15% the copies and addresses of the 132-byte rows.
 * Keys keep the 132-byte row (docs/kv-formats.md): rows are 4-byte aligned, so keys move as 4-byte
-  cp.async (17 per thread per tile, pipelined). A layout with 16-byte aligned values (block-major: all
-  values of a cache block, then its scales) would make that 4 copies and free most of the ~15%, at the
-  price of changing every reader and writer of the row (store_kv, HiSparse's gather, the KV spec, the
-  docs); decode needs only ~18 B/clk per SM of key stream, which these copies give at a fraction of the
-  issue rate. The format stays until a measurement says the 15% is worth it
-  (`python -m bench.kernels --only indexer`).
+  cp.async (17 per thread per tile, pipelined). The kernel also reads the block-major form (`BLOCKED`;
+  `kernels.formats.index_rows_to_blocked`: all values of a cache block, then its scales, same 132 bytes per
+  token), whose 16-byte aligned values move as 4 sixteen-byte copies plus the scale. Compiled for sm_90a
+  (static SASS, not a measurement) the prefill loop shrinks from 493 to 423 instructions and 168 to 153
+  registers under Triton 3.6, and from 228 to 161 registers under 3.9 (three programs per SM instead of
+  two). Making it the cache format changes every reader and writer of the row (store_kv, HiSparse's
+  gather, the KV spec, the docs), so it waits for the timed A/B (`python -m bench.kernels.layout_ab`).
 * Decode is the same kernel with BLOCK_T = 1 (N = 32 heads): one request's row over its whole context,
   split into KEYS_PER_PROG ranges over many programs, 4 pipeline stages of 64-key tiles, 80-106
   registers; at 62 FLOP per key byte it is bound by the key stream.
@@ -75,7 +76,7 @@ def _fused_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr,
                          row_offset, num_heads, sq_t, sq_h, sw_t, sk_blk, sk_tok, s_bt, ss_row, sg_row,
                          BLOCK_SIZE: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_N: tl.constexpr, KEYS_PER_PROG: tl.constexpr, GROUP: tl.constexpr,
-                         DOT_F32: tl.constexpr):
+                         DOT_F32: tl.constexpr, BLOCKED: tl.constexpr = False):
     N: tl.constexpr = BLOCK_T * H_PAD
     row0 = tl.load(tile_ptr + 2 * tl.program_id(0)).to(tl.int64)
     num_rows = tl.load(tile_ptr + 2 * tl.program_id(0) + 1)
@@ -97,15 +98,24 @@ def _fused_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr,
         score_rows = score_ptr + (row0 - row_offset + t) * ss_row
         gmax_rows = gmax_ptr + (row0 - row_offset + t) * sg_row
         # BLOCK_N divides BLOCK_SIZE and tiles start at multiples of BLOCK_N: a tile lies in one cache block,
-        # so its keys sit at one base plus loop-invariant offsets (132-byte rows: 4-byte aligned)
+        # so its keys sit at one base plus loop-invariant offsets (132-byte rows: 4-byte aligned; block-major
+        # values: D-byte rows, 16-byte aligned, the block's scales after them)
         n = tl.arange(0, BLOCK_N)
-        row_off = tl.multiple_of(n * sk_tok, 4)
+        if BLOCKED:
+            row_off = tl.multiple_of(n * D, 16)
+        else:
+            row_off = tl.multiple_of(n * sk_tok, 4)
         for s0 in range(s_lo, s_end, BLOCK_N):
             page = tl.load(bt_row + s0 // BLOCK_SIZE).to(tl.int64)
-            base = tl.multiple_of(page * sk_blk + (s0 % BLOCK_SIZE) * sk_tok, 4)
             # keys past s_end in the tile's block are read (valid memory), their scores never stored
-            k = tl.load(k_ptr + base + row_off[:, None] + tl.arange(0, D)[None, :])
-            k_scale = tl.load(ks_ptr + (base + D) // 4 + row_off // 4)
+            if BLOCKED:
+                base = tl.multiple_of(page * sk_blk + (s0 % BLOCK_SIZE) * D, 16)
+                k = tl.load(k_ptr + base + row_off[:, None] + tl.arange(0, D)[None, :])
+                k_scale = tl.load(ks_ptr + (page * sk_blk + BLOCK_SIZE * D) // 4 + s0 % BLOCK_SIZE + n)
+            else:
+                base = tl.multiple_of(page * sk_blk + (s0 % BLOCK_SIZE) * sk_tok, 4)
+                k = tl.load(k_ptr + base + row_off[:, None] + tl.arange(0, D)[None, :])
+                k_scale = tl.load(ks_ptr + (base + D) // 4 + row_off // 4)
             if DOT_F32:
                 k = k.to(tl.float32)
             logits = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, N]
@@ -208,11 +218,14 @@ def fused_indexer_topk(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tens
 
 def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
                  token_req_idx: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, scores: torch.Tensor,
-                 gmax: torch.Tensor, row_offset: int, block_t: int, cfg: FusedConfig) -> None:
+                 gmax: torch.Tensor, row_offset: int, block_t: int, cfg: FusedConfig, blocked: bool = False) -> None:
     """Scores and group maxima of the rows in `tiles` (int32 [n, 2]: first row, rows <= block_t).
 
     q: fp8 [T, H, D] (4-byte aligned strides, last dim contiguous); w fp32 [T, H] contiguous; index_cache a
     uint8 [num_blocks, block_size, D + 4] layer view; scores fp32 [rows, S], gmax fp32 [rows, >= S / group].
+    `blocked`: the cache holds each block's bytes block-major (`kernels.formats.index_rows_to_blocked`: its
+    block_size x D values, then its block_size scales; 16-byte aligned key rows), not 132-byte rows. Not the
+    engine's format: the layout A/B of `python -m bench.kernels.layout_ab` (the Triton kernel only).
     """
     T, H, D = q.shape
     if q.dtype != torch.float8_e4m3fn or q.stride(2) != 1 or q.stride(0) % 4 or q.stride(1) % 4:
@@ -223,6 +236,9 @@ def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, bl
     sb, st = index_cache.stride(0), index_cache.stride(1)
     if sb % 4 or st % 4 or index_cache.data_ptr() % 16:
         raise ValueError("key cache blocks and rows must start on 4-byte boundaries")
+    if blocked and (st != D + 4 or sb % 16):
+        raise ValueError(f"a block-major key cache needs contiguous blocks starting on 16-byte boundaries, got "
+                         f"strides {tuple(index_cache.stride())}")
     if scores.stride(1) != 1 or gmax.stride(1) != 1 or gmax.shape[1] * cfg.select.group < scores.shape[1]:
         raise ValueError("scores and gmax need contiguous rows, gmax one column per group of scores")
     bs = index_cache.shape[1]
@@ -236,7 +252,7 @@ def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, bl
     flat = index_cache.as_strided((span,), (1,))
     h_pad = max(16, next_pow2(H))
     grid = (tiles.shape[0], triton.cdiv(scores.shape[1], cfg.keys_per_prog))
-    if indexer_gluon.supported(q.device, block_t, H, D, block_n):  # sm_90: MMA overlapped with the epilogue
+    if not blocked and indexer_gluon.supported(q.device, block_t, H, D, block_n):  # sm_90: MMA || epilogue
         indexer_gluon.launch(grid, q, w, flat.view(torch.float8_e4m3fn), flat.view(torch.float32), block_table,
                              tiles, token_req_idx, positions, scores, gmax, row_offset, H, sb, st, bs,
                              cfg.keys_per_prog, cfg.select.group)
@@ -246,5 +262,5 @@ def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, bl
         positions, scores, gmax, row_offset, H, q.stride(0), q.stride(1), w.stride(0), sb, st,
         block_table.stride(0), scores.stride(0), gmax.stride(0),
         BLOCK_SIZE=bs, D=D, H_PAD=h_pad, BLOCK_T=block_t, BLOCK_N=block_n,
-        KEYS_PER_PROG=cfg.keys_per_prog, GROUP=cfg.select.group, DOT_F32=interpreting(),
+        KEYS_PER_PROG=cfg.keys_per_prog, GROUP=cfg.select.group, DOT_F32=interpreting(), BLOCKED=blocked,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
