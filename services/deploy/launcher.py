@@ -31,7 +31,7 @@ from services.deploy import topology as topo_mod
 from services.deploy.placement import check_placement
 from services.deploy.process_specs import plan_service
 from services.deploy.procs import stop_pid, tie_to_parent
-from services.deploy.topology import ORDER, ROOT, Ports, ServiceSpec, Topology
+from services.deploy.topology import ROOT, Ports, ServiceSpec, Topology
 from services.rpc.grpc_server import check_health_sync
 
 STATE_FILE = "state.json"
@@ -120,14 +120,19 @@ def up(topology: str | Path | dict, *, run_dir: str | Path | None = None, timeou
 
 
 def down(handle: Deployment | str | Path | None = None, *, timeout_s: float = 10.0) -> None:
-    """Stop a deployment (a handle, or the run directory of one; default .run). Idempotent."""
+    """Stop a deployment (a handle, or the run directory of one; default .run). Idempotent.
+
+    The routers first (no new requests reach the engines), then every other process at once: what the
+    engines and the kvstore still hold goes away with all of them, and each takes a second or two to stop,
+    so waiting for them one kind at a time only adds those seconds up."""
     if not isinstance(handle, Deployment):
         run = Path(handle) if handle else ROOT / ".run"
         if not (run / STATE_FILE).exists():
             return
         handle = Deployment.load(run)
-    for kind in reversed(ORDER):
-        _stop_group([p for p in handle.processes if p.kind == kind and _is_ours(p)], timeout_s)
+    live = [p for p in handle.processes if _is_ours(p)]
+    _stop_group([p for p in live if p.kind == "router"], timeout_s)
+    _stop_group([p for p in live if p.kind != "router"], timeout_s)
     if handle.redis_pid:
         stop_pid(handle.redis_pid, timeout_s)
         shutil.rmtree(handle.redis_workdir, ignore_errors=True)
