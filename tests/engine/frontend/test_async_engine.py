@@ -46,7 +46,11 @@ def test_streams_equal_offline_and_processing_overlaps_steps(tiny_code):
         def slow_process(outputs):  # a slow front end: the engine must keep stepping meanwhile
             threads.add(threading.current_thread().name)
             n0 = engine.core.num_steps
-            time.sleep(0.03)
+            # busy until the engine has stepped (bounded): a fixed short delay can pass without a step when a
+            # loaded machine makes one step longer than the delay
+            deadline = time.monotonic() + 0.5
+            while engine.core.num_steps == n0 and time.monotonic() < deadline:
+                time.sleep(0.005)
             overlap.append(engine.core.num_steps - n0)
             return process(outputs)
 
