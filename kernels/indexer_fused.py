@@ -26,7 +26,7 @@ Why this shape (the legacy `_index_scores_kernel` put the (row, head) pairs on t
   program cannot overlap its own epilogue with its MMA (that needs warp specialisation); overlap comes
   from several small programs per SM instead: the default prefill tile (BLOCK_T 4, BLOCK_N 64, 4 warps,
   3 stages) compiles for sm_90a to 168 registers and 34 KB of shared memory under Triton 3.6 (three
-  programs per SM) and 226 registers under 3.9 (two).
+  programs per SM) and 228 registers under 3.9.0 (two).
 * A key tile never spans two cache blocks (BLOCK_N <= block size): one page lookup per tile, offsets
   that do not change across tiles, and unmasked copies (keys past the row's end are read from the same
   block and their scores dropped); masks are computed only on the tiles that cross a row's position.
