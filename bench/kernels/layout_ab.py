@@ -29,34 +29,25 @@ import tempfile
 
 import torch
 
-from bench.kernels.indexer import ROW, Case, D, H
+from bench.kernels.indexer import ROW, Case, D, H, _score_outputs
 from bench.kernels.timing import ceilings, device_time, time_plain
 from kernels.formats import index_rows_to_blocked
-from kernels.indexer import _prepare
-from kernels.indexer_fused import DECODE, PREFILL, FusedConfig, fused_scores, tile_tensor
-from kernels.topk_threshold import num_maxima
+from kernels.indexer_fused import DECODE, PREFILL, FusedConfig
 
 
-def score_launches(dev, case: Case, cfg: FusedConfig, rows: int, block_t: int):
+def score_launches(dev, case: Case, cfg: FusedConfig, rows: int):
     """{layout: (launch, scores, gmax)} over the first `rows` query rows, both layouts of the case's cache."""
-    q, w, _ = _prepare(case.q, case.w, case.cache, None)
-    tiles = tile_tensor(0, rows, case.qsl, case.seq_lens, case.k, block_t, dev)
     blocked = index_rows_to_blocked(case.cache, D)
-    out = {}
-    for name, cache in (("rows", case.cache), ("blocked", blocked)):
-        scores = torch.full((rows, case.S), float("nan"), device=dev)
-        gmax = torch.full((rows, num_maxima(case.S, cfg.select)), float("nan"), device=dev)
-
-        def launch(cache=cache, scores=scores, gmax=gmax, is_blocked=name == "blocked"):
-            fused_scores(q, w, cache, case.table, case.req, case.pos, tiles, scores, gmax, 0, block_t, cfg,
-                         blocked=is_blocked)
-        out[name] = (launch, scores, gmax)
+    out = {"rows": _score_outputs(dev, case, cfg, rows), "blocked": _score_outputs(dev, case, cfg, rows, blocked, True)}
+    for _, scores, gmax in out.values():
+        scores.fill_(float("nan"))
+        gmax.fill_(float("nan"))
     return out
 
 
-def compare(dev, case: Case, cfg: FusedConfig, rows: int, block_t: int, scale_rows: int) -> dict:
+def compare(dev, case: Case, cfg: FusedConfig, rows: int, scale_rows: int) -> dict:
     """Score-kernel seconds of both layouts (scaled to all rows) and whether their outputs are bitwise equal."""
-    runs = score_launches(dev, case, cfg, rows, block_t)
+    runs = score_launches(dev, case, cfg, rows)
     row = {}
     for name, (launch, _, _) in runs.items():
         launch()
@@ -79,7 +70,7 @@ def prefill(dev, ceil: dict, S: int, T: int = 2048) -> dict:
     flops = 2 * H * D * int((case.pos + 1).sum())
     floor = max(S * ROW / (ceil["copy_tbps"] * 1e12), flops / (2 * ceil["bf16_tflops"] * 1e12))
     row = {"case": "prefill", "S": S, "T": T, "floor_us": floor * 1e6, "fp8_ceiling_tflops": 2 * ceil["bf16_tflops"]}
-    row.update(compare(dev, case, cfg, rows, cfg.block_t, T))
+    row.update(compare(dev, case, cfg, rows, T))
     for name in ("rows", "blocked"):
         row[name]["score_tflops"] = flops / (row[name]["score_us"] * 1e-6) / 1e12
 
@@ -100,42 +91,53 @@ def decode(dev, ceil: dict, B: int = 64, S: int = 131072) -> dict:
     cfg = DECODE
     key_bytes = B * S * ROW
     row = {"case": "decode", "B": B, "S": S, "key_bytes": key_bytes}
-    row.update(compare(dev, case, cfg, B, 1, B))
+    row.update(compare(dev, case, cfg, B, B))
     for name in ("rows", "blocked"):
         row[name]["key_copy_frac"] = key_bytes / (row[name]["score_us"] * 1e-6) / (ceil["copy_tbps"] * 1e12)
     return row
+
+
+def compile_sm90(cfg: FusedConfig, block_t: int, blocked: bool):
+    """The score kernel compiled for sm_90a (no GPU needed; Triton's compiler, not its interpreter), with the
+    alignment its arguments have at real sizes: 16-byte aligned pointers and strides (not the 132-byte row)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.indexer_fused import _fused_scores_kernel as kernel
+
+    sig = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", k_ptr="*fp8e4nv", ks_ptr="*fp32", bt_ptr="*i32", tile_ptr="*i32",
+               req_ptr="*i32", pos_ptr="*i64", score_ptr="*fp32", gmax_ptr="*fp32")
+    sig.update({a: "i32" for a in "row_offset num_heads sq_t sq_h sw_t sk_blk sk_tok s_bt ss_row sg_row".split()})
+    aligned = [a for a in sig if sig[a].startswith("*")] + "sq_t sq_h sw_t sk_blk ss_row sg_row".split()
+    const = dict(BLOCK_SIZE=64, D=D, H_PAD=H, BLOCK_T=block_t, BLOCK_N=cfg.block_n, KEYS_PER_PROG=cfg.keys_per_prog,
+                 GROUP=cfg.select.group, DOT_F32=False, BLOCKED=blocked)
+    full = {a: sig.get(a, "constexpr") for a in kernel.arg_names}
+    consts = {(kernel.arg_names.index(n),): v for n, v in const.items()}
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    return triton.compile(ASTSource(kernel, full, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def cp_async_sizes(ptx: str) -> dict[str, int]:
+    """{"4B": n, "16B": m}: the kernel's cp.async copies by size."""
+    copies: dict[str, int] = {}
+    for n in re.findall(r"cp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)", ptx):
+        copies[f"{int(n, 0)}B"] = copies.get(f"{int(n, 0)}B", 0) + 1
+    return copies
 
 
 def static() -> dict:
     """Compile both layouts' prefill and decode tiles for sm_90a (no GPU) and count what their code does."""
     import triton
     import triton.backends.nvidia as nvidia
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kernels.indexer_fused import _fused_scores_kernel as kernel
 
     cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
-    sig = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", k_ptr="*fp8e4nv", ks_ptr="*fp32", bt_ptr="*i32", tile_ptr="*i32",
-               req_ptr="*i32", pos_ptr="*i64", score_ptr="*fp32", gmax_ptr="*fp32")
-    sig.update({a: "i32" for a in "row_offset num_heads sq_t sq_h sw_t sk_blk sk_tok s_bt ss_row sg_row".split()})
-    # what the launcher's arguments are at real sizes: 16-byte aligned pointers and strides (not the 132-byte row)
-    aligned = [a for a in sig if sig[a].startswith("*")] + "sq_t sq_h sw_t sk_blk ss_row sg_row".split()
     res = {"triton": triton.__version__, "target": "sm_90a", "tiles": {}}
     for name, cfg, block_t in (("prefill", PREFILL, PREFILL.block_t), ("decode", DECODE, 1)):
         for blocked in (False, True):
-            const = dict(BLOCK_SIZE=64, D=D, H_PAD=H, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
-                         KEYS_PER_PROG=cfg.keys_per_prog, GROUP=cfg.select.group, DOT_F32=False, BLOCKED=blocked)
-            full = {a: sig.get(a, "constexpr") for a in kernel.arg_names}
-            consts = {(kernel.arg_names.index(n),): v for n, v in const.items()}
-            attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-            out = triton.compile(ASTSource(kernel, full, constexprs=consts, attrs=attrs),
-                                 target=GPUTarget("cuda", 90, 32),
-                                 options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-            copies: dict[str, int] = {}
-            for n in re.findall(r"cp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)",
-                                out.asm["ptx"]):
-                copies[f"{int(n, 0)}B"] = copies.get(f"{int(n, 0)}B", 0) + 1
+            out = compile_sm90(cfg, block_t, blocked)
+            copies = cp_async_sizes(out.asm["ptx"])
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(out.asm["cubin"])
                 f.flush()

@@ -162,25 +162,13 @@ def test_indexer_scores_kernel_with_blocked_keys_compiles_for_sm90():
     """The Triton score kernel at the prefill tile on both key layouts: 132-byte rows move as 4-byte cp.async,
     block-major values (`kernels.formats.index_rows_to_blocked`) as 16-byte ones, fewer copies per tile."""
     out = compile_sm90('''
-        import re
-        from kernels.indexer_fused import PREFILL, _fused_scores_kernel as k
+        from bench.kernels.layout_ab import compile_sm90, cp_async_sizes
+        from kernels.indexer_fused import PREFILL
 
-        sig = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", k_ptr="*fp8e4nv", ks_ptr="*fp32", bt_ptr="*i32", tile_ptr="*i32",
-                   req_ptr="*i32", pos_ptr="*i64", score_ptr="*fp32", gmax_ptr="*fp32")
-        sig.update({a: "i32" for a in "row_offset num_heads sq_t sq_h sw_t sk_blk sk_tok s_bt ss_row sg_row".split()})
-        aligned = [a for a in sig if sig[a].startswith("*")] + "sq_t sq_h sw_t sk_blk ss_row sg_row".split()
         for blocked in (False, True):
-            const = dict(BLOCK_SIZE=64, D=128, H_PAD=32, BLOCK_T=PREFILL.block_t, BLOCK_N=PREFILL.block_n,
-                         KEYS_PER_PROG=PREFILL.keys_per_prog, GROUP=PREFILL.select.group, DOT_F32=False,
-                         BLOCKED=blocked)
-            full = {a: sig.get(a, "constexpr") for a in k.arg_names}
-            consts = {(k.arg_names.index(n),): v for n, v in const.items()}
-            attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-            out = triton.compile(ASTSource(k, full, constexprs=consts, attrs=attrs), target=TARGET,
-                                 options={"num_warps": PREFILL.num_warps, "num_stages": PREFILL.num_stages})
-            copy = r"cp\\.async\\.c[ag]\\.shared\\.global\\s*\\[[^\\]]*\\],\\s*\\[[^\\]]*\\],\\s*(0x[0-9a-f]+|\\d+)"
-            sizes = re.findall(copy, out.asm["ptx"])
-            print(blocked, len(out.asm["cubin"]), sum(int(s, 0) == 16 for s in sizes), len(sizes))
+            out = compile_sm90(PREFILL, PREFILL.block_t, blocked)
+            sizes = cp_async_sizes(out.asm["ptx"])
+            print(blocked, len(out.asm["cubin"]), sizes.get("16B", 0), sum(sizes.values()))
     ''')
     (_, rows_size, rows_16, rows_all), (_, blk_size, blk_16, blk_all) = [line.split() for line in out.splitlines()]
     assert int(rows_size) > 0 and int(blk_size) > 0, out
