@@ -82,3 +82,20 @@ def parent_pid() -> int | None:
 def torchelastic_agent_store() -> bool:
     """Set by torchrun: its agent already hosts the rendezvous store at MASTER_ADDR:MASTER_PORT."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def port_range() -> tuple[int, int] | None:
+    """PDSERVE_PORT_RANGE="LO-HI" (inclusive): where `engine.parallel.dist.free_port` draws the ports it hands
+    out (services, rendezvous, Redis started by us), e.g. a firewall's open range, or one disjoint range per
+    concurrent launcher on a host so that two launchers never hand out the same port. Unset: below the OS's
+    ephemeral range."""
+    raw = os.environ.get("PDSERVE_PORT_RANGE", "").strip()
+    if not raw:
+        return None
+    try:
+        lo, hi = (int(x) for x in raw.split("-"))
+    except ValueError as e:
+        raise ValueError(f"environment variable PDSERVE_PORT_RANGE must be LO-HI, got {raw!r}") from e
+    if not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"environment variable PDSERVE_PORT_RANGE must lie in 1024-65535 with LO <= HI, got {raw!r}")
+    return lo, hi

@@ -17,6 +17,26 @@ TINY_CODE = ROOT / "checkpoints" / "tiny-code"
 torch.set_num_threads(1)
 os.environ.setdefault("PDSERVE_CPU_THREADS", "1")
 
+
+
+def _worker_port_range() -> None:
+    """Two pytest workers each launch deployments whose ports are picked before any process binds them: each
+    worker draws from its own slice of the range below the ephemeral ports (PDSERVE_PORT_RANGE, inherited
+    by the processes it starts), so the two never promise the same port."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if "PDSERVE_PORT_RANGE" in os.environ or not worker.startswith("gw") or not count.isdigit():
+        return
+    from engine.parallel.dist import _ephemeral_low
+
+    hi = _ephemeral_low()
+    lo = max(1024, hi - 12000)
+    width = (hi - lo) // int(count)
+    start = lo + int(worker[2:]) * width
+    os.environ["PDSERVE_PORT_RANGE"] = f"{start}-{start + width - 1}"
+
+
+_worker_port_range()
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

@@ -15,9 +15,13 @@ shapes from the step plan, which every rank knows in full.
 
 from __future__ import annotations
 
+import itertools
 import random
 import socket
+import threading
+import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,26 +82,58 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+_HANDED_OUT: dict[int, float] = {}  # port -> when this process handed it out (time.monotonic())
+_HANDED_OUT_LOCK = threading.Lock()
+_PROMISE_S = 600.0  # a port handed out is not handed out again for this long: its process may not have bound it yet
+
+
+def _shuffled(lo: int, hi: int) -> Iterator[int]:
+    """Every port of [lo, hi) once, in random order: after 64 random draws missed (a crowded or small range)."""
+    every = list(range(lo, hi))
+    _PORTS.shuffle(every)
+    yield from every
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago, to be bound soon by another process. The one definition: the ranks'
     rendezvous, the services, the launcher and the tests all take their free ports here.
 
-    It is drawn at random below the OS's ephemeral range, where the OS gives no port to anyone on its own: a
-    port the OS picked (bind to 0) could meanwhile become some client socket's local port, and the process
-    meant to listen there would fail with "address already in use"."""
-    hi = min(_ephemeral_low(), 65536)
-    lo = max(1024, hi - 12000)
-    for _ in range(64):
-        port = _PORTS.randrange(lo, hi)
+    It is drawn at random below the OS's ephemeral range (or in PDSERVE_PORT_RANGE), where the OS gives no
+    port to anyone on its own: a port the OS picked (bind to 0) could meanwhile become some client socket's
+    local port, and the process meant to listen there would fail with "address already in use". A port
+    handed out by this process is not drawn again for ten minutes: a launcher picks all of a deployment's ports
+    before any of its processes binds one, so a free-looking port may already be promised."""
+    with _HANDED_OUT_LOCK:
+        return _free_port(host)
+
+
+def _free_port(host: str) -> int:
+    now = time.monotonic()
+    for port in [p for p, t in _HANDED_OUT.items() if now - t > _PROMISE_S]:
+        del _HANDED_OUT[port]
+    chosen = envs.port_range()
+    if chosen is None:
+        hi = min(_ephemeral_low(), 65536)
+        lo = max(1024, hi - 12000)
+    else:
+        lo, hi = chosen[0], chosen[1] + 1
+    for port in itertools.chain((_PORTS.randrange(lo, hi) for _ in range(64)), _shuffled(lo, hi)):
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+        _HANDED_OUT[port] = now
+        return port
+    while True:  # that range is crowded: let the OS choose
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT[port] = now
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # that range is crowded: let the OS choose
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RankComm:
