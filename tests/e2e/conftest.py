@@ -66,6 +66,21 @@ def hardened(tmp_path_factory):
     launcher.down(dep)
 
 
+# A shared deployment stops as soon as the worker's next test no longer uses it, not at the end of the
+# session: a group's tests run one after another on one worker (--dist loadgroup), and an idle deployment
+# keeps polling (its NIXL agents, ~17% of a core together) while the rest of the suite runs. Finishing the
+# fixture also tears down what depends on it (`url`, `insts`); a later test that asks for it starts it again.
+_SHARED_DEPLOYMENTS = ("default_deployment", "hardened")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    for name in _SHARED_DEPLOYMENTS:
+        if name in item.fixturenames and (nextitem is None or name not in nextitem.fixturenames):
+            for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+                fixturedef.finish(item._request)
+
+
 @pytest.fixture(scope="module")
 def url(hardened) -> str:
     """The hardened deployment's router URL (test modules with their own deployment define their own `url`)."""
