@@ -44,6 +44,19 @@ def nixl_progress_thread() -> bool:
     return os.environ.get("PDSERVE_NIXL_PROGRESS_THREAD", "0").lower() in ("1", "true", "yes")
 
 
+def nixl_idle_poll_s() -> float:
+    """`PDSERVE_NIXL_IDLE_POLL_S`: how often an agent that has seen no activity for a while polls NIXL (default
+    0.02; the busy interval is 2 ms). See services/transfer/nixl_agent.py, "Progress"."""
+    raw = os.environ.get("PDSERVE_NIXL_IDLE_POLL_S", "")
+    try:
+        value = float(raw) if raw else 0.02
+    except ValueError as e:
+        raise ValueError(f"PDSERVE_NIXL_IDLE_POLL_S must be a number of seconds, got {raw!r}") from e
+    if not 0 < value <= 1:
+        raise ValueError(f"PDSERVE_NIXL_IDLE_POLL_S must lie in (0, 1] seconds, got {raw!r}")
+    return value
+
+
 def rank_hang_timeout_s() -> float:
     """`PDSERVE_RANK_HANG_TIMEOUT_S`: a multi-rank engine (a PCP prefill, a DP decode group) whose ranks
     complete no collective for this long (a worker hung, not dead) goes out of service and exits for a

@@ -25,9 +25,15 @@ loop's tasks interleave them safely; only `wait`/`wait_notif` await, polling bet
 
 Progress: NIXL's own progress thread busy-spins a whole core even when idle (the Python binding
 fixes its delay at 0), so by default there is none; instead a task on the owner's event loop polls
-NIXL every `poll_interval_s` (2 ms; ~4-7% of a core idle). Both sides of a transfer need progress:
-the initiator's `wait` polls its transfer, and the passive side's task completes peers' READs and
-WRITEs and collects notifications. `progress_thread=True` (or PDSERVE_NIXL_PROGRESS_THREAD=1)
+NIXL: every `poll_interval_s` (2 ms) while the agent is busy, i.e. within `BUSY_S` of its last transfer,
+registration, metadata export (a prefill hands its metadata out with every KV handle, just before a
+peer reads), new peer or notification; then the interval doubles up to `idle_poll_interval_s` (20 ms,
+PDSERVE_NIXL_IDLE_POLL_S). Polling every 2 ms costs ~5% of a core per agent for nothing while idle;
+every 20 ms, about a tenth of that. Both sides of a transfer need progress: the initiator's `wait` polls
+its transfer, and the passive side's task completes peers' READs and WRITEs and collects notifications.
+On one host a READ of registered host memory is one-sided once connected; a new peer's connection
+wire-up needs the passive side's progress, so an idle passive agent delays a new peer's first transfer
+by a few idle intervals. `progress_thread=True` (or PDSERVE_NIXL_PROGRESS_THREAD=1)
 restores NIXL's thread where a spare core is cheaper than the polling latency. A process whose main
 thread has no event loop (a worker rank, blocked in the engine's collectives between steps) keeps its
 agent on an `AgentThread`: a thread with an event loop of its own, whose task polls the agent the same way.
@@ -75,19 +81,26 @@ __all__ = ["NixlAgent", "BlockTensor", "BlockDescList", "Transfer", "NixlStats",
 
 log = logging.getLogger(__name__)
 _SETTLE_ROUNDS = 20
+BUSY_S = 2.0  # an agent polls at its busy interval for this long after its last activity
 
 
 class NixlAgent:
     """Owns one nixl_agent; see the module docstring for the rules."""
 
     def __init__(self, name: str, backends: Iterable[str] | None = None, *, num_threads: int = 0,
-                 progress_thread: bool | None = None, poll_interval_s: float = 0.002, metrics: Any = None):
+                 progress_thread: bool | None = None, poll_interval_s: float = 0.002,
+                 idle_poll_interval_s: float | None = None, metrics: Any = None):
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
         self.backends = tuple(backends or settings.nixl_backends())
         self.progress_thread = settings.nixl_progress_thread() if progress_thread is None else progress_thread
         self.poll_interval_s = poll_interval_s
+        self.idle_poll_interval_s = max(poll_interval_s, settings.nixl_idle_poll_s() if idle_poll_interval_s is None
+                                        else idle_poll_interval_s)
+        self._busy_until = time.monotonic() + BUSY_S
+        self._wake: asyncio.Event | None = None  # set by busy() to end an idle poll's sleep early
+        self.polls = 0  # progress-loop rounds so far (how often this agent woke up to poll NIXL)
         conf = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=list(self.backends),
                                  num_threads=num_threads)
         self._agent = nixl_agent(name, conf)
@@ -122,16 +135,36 @@ class NixlAgent:
         """One progress step for callers without an event loop (also collects notifications)."""
         self._drain()
 
+    def busy(self) -> None:
+        """Poll at the busy interval for the next BUSY_S (the agent's own calls do this; a service calls it
+        when it expects a peer's transfer that this agent will not see coming)."""
+        self._busy_until = time.monotonic() + BUSY_S
+        if self._wake is not None:
+            self._wake.set()
+
     async def _progress_loop(self) -> None:
+        self._wake = asyncio.Event()
+        delay = self.poll_interval_s
         while True:
             self._drain()  # get_new_notifs progresses the UCX worker
-            await asyncio.sleep(self.poll_interval_s)
+            self.polls += 1
+            if time.monotonic() < self._busy_until:
+                delay = self.poll_interval_s
+                await asyncio.sleep(delay)
+                continue
+            delay = min(2 * delay, self.idle_poll_interval_s)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
 
     # ---- memory and peers ----------------------------------------------------------------------
     def register(self, tensors: dict[str, torch.Tensor]) -> list[BlockTensor]:
         """Register block-major tensors (CPU -> DRAM, CUDA -> VRAM; one registration per memory type);
         returns their descriptions."""
         self._check_owner()
+        self.busy()
         described = [BlockTensor.of(name, t) for name, t in tensors.items()]
         for mem_type, group in by_mem_type(described):
             reg = self._agent.register_memory(region_descs(group), mem_type)
@@ -143,11 +176,13 @@ class NixlAgent:
     def metadata(self) -> bytes:
         """This agent's metadata (connection info + registered memory), for peers' add_peer()."""
         self._check_owner()
+        self.busy()  # handed to a peer that is about to connect and transfer
         return self._agent.get_agent_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a remote agent's metadata; returns its name. Loading the same metadata twice is a no-op."""
         self._check_owner()
+        self.busy()
         for name, md in self._peers.items():
             if md == metadata:
                 return name
@@ -176,6 +211,7 @@ class NixlAgent:
     def connect(self, peer: str) -> None:
         """Optional: set up the connection now so the first transfer does not pay for it."""
         self._check_owner()
+        self.busy()
         self._agent.make_connection(peer)
 
     def prep_local(self, tensors: Sequence[BlockTensor]) -> BlockDescList:
@@ -224,6 +260,7 @@ class NixlAgent:
     def _post(self, op: str, local: BlockDescList, local_ids: Sequence[int], remote: BlockDescList,
               remote_ids: Sequence[int], notif: bytes) -> Transfer:
         self._check_owner()
+        self.busy()
         if local.released or remote.released:
             raise ValueError(f"descriptor list released (peer {remote.peer or 'local'} removed?): prep it again")
         _check_pairing(local, local_ids, remote, remote_ids)
@@ -307,6 +344,7 @@ class NixlAgent:
     def send_notif(self, peer: str, msg: bytes) -> None:
         """A standalone notification (no transfer). Raises PeerDisconnected for a dead peer."""
         self._check_owner()
+        self.busy()
         try:
             self._agent.send_notif(peer, msg)
         except Exception as exc:
@@ -337,6 +375,8 @@ class NixlAgent:
     def _drain(self) -> None:
         self._check_owner()
         for sender, msgs in self._agent.get_new_notifs().items():
+            if msgs:
+                self._busy_until = time.monotonic() + BUSY_S
             self._notifs.extend((_as_str(sender), bytes(m)) for m in msgs)
 
     # ---- lifetime ------------------------------------------------------------------------------

@@ -229,3 +229,42 @@ def test_agent_thread_serves_reads_and_idles_cheaply():
     busy = _process_cpu_s() - before
     assert busy < 0.6, f"this process used {busy:.2f} s of CPU in 2 s with its agent thread idle"
     worker.call(worker.agent.close)
+
+
+def test_an_idle_agent_polls_slowly_and_still_serves_a_new_peer():
+    """Past BUSY_S without activity an agent polls every idle interval (20 ms), not every 2 ms; a new peer's
+    READ still completes with nothing called on it (its first transfer waits a few idle polls for the
+    connection's wire-up), and activity brings the 2 ms polling back at once."""
+    from services.transfer import nixl_agent
+
+    theirs = make_tensors(6)
+    worker = AgentThread(f"idle-{os.getpid()}-{time.monotonic_ns()}", thread_name="nixl-idle")
+    agent = worker.agent
+    described = worker.call(lambda: agent.register(theirs))
+    metadata = worker.call(agent.metadata)
+    time.sleep(nixl_agent.BUSY_S + 0.3)  # the interval has doubled up to the idle one by now
+    before = agent.polls
+    time.sleep(1.0)
+    idle = agent.polls - before
+    assert idle <= 1 / agent.idle_poll_interval_s + 10, f"{idle} polls in 1 s of idleness"
+
+    async def main():
+        reader, mine, local_desc = _local_agent("reader-of-idle", seed=7)
+        name = reader.add_peer(metadata)
+        local, remote = reader.prep_local(local_desc), reader.prep_remote(name, described)
+        t0 = time.monotonic()
+        await reader.wait(reader.read(local, [3], remote, [5]), deadline_in(10))
+        first = time.monotonic() - t0
+        for key in mine:
+            assert torch.equal(mine[key][3], theirs[key][5])
+        reader.close()
+        return first
+
+    first = asyncio.run(main())
+    assert first < 2.0, f"a new peer's first READ of an idle agent took {first:.2f} s"
+    worker.call(agent.busy)
+    before = agent.polls
+    time.sleep(1.0)
+    busy = agent.polls - before
+    assert busy >= 2 * idle, f"{busy} polls in 1 s after busy(), {idle} in an idle second"
+    worker.call(agent.close)
