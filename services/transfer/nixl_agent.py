@@ -156,7 +156,7 @@ class NixlAgent:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     # ---- memory and peers ----------------------------------------------------------------------
