@@ -68,6 +68,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._check_open()
         res, num_present, changes = self.pool.reserve(hashes, ttl, time.monotonic())
         self._publish(changes)
+        self.agent.busy()  # the caller WRITEs into the reserved blocks next: poll NIXL at the busy rate
         return convert.reserve_response(res, num_present, self.agent.name)
 
     @grpc_errors
@@ -83,6 +84,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         lease = self.pool.load(hashes, ttl_s(request.ttl_ms, self.lease_ttl_s, self.max_ttl_s), time.monotonic())
         self.metrics.prefix_cache_queries.inc(len(hashes) * self.spec.block_size)
         self.metrics.prefix_cache_hits.inc(len(lease.block_ids) * self.spec.block_size if lease else 0)
+        if lease:
+            self.agent.busy()  # the caller READs the leased blocks next
         return convert.load_response(lease, self.agent.name)
 
     @grpc_errors
