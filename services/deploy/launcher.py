@@ -33,6 +33,7 @@ from services.deploy.process_specs import plan_service
 from services.deploy.procs import stop_pid, tie_to_parent
 from services.deploy.topology import ROOT, Ports, ServiceSpec, Topology
 from services.rpc.grpc_server import check_health_sync
+from services.rpc.net import PORT_IN_USE_EXIT
 
 STATE_FILE = "state.json"
 _children: dict[int, subprocess.Popen] = {}  # processes this interpreter started (to reap them)
@@ -108,11 +109,11 @@ def up(topology: str | Path | dict, *, run_dir: str | Path | None = None, timeou
         # the router once they answer, so that its first request finds them registered.
         routers = [s for s in topo.services if s.kind == "router"]
         for wave in ([s for s in topo.services if s.kind != "router"], routers):
-            started = {spec.kind: _start_service(topo, spec, dep, die_with_parent) for spec in wave}
+            started = [(spec, _start_service(topo, spec, dep, die_with_parent)) for spec in wave]
             dep.save()
-            for kind, records in started.items():
-                _wait_ready(records, deadline)
-                echo(f"{kind}: {', '.join(p.http or p.address for p in records if p.address)} healthy")
+            for spec, records in started:
+                records = _ready(topo, spec, records, dep, die_with_parent, deadline, echo)
+                echo(f"{spec.kind}: {', '.join(p.http or p.address for p in records if p.address)} healthy")
     except BaseException:
         down(dep)
         raise
@@ -178,13 +179,50 @@ def _spawn(cmd: list[str], log: str, extra_env: dict[str, str]) -> int:
     return proc.pid
 
 
+PORT_RETRIES = 3  # new ports for a service whose auto-picked port was taken before it could bind it
+
+
+class ExitedAtStart(RuntimeError):
+    def __init__(self, rec: ProcessRecord, returncode: int | None):
+        super().__init__(f"{rec.name} exited during startup ({' '.join(rec.cmd[:3])} ...); "
+                         f"last lines of {rec.log}:\n{_tail(rec.log)}")
+        self.returncode = returncode
+
+
+def _ready(topo: Topology, spec: ServiceSpec, records: list[ProcessRecord], dep: Deployment, tied: bool,
+           deadline: float, echo: Callable[[str], None]) -> list[ProcessRecord]:
+    """Wait until a service's processes answer. The ports the launcher picks (`free_port`) are free when picked
+    and bound seconds later by the process: another process may take one in between. Such a process exits
+    with PORT_IN_USE_EXIT; when the launcher chose its ports, the whole service (every rank: they share the
+    rendezvous port) starts again on new ones. Ports the topology names are not changed: that exit is an error."""
+    for attempt in range(PORT_RETRIES + 1):
+        try:
+            _wait_ready(records, deadline)
+            return records
+        except ExitedAtStart as exc:
+            if exc.returncode != PORT_IN_USE_EXIT or attempt == PORT_RETRIES or not _picks_ports(spec):
+                raise
+            echo(f"{spec.kind}: a port picked for it was taken before it bound it; starting it on new ports")
+            _stop_group(records, 10.0)
+            dep.processes = [p for p in dep.processes if all(p is not r for r in records)]
+            records = _start_service(topo, spec, dep, tied)
+            dep.save()
+    raise AssertionError("unreachable")
+
+
+def _picks_ports(spec: ServiceSpec) -> bool:
+    return not spec.port or not spec.metrics_port or spec.ranks > 1 or (
+        spec.kind == "router" and not spec.extra.get("grpc_port", 0))
+
+
 def _wait_ready(records: list[ProcessRecord], deadline: float) -> None:
     pending = list(records)
     while pending:
         for rec in list(pending):
-            if not _is_ours(rec):
-                raise RuntimeError(f"{rec.name} exited during startup ({' '.join(rec.cmd[:3])} ...); "
-                                   f"last lines of {rec.log}:\n{_tail(rec.log)}")
+            if not _is_ours(rec):  # a rank that lost its rank 0 may exit too: a taken port wins
+                codes = [c.poll() for c in (_children.get(r.pid) for r in records) if c is not None]
+                raise ExitedAtStart(rec, PORT_IN_USE_EXIT if PORT_IN_USE_EXIT in codes else
+                                    next((c for c in codes if c is not None), None))
             if not rec.address or (check_health_sync(rec.address, timeout=0.5)
                                    and (not rec.http or _http_ok(f"http://{rec.http}/health"))):
                 pending.remove(rec)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from engine.config.arg_utils import add_kv_layout_args
 from engine.config.model import ModelConfig
@@ -82,4 +83,4 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
-    run(lambda: serve(args))
+    sys.exit(run(lambda: serve(args)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 import uvicorn
 
@@ -29,7 +30,7 @@ from services.router.tool_parsers import tool_parser
 from services.rpc.admission import Admission
 from services.rpc.grpc_server import GrpcServer, run
 from services.rpc.metrics import ServiceMetrics
-from services.rpc.net import advertise_host
+from services.rpc.net import advertise_host, bind_listener
 from services.rpc.service_args import add_admission_args, add_endpoint_args, setup_logging
 
 log = logging.getLogger("services.router")
@@ -98,16 +99,18 @@ async def serve(args: argparse.Namespace) -> None:
                             RouterServicer(flow, limits, names, keys, admission, chat), SERVICE_NAME)
     http = uvicorn.Server(uvicorn.Config(api.build(), host=args.host, port=args.port, log_level="warning",
                                          loop="none", lifespan="off", timeout_graceful_shutdown=2))
-    metrics_port = metrics.serve(args.metrics_port, args.host) if args.metrics_port else args.port
+    http_socket = bind_listener(args.host, args.port, "HTTP")  # here, so a taken port exits PORT_IN_USE_EXIT
+    http_port = http_socket.getsockname()[1]
+    metrics_port = metrics.serve(args.metrics_port, args.host) if args.metrics_port else http_port
     info = InstanceInfo("router", instance_id, f"{host}:{grpc_server.bind()}", f"{host}:{metrics_port}",
-                        extra={"http": f"{host}:{args.port}", "model": name})
+                        extra={"http": f"{host}:{http_port}", "model": name})
     presence = InstancePresence(state, info)
-    http_task = asyncio.get_running_loop().create_task(http.serve())
+    http_task = asyncio.get_running_loop().create_task(http.serve(sockets=[http_socket]))
     try:
         await grpc_server.start()
         await presence.start()
         await grpc_server.set_serving(True)
-        log.info("router %s: HTTP :%d, gRPC :%d, model %s", instance_id, args.port, grpc_server.port, name)
+        log.info("router %s: HTTP :%d, gRPC :%d, model %s", instance_id, http_port, grpc_server.port, name)
         done, _ = await asyncio.wait([http_task, asyncio.create_task(grpc_server.wait_for_shutdown_signal())],
                                      return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -130,4 +133,4 @@ def chat_settings(args: argparse.Namespace) -> ChatSettings:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
-    run(lambda: serve(args))
+    sys.exit(run(lambda: serve(args)))

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.rpc.grpc_parse import parse_checked
+from services.rpc.net import PORT_IN_USE_EXIT, PortInUse, bind_listener
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +155,9 @@ class GrpcServer:
         if not self._bound:
             try:
                 port = self.server.add_insecure_port(f"{self.host}:{self.port}")
-            except RuntimeError as exc:  # grpc's way of saying the bind failed
-                raise OSError(f"could not bind gRPC port {self.host}:{self.port} (in use?)") from exc
+            except RuntimeError as exc:  # grpc's way of saying the bind failed, whatever the cause: ask the OS
+                bind_listener(self.host, self.port, "gRPC").close()  # raises PortInUse when it is taken
+                raise OSError(f"could not bind gRPC port {self.host}:{self.port}: {exc}") from exc
             self.port, self._bound = port, True
         return self.port
 
@@ -203,12 +205,18 @@ def retry_after_s(exc: grpc.aio.AioRpcError, default: float = 1.0) -> float:
 
 
 def run(main: Callable[[], Awaitable[Any]]) -> Any:
-    """Run a service's async main on uvloop (falls back to asyncio when uvloop is missing)."""
+    """Run a service's async main on uvloop (falls back to asyncio when uvloop is missing). A port it could
+    not listen on returns PORT_IN_USE_EXIT (for `sys.exit`), so that a launcher can tell it apart."""
     try:
         import uvloop
+        runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a declared dependency
-        return asyncio.run(main())
-    return uvloop.run(main())
+        runner = asyncio.run
+    try:
+        return runner(main())
+    except PortInUse as exc:
+        log.error("%s", exc.strerror)
+        return PORT_IN_USE_EXIT
 
 
 # ---- client side --------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
+from services.rpc.net import PortInUse, port_in_use
+
 PREFIX = "pdserve:"
 ROLES = ("router", "prefill", "decode", "kvstore")
 
@@ -125,7 +127,12 @@ class ServiceMetrics:
 
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Serve /metrics over HTTP from a daemon thread; returns the bound port (0 = any free)."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            if port_in_use(exc):
+                raise PortInUse(exc.errno, f"could not bind metrics port {host}:{port}: in use") from exc
+            raise
         return self._server.server_port
 
     def close(self) -> None:

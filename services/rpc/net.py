@@ -1,8 +1,9 @@
 """Addresses: the host address a service advertises (never a wildcard), local addresses, `host:port`
-parsing (free ports: engine.parallel.dist)."""
+parsing, listening sockets and the exit status for a taken port (free ports: engine.parallel.dist)."""
 
 from __future__ import annotations
 
+import errno
 import socket
 
 from services import settings
@@ -64,3 +65,31 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"expected host:port, got {address!r}")
     return host, int(port)
+
+
+PORT_IN_USE_EXIT = 98  # a service's exit status when a port it was told to listen on is taken (EADDRINUSE)
+
+
+class PortInUse(OSError):
+    """A port this service was told to listen on is taken. `services.rpc.grpc_server.run` turns it into exit
+    status PORT_IN_USE_EXIT, on which the launcher starts the service again on new ports when it chose them."""
+
+
+def port_in_use(exc: OSError) -> bool:
+    return exc.errno == errno.EADDRINUSE
+
+
+def bind_listener(host: str, port: int, what: str) -> socket.socket:
+    """A TCP socket bound to host:port (SO_REUSEADDR, as servers set it), for a server to listen on; raises
+    PortInUse naming `what` when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if port_in_use(exc):
+            raise PortInUse(exc.errno, f"could not bind {what} port {host}:{port}: in use") from exc
+        raise
+    return sock

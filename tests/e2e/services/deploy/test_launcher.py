@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,39 @@ def test_up_fails_cleanly_when_a_service_crashes(tmp_path, redis_server):
 
 def test_down_without_state_is_a_no_op(tmp_path):
     launcher.down(tmp_path)
+
+
+def test_a_picked_port_taken_before_the_service_binds_it_gets_new_ports(tmp_path, redis_server, monkeypatch):
+    """Another process takes the port the launcher picked for the kvstore before the kvstore binds it: the
+    kvstore exits with PORT_IN_USE_EXIT and the launcher starts it again on new ports."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        picks = iter([port])
+        monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port(host))
+        topo = _topology(tmp_path / "run", 0, kvstore={"args": {"pool-gib": 0.01}})
+        topo["redis_url"] = redis_server.url
+        said: list[str] = []
+        dep = launcher.up(topo, timeout_s=120, die_with_parent=True, echo=said.append)
+    try:
+        (rec,) = dep.processes
+        assert not rec.address.endswith(f":{port}") and check_health_sync(rec.address)
+        assert any("new ports" in line for line in said), said
+        log = Path(rec.log).read_text()
+        assert f"could not bind gRPC port 127.0.0.1:{port}: in use" in log
+    finally:
+        launcher.down(dep)
+
+
+def test_a_taken_port_the_topology_names_is_an_error(tmp_path, redis_server):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        topo = _topology(tmp_path / "run", 0, kvstore={"port": port, "metrics_port": free_port(),
+                                                       "args": {"pool-gib": 0.01}})
+        topo["redis_url"] = redis_server.url
+        with pytest.raises(RuntimeError, match=f"could not bind gRPC port 127.0.0.1:{port}: in use"):
+            launcher.up(topo, timeout_s=60, die_with_parent=True)
+    assert not Path(tmp_path, "run", "state.json").exists()
