@@ -45,8 +45,10 @@ async def wait_for_engine_death(engine: AsyncEngine, *, period_s: float = 0.5,
         if not multi_rank:
             continue
         try:
-            await asyncio.wait_for(engine.call(lambda core: core.collective_rpc("services.rank_watch:ping")),
-                                   hang_timeout_s or 30.0)
+            # asyncio.timeout, not wait_for: under Python 3.11 a wait_for whose inner call completes as this
+            # task is cancelled returns the result and swallows the cancellation, and this loop never ends
+            async with asyncio.timeout(hang_timeout_s or 30.0):
+                await engine.call(lambda core: core.collective_rpc("services.rank_watch:ping"))
             last_ok = time.monotonic()
         except TimeoutError:
             stalled = time.monotonic() - last_ok

@@ -249,7 +249,8 @@ class Flow:
         """The next message, or UpstreamError when the decode stays silent past the idle timeout."""
         wait = min(self.idle_timeout_s, self._left(stats))
         try:
-            return await asyncio.wait_for(call.read(), wait)
+            async with asyncio.timeout(wait):  # not wait_for: it can swallow a cancellation (Python 3.11)
+                return await call.read()
         except TimeoutError:
             if wait == self.idle_timeout_s:
                 self.routing.mark_unhealthy(inst)  # a stopped or wedged decode

@@ -154,8 +154,9 @@ class NixlAgent:
                 continue
             delay = min(2 * delay, self.idle_poll_interval_s)
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), delay)
+            try:  # asyncio.timeout, not wait_for, which can swallow close()'s cancellation (Python 3.11)
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

@@ -55,6 +55,28 @@ def test_slow_but_completing_pings_are_healthy():
     run(go())
 
 
+def test_a_cancellation_as_a_ping_completes_ends_the_watch():
+    """The service cancels the watch when it stops. A ping completing in the same loop iteration must not
+    swallow that cancellation (a nested asyncio.wait_for does, under Python 3.11: the watch then runs forever
+    and the service's shutdown waits for it)."""
+    async def go():
+        pings: list[asyncio.Future] = []
+
+        async def ping():
+            pings.append(asyncio.get_running_loop().create_future())
+            await pings[-1]
+
+        watch = asyncio.create_task(wait_for_engine_death(FakeEngine(ping), period_s=0.001, hang_timeout_s=5))
+        while not pings:
+            await asyncio.sleep(0)
+        pings[-1].set_result(None)  # the ping's completion is queued before the cancellation below
+        watch.cancel()
+        done, _ = await asyncio.wait([watch], timeout=2.0)
+        assert watch in done, "the watch outlived its cancellation"
+        assert watch.cancelled()
+    run(go())
+
+
 def test_a_stopped_loop_is_reported():
     eng = FakeEngine(None)
     eng.is_running = False

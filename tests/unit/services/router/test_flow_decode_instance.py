@@ -49,3 +49,26 @@ def test_decode_generate_carries_the_chosen_instance_id(monkeypatch):
     assert list(reply.delta.token_ids) == [5]
     (req,) = sent
     assert req.instance_id == "decode-0-dp1" and list(req.request.prompt_token_ids) == [1, 2]
+
+
+def test_a_cancelled_stream_read_stays_cancelled_when_a_message_arrives_at_once():
+    """A client that goes away cancels its stream while the decode's next message is arriving: the read must
+    end in CancelledError (a nested asyncio.wait_for returns the message instead under Python 3.11, and the
+    abandoned stream would run on)."""
+    async def go():
+        arriving = asyncio.get_running_loop().create_future()
+
+        class _Slow(_Call):
+            async def read(self):
+                return await arriving
+
+        routing = SimpleNamespace(started=lambda i: None, finished=lambda i: None, mark_unhealthy=lambda i: None)
+        flow = Flow(routing, tokenizer=None, metrics=ServiceMetrics("router"))
+        inst = InstanceInfo("decode", "decode-0", "127.0.0.1:1")
+        reader = asyncio.create_task(flow._next(_Slow(), inst, RequestStats("r", 2)))
+        await asyncio.sleep(0.01)
+        arriving.set_result("message")  # queued before the cancellation
+        reader.cancel()
+        done, _ = await asyncio.wait([reader], timeout=2.0)
+        assert reader in done and reader.cancelled()
+    asyncio.run(go())
