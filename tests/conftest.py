@@ -26,11 +26,10 @@ def _worker_port_range() -> None:
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if "PDSERVE_PORT_RANGE" in os.environ or not worker.startswith("gw") or not count.isdigit():
         return
-    from engine.parallel.dist import _ephemeral_low
+    from engine.parallel.dist import default_port_range
 
-    hi = _ephemeral_low()
-    lo = max(1024, hi - 12000)
-    width = (hi - lo) // int(count)
+    lo, hi = default_port_range()
+    width = (hi + 1 - lo) // int(count)
     start = lo + int(worker[2:]) * width
     os.environ["PDSERVE_PORT_RANGE"] = f"{start}-{start + width - 1}"
 

@@ -82,6 +82,13 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def default_port_range() -> tuple[int, int]:
+    """(lo, hi) inclusive: the 12,000 ports just below the OS's ephemeral range, where free_port draws unless
+    PDSERVE_PORT_RANGE says otherwise."""
+    low = min(_ephemeral_low(), 65536)
+    return max(1024, low - 12000), low - 1
+
+
 _HANDED_OUT: dict[int, float] = {}  # port -> when this process handed it out (time.monotonic())
 _HANDED_OUT_LOCK = threading.Lock()
 _PROMISE_S = 600.0  # a port handed out is not handed out again for this long: its process may not have bound it yet
@@ -111,12 +118,8 @@ def _free_port(host: str) -> int:
     now = time.monotonic()
     for port in [p for p, t in _HANDED_OUT.items() if now - t > _PROMISE_S]:
         del _HANDED_OUT[port]
-    chosen = envs.port_range()
-    if chosen is None:
-        hi = min(_ephemeral_low(), 65536)
-        lo = max(1024, hi - 12000)
-    else:
-        lo, hi = chosen[0], chosen[1] + 1
+    lo, hi = envs.port_range() or default_port_range()
+    hi += 1
     for port in itertools.chain((_PORTS.randrange(lo, hi) for _ in range(64)), _shuffled(lo, hi)):
         if port in _HANDED_OUT:
             continue

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
-from services.rpc.net import PortInUse, port_in_use
+from services.rpc.net import raise_if_port_in_use
 
 PREFIX = "pdserve:"
 ROLES = ("router", "prefill", "decode", "kvstore")
@@ -130,8 +130,7 @@ class ServiceMetrics:
         try:
             self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            if port_in_use(exc):
-                raise PortInUse(exc.errno, f"could not bind metrics port {host}:{port}: in use") from exc
+            raise_if_port_in_use(exc, "metrics", host, port)
             raise
         return self._server.server_port
 

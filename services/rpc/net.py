@@ -75,8 +75,10 @@ class PortInUse(OSError):
     status PORT_IN_USE_EXIT, on which the launcher starts the service again on new ports when it chose them."""
 
 
-def port_in_use(exc: OSError) -> bool:
-    return exc.errno == errno.EADDRINUSE
+def raise_if_port_in_use(exc: OSError, what: str, host: str, port: int) -> None:
+    """PortInUse naming the `what` port host:port when `exc` says that it is taken (EADDRINUSE)."""
+    if exc.errno == errno.EADDRINUSE:
+        raise PortInUse(exc.errno, f"could not bind {what} port {host}:{port}: in use") from exc
 
 
 def bind_listener(host: str, port: int, what: str) -> socket.socket:
@@ -89,7 +91,6 @@ def bind_listener(host: str, port: int, what: str) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        if port_in_use(exc):
-            raise PortInUse(exc.errno, f"could not bind {what} port {host}:{port}: in use") from exc
+        raise_if_port_in_use(exc, what, host, port)
         raise
     return sock
