@@ -9,7 +9,16 @@ values (64):
 
 GLM-5.x: 512 + 16 + 128 = 656 bytes. A latent narrower than 128 (test models) is a single tile.
 
-Indexer key row: D fp8 e4m3 values then one fp32 scale (same power-of-two rule): 132 bytes for D = 128.
+Indexer key: D fp8 e4m3 values and one fp32 scale (same power-of-two rule): 132 bytes for D = 128. The cache
+keeps a block's keys block-major (docs/kv-formats.md, "The indexer block"): for a block of B tokens,
+
+    bytes [0, B·D)               the B keys' values, token t at t·D (16-byte aligned rows for D = 128)
+    bytes [B·D, B·(D + 4))       their B fp32 scales, token t at B·D + 4·t
+
+still D + 4 bytes a token, in a [num_blocks, B, D + 4] tensor whose [b, t] entry is no longer token t's row.
+`index_key_parts` gives (values, scales) views by token; `read_index_rows` / `write_index_rows` move a token's
+logical row ([D values | scale], what `quantize_index_rows_ref` makes). An fp32 key cache (the exact mode) has
+plain D-float rows and none of this.
 """
 
 from __future__ import annotations
@@ -77,17 +86,50 @@ def quantize_index_rows_ref(k: torch.Tensor) -> torch.Tensor:
     return torch.cat([q.view(torch.uint8), scale[:, None].contiguous().view(torch.uint8)], dim=1)
 
 
-def index_rows_to_blocked(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A [num_blocks, block_size, D + 4] uint8 cache of indexer rows -> the same bytes block-major, in a tensor
-    of the same shape: each block's block_size x D fp8 values (every key's values one 16-byte aligned D-byte
-    row), then its block_size fp32 scales. 132 bytes per token either way; the score kernel reads this form
-    with 16-byte copies (`fused_scores(..., blocked=True)`)."""
-    nb, bs, row = cache.shape
-    if cache.dtype != torch.uint8 or row != head_dim + 4:
-        raise ValueError(f"expected uint8 rows of {head_dim + 4} bytes, got {cache.dtype} {tuple(cache.shape)}")
-    values = cache[:, :, :head_dim].reshape(nb, bs * head_dim)
-    scales = cache[:, :, head_dim:].reshape(nb, bs * 4)
-    return torch.cat([values, scales], dim=1).view(nb, bs, row)
+def index_key_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a block-major uint8 key cache [..., B, D + 4] (a layer [num_blocks, B, D + 4], or the whole cache
+    [num_blocks, layers, B, D + 4]): (values [..., B, D], scales [..., B, 4]) uint8, indexed by token like the
+    cache. Each block's B·(D + 4) bytes must be contiguous (any block / layer strides)."""
+    *lead, bs, row = cache.shape
+    D = row - 4
+    if cache.dtype != torch.uint8 or D <= 0 or cache.stride(-1) != 1 or cache.stride(-2) != row:
+        raise ValueError(f"expected a uint8 key cache [..., block, D + 4] with contiguous blocks, got "
+                         f"{cache.dtype} {tuple(cache.shape)} strides {tuple(cache.stride())}")
+    outer = tuple(cache.stride()[:-2])
+    off = cache.storage_offset()
+    values = cache.as_strided((*lead, bs, D), (*outer, D, 1), off)
+    scales = cache.as_strided((*lead, bs, 4), (*outer, 4, 1), off + bs * D)
+    return values, scales
+
+
+def read_index_rows(cache: torch.Tensor, blocks: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Logical rows [D values | scale] of tokens (blocks[i], tokens[i]) of a key cache -> [n, (layers,) D + 4]
+    (the cache's dtype; fp32 caches are plain rows). Advanced indexing, as cache[blocks, ..., tokens, :]."""
+    if cache.dtype != torch.uint8:
+        return cache[blocks, ..., tokens, :]
+    values, scales = index_key_parts(cache)
+    return torch.cat([values[blocks, ..., tokens, :], scales[blocks, ..., tokens, :]], dim=-1)
+
+
+def write_index_rows(cache: torch.Tensor, blocks: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
+    """The inverse of `read_index_rows`: rows [n, (layers,) D + 4] -> tokens (blocks[i], tokens[i])."""
+    if cache.dtype != torch.uint8:
+        cache[blocks, ..., tokens, :] = rows
+        return
+    values, scales = index_key_parts(cache)
+    D = values.shape[-1]
+    values[blocks, ..., tokens, :] = rows[..., :D]
+    scales[blocks, ..., tokens, :] = rows[..., D:]
+
+
+def index_rows_to_blocks(rows: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, B, D + 4] uint8 logical rows (token t's row at [b, t]) -> the same keys block-major."""
+    out = torch.empty_like(rows, memory_format=torch.contiguous_format)
+    values, scales = index_key_parts(out)
+    D = values.shape[-1]
+    values.copy_(rows[..., :D])
+    scales.copy_(rows[..., D:])
+    return out
 
 
 def dequantize_index_rows_ref(rows: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The lightning indexer: storing its keys and selecting each query's top-k past tokens.
 
-Key cache view: [num_blocks, block_size, D + 4] uint8 (fp8 e4m3 values + fp32 power-of-two scale) or
-[num_blocks, block_size, D] float32 (the exact reference mode).
+Key cache view: [num_blocks, block_size, D + 4] uint8, fp8 e4m3 values and an fp32 power-of-two scale per key,
+block-major (each block's values, then its scales: `kernels.formats`, docs/kv-formats.md), or
+[num_blocks, block_size, D] float32 rows (the exact reference mode).
 
 Score of query row t (position p, request b) against past position s <= p:
     I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) * k_scale[s]
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels._jit import check_device, interpreting, jit, next_pow2
-from kernels.formats import quantize_index_rows_ref
+from kernels.formats import quantize_index_rows_ref, read_index_rows, write_index_rows
 from kernels.indexer_fused import FusedConfig, default_config, fused_indexer_topk, fused_scores, tile_tensor
 from kernels.store_kv import cache_views, store_rows
 from kernels.topk import topk_rows
@@ -67,11 +68,14 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr,
             s = s0 + tl.arange(0, BLOCK_N)
             s_ok = s < s_end
             page = tl.load(bt_row + s // BLOCK_SIZE, mask=s_ok, other=0).to(tl.int64)
-            base = tl.multiple_of(page * sk_blk + (s % BLOCK_SIZE) * sk_tok, 4)
+            if FP8:  # block-major: the block's D-byte values, then its fp32 scales
+                base = page * sk_blk + (s % BLOCK_SIZE) * D
+            else:
+                base = page * sk_blk + (s % BLOCK_SIZE) * sk_tok
             k = tl.load(k_ptr + base[:, None] + tl.arange(0, D)[None, :], mask=s_ok[:, None], other=0)
             if FP8:
                 k = k.to(tl.float8e4nv, bitcast=True)
-                k_scale = tl.load(ks_ptr + (base + D) // 4, mask=s_ok, other=0.0)
+                k_scale = tl.load(ks_ptr + (page * sk_blk + BLOCK_SIZE * D) // 4 + s % BLOCK_SIZE, mask=s_ok, other=0.0)
             else:
                 k_scale = tl.full([BLOCK_N], 1.0, tl.float32)
             if DOT_F32:
@@ -84,11 +88,12 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr,
 
 
 def store_index_k(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Triton `store_index_k_ref`: k [T, D] -> rows at slot_mapping (fp8 + pow2 scale, or fp32); -1 skipped."""
+    """Triton `store_index_k_ref`: k [T, D] -> keys at slot_mapping (fp8 + pow2 scale, block-major; or fp32
+    rows); -1 skipped."""
     if index_cache.dim() != 3 or index_cache.dtype not in (torch.uint8, torch.float32):
         raise ValueError(f"index_cache must be [num_blocks, block_size, row] uint8 or float32, "
                          f"got {index_cache.dtype} {tuple(index_cache.shape)}")
-    store_rows(k, None, index_cache, slot_mapping, k.shape[1])
+    store_rows(k, None, index_cache, slot_mapping, k.shape[1], blocked=index_cache.dtype == torch.uint8)
 
 
 def quantize_index_q(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +159,8 @@ def _launch_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, 
     h_pad, block_t, block_n, keys_per_prog = cfg
     q = q.view(torch.uint8) if fp8 else q
     (k8, k32, _), sb, st = cache_views(index_cache, D, 0, D)
+    if fp8 and st != D + 4:
+        raise ValueError(f"a block-major key cache needs contiguous blocks, got strides {tuple(index_cache.stride())}")
     grid = (tiles.shape[0], triton.cdiv(scores.shape[1], keys_per_prog))
     _index_scores_kernel[grid](
         q, w, k8, k32, block_table, tiles, token_req_idx, positions, scores,
@@ -239,7 +246,7 @@ def store_index_k_ref(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: 
         rows = k[keep].float()
     if rows.shape[1] != index_cache.shape[2]:
         raise ValueError(f"key row width {rows.shape[1]} does not match the cache row {index_cache.shape[2]}")
-    index_cache[slots // bs, slots % bs] = rows
+    write_index_rows(index_cache, slots // bs, slots % bs, rows)
 
 
 def gather_index_k_ref(index_cache: torch.Tensor, slots: torch.Tensor,
@@ -247,7 +254,7 @@ def gather_index_k_ref(index_cache: torch.Tensor, slots: torch.Tensor,
     """Rows at `slots` -> (values [n, D] float32, scales [n] float32); fp32 caches give scale 1."""
     bs = index_cache.shape[1]
     slots = slots.long()
-    rows = index_cache[slots // bs, slots % bs]
+    rows = read_index_rows(index_cache, slots // bs, slots % bs)
     if index_cache.dtype == torch.uint8:
         vals = rows[:, :head_dim].contiguous().view(torch.float8_e4m3fn).float()
         scale = rows[:, head_dim: head_dim + 4].contiguous().view(torch.float32).reshape(-1)

@@ -30,30 +30,25 @@ Why this shape (the legacy `_index_scores_kernel` put the (row, head) pairs on t
 * A key tile never spans two cache blocks (BLOCK_N <= block size): one page lookup per tile, offsets
   that do not change across tiles, and unmasked copies (keys past the row's end are read from the same
   block and their scores dropped); masks are computed only on the tiles that cross a row's position.
-* What bounds it, by instruction count (sm_90a SASS, not a measurement): the loop body for a full tile is
-  383 (3.6) / 411 (3.9) instructions per warp against 4 wgmma that keep the SM's tensor cores busy for
-  256 clocks, so with three programs interleaved the issue slots allow at most ~65% of the fp8 rate.
-  About 55% of those instructions are the epilogue (ReLU, weight, head sum, group maxima: ~3 per
-  logit), ~15% the copies and addresses of the 132-byte rows.
-* Keys keep the 132-byte row (docs/kv-formats.md): rows are 4-byte aligned, so keys move as 4-byte
-  cp.async (17 per thread per tile, pipelined). The kernel also reads the block-major form (`BLOCKED`;
-  `kernels.formats.index_rows_to_blocked`: all values of a cache block, then its scales, same 132 bytes per
-  token), whose 16-byte aligned values move as 4 sixteen-byte copies plus the scale. Compiled for sm_90a
-  (static SASS, not a measurement) the prefill loop shrinks from 493 to 423 instructions and 168 to 153
-  registers under Triton 3.6, and from 228 to 161 registers under 3.9 (three programs per SM instead of
-  two). Making it the cache format changes every reader and writer of the row (store_kv, HiSparse's
-  gather, the KV spec, the docs), so it waits for the timed A/B (`python -m bench.kernels.layout_ab`).
+* Keys are block-major (docs/kv-formats.md, "The indexer block"): a block's 64 x 128 value bytes, then its 64
+  fp32 scales, so every key's values are a 16-byte aligned 128-byte row and a tile moves as 4 sixteen-byte
+  cp.async per thread plus its scales. The 132-byte rows this replaced were only 4-byte aligned (17 four-byte
+  copies per thread per tile): on the H200, same keys, same bits, the score kernel took 0.81-0.89x the time
+  with block-major keys (prefill 8K / 128K / 1M, decode B = 64 x 128K; bench/data/kernels/indexer-layout/).
+  Compiled for sm_90a the prefill loop has 423 instructions instead of 493 and 153 registers instead of 168
+  under Triton 3.6, 161 instead of 228 under 3.9 (three programs per SM instead of two).
+* What bounds it: the loop body for a full tile is ~400 instructions per warp against 4 wgmma that keep the
+  SM's tensor cores busy for 256 clocks, so with three programs interleaved the issue slots allow well under
+  the fp8 rate; most of them are the epilogue (ReLU, weight, head sum, group maxima: ~3 per logit). Triton
+  waits for each dot, and overlapping the MMA with the epilogue in Gluon was measured slower (a Gluon
+  version of this kernel, bitwise equal, 1.05-1.24x slower: two accumulators cost a third of the occupancy
+  that hides the epilogue's latencies; bench/data/kernels/indexer-gluon/NOTES.md).
 * Decode is the same kernel with BLOCK_T = 1 (N = 32 heads): one request's row over its whole context,
   split into KEYS_PER_PROG ranges over many programs, 4 pipeline stages of 64-key tiles, 80-106
   registers; at 62 FLOP per key byte it is bound by the key stream.
 
-On sm_90 the prefill tile (4 rows x 32 heads, 64-key tiles) can run `kernels.indexer_gluon` instead: the same
-arithmetic and outputs, with each tile's MMA issued asynchronously and overlapped with the previous tile's
-epilogue, which Triton's `tl.dot` cannot express (PDSERVE_INDEXER_GLUON=1; off by default: measured 1.05-1.24x
-slower, the epilogue's issue and latency, not the MMA, bound this kernel).
-
 Tensors: q fp8 [T, H, D] (rows 4-byte aligned), w fp32 [T, H] with the q scale folded in; the key cache
-layer [num_blocks, block_size, D + 4] uint8 read through fp8 / fp32 views of its bytes; scores fp32
+layer [num_blocks, block_size, D + 4] uint8 (block-major) read through fp8 / fp32 views of its bytes; scores fp32
 [rows, S] and gmax fp32 [rows, ceil(S / GROUP)] for rows [row_offset, row_offset + rows) (only positions
 <= each row's position are written; group g is written when its first position is).
 """
@@ -66,7 +61,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import indexer_gluon
 from kernels._jit import interpreting, jit, next_pow2
 from kernels.topk_threshold import SelectConfig, num_maxima, topk_threshold_rows
 
@@ -76,7 +70,7 @@ def _fused_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr,
                          row_offset, num_heads, sq_t, sq_h, sw_t, sk_blk, sk_tok, s_bt, ss_row, sg_row,
                          BLOCK_SIZE: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_N: tl.constexpr, KEYS_PER_PROG: tl.constexpr, GROUP: tl.constexpr,
-                         DOT_F32: tl.constexpr, BLOCKED: tl.constexpr = False):
+                         DOT_F32: tl.constexpr):
     N: tl.constexpr = BLOCK_T * H_PAD
     row0 = tl.load(tile_ptr + 2 * tl.program_id(0)).to(tl.int64)
     num_rows = tl.load(tile_ptr + 2 * tl.program_id(0) + 1)
@@ -98,24 +92,16 @@ def _fused_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr,
         score_rows = score_ptr + (row0 - row_offset + t) * ss_row
         gmax_rows = gmax_ptr + (row0 - row_offset + t) * sg_row
         # BLOCK_N divides BLOCK_SIZE and tiles start at multiples of BLOCK_N: a tile lies in one cache block,
-        # so its keys sit at one base plus loop-invariant offsets (132-byte rows: 4-byte aligned; block-major
-        # values: D-byte rows, 16-byte aligned, the block's scales after them)
+        # so its keys sit at one base plus loop-invariant offsets (block-major: D-byte value rows, 16-byte
+        # aligned, the block's scales after all of them)
         n = tl.arange(0, BLOCK_N)
-        if BLOCKED:
-            row_off = tl.multiple_of(n * D, 16)
-        else:
-            row_off = tl.multiple_of(n * sk_tok, 4)
+        row_off = tl.multiple_of(n * D, 16)
         for s0 in range(s_lo, s_end, BLOCK_N):
             page = tl.load(bt_row + s0 // BLOCK_SIZE).to(tl.int64)
             # keys past s_end in the tile's block are read (valid memory), their scores never stored
-            if BLOCKED:
-                base = tl.multiple_of(page * sk_blk + (s0 % BLOCK_SIZE) * D, 16)
-                k = tl.load(k_ptr + base + row_off[:, None] + tl.arange(0, D)[None, :])
-                k_scale = tl.load(ks_ptr + (page * sk_blk + BLOCK_SIZE * D) // 4 + s0 % BLOCK_SIZE + n)
-            else:
-                base = tl.multiple_of(page * sk_blk + (s0 % BLOCK_SIZE) * sk_tok, 4)
-                k = tl.load(k_ptr + base + row_off[:, None] + tl.arange(0, D)[None, :])
-                k_scale = tl.load(ks_ptr + (base + D) // 4 + row_off // 4)
+            base = tl.multiple_of(page * sk_blk + (s0 % BLOCK_SIZE) * D, 16)
+            k = tl.load(k_ptr + base + row_off[:, None] + tl.arange(0, D)[None, :])
+            k_scale = tl.load(ks_ptr + (page * sk_blk + BLOCK_SIZE * D) // 4 + s0 % BLOCK_SIZE + n)
             if DOT_F32:
                 k = k.to(tl.float32)
             logits = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, N]
@@ -218,14 +204,12 @@ def fused_indexer_topk(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tens
 
 def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
                  token_req_idx: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, scores: torch.Tensor,
-                 gmax: torch.Tensor, row_offset: int, block_t: int, cfg: FusedConfig, blocked: bool = False) -> None:
+                 gmax: torch.Tensor, row_offset: int, block_t: int, cfg: FusedConfig) -> None:
     """Scores and group maxima of the rows in `tiles` (int32 [n, 2]: first row, rows <= block_t).
 
     q: fp8 [T, H, D] (4-byte aligned strides, last dim contiguous); w fp32 [T, H] contiguous; index_cache a
-    uint8 [num_blocks, block_size, D + 4] layer view; scores fp32 [rows, S], gmax fp32 [rows, >= S / group].
-    `blocked`: the cache holds each block's bytes block-major (`kernels.formats.index_rows_to_blocked`: its
-    block_size x D values, then its block_size scales; 16-byte aligned key rows), not 132-byte rows. Not the
-    engine's format: the layout A/B of `python -m bench.kernels.layout_ab` (the Triton kernel only).
+    uint8 [num_blocks, block_size, D + 4] layer view of block-major keys (`kernels.formats.index_key_parts`)
+    with contiguous blocks on 16-byte boundaries; scores fp32 [rows, S], gmax fp32 [rows, >= S / group].
     """
     T, H, D = q.shape
     if q.dtype != torch.float8_e4m3fn or q.stride(2) != 1 or q.stride(0) % 4 or q.stride(1) % 4:
@@ -234,11 +218,9 @@ def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, bl
         raise ValueError(f"the fused indexer reads fp8 key rows [.., .., {D + 4}] uint8, got "
                          f"{index_cache.dtype} {tuple(index_cache.shape)}")
     sb, st = index_cache.stride(0), index_cache.stride(1)
-    if sb % 4 or st % 4 or index_cache.data_ptr() % 16:
-        raise ValueError("key cache blocks and rows must start on 4-byte boundaries")
-    if blocked and (st != D + 4 or sb % 16):
-        raise ValueError(f"a block-major key cache needs contiguous blocks starting on 16-byte boundaries, got "
-                         f"strides {tuple(index_cache.stride())}")
+    if st != D + 4 or sb % 16 or D % 16 or index_cache.data_ptr() % 16:
+        raise ValueError(f"a block-major key cache needs contiguous blocks starting on 16-byte boundaries and "
+                         f"D a multiple of 16, got D = {D}, strides {tuple(index_cache.stride())}")
     if scores.stride(1) != 1 or gmax.stride(1) != 1 or gmax.shape[1] * cfg.select.group < scores.shape[1]:
         raise ValueError("scores and gmax need contiguous rows, gmax one column per group of scores")
     bs = index_cache.shape[1]
@@ -252,15 +234,10 @@ def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, bl
     flat = index_cache.as_strided((span,), (1,))
     h_pad = max(16, next_pow2(H))
     grid = (tiles.shape[0], triton.cdiv(scores.shape[1], cfg.keys_per_prog))
-    if not blocked and indexer_gluon.supported(q.device, block_t, H, D, block_n):  # sm_90: MMA || epilogue
-        indexer_gluon.launch(grid, q, w, flat.view(torch.float8_e4m3fn), flat.view(torch.float32), block_table,
-                             tiles, token_req_idx, positions, scores, gmax, row_offset, H, sb, st, bs,
-                             cfg.keys_per_prog, cfg.select.group)
-        return
     _fused_scores_kernel[grid](
         q, w, flat.view(torch.float8_e4m3fn), flat.view(torch.float32), block_table, tiles, token_req_idx,
         positions, scores, gmax, row_offset, H, q.stride(0), q.stride(1), w.stride(0), sb, st,
         block_table.stride(0), scores.stride(0), gmax.stride(0),
         BLOCK_SIZE=bs, D=D, H_PAD=h_pad, BLOCK_T=block_t, BLOCK_N=block_n,
-        KEYS_PER_PROG=cfg.keys_per_prog, GROUP=cfg.select.group, DOT_F32=interpreting(), BLOCKED=blocked,
+        KEYS_PER_PROG=cfg.keys_per_prog, GROUP=cfg.select.group, DOT_F32=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

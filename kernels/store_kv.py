@@ -3,8 +3,9 @@
 `kv_cache` is one layer's view, [num_blocks, block_size, row] (strided views of the block-major cache
 are fine): uint8 rows of fp8_ds_mla (see `kernels.formats`) or bf16/fp32 rows of latent+rope.
 
-The same two kernels serve the indexer key cache (`kernels.indexer`): an index row is an fp8_ds_mla row
-with one tile of D values and no rope.
+The store kernel also writes the indexer key cache (`kernels.indexer`): a key is an fp8_ds_mla row with one
+tile of D values and no rope, placed block-major (`BLOCKED`: a block's values, then its scales;
+`kernels.formats`).
 """
 
 from __future__ import annotations
@@ -23,17 +24,25 @@ _ROWS_PER_PROGRAM = 16  # H200 sweep: 4 -> 62%, 8 -> 68%, 16 -> 69%, 32 -> 65% o
 def _store_rows_kernel(lat_ptr, rope_ptr, slot_ptr, cache_ptr, scale_ptr, rope_out_ptr, num_rows,
                        stride_lat, stride_rope, stride_blk, stride_tok,
                        BLOCK_SIZE: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, P: tl.constexpr,
-                       QUANT: tl.constexpr, BLOCK_T: tl.constexpr, ROUND_FIRST: tl.constexpr):
+                       QUANT: tl.constexpr, BLOCK_T: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                       BLOCKED: tl.constexpr = False):
     """Rows t of `lat` [T, R] (+ `rope` [T, P]) -> cache slot slot_ptr[t]; slot -1 is skipped.
 
     QUANT: cache/scale/rope_out are uint8/fp32/bf16 views of one byte buffer and strides count bytes;
-    else cache is the row dtype (bf16/fp32) and strides count elements.
+    else cache is the row dtype (bf16/fp32) and strides count elements. BLOCKED (QUANT, no rope): the block's
+    values at token * R, its scales after all BLOCK_SIZE of them (the indexer key block).
     """
     NT: tl.constexpr = R // TILE
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + rows, mask=rows < num_rows, other=-1).to(tl.int64)
     ok = slot >= 0
-    base = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_tok  # [BLOCK_T]
+    if BLOCKED:
+        blk = (slot // BLOCK_SIZE) * stride_blk
+        base = blk + (slot % BLOCK_SIZE) * R  # [BLOCK_T]
+        scale_at = blk + BLOCK_SIZE * R + (slot % BLOCK_SIZE) * (4 * NT)  # bytes
+    else:
+        base = (slot // BLOCK_SIZE) * stride_blk + (slot % BLOCK_SIZE) * stride_tok  # [BLOCK_T]
+        scale_at = base + R
     cols = tl.arange(0, NT)[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [NT, TILE]
     x = tl.load(lat_ptr + rows.to(tl.int64)[:, None, None] * stride_lat + cols[None], mask=ok[:, None, None])
     x = x.to(tl.float32)
@@ -46,7 +55,7 @@ def _store_rows_kernel(lat_ptr, rope_ptr, slot_ptr, cache_ptr, scale_ptr, rope_o
         inv = ((254 - field) << 23).to(tl.float32, bitcast=True)  # exact 1/scale
         q = to_e4m3(tl.clamp(x * inv[:, :, None], -448.0, 448.0), ROUND_FIRST)
         tl.store(cache_ptr + base[:, None, None] + cols[None], q, mask=ok[:, None, None])
-        tl.store(scale_ptr + (base[:, None] + R) // 4 + tl.arange(0, NT)[None, :], scale, mask=ok[:, None])
+        tl.store(scale_ptr + scale_at[:, None] // 4 + tl.arange(0, NT)[None, :], scale, mask=ok[:, None])
         if P > 0:
             r = tl.load(rope_ptr + rows.to(tl.int64)[:, None] * stride_rope + tl.arange(0, P)[None, :],
                         mask=ok[:, None])
@@ -141,9 +150,10 @@ def cache_views(cache: torch.Tensor, latent_dim: int, rope_dim: int, tile: int) 
 
 
 def store_rows(values: torch.Tensor, rope: torch.Tensor | None, cache: torch.Tensor, slot_mapping: torch.Tensor,
-               tile: int, rows_per_program: int = _ROWS_PER_PROGRAM) -> None:
+               tile: int, rows_per_program: int = _ROWS_PER_PROGRAM, blocked: bool = False) -> None:
     """values [T, R] (+ rope [T, P]) -> cache rows at slot_mapping [T] (fp8 with one scale per `tile` values
-    when the cache is uint8; a plain cast otherwise)."""
+    when the cache is uint8; a plain cast otherwise). `blocked`: a uint8 cache without rope whose blocks are
+    block-major (the indexer key block, `kernels.formats.index_key_parts`)."""
     T, R = values.shape
     P = 0 if rope is None else rope.shape[1]
     if slot_mapping.shape != (T,) or (rope is not None and rope.shape[0] != T):
@@ -157,12 +167,15 @@ def store_rows(values: torch.Tensor, rope: torch.Tensor | None, cache: torch.Ten
         raise ValueError("latent/rope rows must be contiguous along the last dim (call .contiguous())")
     check_device(values, slot_mapping, cache, *(() if rope is None else (rope,)))
     (c8, c32, c16), sb, st = cache_views(cache, R, P, tile)
+    if blocked and (cache.dtype != torch.uint8 or P or st != cache.shape[2]):
+        raise ValueError(f"a block-major cache is uint8 with contiguous blocks and no rope, got {cache.dtype} "
+                         f"strides {tuple(cache.stride())}, rope width {P}")
     rope_arg = values if rope is None else rope
     grid = (triton.cdiv(T, rows_per_program),)
     _store_rows_kernel[grid](
         values, rope_arg, slot_mapping, c8, c32, c16, T, values.stride(0), rope_arg.stride(0), sb, st,
         BLOCK_SIZE=cache.shape[1], R=R, TILE=tile if cache.dtype == torch.uint8 else R, P=P,
-        QUANT=cache.dtype == torch.uint8, BLOCK_T=rows_per_program, ROUND_FIRST=interpreting())
+        QUANT=cache.dtype == torch.uint8, BLOCK_T=rows_per_program, ROUND_FIRST=interpreting(), BLOCKED=blocked)
 
 
 def gather_rows(cache: torch.Tensor, slots: torch.Tensor, latent_dim: int, rope_dim: int, tile: int,

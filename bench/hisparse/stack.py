@@ -21,7 +21,7 @@ from engine.config.model import ModelConfig
 from engine.config.presets import preset
 from engine.hisparse import HiSparseManager
 from engine.kv.cache import KVCacheSpec, PagedKVCache
-from kernels.formats import quantize_index_rows_ref, quantize_mla_rows_ref
+from kernels.formats import index_rows_to_blocks, quantize_index_rows_ref, quantize_mla_rows_ref
 from kernels.sparse_mla import sparse_mla_ref
 
 
@@ -176,7 +176,8 @@ def fill_pages(mla: torch.Tensor, index: torch.Tensor | None, spec: KVCacheSpec,
     mla.copy_(page.to(mla.device).expand_as(mla))
     if index is not None and spec.indexer_precision == "fp8":
         keys = quantize_index_rows_ref(torch.randn(index.shape[1] * bs, spec.index_head_dim, generator=g))
-        index.copy_(keys.view(index.shape[1], bs, -1).to(index.device).expand_as(index))
+        block = index_rows_to_blocks(keys.view(index.shape[1], bs, -1))  # one block per index layer, block-major
+        index.copy_(block.to(index.device).expand_as(index))
 
 
 def hisparse_manager(cfg: ModelConfig, spec: KVCacheSpec, ctx: Contexts, device, offload_only: bool,

@@ -76,17 +76,15 @@ def _agreement(a: torch.Tensor, b: torch.Tensor, rows: int = 16) -> float:
     return sum(shared) / len(shared)
 
 
-def _score_outputs(dev, case: Case, cfg: FusedConfig, rows: int, cache: torch.Tensor | None = None,
-                   blocked: bool = False):
-    """(launch of the fused score kernel, scores, gmax) over the first `rows` query rows; the launch fills them.
-    `cache` / `blocked`: the case's keys in another form (`kernels.formats.index_rows_to_blocked`)."""
+def _score_outputs(dev, case: Case, cfg: FusedConfig, rows: int):
+    """(launch of the fused score kernel, scores, gmax) over the first `rows` query rows; the launch fills them."""
     q, w, _ = _prepare(case.q, case.w, case.cache, None)
     block_t = 1 if len(case.qsl) - 1 == q.shape[0] else cfg.block_t
     scores = torch.empty((rows, case.S), dtype=torch.float32, device=dev)
     gmax = torch.empty((rows, num_maxima(case.S, cfg.select)), dtype=torch.float32, device=dev)
     tiles = tile_tensor(0, rows, case.qsl, case.seq_lens, case.k, block_t, dev)
-    launch = functools.partial(fused_scores, q, w, case.cache if cache is None else cache, case.table, case.req,
-                               case.pos, tiles, scores, gmax, 0, block_t, cfg, blocked=blocked)
+    launch = functools.partial(fused_scores, q, w, case.cache, case.table, case.req, case.pos, tiles, scores, gmax,
+                               0, block_t, cfg)
     return launch, scores, gmax
 
 

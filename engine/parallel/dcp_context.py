@@ -22,6 +22,7 @@ import torch
 from engine.attention.metadata import AttnMetadata
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.parallel.dcp import global_position, num_local
+from kernels.formats import read_index_rows, write_index_rows
 
 
 class LayerBuffer:
@@ -121,7 +122,8 @@ class ContextGather:
         bs, slots = self.spec.block_size, self.send_slots
         parts = [self.cache.mla_layer(layer)[slots // bs, slots % bs].contiguous().view(torch.uint8)]
         if self.spec.index_layer_of[layer] >= 0:
-            parts.append(self.cache.index_layer(layer)[slots // bs, slots % bs].contiguous().view(torch.uint8))
+            keys = read_index_rows(self.cache.index_layer(layer), slots // bs, slots % bs)
+            parts.append(keys.contiguous().view(torch.uint8))
         rows = torch.cat(parts, dim=1)
         out = rows.new_zeros((self.max_prior, rows.shape[1]))
         out[: rows.shape[0]] = rows
@@ -153,7 +155,8 @@ class ContextGather:
             mla_bytes = sp.mla_row * mla.element_size()
             mla.view(-1, sp.mla_row)[slots] = recv[:, :mla_bytes].contiguous().view(sp.mla_torch_dtype)
             if has_index:
-                index.view(-1, sp.index_row)[slots] = recv[:, mla_bytes:].contiguous().view(sp.index_torch_dtype)
+                keys = recv[:, mla_bytes:].contiguous().view(sp.index_torch_dtype)
+                write_index_rows(index, slots // sp.block_size, slots % sp.block_size, keys)
         self.built[layer] = LayerBuffer(sp, layer, mla, index)
         return self.built[layer]
 

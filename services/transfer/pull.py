@@ -21,6 +21,7 @@ import torch
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.kv.export import kv_regions
 from engine.parallel.dcp import local_index, num_local, owner_rank
+from kernels.formats import read_index_rows, write_index_rows
 from services.transfer.nixl_agent import BlockDescList, NixlAgent, deadline_in
 from services.transfer.wire import nixl_peer_from_proto
 
@@ -133,7 +134,10 @@ class KVPuller:
             src, dst = getattr(self.staging, name), getattr(self.cache, name)
             s = torch.tensor(src_slot, device=dst.device)  # index each tensor on its own device
             d = torch.tensor(dst_slot, device=dst.device)
-            dst[d // bs, :, d % bs] = src[s // bs, :, s % bs]
+            if name == "index":  # keys are block-major: a token's key is not the [block, :, token] entry
+                write_index_rows(dst, d // bs, d % bs, read_index_rows(src, s // bs, s % bs))
+            else:
+                dst[d // bs, :, d % bs] = src[s // bs, :, s % bs]
 
 
 class StagingArea:

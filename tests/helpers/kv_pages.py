@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.parallel.dcp import token_locations
+from kernels.formats import read_index_rows
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def read_kv_rows(runner, block_ids: list[int], num_tokens: int) -> dict:
     """On every rank (collective_rpc): the rank's part of a request's KV as the rank itself places it,
     {rank, block_ids (local blocks holding any of its tokens), positions [n] (global tokens held here,
     ascending), slots [n]}, plus the raw cache rows at those slots: mla [n, mla layers, row] and
-    index [n, index layers, row] (CPU tensors)."""
+    index [n, index layers, row] (each token's logical key row; CPU tensors)."""
     ranks, slots = token_locations(num_tokens, block_ids, runner.dcp_size, runner.interleave, runner.block_size)
     mine = (ranks == runner.rank) if runner.dcp_size > 1 else torch.ones_like(ranks, dtype=torch.bool)
     pos, slots = torch.nonzero(mine).flatten(), slots[mine]
@@ -70,7 +71,7 @@ def read_kv_rows(runner, block_ids: list[int], num_tokens: int) -> dict:
     s = slots.to(runner.kv_cache.device)
     return {"rank": runner.rank, "block_ids": sorted(set((slots // bs).tolist())), "positions": pos.tolist(),
             "slots": slots.tolist(), "mla": runner.kv_cache.mla[s // bs, :, s % bs].cpu(),
-            "index": runner.kv_cache.index[s // bs, :, s % bs].cpu()}
+            "index": read_index_rows(runner.kv_cache.index, s // bs, s % bs).cpu()}
 
 
 def rank_kv_rows(core, req_id: str) -> list[dict]:

@@ -1,5 +1,4 @@
-"""Fused indexer: the score kernel's group maxima, decode-shaped batches, exact ties, the graph-safe path, the
-block-major key layout.
+"""Fused indexer: the score kernel's group maxima, decode-shaped batches, exact ties, the graph-safe path.
 
 The scores themselves are checked against `index_scores_ref` in test_indexer.py (both implementations);
 here the maxima must equal the kernel's own scores bit for bit, and every selection must be exactly the
@@ -11,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import indexer_gluon
-from kernels.formats import index_rows_to_blocked
+from kernels.formats import read_index_rows, write_index_rows
 from kernels.indexer import _prepare, index_scores, indexer_topk, topk_positions_ref
-from kernels.indexer_fused import DECODE, INTERPRETED, PREFILL, FusedConfig, fused_scores, tile_tensor
+from kernels.indexer_fused import INTERPRETED, PREFILL, FusedConfig, fused_scores, tile_tensor
 from kernels.topk_threshold import SelectConfig, num_maxima
 from tests.helpers.kernel_inputs import as_sets, gpu, interp
 from tests.kernels.test_indexer import make_batch, ref_scores
@@ -58,7 +56,7 @@ def decode_batch(device, seq_lens: list[int], H: int, D: int, block_size: int, d
         dst = torch.arange(dup_every, S, dup_every, device=device)
         src = dst // 3
         tb = bt.table[b].long()
-        bt.cache[tb[dst // bs], dst % bs] = bt.cache[tb[src // bs], src % bs]
+        write_index_rows(bt.cache, tb[dst // bs], dst % bs, read_index_rows(bt.cache, tb[src // bs], src % bs))
     return bt
 
 
@@ -102,94 +100,10 @@ def test_fused_maxima_gpu(mark):
 
 
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_gluon_scores_gpu(mark, monkeypatch):
-    """sm_90: the launcher takes the Gluon kernel at the prefill tile (its launches counted), its scores and maxima
-    pass the Triton kernel's checks, and the two kernels' scores agree up to summation order. Key ranges of an odd
-    and an even number of 64-key tiles, a partial last tile, tiles of 1 to 4 rows, rows out of position order."""
-    dev = torch.device("cuda")
-    monkeypatch.setenv("PDSERVE_INDEXER_GLUON", "1")
-    if not indexer_gluon.supported(dev, PREFILL.block_t, 32, 128, PREFILL.block_n):
-        pytest.skip("no Gluon kernel on this GPU / Triton")
-    launches = []
-    real = indexer_gluon.launch
-    monkeypatch.setattr(indexer_gluon, "launch", lambda *a, **k: (launches.append(1), real(*a, **k)))
-    seq_lens = [20_001, 8_192 + 3 * 64 + 17, 130, 8_192 * 2]
-    rows = [[20_000, 19_990, 19_999, 11_000, 64, 9_000, 9_001], [8_192 + 3 * 64 + 16, 8_200],
-            [129, 100, 3, 64, 65], [8_192 * 2 - 1, 8_192 * 2 - 2, 8_191, 8_192]]
-    got = check_maxima("cuda", seq_lens, rows, H=32, D=128, block_size=64, cfg=PREFILL, eps=1e-2)
-    assert launches, "the Gluon kernel did not run"
-    monkeypatch.setenv("PDSERVE_INDEXER_GLUON", "0")
-    n = len(launches)
-    want = check_maxima("cuda", seq_lens, rows, H=32, D=128, block_size=64, cfg=PREFILL, eps=1e-2)
-    assert len(launches) == n, "PDSERVE_INDEXER_GLUON=0 still ran the Gluon kernel"
-    live = torch.isfinite(want) & (want != 12345.0)
-    scale = want.masked_fill(~live, 0).abs().amax(dim=1, keepdim=True).clamp(min=1e-6)
-    err = ((got - want).masked_fill(~live, 0).abs() / scale).max().item()
-    assert torch.equal(got == 12345.0, want == 12345.0) and err <= 1e-5, f"Gluon vs Triton scores: {err:.3g}"
-
-
-@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_fused_decode_gpu(mark):
     # a decode batch over a 128K context and shorter ones (threshold, direct and all-positions rows)
     check_decode("cuda", [131_072, 100_000, 7_000, 1_500, 65_536, 2_049], H=32, D=128, topk=2048, block_size=64,
                  config=None)
-
-
-def check_blocked(device, seq_lens, rows, H, D, block_size, cfg: FusedConfig) -> None:
-    """The block-major layout of the same cache gives the 132-byte rows' scores and maxima bit for bit (same
-    arithmetic, other addresses): NaN-poisoned spare blocks and row tails, shuffled block tables, tiles of
-    1..block_t rows; sentinels stay where neither writes."""
-    bt = make_batch("fp8", seq_lens, rows, H, D, block_size, spare_blocks=3, device=device)
-    S = max(seq_lens)
-    q, w, _ = _prepare(bt.q, bt.w, bt.cache, None)
-    tiles = tile_tensor(0, len(bt.pos), bt.qsl, None, 0, cfg.block_t, torch.device(device))
-    blocked = index_rows_to_blocked(bt.cache, D)
-    out = []
-    for cache, is_blocked in ((bt.cache, False), (blocked, True)):
-        scores = torch.full((len(bt.pos), S), 12345.0, device=device)
-        gmax = torch.full((len(bt.pos), num_maxima(S, cfg.select)), 12345.0, device=device)
-        fused_scores(q, w, cache, bt.table, bt.req, bt.pos, tiles, scores, gmax, 0, cfg.block_t, cfg,
-                     blocked=is_blocked)
-        out.append((scores, gmax))
-    (s_rows, g_rows), (s_blk, g_blk) = out
-    assert bool(torch.isfinite(s_rows[s_rows != 12345.0]).all()) and int((s_rows != 12345.0).sum()) > 0
-    assert torch.equal(s_rows, s_blk), "block-major keys change the scores"
-    assert torch.equal(g_rows, g_blk), "block-major keys change the group maxima"
-
-
-@interp
-def test_blocked_layout_holds_the_same_bytes_interp():
-    """Block b of the block-major cache: the block's D-byte values token after token, then its fp32 scales."""
-    D, bs = 32, 16
-    bt = make_batch("fp8", [40, 7], [[39], [6]], H=16, D=D, block_size=bs, spare_blocks=2, device="cpu")
-    blocked = index_rows_to_blocked(bt.cache, D)
-    assert blocked.shape == bt.cache.shape and blocked.is_contiguous()
-    for b in range(bt.cache.shape[0]):
-        flat = blocked[b].reshape(-1)
-        assert torch.equal(flat[: bs * D], bt.cache[b, :, :D].reshape(-1))
-        assert torch.equal(flat[bs * D:], bt.cache[b, :, D:].reshape(-1))
-    with pytest.raises(ValueError, match="rows of 36 bytes"):
-        index_rows_to_blocked(bt.cache[:, :, :32], D)
-
-
-@interp
-def test_blocked_layout_scores_equal_the_rows_interp():
-    rows = [[5, 40, 41, 42, 43, 119], [20, 21, 22, 23], [7]]
-    check_blocked("cpu", [120, 24, 8], rows, H=16, D=32, block_size=16, cfg=INTERPRETED)
-    check_blocked("cpu", [120, 24, 8], rows, H=16, D=32, block_size=32, cfg=INTERPRETED)  # 2 key tiles a block
-    one_row = FusedConfig(block_t=1, block_n=16, num_stages=1, keys_per_prog=32,
-                          select=SelectConfig(group=4, sum_cap=64, gcap=64, cap=64, scan=32, block=32))
-    check_blocked("cpu", [120, 24, 8], [[119], [23], [7]], H=16, D=32, block_size=16, cfg=one_row)
-
-
-@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
-def test_blocked_layout_scores_equal_the_rows_gpu(mark, monkeypatch):
-    """Real sizes (32 heads, D = 128, 64-token blocks), the prefill and decode tiles of the Triton kernel."""
-    monkeypatch.delenv("PDSERVE_INDEXER_GLUON", raising=False)
-    seq_lens = [20_001, 8_192 + 3 * 64 + 17, 130]
-    rows = [[20_000, 19_990, 19_999, 11_000, 64, 9_000, 9_001], [8_192 + 3 * 64 + 16, 8_200], [129, 100, 3, 64, 65]]
-    check_blocked("cuda", seq_lens, rows, H=32, D=128, block_size=64, cfg=PREFILL)
-    check_blocked("cuda", seq_lens, [[20_000], [8_200], [129]], H=32, D=128, block_size=64, cfg=DECODE)
 
 
 @interp

@@ -132,45 +132,32 @@ def test_threshold_select_kernel_compiles_for_sm90():
     assert [b[0] for b in builds] == ["False", "True"] and all(int(b[1]) > 0 for b in builds), out
 
 
-def test_gluon_indexer_scores_kernel_compiles_for_sm90():
-    """The Gluon score kernel (kernels/indexer_gluon.py) at the prefill tile: it builds, and its loop keeps one
-    wgmma in flight over the epilogue (a `wgmma.wait_group 1`), which is the point of the kernel."""
+def test_indexer_scores_kernel_moves_block_major_keys_in_16_byte_copies_for_sm90():
+    """The fused score kernel at the prefill and decode tiles, with the alignment its arguments have at real
+    sizes: it builds, and the block-major keys (docs/kv-formats.md) move as 16-byte cp.async; the 132-byte
+    rows they replaced could only move as 4-byte ones."""
     out = compile_sm90('''
         import re
-        from triton.experimental.gluon._runtime import GluonASTSource
-        import kernels.indexer_gluon as g
+        from kernels.indexer_fused import DECODE, PREFILL, _fused_scores_kernel as k
 
-        k = g._gluon_scores_kernel
         sig = dict(q_ptr="*fp8e4nv", w_ptr="*fp32", k_ptr="*fp8e4nv", ks_ptr="*fp32", bt_ptr="*i32", tile_ptr="*i32",
                    req_ptr="*i32", pos_ptr="*i64", score_ptr="*fp32", gmax_ptr="*fp32")
         sig.update({a: "i32" for a in "row_offset num_heads sq_t sq_h sw_t sk_blk sk_tok s_bt ss_row sg_row".split()})
-        const = dict(BLOCK_SIZE=64, D=g.D, H_PAD=g.H_PAD, BLOCK_T=g.BLOCK_T, BLOCK_N=g.BLOCK_N, KEYS_PER_PROG=8192,
-                     GROUP=16, STAGES=g.STAGES)
-        full = {a: sig.get(a, "constexpr") for a in k.arg_names}
-        consts = {(k.arg_names.index(n),): v for n, v in const.items()}
-        attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*")}
-        out = triton.compile(GluonASTSource(k, full, constexprs=consts, attrs=attrs), target=TARGET,
-                             options={"num_warps": g.NUM_WARPS})
-        ptx = out.asm["ptx"]
-        print(len(out.asm["cubin"]), len(re.findall(r"wgmma.wait_group.sync.aligned\\s+1;", ptx)))
+        aligned = [a for a in sig if sig[a].startswith("*")] + "sq_t sq_h sw_t sk_blk ss_row sg_row".split()
+        for cfg, block_t in ((PREFILL, PREFILL.block_t), (DECODE, 1)):
+            const = dict(BLOCK_SIZE=64, D=128, H_PAD=32, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
+                         KEYS_PER_PROG=cfg.keys_per_prog, GROUP=cfg.select.group, DOT_F32=False)
+            full = {a: sig.get(a, "constexpr") for a in k.arg_names}
+            consts = {(k.arg_names.index(n),): v for n, v in const.items()}
+            attrs = {(k.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+            out = triton.compile(ASTSource(k, full, constexprs=consts, attrs=attrs), target=TARGET,
+                                 options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            ptx = out.asm["ptx"].splitlines()
+            copies = [ln for ln in ptx if re.search(r"cp\\.async\\.c[ag]\\.shared\\.global", ln)]
+            sizes = [int(re.search(r"\\],\\s*(0x[0-9a-f]+|\\d+)", ln.split("]", 1)[1]).group(1), 0) for ln in copies]
+            print(block_t, len(out.asm["cubin"]), sum(n == 16 for n in sizes), len(sizes))
     ''')
-    size, overlapped = out.split()
-    assert int(size) > 0 and int(overlapped) >= 1, out
-
-
-def test_indexer_scores_kernel_with_blocked_keys_compiles_for_sm90():
-    """The Triton score kernel at the prefill tile on both key layouts: 132-byte rows move as 4-byte cp.async,
-    block-major values (`kernels.formats.index_rows_to_blocked`) as 16-byte ones, fewer copies per tile."""
-    out = compile_sm90('''
-        from bench.kernels.layout_ab import compile_sm90, cp_async_sizes
-        from kernels.indexer_fused import PREFILL
-
-        for blocked in (False, True):
-            out = compile_sm90(PREFILL, PREFILL.block_t, blocked)
-            sizes = cp_async_sizes(out.asm["ptx"])
-            print(blocked, len(out.asm["cubin"]), sizes.get("16B", 0), sum(sizes.values()))
-    ''')
-    (_, rows_size, rows_16, rows_all), (_, blk_size, blk_16, blk_all) = [line.split() for line in out.splitlines()]
-    assert int(rows_size) > 0 and int(blk_size) > 0, out
-    assert int(rows_16) == 0 and int(blk_16) > 0, f"expected 16-byte key copies only in the blocked layout: {out}"
-    assert int(blk_all) < int(rows_all), out
+    builds = [[int(x) for x in line.split()] for line in out.splitlines()]
+    assert len(builds) == 2, out
+    for block_t, size, copies_16, _ in builds:
+        assert size > 0 and copies_16 > 0, f"tile of {block_t} rows: no 16-byte key copies ({out})"

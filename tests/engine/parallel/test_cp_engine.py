@@ -20,6 +20,7 @@ from engine.core.request import Request
 from engine.parallel.dcp import num_local
 from engine.parallel.pcp import dualchunk_ranges
 from engine.parallel.spawn import RankPool
+from kernels.formats import read_index_rows
 from tests.helpers import ROOT
 from tests.helpers.kv_pages import kv_page_map, rank_kv_rows
 
@@ -83,7 +84,7 @@ def _ref_rows(ref_core, req_id: str, n: int) -> tuple[torch.Tensor, torch.Tensor
     pos = torch.arange(n)
     s = blocks[pos // 64] * 64 + pos % 64
     cache = ref_core.runner.kv_cache
-    return cache.mla[s // 64, :, s % 64], cache.index[s // 64, :, s % 64]
+    return cache.mla[s // 64, :, s % 64], read_index_rows(cache.index, s // 64, s % 64)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

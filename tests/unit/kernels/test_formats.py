@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.formats import (
     dequantize_index_rows_ref,
     dequantize_mla_rows_ref,
+    index_key_parts,
+    index_rows_to_blocks,
     mla_row_bytes,
     quantize_index_rows_ref,
     quantize_mla_rows_ref,
+    read_index_rows,
+    write_index_rows,
 )
 
 
@@ -69,3 +74,44 @@ def test_index_rows_roundtrip():
     assert torch.all(torch.frexp(scale).mantissa == 0.5)
     back = dequantize_index_rows_ref(rows, 128)
     assert torch.all((back - k).abs().amax(-1) <= k.abs().amax(-1) * 2 ** -3 + 1e-6)
+
+
+def test_index_block_is_values_then_scales():
+    """Block b of a key cache: its B keys' D-byte values token after token, then their B fp32 scales; the same
+    bytes read back as logical rows, through a layer view of a cache with several index layers too."""
+    D, B, nb, L = 32, 8, 3, 2
+    rows = quantize_index_rows_ref(_rand(nb * B, D, 11)).view(nb, B, D + 4)
+    blocks = index_rows_to_blocks(rows)
+    assert blocks.shape == rows.shape and blocks.is_contiguous()
+    for b in range(nb):
+        flat = blocks[b].reshape(-1)
+        assert torch.equal(flat[: B * D], rows[b, :, :D].reshape(-1))
+        assert torch.equal(flat[B * D:], rows[b, :, D:].reshape(-1))
+        for t in range(B):  # explicit offsets: values at t·D, scale at B·D + 4·t
+            assert torch.equal(flat[t * D: t * D + D], rows[b, t, :D])
+            assert torch.equal(flat[B * D + 4 * t: B * D + 4 * t + 4], rows[b, t, D:])
+
+    cache = torch.full((nb, L, B, D + 4), 0xAB, dtype=torch.uint8)  # [blocks, layers, B, row], like PagedKVCache
+    layer = cache[:, 1]
+    blk, tok = torch.tensor([2, 0, 1, 2]), torch.tensor([7, 0, 3, 1])
+    want = rows[blk, tok]
+    write_index_rows(layer, blk, tok, want)
+    assert torch.equal(read_index_rows(layer, blk, tok), want)
+    assert torch.equal(read_index_rows(cache, blk, tok)[:, 1], want)  # the whole cache: [n, layers, row]
+    assert bool((cache[:, 0] == 0xAB).all()), "a write to layer 1 touched layer 0"
+    values, scales = index_key_parts(layer)
+    assert torch.equal(values[2, 7], want[0, :D]) and torch.equal(scales[2, 7], want[0, D:])
+    assert torch.equal(layer[2].reshape(-1)[7 * D: 8 * D], want[0, :D])
+    untouched = torch.ones(nb, B, dtype=torch.bool)
+    untouched[blk, tok] = False
+    assert bool((values[untouched] == 0xAB).all()) and bool((scales[untouched] == 0xAB).all())
+
+
+def test_index_key_parts_rejects_other_layouts():
+    with pytest.raises(ValueError, match="contiguous blocks"):
+        index_key_parts(torch.zeros(2, 4, 36, dtype=torch.uint8)[:, :, :20])
+    with pytest.raises(ValueError, match="uint8 key cache"):
+        index_key_parts(torch.zeros(2, 4, 36, dtype=torch.float32))
+    fp32 = torch.randn(2, 4, 8)  # the exact mode: plain rows
+    blk, tok = torch.tensor([1, 0]), torch.tensor([3, 2])
+    assert torch.equal(read_index_rows(fp32, blk, tok), fp32[blk, tok])
