@@ -33,7 +33,7 @@ Why this shape (the legacy `_index_scores_kernel` put the (row, head) pairs on t
 * Keys are block-major (docs/kv-formats.md, "The indexer block"): a block's 64 x 128 value bytes, then its 64
   fp32 scales, so every key's values are a 16-byte aligned 128-byte row and a tile moves as 4 sixteen-byte
   cp.async per thread plus its scales. The 132-byte rows this replaced were only 4-byte aligned (17 four-byte
-  copies per thread per tile): on the H200, same keys, same bits, the score kernel took 0.81-0.89x the time
+  copies per thread per tile): on the H200, same keys, same bits, the score kernel took 0.81-0.88x the time
   with block-major keys (prefill 8K / 128K / 1M, decode B = 64 x 128K; bench/data/kernels/indexer-layout/).
   Compiled for sm_90a the prefill loop has 423 instructions instead of 493 and 153 registers instead of 168
   under Triton 3.6, 161 instead of 228 under 3.9 (three programs per SM instead of two).
