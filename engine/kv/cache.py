@@ -78,6 +78,13 @@ class KVCacheSpec:
         return self.index_head_dim + 4 if self.indexer_precision == "fp8" else self.index_head_dim
 
     @property
+    def index_key_layout(self) -> str:
+        """How keys sit in an index block: fp8 keys block-major (a block's values, then its scales;
+        kernels.formats), fp32 keys as rows. Peers of a KV transfer compare it (an engine that stored 132-byte
+        rows has the same sizes and would read keys wrongly)."""
+        return "block-major" if self.indexer_precision == "fp8" else "rows"
+
+    @property
     def mla_block_bytes(self) -> int:
         return self.num_mla_layers * self.block_size * self.mla_row * self.mla_torch_dtype.itemsize
 

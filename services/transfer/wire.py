@@ -42,13 +42,14 @@ def nixl_peer_from_proto(p: common_pb2.NixlPeer) -> tuple[str, bytes, list[Block
 def kv_layout_to_proto(spec: KVCacheSpec) -> common_pb2.KVLayout:
     return common_pb2.KVLayout(block_size=spec.block_size, kv_cache_dtype=spec.kv_cache_dtype,
                                indexer_precision=spec.indexer_precision, mla_block_bytes=spec.mla_block_bytes,
-                               index_block_bytes=spec.index_block_bytes)
+                               index_block_bytes=spec.index_block_bytes, index_key_layout=spec.index_key_layout)
 
 
 def check_kv_layout(layout: common_pb2.KVLayout, spec: KVCacheSpec, peer: str) -> None:
     """Raise ValueError naming the first field where `peer`'s KV layout differs from ours."""
     ours = kv_layout_to_proto(spec)
-    for field in ("block_size", "kv_cache_dtype", "indexer_precision", "mla_block_bytes", "index_block_bytes"):
+    for field in ("block_size", "kv_cache_dtype", "indexer_precision", "mla_block_bytes", "index_block_bytes",
+                  "index_key_layout"):
         if getattr(layout, field) != getattr(ours, field):
             raise ValueError(f"KV layout of {peer} differs in {field}: {getattr(layout, field)!r} vs ours "
                              f"{getattr(ours, field)!r}; serve the same model with the same --kv-cache-dtype")

@@ -65,6 +65,12 @@ def test_kv_layout_check():
     layout.kv_cache_dtype = "bfloat16"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         wire.check_kv_layout(layout, spec, "peer")
+    # a peer that stores fp8 indexer keys as 132-byte rows (it sends no layout name): same sizes, refused
+    old = wire.kv_layout_to_proto(spec)
+    old.ClearField("index_key_layout")
+    assert spec.index_key_layout == "block-major" and old.index_block_bytes == spec.index_block_bytes
+    with pytest.raises(ValueError, match="index_key_layout"):
+        wire.check_kv_layout(old, spec, "peer")
 
 
 def test_hashes_ttl_and_clocks():
