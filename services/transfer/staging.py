@@ -9,7 +9,9 @@ prefill's NIXL agent registers it, services/transfer/prefix.py):
 
 These run on every rank of the engine (`collective_rpc` with `RPC_GATHER` ...) over the data group.
 Every rank computes the same token -> (rank, slot) map, so the collectives' shapes agree without an
-exchange. Rows move as bytes: any cache dtype, any backend.
+exchange. Rows move as bytes: any cache dtype, any backend. Index keys are block-major inside a block
+(docs/kv-formats.md), so a token's key is read and written through `kernels.formats`, never as the
+[block, :, token] entry.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from engine.kv.cache import PagedKVCache
 from engine.parallel.dcp import token_locations
+from kernels.formats import read_index_rows, write_index_rows
 
 RPC_ENSURE, RPC_GATHER, RPC_SCATTER = (f"{__name__}:{f}" for f in ("ensure", "gather", "scatter"))
 
@@ -31,6 +34,20 @@ def ensure(runner, num_blocks: int) -> int:
     if runner.rank == 0 and (staging is None or staging.num_blocks != num_blocks):
         runner.kv_staging = PagedKVCache(runner.spec, num_blocks, runner.kv_cache.device)
     return num_blocks
+
+
+def _read(cache: torch.Tensor, name: str, slots: torch.Tensor, bs: int) -> torch.Tensor:
+    """Token rows [n, layers, row] of `cache` ("mla" or "index") at slots."""
+    if name == "index":
+        return read_index_rows(cache, slots // bs, slots % bs)
+    return cache[slots // bs, :, slots % bs]
+
+
+def _write(cache: torch.Tensor, name: str, slots: torch.Tensor, bs: int, rows: torch.Tensor) -> None:
+    if name == "index":
+        write_index_rows(cache, slots // bs, slots % bs, rows)
+    else:
+        cache[slots // bs, :, slots % bs] = rows
 
 
 def _locations(runner, block_ids: list[int], first: int, num_tokens: int):
@@ -56,13 +73,12 @@ def gather(runner, block_ids: list[int], first: int, num_tokens: int) -> int:
     mine = slots[per_rank[runner.rank]].to(dev)
     for name in ("mla", "index"):
         cache = getattr(runner.kv_cache, name)
-        rows = cache[mine // bs, :, mine % bs].contiguous()
+        rows = _read(cache, name, mine, bs).contiguous()
         got = runner.comm.all_gather_padded(rows.view(torch.uint8), max_rows, "kv_stage")
         if runner.rank == 0:
             out = getattr(runner.kv_staging, name)
             for r, tok in enumerate(per_rank):
-                t = tok.to(dev)
-                out[t // bs, :, t % bs] = got[r, : len(tok)].view(cache.dtype)
+                _write(out, name, tok.to(dev), bs, got[r, : len(tok)].view(cache.dtype))
     return num_tokens
 
 
@@ -77,12 +93,11 @@ def scatter(runner, block_ids: list[int], first: int, num_tokens: int) -> int:
     for name in ("mla", "index"):
         cache = getattr(runner.kv_cache, name)
         shape = (num_tokens, cache.shape[1], cache.shape[3] * cache.element_size())
-        if runner.rank == 0:
-            staged = getattr(runner.kv_staging, name)[: num_tokens // bs]
-            payload = staged.reshape(num_tokens // bs, cache.shape[1], bs, -1).transpose(1, 2)
-            payload = payload.reshape(num_tokens, cache.shape[1], -1).contiguous().view(torch.uint8)
+        if runner.rank == 0:  # staged blocks 0.. hold the tokens in order
+            staged = getattr(runner.kv_staging, name)
+            payload = _read(staged, name, torch.arange(num_tokens, device=dev), bs).contiguous().view(torch.uint8)
         else:
             payload = torch.empty(shape, dtype=torch.uint8, device=dev)
         runner.comm.broadcast(payload, "kv_stage")
-        cache[s // bs, :, s % bs] = payload.view(cache.dtype)[t]
+        _write(cache, name, s, bs, payload.view(cache.dtype)[t])
     return num_tokens
