@@ -20,6 +20,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from jsonschema import SchemaError, validators  # imported at start: a router without it must not start
+
 from services.router.chat_output import OutputOptions
 from services.router.chat_template import ChatTemplate, ChatTemplateError
 from services.router.requests import BadRequest
@@ -93,8 +95,6 @@ def template_messages(messages) -> list[dict]:
 
 def check_tools(tools) -> dict[str, dict]:
     """{name: parameters schema}; BadRequest naming the first bad tool."""
-    from jsonschema import SchemaError, validators
-
     if tools is None:
         return {}
     names = set()
