@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import sparse_mla_sm90 as sm90
 from kernels._jit import check_device, env_flag, interpreting, jit, next_pow2, num_sms, to_bf16
 from kernels.formats import tile_size
 from kernels.merge import merge_attn_states
@@ -162,6 +163,19 @@ def _num_splits(programs: int, num_idx: int, block_n: int, num_warps: int, devic
     return min(range(1, most + 1), key=lambda s: (triton.cdiv(programs * s, slots) / s + 0.005 * s, s))
 
 
+def _split_outputs(out: torch.Tensor, lse: torch.Tensor, rows: int, K: int, block_n: int, splits: int):
+    """(splits, split_len, out, lse) of a launch: split_len a multiple of block_n (the count recomputed from it);
+    one split writes `out` / `lse` as [rows, H, R] / [rows, H] views, several write fp32 partials
+    [splits, rows, H, R] / [splits, rows, H] for merge_attn_states."""
+    H, R = out.shape[-2:]
+    split_len = triton.cdiv(triton.cdiv(max(K, 1), splits), block_n) * block_n
+    splits = triton.cdiv(max(K, 1), split_len)
+    if splits == 1:
+        return splits, split_len, out.view(rows, H, R), lse.view(rows, H)
+    return (splits, split_len, torch.empty((splits, rows, H, R), dtype=torch.float32, device=out.device),
+            torch.empty((splits, rows, H), dtype=torch.float32, device=out.device))
+
+
 def _row_strides(t: torch.Tensor, lead: int) -> tuple[int, int, int]:
     """(stride of b, stride of s, sq_len) for the leading dims of t (1 or 2 of them)."""
     if lead == 1:
@@ -172,7 +186,7 @@ def _row_strides(t: torch.Tensor, lead: int) -> tuple[int, int, int]:
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                latent_dim: int = 512, *, num_splits: int | None = None, config: tuple | None = None,
                block_table: torch.Tensor | None = None, token_req_idx: torch.Tensor | None = None,
-               trim: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               trim: bool | None = None, kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `sparse_mla_ref`. q [T, H, R+P] or [B, Sq, H, R+P] (bf16/fp32, any strides with the last
     dim contiguous); kv a paged layer view [num_blocks, block_size, row] (fp8_ds_mla uint8, bf16, fp32;
     indices are global slots) or a workspace [S, R+P] (indices are rows); indices [..., K] int, -1 = skip.
@@ -181,6 +195,8 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     Returns (out [..., H, R] in q's dtype, lse [..., H] fp32); a row with no valid index gives 0 / -inf.
     `num_splits` / `config` (BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD) override the heuristics.
     `trim`: stop each row after its last valid index (same result; None = `trim_tail()`).
+    `kernel`: "triton", "sm90" (kernels/sparse_mla_sm90.py; ValueError where it cannot run these inputs) or
+    None: sm90 where `sparse_mla_sm90.use_sm90()` and the inputs allow it (and no `config` is given), else Triton.
     """
     lead = q.dim() - 2
     if lead not in (1, 2) or indices.shape[:-1] != q.shape[:-2]:
@@ -218,17 +234,21 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if rows == 0:
         return out, lse
+    if kernel not in (None, "triton", "sm90"):
+        raise ValueError(f"kernel must be 'triton', 'sm90' or None, got {kernel!r}")
+    if kernel == "sm90" or (kernel is None and config is None and sm90.use_sm90()):
+        why = sm90.eligible(q, kv, indices, R, positions, block_table, token_req_idx)
+        if why is None and (kernel == "sm90" or sm90.library() is not None):
+            return _sparse_mla_sm90(q, kv, indices, out, lse, sm_scale, lead, rows, num_splits,
+                                    block_table if positions else None, token_req_idx,
+                                    trim_tail() if trim is None else trim)
+        if kernel == "sm90":
+            raise ValueError(f"the sm_90 sparse MLA kernel cannot run these inputs: {why}")
     dot_f32 = interpreting() or q.dtype == torch.float32
     block_h, block_n, warps, stages, idx_ahead = config or _config(H, dot_f32, kv.dtype == torch.uint8)
     hblocks = triton.cdiv(H, block_h)
-    splits = num_splits or _num_splits(rows * hblocks, K, block_n, warps, q.device)
-    split_len = triton.cdiv(triton.cdiv(max(K, 1), splits), block_n) * block_n
-    splits = triton.cdiv(max(K, 1), split_len)
-    if splits == 1:
-        dst, dst_lse = out.view(rows, H, R), lse.view(rows, H)
-    else:
-        dst = torch.empty((splits, rows, H, R), dtype=torch.float32, device=q.device)
-        dst_lse = torch.empty((splits, rows, H), dtype=torch.float32, device=q.device)
+    splits, split_len, dst, dst_lse = _split_outputs(
+        out, lse, rows, K, block_n, num_splits or _num_splits(rows * hblocks, K, block_n, warps, q.device))
     qb, qs, sq_len = _row_strides(q, lead)
     ib, is_, _ = _row_strides(indices, lead)
     d_split = dst.stride(0) if splits > 1 else 0
@@ -242,6 +262,25 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
         R=R, P=P, TILE=tile, KV_FP8=kv.dtype == torch.uint8, BLOCK_SIZE=paged.shape[1], BLOCK_H=block_h,
         BLOCK_N=block_n, IDX_AHEAD=idx_ahead, DOT_F32=dot_f32, ROUND_FIRST=interpreting(), POSITIONS=positions,
         TRIM=trim_tail() if trim is None else trim, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        merge_attn_states(dst, dst_lse, out=out.view(rows, H, R), lse=lse.view(rows, H))
+    return out, lse
+
+
+def _sparse_mla_sm90(q, kv, indices, out, lse, sm_scale, lead, rows, num_splits, block_table, token_req_idx,
+                     trim) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla through the warp-specialised sm_90 kernel: one CTA (all heads of a query row, one split)
+    per multiprocessor, split like the Triton kernel's 8-warp programs; splits merged as there."""
+    H, R, K = q.shape[-2], out.shape[-1], indices.shape[-1]
+    splits, split_len, dst, dst_lse = _split_outputs(
+        out, lse, rows, K, sm90.BLOCK_N, num_splits or _num_splits(rows, K, sm90.BLOCK_N, 8, q.device))
+    qb, qs, sq_len = _row_strides(q, lead)
+    ib, is_, _ = _row_strides(indices, lead)
+    sm90.launch(q, kv, indices, dst, dst_lse, rows=rows, splits=splits, split_len=split_len, sq_len=sq_len,
+                q_strides=(qb, qs, q.stride(-2)), idx_strides=(ib, is_),
+                out_strides=(dst.stride(0) if splits > 1 else 0, dst.stride(-3), dst.stride(-2)),
+                lse_strides=(dst_lse.stride(0) if splits > 1 else 0, dst_lse.stride(-2)),
+                sm_scale_log2=sm_scale * LOG2E, block_table=block_table, token_req_idx=token_req_idx, trim=trim)
     if splits > 1:
         merge_attn_states(dst, dst_lse, out=out.view(rows, H, R), lse=lse.view(rows, H))
     return out, lse

@@ -1,0 +1,506 @@
+// Sparse MLA attention over fp8_ds_mla cache pages on sm_90a (H100 / H200), warp-specialised.
+//
+// What it computes is kernels/sparse_mla.py's `sparse_mla` (same arguments, same outputs): for a query row t
+// and head h, the online softmax over the row's selected cache rows of sm_scale * q[t, h] . [latent ; rope]
+// and the softmax-weighted sum of the latents, plus the log-sum-exp; -1 indices are skipped; a row with
+// nothing selected gives out 0 and lse -inf. One CTA is (query row, split of the index list) with all heads
+// (<= 64) of the row; splits write fp32 partials that kernels/merge.py combines.
+//
+// Structure (the Hopper pattern of FlashAttention-3 and FlashMLA, written for this cache format):
+//   * warpgroup 2, the producer, gathers each tile of 64 selected rows (656 bytes each: 512 e4m3 latents,
+//     4 fp32 scales per 128 latents, 64 bf16 rope values), dequantises the latents to bf16 (exact: e4m3 times
+//     a power of two) and writes the tile into one of two shared-memory stages, in the 128-byte-swizzled
+//     layout wgmma reads; a tile's rows are loaded into registers (and the next tile's indices and page-table
+//     entries) before the producer waits for a free stage, so the gather's latency overlaps the consumers'
+//     math instead of preceding it;
+//   * warpgroups 0 and 1, the consumers, each compute the scores of half the tile's rows (64 heads x 32 rows,
+//     K = 576: wgmma m64n32k16 with q and the tile in shared memory), exchange their row maxima through shared
+//     memory, write their half of P (bf16) into a shared 64 x 64 tile, and each accumulate 256 of the 512
+//     output columns (wgmma m64n256k16, P and the tile's latents as the B operand, transposed). The score
+//     work is split, not duplicated (the Triton kernel's chained dots computed it in both warpgroups).
+//   * mbarriers hand stages between the producer and the consumers; named barriers sync the two consumers.
+//
+// The tile's shared-memory layout: 9 chunks of 64 columns (128 bytes a row), each [64 rows][128 bytes] with
+// the 16-byte units of row r XOR-ed by r % 8 (the 128B swizzle), chunks 8 KiB apart. Read K-major it is the
+// B operand of the score GEMM (rows = N, columns = K); read MN-major it is the B operand of the PV GEMM
+// (rows = K, columns = N); q and P use the same layout as A operands.
+//
+// Built at first use by kernels/sparse_mla_sm90.py (nvcc -gencode arch=compute_90a,code=sm_90a) and called
+// through ctypes with raw pointers and the caller's stream, so it is captured by CUDA graphs like any launch.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int R = 512;           // latent columns
+constexpr int P = 64;            // rope columns
+constexpr int D = R + P;         // score dot length
+constexpr int HEADS = 64;        // one wgmma M tile: q rows of a query row (fewer heads are zero-padded)
+constexpr int BN = 64;           // selected rows per tile
+constexpr int CHUNKS = D / 64;   // 9 swizzled chunks of 64 bf16 columns
+constexpr int CHUNK_BYTES = 64 * 128;
+constexpr int TILE_BYTES = CHUNKS * CHUNK_BYTES;  // 73,728
+constexpr int STAGES = 2;
+constexpr int CONSUMERS = 256;   // warpgroups 0 and 1
+constexpr int THREADS = 384;     // + the producer warpgroup
+
+// shared memory, from a 1024-byte aligned base
+constexpr int OFF_Q = 0;
+constexpr int OFF_K = OFF_Q + TILE_BYTES;
+constexpr int OFF_P = OFF_K + STAGES * TILE_BYTES;
+constexpr int OFF_MAX = OFF_P + HEADS * 128;            // [2 buffers][2 warpgroups][64] fp32 row maxima
+constexpr int OFF_SUM = OFF_MAX + 2 * 2 * HEADS * 4;    // [2 warpgroups][64] fp32 row sums (the end)
+constexpr int OFF_VALID = OFF_SUM + 2 * HEADS * 4;      // [STAGES][64] bytes: row valid
+constexpr int OFF_BAR = OFF_VALID + STAGES * BN;        // full[STAGES], empty[STAGES] mbarriers
+constexpr int OFF_NTILES = OFF_BAR + 2 * STAGES * 8;
+constexpr int SMEM_BYTES = OFF_NTILES + 16;
+constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;           // room to align the base
+static_assert(SMEM_ALLOC <= 227 * 1024, "shared memory");
+static_assert(R + 16 + 2 * P == 656, "fp8_ds_mla row");
+
+// named barriers (0 is __syncthreads)
+constexpr int BAR_Q = 1, BAR_MAX = 2, BAR_P = 3, BAR_SUM = 4;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Byte offset of 16-byte unit `u` (0..7) of row `r` in a swizzled [rows][128 B] chunk.
+__device__ __forceinline__ uint32_t swz(int r, int u) {
+  return (r >> 3) * 1024 + (r & 7) * 128 + ((u ^ (r & 7)) << 4);
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle: start, leading and stride byte offsets (>> 4).
+__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Wait until the phase of parity `parity` has completed (a fresh barrier is in phase 0).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // 2^x, 2 ulp; exp2(-inf) = 0
+  float y;
+  asm("ex2.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {  // keep the compiler from moving accumulator uses
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x 32] (fp32, 16 registers a thread) += A[64 x 16] * B[16 x 32], bf16 from shared memory.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+      "}, %16, %17, p, 1, 1, 0, %19;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B));
+}
+
+// D[64 x 256] (fp32, 128 registers a thread) += A[64 x 16] * B[16 x 256], bf16 from shared memory.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// 16 e4m3 codes times `scale` (a power of two) -> 16 bf16 values as two 16-byte units (exact).
+__device__ __forceinline__ void dequant16(uint4 codes, float scale, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {codes.x, codes.y, codes.z, codes.w};
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] >> (16 * half)), __NV_E4M3);
+      float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+      o[2 * i + half] = pack_bf16(f.x * scale, f.y * scale);
+    }
+  }
+  lo = make_uint4(o[0], o[1], o[2], o[3]);
+  hi = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+__device__ __forceinline__ void st_shared(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_u8(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+struct Args {
+  const __nv_bfloat16* q;
+  const uint8_t* kv;       // the cache layer's bytes; a row at page * s_blk + offset * s_tok
+  const int* idx;          // slots, or request positions with `positions`
+  void* out;               // bf16, or fp32 partials [split, row, head, R]
+  float* lse;
+  const int* table;        // block table rows (positions only)
+  const int* req;          // request of each query row (positions only)
+  long long sq_b, sq_s, sq_h, si_b, si_s, s_blk, s_tok, so_split, so_row, so_h, sl_split, sl_row, s_table;
+  int num_heads, num_idx, split_len, sq_len, block_shift, positions, trim;
+  float sm_scale_log2;
+};
+
+// Warpgroup 2: gathers and dequantises the tiles into the stages.
+__device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int* idx_row, const int* tab, int lo,
+                                        int hi, int n_tiles) {
+  const int pt = threadIdx.x - CONSUMERS;
+  const int r = pt >> 1, hf = pt & 1;  // two threads a row: latents [256 * hf, +256), rope [32 * hf, +32)
+  const uint32_t sbase = smem_u32(smem);
+  auto slot_of = [&](int t) -> long long {
+    const int n = lo + t * BN + r;
+    if (n >= hi) return -1;
+    const int ix = __ldg(idx_row + n);
+    if (ix < 0) return -1;
+    if (!a.positions) return ix;
+    const long long page = __ldg(tab + (ix >> a.block_shift));
+    return (page << a.block_shift) + (ix & ((1 << a.block_shift) - 1));
+  };
+  long long slot = n_tiles > 0 ? slot_of(0) : -1;
+  for (int t = 0; t < n_tiles; ++t) {
+    const int st = t & 1;
+    const bool valid = slot >= 0;
+    uint4 lat[16], rope[4];
+    float2 sc = make_float2(0.f, 0.f);
+    const uint8_t* row =
+        a.kv + (valid ? (slot >> a.block_shift) * a.s_blk + (slot & ((1 << a.block_shift) - 1)) * a.s_tok : 0);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      lat[j] = valid ? __ldg(reinterpret_cast<const uint4*>(row + hf * 256) + j) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      rope[j] = valid ? __ldg(reinterpret_cast<const uint4*>(row + R + 16 + hf * 64) + j) : make_uint4(0, 0, 0, 0);
+    if (valid) sc = __ldg(reinterpret_cast<const float2*>(row + R + hf * 8));
+    const long long next = t + 1 < n_tiles ? slot_of(t + 1) : -1;  // loads while this tile's rows are in flight
+
+    mbar_wait(sbase + OFF_BAR + (STAGES + st) * 8, ((t >> 1) & 1) ^ 1);  // the consumers released the stage
+    const uint32_t k = sbase + OFF_K + st * TILE_BYTES;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {  // columns 256 * hf + 16 * j: chunk 4 * hf + j / 4, units 2 * (j % 4) and +1
+      uint4 v0, v1;
+      dequant16(lat[j], j < 8 ? sc.x : sc.y, v0, v1);
+      const uint32_t c = k + (4 * hf + j / 4) * CHUNK_BYTES;
+      st_shared(c + swz(r, 2 * (j % 4)), v0);
+      st_shared(c + swz(r, 2 * (j % 4) + 1), v1);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) st_shared(k + 8 * CHUNK_BYTES + swz(r, 4 * hf + j), rope[j]);
+    if (hf == 0) st_shared_u8(sbase + OFF_VALID + st * BN + r, (uint32_t)valid);
+    fence_async_smem();  // the generic-proxy stores, visible to wgmma (async proxy) after the barrier
+    mbar_arrive(sbase + OFF_BAR + st * 8);
+    slot = next;
+  }
+}
+
+// Warpgroups 0 and 1: scores, softmax and the PV accumulation; then the output.
+template <bool OUT_F32>
+__device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long row, long long b, long long s,
+                                        int split, int n_tiles) {
+  const int w = threadIdx.x >> 7;  // warpgroup: rows [32 w, +32) of each tile's scores, columns [256 w, +256)
+  const int ct = threadIdx.x & 127, warp = ct >> 5, lane = ct & 31;
+  const int r0 = warp * 16 + (lane >> 2);  // accumulator rows (heads) of this thread: r0 and r0 + 8
+  const int quad = lane & 3;
+  const uint32_t sbase = smem_u32(smem);
+  const uint32_t sq = sbase + OFF_Q, sp = sbase + OFF_P;
+  const int H = a.num_heads;
+
+  {  // q [H, 576] bf16 -> the swizzled A tile (zeros past H)
+    const __nv_bfloat16* qrow = a.q + b * a.sq_b + s * a.sq_s;
+    for (int e = threadIdx.x; e < HEADS * (D / 8); e += CONSUMERS) {
+      const int h = e / (D / 8), du = e % (D / 8);
+      const uint4 v = h < H ? __ldg(reinterpret_cast<const uint4*>(qrow + h * a.sq_h) + du) : make_uint4(0, 0, 0, 0);
+      st_shared(sq + (du >> 3) * CHUNK_BYTES + swz(h, du & 7), v);
+    }
+    fence_async_smem();
+    bar_sync(BAR_Q, CONSUMERS);
+  }
+
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const float* smax = reinterpret_cast<const float*>(smem + OFF_MAX);
+  const uint8_t* svalid = smem + OFF_VALID;
+  // V (the tile's latents) read MN-major: 64-column chunks 8 KiB apart along N, 8-row groups 1 KiB apart along K
+  // (transposed operands: the leading byte offset steps along N, the stride byte offset along K)
+
+  for (int t = 0; t < n_tiles; ++t) {
+    const int st = t & 1;
+    mbar_wait(sbase + OFF_BAR + st * 8, (t >> 1) & 1);
+    const uint32_t k = sbase + OFF_K + st * TILE_BYTES;
+
+    float sc[16];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {  // 36 steps of 16 columns: chunk kk / 4, 32 bytes apart inside it
+      const uint32_t off = (kk >> 2) * CHUNK_BYTES + (kk & 3) * 32;
+      wgmma_m64n32k16<0>(sc, desc(sq + off, 16, 1024), desc(k + off + w * 4 * 1024, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait0();
+    fence_regs(sc);
+
+    // sc[n * 4 + i * 2 + j]: head r0 + 8 i, tile row 32 w + 8 n + 2 quad + j
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const bool ok = svalid[st * BN + 32 * w + 8 * n + 2 * quad + j] != 0;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float& z = sc[n * 4 + i * 2 + j];
+          z = ok ? z * a.sm_scale_log2 : -INFINITY;
+          mx[i] = fmaxf(mx[i], z);
+        }
+      }
+    float* smax_w = reinterpret_cast<float*>(smem + OFF_MAX) + ((t & 1) * 2 + w) * HEADS;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 2));
+      if (quad == 0) smax_w[r0 + 8 * i] = mx[i];
+    }
+    bar_sync(BAR_MAX, CONSUMERS);
+    const float* smax_o = smax + ((t & 1) * 2 + (1 - w)) * HEADS;
+    float alpha[2], msafe[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float mn = fmaxf(m[i], fmaxf(mx[i], smax_o[r0 + 8 * i]));
+      msafe[i] = mn == -INFINITY ? 0.f : mn;  // nothing valid yet: stay at 0
+      alpha[i] = fast_exp2(m[i] - msafe[i]);
+      m[i] = mn;
+      l[i] *= alpha[i];
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float p0 = fast_exp2(sc[n * 4 + i * 2] - msafe[i]), p1 = fast_exp2(sc[n * 4 + i * 2 + 1] - msafe[i]);
+        l[i] += p0 + p1;
+        const int h = r0 + 8 * i;  // P[h, 32 w + 8 n + 2 quad + {0, 1}]: 16-byte unit 4 w + n, bytes 4 quad
+        st_shared(sp + swz(h, 4 * w + n) + 4 * quad, pack_bf16(p0, p1));
+      }
+#pragma unroll
+    for (int n = 0; n < 32; ++n)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        o[n * 4 + i * 2] *= alpha[i];
+        o[n * 4 + i * 2 + 1] *= alpha[i];
+      }
+    fence_async_smem();
+    bar_sync(BAR_P, CONSUMERS);  // both halves of P written
+
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)  // 4 steps of 16 tile rows: P 32 bytes apart, V two 8-row groups
+      wgmma_m64n256k16<1>(o, desc(sp + kk * 32, 16, 1024),
+                          desc(k + 4 * w * CHUNK_BYTES + kk * 2048, CHUNK_BYTES, 1024), 1);
+    wgmma_commit();
+    wgmma_wait0();
+    fence_regs(o);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sbase + OFF_BAR + (STAGES + st) * 8);  // this warp is done with the stage
+  }
+
+  // the row sums of both warpgroups' columns
+  float* ssum = reinterpret_cast<float*>(smem + OFF_SUM);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffff, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffff, l[i], 2);
+    if (quad == 0) ssum[w * HEADS + r0 + 8 * i] = l[i];
+  }
+  bar_sync(BAR_SUM, CONSUMERS);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int h = r0 + 8 * i;
+    const float total = l[i] + ssum[(1 - w) * HEADS + h];
+    if (h >= H) continue;
+    const bool has = total > 0.f;
+    const float inv = has ? 1.f / total : 1.f;
+    const long long o_off = split * a.so_split + row * a.so_row + h * a.so_h + 256 * w + 2 * quad;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      const float x0 = o[n * 4 + i * 2] * inv, x1 = o[n * 4 + i * 2 + 1] * inv;
+      if constexpr (OUT_F32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(a.out) + o_off + 8 * n) = make_float2(x0, x1);
+      } else {
+        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.out) + o_off + 8 * n) = pack_bf16(x0, x1);
+      }
+    }
+    if (w == 0 && quad == 0)
+      a.lse[split * a.sl_split + row * a.sl_row + h] = has ? (m[i] + log2f(total)) * 0.69314718055994531f : -INFINITY;
+  }
+}
+
+template <bool OUT_F32>
+__global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args a) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const long long row = blockIdx.x;
+  const int split = blockIdx.y;
+  const long long b = row / a.sq_len, s = row % a.sq_len;
+  const int* idx_row = a.idx + b * a.si_b + s * a.si_s;
+  const int* tab = a.positions ? a.table + (long long)__ldg(a.req + row) * a.s_table : a.table;
+  const int lo = split * a.split_len;
+  int hi = min(lo + a.split_len, a.num_idx);
+  int* ntiles = reinterpret_cast<int*>(smem + OFF_NTILES);
+
+  if (threadIdx.x < 32) {  // warp 0: barriers, and the trimmed bound (stop after the split's last valid index)
+    if (threadIdx.x == 0) {
+      const uint32_t bar = smem_u32(smem + OFF_BAR);
+      for (int i = 0; i < STAGES; ++i) {
+        mbar_init(bar + i * 8, CONSUMERS / 2);            // full: the producer's 128 threads
+        mbar_init(bar + (STAGES + i) * 8, CONSUMERS / 32);  // empty: the consumers' 8 warps
+      }
+    }
+    int last = hi - 1;
+    if (a.trim && hi > lo && __ldg(idx_row + hi - 1) < 0) {  // a full row keeps its bound after one load
+      last = lo - 1;
+      for (int n = lo + threadIdx.x; n < hi; n += 32)
+        if (__ldg(idx_row + n) >= 0) last = n;
+#pragma unroll
+      for (int d = 16; d > 0; d >>= 1) last = max(last, __shfl_xor_sync(0xffffffff, last, d));
+    }
+    if (threadIdx.x == 0) *ntiles = last >= lo ? (last - lo + BN) / BN : 0;
+    if (a.trim) hi = last + 1;
+  }
+  __syncthreads();
+  const int n_tiles = *ntiles;
+  if (a.trim) hi = min(hi, lo + n_tiles * BN);  // the producer masks entries past its tiles' end only
+
+  if (threadIdx.x >= CONSUMERS) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n" ::: "memory");
+    produce(a, smem, idx_row, tab, lo, hi, n_tiles);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::: "memory");
+    consume<OUT_F32>(a, smem, row, b, s, split, n_tiles);
+  }
+}
+
+template <bool OUT_F32>
+int launch(const Args& a, int rows, int splits, cudaStream_t stream) {
+  static bool ready = false;  // the dynamic shared-memory limit, raised once per instantiation
+  if (!ready) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(sparse_mla_sm90_kernel<OUT_F32>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_ALLOC);
+    if (e != cudaSuccess) return (int)e;
+    ready = true;
+  }
+  sparse_mla_sm90_kernel<OUT_F32><<<dim3(rows, splits), THREADS, SMEM_ALLOC, stream>>>(a);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shared memory one CTA takes (bytes), for the launcher's checks.
+int pdserve_sparse_mla_sm90_smem() { return SMEM_ALLOC; }
+
+// Launch over `rows` query rows x `splits` splits; strides in elements (bytes for the cache). Returns a
+// cudaError_t (0 = launched).
+int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void* out, void* lse, const void* table,
+                            const void* req, long long sq_b, long long sq_s, long long sq_h, long long si_b,
+                            long long si_s, long long s_blk, long long s_tok, long long so_split, long long so_row,
+                            long long so_h, long long sl_split, long long sl_row, long long s_table, int num_heads,
+                            int num_idx, int split_len, int sq_len, int block_shift, int positions, int trim,
+                            float sm_scale_log2, int out_f32, int rows, int splits, void* stream) {
+  Args a;
+  a.q = static_cast<const __nv_bfloat16*>(q);
+  a.kv = static_cast<const uint8_t*>(kv);
+  a.idx = static_cast<const int*>(idx);
+  a.out = out;
+  a.lse = static_cast<float*>(lse);
+  a.table = static_cast<const int*>(table);
+  a.req = static_cast<const int*>(req);
+  a.sq_b = sq_b; a.sq_s = sq_s; a.sq_h = sq_h; a.si_b = si_b; a.si_s = si_s; a.s_blk = s_blk; a.s_tok = s_tok;
+  a.so_split = so_split; a.so_row = so_row; a.so_h = so_h; a.sl_split = sl_split; a.sl_row = sl_row;
+  a.s_table = s_table;
+  a.num_heads = num_heads; a.num_idx = num_idx; a.split_len = split_len; a.sq_len = sq_len;
+  a.block_shift = block_shift; a.positions = positions; a.trim = trim;
+  a.sm_scale_log2 = sm_scale_log2;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return out_f32 ? launch<true>(a, rows, splits, st) : launch<false>(a, rows, splits, st);
+}
+
+}  // extern "C"

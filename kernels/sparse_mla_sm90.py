@@ -1,0 +1,157 @@
+"""The warp-specialised sparse MLA kernel for sm_90 (kernels/csrc/sparse_mla_sm90.cu): build, checks, launch.
+
+Why CUDA C++ and not Triton or Gluon: the kernel needs a producer warpgroup with its own (smaller) register
+budget, mbarrier-handed shared-memory stages, and the score GEMM split across the two consumer warpgroups
+with their row maxima exchanged. Triton lays a chained score dot's warps along M only, so both warpgroups
+computed the same scores (bench/data/kernels/NOTES.md); Gluon expresses the rest, but its API has changed
+between the Triton releases our hosts run (3.6) and pin (3.9), and one source had to build on both. CUDA
+C++ builds with the toolkit's nvcc everywhere the H200s run, and its instructions are the ones written.
+
+The source is built on first use with nvcc (`-gencode arch=compute_90a,code=sm_90a`) into a shared library
+under $PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels), named by the source's and nvcc's hash, and
+called through ctypes with raw pointers and torch's current stream (so CUDA graphs capture it). A host
+without nvcc, or a failed build, logs once and keeps the Triton kernel.
+
+`sparse_mla` in kernels/sparse_mla.py takes this path when `use_sm90()` (PDSERVE_SPARSE_MLA_SM90=1; off by
+default until its GPU tests and timings are recorded) and `eligible(...)` holds: bf16 q with <= 64 heads,
+an fp8_ds_mla paged cache (latent 512, rope 64, 656-byte rows on 16-byte boundaries), int32 indices.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels._jit import env_flag
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "sparse_mla_sm90.cu"
+HEADS = 64          # one wgmma M tile
+LATENT, ROPE = 512, 64
+ROW_BYTES = LATENT + 4 * (LATENT // 128) + 2 * ROPE  # 656
+BLOCK_N = 64        # selected rows per tile
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+
+
+def use_sm90() -> bool:
+    """Whether sparse_mla takes the sm_90 kernel where it applies (PDSERVE_SPARSE_MLA_SM90=1)."""
+    return env_flag("PDSERVE_SPARSE_MLA_SM90", False)
+
+
+def nvcc() -> str | None:
+    """The nvcc to build with: $CUDA_HOME/bin/nvcc, else the one on PATH."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def build_command(compiler: str, out: Path) -> list[str]:
+    return [compiler, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
+            "-gencode", "arch=compute_90a,code=sm_90a", "-o", str(out), str(SOURCE)]
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the kernel (or find it built): the shared library's path. Raises RuntimeError with nvcc's
+    message when it cannot be built."""
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(build_command("", Path())).encode())
+    out_dir = out_dir or Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"sparse_mla_sm90-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # build aside, then rename: concurrent builders are safe
+        part = Path(tmp) / lib.name
+        proc = subprocess.run(build_command(compiler, part), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed building {SOURCE.name}:\n{proc.stderr[-4000:]}")
+        os.replace(part, lib)
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first call; None (logged once) when it cannot be built."""
+    global _lib, _failed
+    if _lib is not None or _failed is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _failed is None:
+            try:
+                lib = ctypes.CDLL(str(build()))
+                fn = lib.pdserve_sparse_mla_sm90
+                fn.restype = ctypes.c_int
+                fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 7
+                               + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_void_p])
+                _lib = lib
+            except (RuntimeError, OSError) as e:
+                _failed = str(e)
+                log.warning("sparse MLA sm_90 kernel unavailable, using the Triton kernel: %s", e)
+    return _lib
+
+
+def eligible(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, latent_dim: int,
+             positions: bool, block_table: torch.Tensor | None, token_req_idx: torch.Tensor | None) -> str | None:
+    """None when the sm_90 kernel can run these inputs, else why not."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "needs an sm_90 GPU"
+    if q.dtype != torch.bfloat16:
+        return f"q is {q.dtype}, not bfloat16"
+    if q.shape[-2] > HEADS:
+        return f"{q.shape[-2]} heads > {HEADS}"
+    if latent_dim != LATENT or q.shape[-1] != LATENT + ROPE:
+        return f"latent {latent_dim} / head dim {q.shape[-1]} are not {LATENT} / {LATENT + ROPE}"
+    if kv.dtype != torch.uint8 or kv.dim() != 3 or kv.shape[2] != ROW_BYTES:
+        return "the cache is not an fp8_ds_mla paged layer view"
+    if kv.shape[1] & (kv.shape[1] - 1):
+        return f"page size {kv.shape[1]} is not a power of two"
+    if kv.stride(2) != 1 or kv.stride(0) % 16 or kv.stride(1) % 16 or kv.data_ptr() % 16:
+        return "cache rows are not on 16-byte boundaries"
+    if q.data_ptr() % 16 or any(s % 8 for s in q.stride()[:-1]) or q.stride(-1) != 1:
+        return "q rows are not on 16-byte boundaries"
+    if indices.dtype != torch.int32:
+        return f"indices are {indices.dtype}, not int32"
+    if positions and (block_table.dtype != torch.int32 or token_req_idx.dtype != torch.int32):
+        return "the block table and token_req_idx must be int32"
+    return None
+
+
+def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+           rows: int, splits: int, split_len: int, sq_len: int, q_strides: tuple[int, int, int],
+           idx_strides: tuple[int, int], out_strides: tuple[int, int, int], lse_strides: tuple[int, int],
+           sm_scale_log2: float, block_table: torch.Tensor | None, token_req_idx: torch.Tensor | None,
+           trim: bool) -> None:
+    """One launch over rows x splits (strides in elements, the cache's in bytes); out fp32 partials [split,
+    row, head, R] when splits > 1, else out in bf16."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"sparse MLA sm_90 kernel unavailable: {_failed}")
+    positions = block_table is not None
+    table = block_table if positions else indices
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    err = lib.pdserve_sparse_mla_sm90(
+        q.data_ptr(), kv.data_ptr(), indices.data_ptr(), out.data_ptr(), lse.data_ptr(), table.data_ptr(),
+        (token_req_idx if positions else indices).data_ptr(),
+        *q_strides, *idx_strides, kv.stride(0), kv.stride(1), *out_strides, *lse_strides,
+        block_table.stride(0) if positions else 0,
+        q.shape[-2], indices.shape[-1], split_len, sq_len, kv.shape[1].bit_length() - 1, int(positions), int(trim),
+        sm_scale_log2, int(out.dtype == torch.float32),
+        rows, splits, stream)
+    if err:
+        raise RuntimeError(f"sparse MLA sm_90 launch failed: CUDA error {err}")

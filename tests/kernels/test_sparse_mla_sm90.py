@@ -1,0 +1,126 @@
+"""The warp-specialised sparse MLA kernel for sm_90 (kernels/csrc/sparse_mla_sm90.cu).
+
+On a machine with nvcc and no GPU: it builds for sm_90a, and its machine code has the structure the file
+describes (36 score wgmmas of 64 x 32 x 16 and 4 transposed PV wgmmas of 64 x 256 x 16 per tile, the
+producer's and consumers' register budgets). On an H200: the same checks as the Triton kernel's GPU tests
+(tests/kernels/test_sparse_mla.py's helpers, against the fp32 reference, NaN-poisoned unused pages, shuffled
+block tables, -1 padding, rows with nothing selected, trimmed rows, positions through the block table), with
+the sm_90 path asserted taken."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.sparse_mla_sm90 as sm90
+from kernels.sparse_mla import sparse_mla
+from tests.helpers.kernel_inputs import gpu
+from tests.kernels.test_sparse_mla import check_decode, check_positions, check_prefill, check_trim
+
+needs_nvcc = pytest.mark.skipif(sm90.nvcc() is None, reason="needs nvcc")
+
+
+def _cuobjdump() -> Path | None:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return tool if tool.exists() else None
+
+
+@needs_nvcc
+def test_builds_for_sm90a_with_the_described_structure(tmp_path):
+    lib = sm90.build(tmp_path)
+    assert lib.exists() and sm90.build(tmp_path) == lib  # the second call finds it built
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the machine code")
+    sass = subprocess.run([str(tool), "--dump-sass", str(lib)], capture_output=True, text=True, check=True).stdout
+    kernels = re.split(r"\n\s*Function : ", sass)[1:]
+    assert len(kernels) == 2, "one kernel for bf16 output and one for fp32 partials"
+    for k in kernels:
+        assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16 ", k)) == 36, "score GEMM: 576 columns in 36 steps"
+        assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16 .*tnspB", k)) == 4, "PV GEMM: 64 rows in 4 steps"
+        assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc8" in k and "USETMAXREG.DEALLOC.CTAPOOL 0x68" in k
+
+
+def test_kernel_choice_is_checked_interp():
+    q = torch.zeros(1, 4, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 16, sm90.ROW_BYTES, dtype=torch.uint8)
+    idx = torch.zeros(1, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="sm_90 GPU"):
+        sparse_mla(q, kv, idx, 0.1, 512, kernel="sm90")
+    with pytest.raises(ValueError, match="kernel must be"):
+        sparse_mla(q, kv, idx, 0.1, 512, kernel="cuda")
+
+
+def test_a_host_without_nvcc_keeps_the_triton_kernel(monkeypatch, caplog):
+    monkeypatch.setattr(sm90, "_lib", None)
+    monkeypatch.setattr(sm90, "_failed", None)
+    monkeypatch.setattr(sm90, "nvcc", lambda: None)
+    assert sm90.library() is None and "nvcc not found" in caplog.text
+    assert sm90.library() is None and caplog.text.count("unavailable") == 1  # logged once
+
+
+@pytest.fixture
+def sm90_on(monkeypatch):
+    """The default dispatch with PDSERVE_SPARSE_MLA_SM90=1; counts the sm_90 launches."""
+    monkeypatch.setenv("PDSERVE_SPARSE_MLA_SM90", "1")
+    calls = []
+    launch = sm90.launch
+    monkeypatch.setattr(sm90, "launch", lambda *a, **k: (calls.append(k["splits"]), launch(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("B,Sq,H,splits", [(64, 1, 64, None), (16, 4, 64, None), (3, 1, 64, None),
+                                           (32, 1, 8, 1), (2, 4, 5, 3)])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_decode_gpu(sm90_on, B, Sq, H, splits, mark):
+    check_decode("fp8", B=B, Sq=Sq, H=H, K=2048, R=512, P=64, block_size=64, device="cuda", num_splits=splits)
+    assert sm90_on
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_positions_through_the_block_table_gpu(sm90_on, mark):
+    check_positions(B=33, H=64, K=2048, R=512, P=64, block_size=64, device="cuda")
+    assert sm90_on
+
+
+@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_trim_gives_the_same_bits_gpu(sm90_on, splits, mark):
+    check_trim(B=17, Sq=4, H=64, K=2048, R=512, P=64, block_size=64, device="cuda", splits=splits)
+    assert sm90_on
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_prefill_over_fp8_pages_gpu(sm90_on, mark):
+    check_prefill("fp8", T=128, H=64, K=2048, R=512, P=64, device="cuda")
+    assert sm90_on == [1]
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_close_to_the_triton_kernel_and_captured_by_graphs_gpu(mark):
+    """Same inputs through both kernels (both round P to bf16: the outputs agree far inside the reference
+    tolerance), and a CUDA-graph replay of the sm_90 launch gives its eager bits."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    cache = torch.randint(0, 256, (96, 64, sm90.ROW_BYTES), dtype=torch.uint8, device="cuda", generator=gen)
+    cache[(cache & 0x7F) == 0x7F] = 0  # no NaN codes
+    cache[:, :, 512:528].view(torch.float32).fill_(2.0 ** -6)  # the scales
+    cache[:, :, 528:].view(torch.bfloat16).normal_(generator=gen)  # the rope values
+    idx = torch.randint(0, 96 * 64, (8, 2, 2048), dtype=torch.int32, device="cuda", generator=gen)
+    q = torch.randn(8, 2, 64, 576, device="cuda", generator=gen).bfloat16()
+    ref = sparse_mla(q, cache, idx, 0.05, kernel="triton")
+    got = sparse_mla(q, cache, idx, 0.05, kernel="sm90")
+    assert (got[0].float() - ref[0].float()).abs().max() <= 2e-2 * ref[0].float().abs().max()
+    assert torch.allclose(got[1], ref[1], rtol=1e-5, atol=1e-5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sparse_mla(q, cache, idx, 0.05, kernel="sm90", num_splits=2)
+    eager = sparse_mla(q, cache, idx, 0.05, kernel="sm90", num_splits=2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
