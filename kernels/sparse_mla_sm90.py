@@ -98,7 +98,7 @@ def library() -> ctypes.CDLL | None:
                 fn = lib.pdserve_sparse_mla_sm90
                 fn.restype = ctypes.c_int
                 fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 7
-                               + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_void_p])
+                               + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p])
                 _lib = lib
             except (RuntimeError, OSError) as e:
                 _failed = str(e)
@@ -152,6 +152,6 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.
         block_table.stride(0) if positions else 0,
         q.shape[-2], indices.shape[-1], split_len, sq_len, kv.shape[1].bit_length() - 1, int(positions), int(trim),
         sm_scale_log2, int(out.dtype == torch.float32),
-        rows, splits, stream)
+        rows, splits, q.device.index if q.device.index is not None else torch.cuda.current_device(), stream)
     if err:
         raise RuntimeError(f"sparse MLA sm_90 launch failed: CUDA error {err}")

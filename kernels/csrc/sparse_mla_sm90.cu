@@ -458,13 +458,15 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args 
 }
 
 template <bool OUT_F32>
-int launch(const Args& a, int rows, int splits, cudaStream_t stream) {
-  static bool ready = false;  // the dynamic shared-memory limit, raised once per instantiation
-  if (!ready) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(sparse_mla_sm90_kernel<OUT_F32>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_ALLOC);
+int launch(const Args& a, int rows, int splits, int device, cudaStream_t stream) {
+  // This library links its own CUDA runtime, whose current device is not torch's: set it (cheap when it is).
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) return (int)e;
+  static unsigned long long ready = 0;  // devices whose dynamic shared-memory limit is raised for this kernel
+  if (device >= 64 || !(ready >> device & 1)) {
+    e = cudaFuncSetAttribute(sparse_mla_sm90_kernel<OUT_F32>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_ALLOC);
     if (e != cudaSuccess) return (int)e;
-    ready = true;
+    if (device < 64) ready |= 1ull << device;
   }
   sparse_mla_sm90_kernel<OUT_F32><<<dim3(rows, splits), THREADS, SMEM_ALLOC, stream>>>(a);
   return (int)cudaGetLastError();
@@ -484,7 +486,7 @@ int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void
                             long long si_s, long long s_blk, long long s_tok, long long so_split, long long so_row,
                             long long so_h, long long sl_split, long long sl_row, long long s_table, int num_heads,
                             int num_idx, int split_len, int sq_len, int block_shift, int positions, int trim,
-                            float sm_scale_log2, int out_f32, int rows, int splits, void* stream) {
+                            float sm_scale_log2, int out_f32, int rows, int splits, int device, void* stream) {
   Args a;
   a.q = static_cast<const __nv_bfloat16*>(q);
   a.kv = static_cast<const uint8_t*>(kv);
@@ -500,7 +502,7 @@ int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void
   a.block_shift = block_shift; a.positions = positions; a.trim = trim;
   a.sm_scale_log2 = sm_scale_log2;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return out_f32 ? launch<true>(a, rows, splits, st) : launch<false>(a, rows, splits, st);
+  return out_f32 ? launch<true>(a, rows, splits, device, st) : launch<false>(a, rows, splits, device, st);
 }
 
 }  // extern "C"
