@@ -289,6 +289,10 @@ def print_table(rows: list[dict]) -> None:
         if "error" in r:
             print(f"{r['kernel']:54s} {r['error']}")
             continue
+        if "us" not in r:  # a check row (check_sm90)
+            print(f"{r['kernel']:54s} " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in r.items() if k != "kernel"))
+            continue
         sp = f"{r['speedup']:.1f}x" if "speedup" in r else "-"
         extra = f"  topk {r['topk_share']:.0%}, score {r['score_tflops']:.0f} TF/s" if "topk_share" in r else ""
         if "key_copy_frac" in r:
@@ -303,6 +307,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def run(dev: torch.device, quick: bool, sweep: str | None, only: str = "all") -> dict:
+    if only == "sparse-mla-sm90" and quick:  # the accuracy check alone (e.g. under compute-sanitizer), no timing
+        return {"ceilings": {}, "rows": check_sm90(dev) if dev.type == "cuda" else [], "sweep": []}
     ceil = ceilings(dev)
     print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s", flush=True)
     rows: list[dict] = []
