@@ -98,7 +98,7 @@ def library() -> ctypes.CDLL | None:
                 fn = lib.pdserve_sparse_mla_sm90
                 fn.restype = ctypes.c_int
                 fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 7
-                               + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p])
+                               + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2)
                 _lib = lib
             except (RuntimeError, OSError) as e:
                 _failed = str(e)
@@ -136,9 +136,10 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.
            rows: int, splits: int, split_len: int, sq_len: int, q_strides: tuple[int, int, int],
            idx_strides: tuple[int, int], out_strides: tuple[int, int, int], lse_strides: tuple[int, int],
            sm_scale_log2: float, block_table: torch.Tensor | None, token_req_idx: torch.Tensor | None,
-           trim: bool) -> None:
+           trim: bool, dbg: torch.Tensor | None = None) -> None:
     """One launch over rows x splits (strides in elements, the cache's in bytes); out fp32 partials [split,
-    row, head, R] when splits > 1, else out in bf16."""
+    row, head, R] when splits > 1, else out in bf16. `dbg` (fp32, `debug_floats()`; one split only): the
+    debug build, which also dumps CTA (0, 0)'s first tile stage by stage (`first_tile_report`)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"sparse MLA sm_90 kernel unavailable: {_failed}")
@@ -152,6 +153,72 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.
         block_table.stride(0) if positions else 0,
         q.shape[-2], indices.shape[-1], split_len, sq_len, kv.shape[1].bit_length() - 1, int(positions), int(trim),
         sm_scale_log2, int(out.dtype == torch.float32),
-        rows, splits, q.device.index if q.device.index is not None else torch.cuda.current_device(), stream)
+        rows, splits, q.device.index if q.device.index is not None else torch.cuda.current_device(),
+        None if dbg is None else dbg.data_ptr(), stream)
     if err:
         raise RuntimeError(f"sparse MLA sm_90 launch failed: CUDA error {err}")
+
+
+# ---- diagnosis ---------------------------------------------------------------------------------------
+
+
+def debug_floats() -> int:
+    """fp32 elements of the debug dump (the layout is the constants DBG_* in the source)."""
+    return HEADS * BLOCK_N * 2 + HEADS * LATENT + BLOCK_N * (LATENT + ROPE) * 2 // 4
+
+
+def unswizzle_tile(raw: torch.Tensor) -> torch.Tensor:
+    """A stage as the kernel stores it (9 chunks of [64 rows][128 B], 16-byte units of row r at unit ^ (r % 8))
+    -> the bf16 tile [64, 576] in row order."""
+    t = raw.contiguous().view(torch.uint8).view(9, 8, 8, 8, 16)  # chunk, 8-row group, row, physical unit, byte
+    r8 = torch.arange(8, device=raw.device)[:, None]
+    u = torch.arange(8, device=raw.device)[None, :]
+    logical = t[:, :, r8, u ^ r8]  # [chunk, group, row, unit, byte]
+    return logical.permute(1, 2, 0, 3, 4).reshape(BLOCK_N, 9 * 128).view(torch.bfloat16)
+
+
+def first_tile_report(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float) -> dict:
+    """Run the debug build on these inputs (slots, one split) and check query row 0's first tile stage by
+    stage against torch on the kernel's own intermediate values: the producer's tile (bit-exact against the
+    dequantised rows), the scores (fp32 accumulation order), P from those scores, the PV accumulator from that
+    P. Max |error| / max |reference| per stage, so a wrong stage is named instead of a wrong output."""
+    from kernels.store_kv import gather_kv_ref
+
+    lead = q.dim() - 2
+    rows = q.shape[:-2].numel()
+    q2 = q.reshape(rows, *q.shape[-2:])
+    idx2 = indices.reshape(rows, indices.shape[-1])
+    out = torch.empty((rows, q.shape[-2], LATENT), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((rows, q.shape[-2]), dtype=torch.float32, device=q.device)
+    dbg = torch.full((debug_floats(),), float("nan"), dtype=torch.float32, device=q.device)
+    sq_len = q.shape[1] if lead == 2 else 1
+    qs = (q.stride(0), q.stride(1), q.stride(2)) if lead == 2 else (q.stride(0), 0, q.stride(1))
+    ids = (indices.stride(0), indices.stride(1)) if lead == 2 else (indices.stride(0), 0)
+    launch(q, kv, indices, out, lse, rows=rows, splits=1, split_len=-(-indices.shape[-1] // BLOCK_N) * BLOCK_N,
+           sq_len=sq_len, q_strides=qs, idx_strides=ids, out_strides=(0, out.stride(0), out.stride(1)),
+           lse_strides=(0, lse.stride(0)), sm_scale_log2=sm_scale * 1.4426950408889634, block_table=None,
+           token_req_idx=None, trim=False, dbg=dbg)
+    torch.cuda.synchronize(q.device)
+    n_s = HEADS * BLOCK_N
+    s_k = dbg[:n_s].view(HEADS, BLOCK_N)
+    p_k = dbg[n_s: 2 * n_s].view(HEADS, BLOCK_N)
+    o_k = dbg[2 * n_s: 2 * n_s + HEADS * LATENT].view(HEADS, LATENT)
+    tile = unswizzle_tile(dbg[2 * n_s + HEADS * LATENT:]).float()
+
+    sel = idx2[0, :BLOCK_N].long()
+    valid = sel >= 0
+    want_tile = gather_kv_ref(kv, sel.clamp(min=0), LATENT, ROPE).masked_fill(~valid[:, None], 0.0)
+    qf = torch.zeros(HEADS, LATENT + ROPE, device=q.device)
+    qf[: q.shape[-2]] = q2[0].float()
+    s_ref = qf @ tile.T
+    z = torch.where(valid[None, :], s_k * sm_scale * 1.4426950408889634, float("-inf"))
+    m = z.amax(dim=1, keepdim=True)
+    p_ref = torch.exp2(z - torch.where(torch.isinf(m), 0.0, m)).bfloat16().float()
+    o_ref = p_k @ tile[:, :LATENT]
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+    return {"tile_exact": bool(torch.equal(tile, want_tile)), "tile_err": rel(tile, want_tile),
+            "scores_err": rel(s_k, s_ref), "p_err": rel(p_k, p_ref), "pv_err": rel(o_k, o_ref),
+            "nan": {k: bool(torch.isnan(v).any()) for k, v in (("scores", s_k), ("p", p_k), ("pv", o_k))}}

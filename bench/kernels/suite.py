@@ -98,10 +98,21 @@ def check_sm90(dev) -> list[dict]:
     query rows, with -1 padding and a row with nothing selected, split and not), prefill rows over fp8 pages
     with positions through a shuffled block table. Max |error| / max |reference| per case; a case that raises
     is recorded."""
-    from kernels.sparse_mla_sm90 import eligible
+    from kernels.sparse_mla_sm90 import eligible, first_tile_report
 
     out = []
     cache = fp8_cache(1 << 16, dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(2, 1, 64, R + P, device=dev, dtype=torch.bfloat16, generator=gen)
+    idx = torch.randint(0, 1 << 16, (2, 1, 2048), device=dev, dtype=torch.int32, generator=gen)
+    idx[..., 3:64:5] = -1
+    row = {"kernel": "check sm90 first tile, stage by stage"}
+    try:
+        row.update(first_tile_report(q, cache, idx, 0.0625))
+    except Exception as e:  # noqa: BLE001 - recorded: the cases below may still say more
+        row["error"] = repr(e)[:300]
+    print(row, flush=True)
+    out.append(row)
     for name, B, Sq, H, splits in (("decode", 64, 1, 64, None), ("decode mtp", 16, 4, 64, None),
                                    ("decode split", 3, 1, 64, 4), ("decode H=8", 32, 1, 8, 1),
                                    ("prefill positions", 512, 1, 64, 1)):

@@ -212,6 +212,7 @@ struct Args {
   const int* idx;          // slots, or request positions with `positions`
   void* out;               // bf16, or fp32 partials [split, row, head, R]
   float* lse;
+  float* dbg;              // DEBUG builds: CTA (0, 0)'s first tile, stage by stage (kernels/sparse_mla_sm90.py)
   const int* table;        // block table rows (positions only)
   const int* req;          // request of each query row (positions only)
   long long sq_b, sq_s, sq_h, si_b, si_s, s_blk, s_tok, so_split, so_row, so_h, sl_split, sl_row, s_table;
@@ -270,8 +271,13 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
   }
 }
 
+// The DEBUG instantiation's dump of CTA (0, 0)'s first tile, in floats: raw scores [64 heads][64 rows], P as
+// rounded to bf16 [64][64], the accumulator after that tile's PV [64][512], the stage's bf16 tile as stored
+// (73,728 swizzled bytes).
+constexpr int DBG_S = 0, DBG_P = HEADS * BN, DBG_O = 2 * HEADS * BN, DBG_TILE = DBG_O + HEADS * R;
+
 // Warpgroups 0 and 1: scores, softmax and the PV accumulation; then the output.
-template <bool OUT_F32>
+template <bool OUT_F32, bool DEBUG>
 __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long row, long long b, long long s,
                                         int split, int n_tiles) {
   const int w = threadIdx.x >> 7;  // warpgroup: rows [32 w, +32) of each tile's scores, columns [256 w, +256)
@@ -306,6 +312,10 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
     const int st = t & 1;
     mbar_wait(sbase + OFF_BAR + st * 8, (t >> 1) & 1);
     const uint32_t k = sbase + OFF_K + st * TILE_BYTES;
+    const bool dump = DEBUG && t == 0 && blockIdx.x == 0 && blockIdx.y == 0;
+    if (dump)
+      for (int e = threadIdx.x; e < TILE_BYTES / 4; e += CONSUMERS)
+        a.dbg[DBG_TILE + e] = reinterpret_cast<const float*>(smem + OFF_K + st * TILE_BYTES)[e];
 
     float sc[16];
     wgmma_fence();
@@ -317,6 +327,10 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
     wgmma_commit();
     wgmma_wait0();
     fence_regs(sc);
+    if (dump)
+#pragma unroll
+      for (int e = 0; e < 16; ++e)
+        a.dbg[DBG_S + (r0 + 8 * ((e >> 1) & 1)) * BN + 32 * w + 8 * (e >> 2) + 2 * quad + (e & 1)] = sc[e];
 
     // sc[n * 4 + i * 2 + j]: head r0 + 8 i, tile row 32 w + 8 n + 2 quad + j
     float mx[2] = {-INFINITY, -INFINITY};
@@ -358,6 +372,10 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
         l[i] += p0 + p1;
         const int h = r0 + 8 * i;  // P[h, 32 w + 8 n + 2 quad + {0, 1}]: 16-byte unit 4 w + n, bytes 4 quad
         st_shared(sp + swz(h, 4 * w + n) + 4 * quad, pack_bf16(p0, p1));
+        if (dump) {
+          a.dbg[DBG_P + h * BN + 32 * w + 8 * n + 2 * quad] = __bfloat162float(__float2bfloat16_rn(p0));
+          a.dbg[DBG_P + h * BN + 32 * w + 8 * n + 2 * quad + 1] = __bfloat162float(__float2bfloat16_rn(p1));
+        }
       }
 #pragma unroll
     for (int n = 0; n < 32; ++n)
@@ -377,6 +395,10 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
     wgmma_commit();
     wgmma_wait0();
     fence_regs(o);
+    if (dump)
+#pragma unroll
+      for (int e = 0; e < 128; ++e)
+        a.dbg[DBG_O + (r0 + 8 * ((e >> 1) & 1)) * R + 256 * w + 8 * (e >> 2) + 2 * quad + (e & 1)] = o[e];
     __syncwarp();
     if (lane == 0) mbar_arrive(sbase + OFF_BAR + (STAGES + st) * 8);  // this warp is done with the stage
   }
@@ -412,7 +434,7 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
   }
 }
 
-template <bool OUT_F32>
+template <bool OUT_F32, bool DEBUG>
 __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args a) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -453,22 +475,23 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args 
     produce(a, smem, idx_row, tab, lo, hi, n_tiles);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::: "memory");
-    consume<OUT_F32>(a, smem, row, b, s, split, n_tiles);
+    consume<OUT_F32, DEBUG>(a, smem, row, b, s, split, n_tiles);
   }
 }
 
-template <bool OUT_F32>
+template <bool OUT_F32, bool DEBUG>
 int launch(const Args& a, int rows, int splits, int device, cudaStream_t stream) {
   // This library links its own CUDA runtime, whose current device is not torch's: set it (cheap when it is).
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
   static unsigned long long ready = 0;  // devices whose dynamic shared-memory limit is raised for this kernel
   if (device >= 64 || !(ready >> device & 1)) {
-    e = cudaFuncSetAttribute(sparse_mla_sm90_kernel<OUT_F32>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_ALLOC);
+    e = cudaFuncSetAttribute(sparse_mla_sm90_kernel<OUT_F32, DEBUG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             SMEM_ALLOC);
     if (e != cudaSuccess) return (int)e;
     if (device < 64) ready |= 1ull << device;
   }
-  sparse_mla_sm90_kernel<OUT_F32><<<dim3(rows, splits), THREADS, SMEM_ALLOC, stream>>>(a);
+  sparse_mla_sm90_kernel<OUT_F32, DEBUG><<<dim3(rows, splits), THREADS, SMEM_ALLOC, stream>>>(a);
   return (int)cudaGetLastError();
 }
 
@@ -476,8 +499,9 @@ int launch(const Args& a, int rows, int splits, int device, cudaStream_t stream)
 
 extern "C" {
 
-// Shared memory one CTA takes (bytes), for the launcher's checks.
+// Shared memory one CTA takes (bytes), for the launcher's checks; floats of the DEBUG dump.
 int pdserve_sparse_mla_sm90_smem() { return SMEM_ALLOC; }
+int pdserve_sparse_mla_sm90_debug_floats() { return DBG_TILE + TILE_BYTES / 4; }
 
 // Launch over `rows` query rows x `splits` splits; strides in elements (bytes for the cache). Returns a
 // cudaError_t (0 = launched).
@@ -486,13 +510,15 @@ int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void
                             long long si_s, long long s_blk, long long s_tok, long long so_split, long long so_row,
                             long long so_h, long long sl_split, long long sl_row, long long s_table, int num_heads,
                             int num_idx, int split_len, int sq_len, int block_shift, int positions, int trim,
-                            float sm_scale_log2, int out_f32, int rows, int splits, int device, void* stream) {
+                            float sm_scale_log2, int out_f32, int rows, int splits, int device, void* dbg,
+                            void* stream) {
   Args a;
   a.q = static_cast<const __nv_bfloat16*>(q);
   a.kv = static_cast<const uint8_t*>(kv);
   a.idx = static_cast<const int*>(idx);
   a.out = out;
   a.lse = static_cast<float*>(lse);
+  a.dbg = static_cast<float*>(dbg);
   a.table = static_cast<const int*>(table);
   a.req = static_cast<const int*>(req);
   a.sq_b = sq_b; a.sq_s = sq_s; a.sq_h = sq_h; a.si_b = si_b; a.si_s = si_s; a.s_blk = s_blk; a.s_tok = s_tok;
@@ -502,7 +528,8 @@ int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void
   a.block_shift = block_shift; a.positions = positions; a.trim = trim;
   a.sm_scale_log2 = sm_scale_log2;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return out_f32 ? launch<true>(a, rows, splits, device, st) : launch<false>(a, rows, splits, device, st);
+  if (dbg) return launch<false, true>(a, rows, splits, device, st);  // bf16 output, one split
+  return out_f32 ? launch<true, false>(a, rows, splits, device, st) : launch<false, false>(a, rows, splits, device, st);
 }
 
 }  // extern "C"

@@ -9,6 +9,7 @@ the sm_90 path asserted taken."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 import subprocess
 from pathlib import Path
@@ -18,8 +19,8 @@ import torch
 
 import kernels.sparse_mla_sm90 as sm90
 from kernels.sparse_mla import sparse_mla
-from tests.helpers.kernel_inputs import gpu
-from tests.kernels.test_sparse_mla import check_decode, check_positions, check_prefill, check_trim
+from tests.helpers.kernel_inputs import gpu, randn, slots_of
+from tests.kernels.test_sparse_mla import check_decode, check_positions, check_prefill, check_trim, make_cache
 
 needs_nvcc = pytest.mark.skipif(sm90.nvcc() is None, reason="needs nvcc")
 
@@ -39,8 +40,9 @@ def test_builds_for_sm90a_with_the_described_structure(tmp_path):
     if tool is None:
         pytest.skip("no cuobjdump to read the machine code")
     sass = subprocess.run([str(tool), "--dump-sass", str(lib)], capture_output=True, text=True, check=True).stdout
-    kernels = re.split(r"\n\s*Function : ", sass)[1:]
+    kernels = [k for k in re.split(r"\n\s*Function : ", sass)[1:] if "ELb0EEE" in k.split()[0]]  # not DEBUG
     assert len(kernels) == 2, "one kernel for bf16 output and one for fp32 partials"
+    assert ctypes.CDLL(str(lib)).pdserve_sparse_mla_sm90_debug_floats() == sm90.debug_floats()
     for k in kernels:
         assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16 ", k)) == 36, "score GEMM: 576 columns in 36 steps"
         assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16 .*tnspB", k)) == 4, "PV GEMM: 64 rows in 4 steps"
@@ -63,6 +65,35 @@ def test_a_host_without_nvcc_keeps_the_triton_kernel(monkeypatch, caplog):
     monkeypatch.setattr(sm90, "nvcc", lambda: None)
     assert sm90.library() is None and "nvcc not found" in caplog.text
     assert sm90.library() is None and caplog.text.count("unavailable") == 1  # logged once
+
+
+def test_unswizzle_inverts_the_kernels_tile_layout():
+    """unswizzle_tile reads a stage the way the kernel writes it: 16-byte unit u of row r of 64-column chunk c at
+    c * 8192 + (r // 8) * 1024 + (r % 8) * 128 + (u ^ (r % 8)) * 16 (the 128-byte swizzle)."""
+    tile = torch.randn(64, 576).bfloat16()
+    units = tile.view(torch.uint8).view(64, 9, 8, 16)  # row, chunk, unit, byte
+    raw = torch.zeros(9 * 8192, dtype=torch.uint8)
+    for r in range(64):
+        for c in range(9):
+            for u in range(8):
+                at = c * 8192 + (r // 8) * 1024 + (r % 8) * 128 + (u ^ (r % 8)) * 16
+                raw[at: at + 16] = units[r, c, u]
+    assert torch.equal(sm90.unswizzle_tile(raw.view(torch.float32)), tile)
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_first_tile_stage_by_stage_gpu(mark):
+    """The debug build's dump of the first tile: the producer's tile bit-exact, then scores, P and the PV
+    accumulator each from the kernel's own previous stage (a failure names the stage)."""
+    gen = torch.Generator().manual_seed(11)
+    cache, table = make_cache("fp8", [4096], 512, 64, 64, "cuda", gen)
+    idx = slots_of(table[0], torch.randperm(4096, generator=gen)[:2048].cuda(), 64).to(torch.int32).view(1, 1, 2048)
+    idx[..., 5:64:9] = -1
+    q = randn(gen, 1, 1, 64, 576, dtype=torch.bfloat16, device="cuda")
+    report = sm90.first_tile_report(q, cache, idx, 576 ** -0.5)
+    assert report["tile_exact"], report
+    assert report["scores_err"] < 1e-4 and report["p_err"] < 1e-2 and report["pv_err"] < 1e-4, report
+    assert not any(report["nan"].values()), report
 
 
 @pytest.fixture
