@@ -114,7 +114,7 @@ def check_sm90(dev) -> list[dict]:
     print(row, flush=True)
     out.append(row)
     for name, B, Sq, H, splits in (("decode", 64, 1, 64, None), ("decode mtp", 16, 4, 64, None),
-                                   ("decode split", 3, 1, 64, 4), ("decode H=8", 32, 1, 8, 1),
+                                   ("decode split", 3, 1, 64, 4), ("decode H=40", 32, 1, 40, 1),
                                    ("prefill positions", 512, 1, 64, 1)):
         gen = torch.Generator(device=dev).manual_seed(B + Sq)
         q = torch.randn(B, Sq, H, R + P, device=dev, dtype=torch.bfloat16, generator=gen)

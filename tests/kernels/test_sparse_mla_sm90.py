@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import kernels.sparse_mla_sm90 as sm90
-from kernels.sparse_mla import sparse_mla
-from tests.helpers.kernel_inputs import gpu, randn, slots_of
+from kernels.sparse_mla import sparse_mla, sparse_mla_ref
+from tests.helpers.kernel_inputs import assert_attention_close, gpu, randn, slots_of
 from tests.kernels.test_sparse_mla import check_decode, check_positions, check_prefill, check_trim, make_cache
 
 needs_nvcc = pytest.mark.skipif(sm90.nvcc() is None, reason="needs nvcc")
@@ -107,10 +107,27 @@ def sm90_on(monkeypatch):
 
 
 @pytest.mark.parametrize("B,Sq,H,splits", [(64, 1, 64, None), (16, 4, 64, None), (3, 1, 64, None),
-                                           (32, 1, 8, 1), (2, 4, 5, 3)])
+                                           (32, 1, 40, 1), (2, 4, 33, 3)])
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_decode_gpu(sm90_on, B, Sq, H, splits, mark):
     check_decode("fp8", B=B, Sq=Sq, H=H, K=2048, R=512, P=64, block_size=64, device="cuda", num_splits=splits)
+    assert sm90_on
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_few_heads_stay_on_triton_unless_asked_gpu(sm90_on, mark):
+    """<= 32 heads: the default keeps the Triton kernel (16-head tiles); kernel="sm90" still runs them (zero-padded
+    to 64 heads) and matches the reference."""
+    check_decode("fp8", B=4, Sq=1, H=8, K=2048, R=512, P=64, block_size=64, device="cuda")
+    assert sm90_on == []
+    q = torch.randn(2, 1, 8, 576, device="cuda").bfloat16()
+    gen = torch.Generator().manual_seed(2)
+    cache, table = make_cache("fp8", [3000], 512, 64, 64, "cuda", gen)
+    idx = slots_of(table[0], torch.randperm(3000, generator=gen)[:2048].cuda(), 64).to(torch.int32).view(1, 1, 2048)
+    idx = idx.expand(2, 1, 2048).contiguous()
+    got = sparse_mla(q, cache, idx, 0.05, kernel="sm90")
+    ref = sparse_mla_ref(q.float(), cache, idx, 0.05, 512, 64)
+    assert_attention_close(got[0], got[1], ref[0], ref[1])
     assert sm90_on
 
 
