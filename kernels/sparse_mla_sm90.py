@@ -19,6 +19,7 @@ an fp8_ds_mla paged cache (latent 512, rope 64, 656-byte rows on 16-byte boundar
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -41,9 +42,25 @@ LATENT, ROPE = 512, 64
 ROW_BYTES = LATENT + 4 * (LATENT // 128) + 2 * ROPE  # 656
 BLOCK_N = 64        # selected rows per tile
 
+VARIANTS = {"full": 0, "no-gather": 1, "no-mma": 2}  # timing variants: the source's FULL / NO_GATHER / NO_MMA
+_variant = "full"
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
+
+
+@contextlib.contextmanager
+def timing_variant(name: str):
+    """Launches inside run a variant with one stage left out (bench.kernels --only sparse-mla-sm90): "no-gather"
+    (no row reads), "no-mma" (no wgmma); their outputs mean nothing. Not thread-safe: benchmarks only."""
+    global _variant
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {name!r}")
+    before, _variant = _variant, name
+    try:
+        yield
+    finally:
+        _variant = before
 
 
 def use_sm90() -> bool:
@@ -97,8 +114,8 @@ def library() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(build()))
                 fn = lib.pdserve_sparse_mla_sm90
                 fn.restype = ctypes.c_int
-                fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 7
-                               + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2)
+                fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 7 + [ctypes.c_float]
+                               + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p])
                 _lib = lib
             except (RuntimeError, OSError) as e:
                 _failed = str(e)
@@ -154,7 +171,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.
         q.shape[-2], indices.shape[-1], split_len, sq_len, kv.shape[1].bit_length() - 1, int(positions), int(trim),
         sm_scale_log2, int(out.dtype == torch.float32),
         rows, splits, q.device.index if q.device.index is not None else torch.cuda.current_device(),
-        None if dbg is None else dbg.data_ptr(), stream)
+        None if dbg is None else dbg.data_ptr(), VARIANTS[_variant], stream)
     if err:
         raise RuntimeError(f"sparse MLA sm_90 launch failed: CUDA error {err}")
 

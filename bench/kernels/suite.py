@@ -24,6 +24,7 @@ from kernels.formats import mla_row_bytes
 from kernels.merge import merge_attn_states, merge_attn_states_ref
 from kernels.moe import fused_moe, fused_moe_ref, route_ref
 from kernels.sparse_mla import sparse_mla, sparse_mla_decode, sparse_mla_ref
+from kernels.sparse_mla_sm90 import timing_variant as sm90_variant
 from kernels.store_kv import gather_kv, gather_kv_ref, store_kv, store_kv_ref
 
 R, P, ROW = 512, 64, mla_row_bytes(512, 64)
@@ -153,7 +154,9 @@ def check_sm90(dev) -> list[dict]:
 def bench_sparse_mla_sm90(dev, ceil) -> list[dict]:
     """`--only sparse-mla-sm90`: the accuracy check, then the sm_90 kernel beside the Triton kernel on the same
     inputs: decode H = 64, K = 2,048, B = 32 / 64 / 128, 1 and 4 query rows; 320 valid indices of 2,048 at 4
-    rows (trimmed); prefill over fp8 pages at T = 8K and 64K."""
+    rows (trimmed); prefill over fp8 pages at T = 8K and 64K; then the sm_90 kernel's timing variants (no row
+    gather from HBM; no wgmma) at B = 64 / 128 and T = 8K, which say whether the producer or the tensor cores set
+    its pace."""
     rows = check_sm90(dev)
     if any("error" in r or r.get("nan") or r.get("out_err", 1) > 0.02 for r in rows):
         print("sm90 kernel failed its check: not timed", flush=True)
@@ -174,6 +177,15 @@ def bench_sparse_mla_sm90(dev, ceil) -> list[dict]:
             n = len(rows)
             _guard(rows, lambda: [bench_prefill(dev, ceil, T, 2048, "fp8 paged", 64, kernel=kernel)])
             print_table(rows[n:])
+    for variant in ("no-gather", "no-mma"):  # where the time goes: the same launches with one stage left out
+        n = len(rows)
+        with sm90_variant(variant):
+            for Sq in (1, 4):
+                _guard(rows, lambda: bench_decode(dev, ceil, 64, Sq, [64, 128], K=2048, ctx=1 << 21, ref=False,
+                                                  kernel="sm90", label=f" [sm90 {variant}]"))
+            _guard(rows, lambda: [bench_prefill(dev, ceil, 8192, 2048, "fp8 paged", 64, kernel="sm90")])
+            rows[-1]["kernel"] += f" {variant}"
+        print_table(rows[n:])
     return rows
 
 

@@ -220,7 +220,19 @@ struct Args {
   float sm_scale_log2;
 };
 
+// Timing variants (time the kernel with one stage left out): the producer reads the cache's first 64 rows (cached
+// after the first tile) instead of the selected ones, so the tile costs its conversion and stores but not the
+// gather from HBM (indices and page-table entries still load); or the consumers skip the wgmmas (the softmax runs
+// on whatever the score registers hold). Their outputs mean nothing.
+constexpr int FULL = 0, NO_GATHER = 1, NO_MMA = 2;
+
+// Byte offset of a cache slot's row: page * block stride + offset in the page * row stride.
+__device__ __forceinline__ long long row_offset(const Args& a, long long slot) {
+  return (slot >> a.block_shift) * a.s_blk + (slot & ((1 << a.block_shift) - 1)) * a.s_tok;
+}
+
 // Warpgroup 2: gathers and dequantises the tiles into the stages.
+template <int VARIANT>
 __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int* idx_row, const int* tab, int lo,
                                         int hi, int n_tiles) {
   const int pt = threadIdx.x - CONSUMERS;
@@ -241,8 +253,7 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
     const bool valid = slot >= 0;
     uint4 lat[16], rope[4];
     float2 sc = make_float2(0.f, 0.f);
-    const uint8_t* row =
-        a.kv + (valid ? (slot >> a.block_shift) * a.s_blk + (slot & ((1 << a.block_shift) - 1)) * a.s_tok : 0);
+    const uint8_t* row = a.kv + (!valid ? 0 : VARIANT == NO_GATHER ? r * a.s_tok : row_offset(a, slot));
 #pragma unroll
     for (int j = 0; j < 16; ++j)
       lat[j] = valid ? __ldg(reinterpret_cast<const uint4*>(row + hf * 256) + j) : make_uint4(0, 0, 0, 0);
@@ -277,7 +288,7 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
 constexpr int DBG_S = 0, DBG_P = HEADS * BN, DBG_O = 2 * HEADS * BN, DBG_TILE = DBG_O + HEADS * R;
 
 // Warpgroups 0 and 1: scores, softmax and the PV accumulation; then the output.
-template <bool OUT_F32, bool DEBUG>
+template <bool OUT_F32, bool DEBUG, int VARIANT>
 __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long row, long long b, long long s,
                                         int split, int n_tiles) {
   const int w = threadIdx.x >> 7;  // warpgroup: rows [32 w, +32) of each tile's scores, columns [256 w, +256)
@@ -322,7 +333,8 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {  // 36 steps of 16 columns: chunk kk / 4, 32 bytes apart inside it
       const uint32_t off = (kk >> 2) * CHUNK_BYTES + (kk & 3) * 32;
-      wgmma_m64n32k16<0>(sc, desc(sq + off, 16, 1024), desc(k + off + w * 4 * 1024, 16, 1024), kk > 0);
+      if (VARIANT != NO_MMA)
+        wgmma_m64n32k16<0>(sc, desc(sq + off, 16, 1024), desc(k + off + w * 4 * 1024, 16, 1024), kk > 0);
     }
     wgmma_commit();
     wgmma_wait0();
@@ -390,7 +402,8 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)  // 4 steps of 16 tile rows: P 32 bytes apart, V two 8-row groups
-      wgmma_m64n256k16<1>(o, desc(sp + kk * 32, 16, 1024),
+      if (VARIANT != NO_MMA)
+        wgmma_m64n256k16<1>(o, desc(sp + kk * 32, 16, 1024),
                           desc(k + 4 * w * CHUNK_BYTES + kk * 2048, CHUNK_BYTES, 1024), 1);
     wgmma_commit();
     wgmma_wait0();
@@ -434,7 +447,7 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
   }
 }
 
-template <bool OUT_F32, bool DEBUG>
+template <bool OUT_F32, bool DEBUG, int VARIANT>
 __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args a) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -472,26 +485,26 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args 
 
   if (threadIdx.x >= CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n" ::: "memory");
-    produce(a, smem, idx_row, tab, lo, hi, n_tiles);
+    produce<VARIANT>(a, smem, idx_row, tab, lo, hi, n_tiles);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::: "memory");
-    consume<OUT_F32, DEBUG>(a, smem, row, b, s, split, n_tiles);
+    consume<OUT_F32, DEBUG, VARIANT>(a, smem, row, b, s, split, n_tiles);
   }
 }
 
-template <bool OUT_F32, bool DEBUG>
+template <bool OUT_F32, bool DEBUG, int VARIANT = FULL>
 int launch(const Args& a, int rows, int splits, int device, cudaStream_t stream) {
   // This library links its own CUDA runtime, whose current device is not torch's: set it (cheap when it is).
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
   static unsigned long long ready = 0;  // devices whose dynamic shared-memory limit is raised for this kernel
   if (device >= 64 || !(ready >> device & 1)) {
-    e = cudaFuncSetAttribute(sparse_mla_sm90_kernel<OUT_F32, DEBUG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             SMEM_ALLOC);
+    e = cudaFuncSetAttribute(sparse_mla_sm90_kernel<OUT_F32, DEBUG, VARIANT>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_ALLOC);
     if (e != cudaSuccess) return (int)e;
     if (device < 64) ready |= 1ull << device;
   }
-  sparse_mla_sm90_kernel<OUT_F32, DEBUG><<<dim3(rows, splits), THREADS, SMEM_ALLOC, stream>>>(a);
+  sparse_mla_sm90_kernel<OUT_F32, DEBUG, VARIANT><<<dim3(rows, splits), THREADS, SMEM_ALLOC, stream>>>(a);
   return (int)cudaGetLastError();
 }
 
@@ -511,7 +524,7 @@ int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void
                             long long so_h, long long sl_split, long long sl_row, long long s_table, int num_heads,
                             int num_idx, int split_len, int sq_len, int block_shift, int positions, int trim,
                             float sm_scale_log2, int out_f32, int rows, int splits, int device, void* dbg,
-                            void* stream) {
+                            int variant, void* stream) {
   Args a;
   a.q = static_cast<const __nv_bfloat16*>(q);
   a.kv = static_cast<const uint8_t*>(kv);
@@ -529,6 +542,12 @@ int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void
   a.sm_scale_log2 = sm_scale_log2;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (dbg) return launch<false, true>(a, rows, splits, device, st);  // bf16 output, one split
+  if (variant == NO_GATHER)
+    return out_f32 ? launch<true, false, NO_GATHER>(a, rows, splits, device, st)
+                   : launch<false, false, NO_GATHER>(a, rows, splits, device, st);
+  if (variant == NO_MMA)
+    return out_f32 ? launch<true, false, NO_MMA>(a, rows, splits, device, st)
+                   : launch<false, false, NO_MMA>(a, rows, splits, device, st);
   return out_f32 ? launch<true, false>(a, rows, splits, device, st) : launch<false, false>(a, rows, splits, device, st);
 }
 

@@ -40,7 +40,8 @@ def test_builds_for_sm90a_with_the_described_structure(tmp_path):
     if tool is None:
         pytest.skip("no cuobjdump to read the machine code")
     sass = subprocess.run([str(tool), "--dump-sass", str(lib)], capture_output=True, text=True, check=True).stdout
-    kernels = [k for k in re.split(r"\n\s*Function : ", sass)[1:] if "ELb0EEE" in k.split()[0]]  # not DEBUG
+    # <OUT_F32, DEBUG = false, VARIANT = full>
+    kernels = [k for k in re.split(r"\n\s*Function : ", sass)[1:] if "ELb0ELi0EEE" in k.split()[0]]
     assert len(kernels) == 2, "one kernel for bf16 output and one for fp32 partials"
     assert ctypes.CDLL(str(lib)).pdserve_sparse_mla_sm90_debug_floats() == sm90.debug_floats()
     for k in kernels:
