@@ -494,8 +494,10 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args 
 
 template <bool OUT_F32, bool DEBUG, int VARIANT = FULL>
 int launch(const Args& a, int rows, int splits, int device, cudaStream_t stream) {
-  // This library links its own CUDA runtime, whose current device is not torch's: set it (cheap when it is).
-  cudaError_t e = cudaSetDevice(device);
+  // This library links its own CUDA runtime, whose current device is not torch's: set it where it differs.
+  int current = -1;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e == cudaSuccess && current != device) e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
   static unsigned long long ready = 0;  // devices whose dynamic shared-memory limit is raised for this kernel
   if (device >= 64 || !(ready >> device & 1)) {

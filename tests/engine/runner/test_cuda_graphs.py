@@ -97,16 +97,23 @@ def test_whole_step_graphs_equal_per_forward_graphs_fp32(tiny_code, async_):
     assert llm.get_stats().num_free_blocks == 256
 
 
-@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8-splitk"])
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8-splitk", "fp8-splitk-sm90-mla"])
 def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path, weights, monkeypatch):
     """GLM-5.3 widths (4 layers, 32 routed experts, random bf16 or FP8 block-scaled weights, fp8 KV) with
     MTP3: graph replay gives the padded eager forwards' tokens across padded batch sizes, with no capture
     after start-up. fp8-splitk: every decode projection is the split-K GEMM (kernels.fp8_splitk, the default),
-    whose launches share one set of tile counters inside each graph; fp8: the earlier decode launch."""
+    whose launches share one set of tile counters inside each graph; fp8: the earlier decode launch;
+    sm90-mla: sparse MLA through the warp-specialised CUDA kernel (kernels/sparse_mla_sm90.py), captured too."""
     import kernels.fp8_gemm
+    import kernels.sparse_mla_sm90 as sm90
     from bench.serving.gpu_system import random_model_dir
 
-    monkeypatch.setattr(kernels.fp8_gemm, "SPLITK_DECODE", weights == "fp8-splitk")
+    monkeypatch.setattr(kernels.fp8_gemm, "SPLITK_DECODE", weights.startswith("fp8-splitk"))
+    sm90_launches = []
+    if weights.endswith("sm90-mla"):
+        monkeypatch.setenv("PDSERVE_SPARSE_MLA_SM90", "1")
+        launch = sm90.launch
+        monkeypatch.setattr(sm90, "launch", lambda *a, **k: (sm90_launches.append(k["rows"]), launch(*a, **k))[1])
 
     path = random_model_dir(tmp_path / "glm4", layers=4, experts=32)
     if weights != "bf16":
@@ -127,6 +134,7 @@ def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path, weights, monkeyp
     assert run_joining_leaving(llm, prompts, late=2) == ref
     assert st.num_captures == before and st.graphs.num_replays > 0
     assert any(bp > b for b, bp, _ in st.shapes)
+    assert bool(sm90_launches) == weights.endswith("sm90-mla")
     if weights != "bf16":
         assert type(llm.core.runner.model.model.layers[0].self_attn.q_a_proj).__name__ == "Fp8Linear"
 
