@@ -16,7 +16,7 @@
 //   * warpgroups 0 and 1, the consumers, each compute the scores of half the tile's rows (64 heads x 32 rows,
 //     K = 576: wgmma m64n32k16 with q and the tile in shared memory), exchange their row maxima through shared
 //     memory, write their half of P (bf16) into a shared 64 x 64 tile, and each accumulate 256 of the 512
-//     output columns (wgmma m64n256k16, P and the tile's latents as the B operand, transposed). The score
+//     output columns (wgmma m64n256k16: P the A operand, the tile's latents the B operand, read transposed). The score
 //     work is split, not duplicated (the Triton kernel's chained dots computed it in both warpgroups).
 //   * mbarriers hand stages between the producer and the consumers; named barriers sync the two consumers.
 //
