@@ -151,6 +151,21 @@ def check_sm90(dev) -> list[dict]:
     return out
 
 
+def check_passed(rows: list[dict]) -> bool:
+    """check_sm90's rows say the kernel is right: no case raised or gave NaN, each output within 2% of the
+    reference's largest value, and the first tile's stages within the tolerances of its GPU test (the first-tile
+    row has stage errors, not an out_err)."""
+    for r in rows:
+        if "error" in r or r.get("nan") is True:
+            return False
+        if "out_err" in r and not r["out_err"] <= 0.02:
+            return False
+        if "tile_exact" in r and not (r["tile_exact"] and r["scores_err"] < 1e-4 and r["p_err"] < 1e-2
+                                      and r["pv_err"] < 1e-4 and not any(r["nan"].values())):
+            return False
+    return bool(rows)
+
+
 def bench_sparse_mla_sm90(dev, ceil) -> list[dict]:
     """`--only sparse-mla-sm90`: the accuracy check, then the sm_90 kernel beside the Triton kernel on the same
     inputs: decode H = 64, K = 2,048, B = 32 / 64 / 128, 1 and 4 query rows; 320 valid indices of 2,048 at 4
@@ -158,7 +173,7 @@ def bench_sparse_mla_sm90(dev, ceil) -> list[dict]:
     gather from HBM; no wgmma) at B = 64 / 128 and T = 8K, which say whether the producer or the tensor cores set
     its pace."""
     rows = check_sm90(dev)
-    if any("error" in r or r.get("nan") or r.get("out_err", 1) > 0.02 for r in rows):
+    if not check_passed(rows):
         print("sm90 kernel failed its check: not timed", flush=True)
         return rows
     for Sq in (1, 4):
