@@ -68,7 +68,7 @@ def bench_decode(dev, ceil, H: int, Sq: int, batches: list[int], K: int, ctx: in
         name = f"sparse_mla_decode H={H} Sq={Sq} B={B}" + (f" valid={n}" if n < K else "") + label
         rows_out.append(roofline_row(name, t, kv_bytes + io_bytes, rows * H * n * FLOP_PER_ROW_HEAD, ceil, t_ref,
                                      H=H, Sq=Sq, B=B, K=K, valid=n, config=config or "default", trim=trim,
-                                     kernel=kernel or "default"))
+                                     impl=kernel or "default"))
     return rows_out
 
 
@@ -200,6 +200,7 @@ def bench_sparse_mla_sm90(dev, ceil) -> list[dict]:
                                                   kernel="sm90", label=f" [sm90 {variant}]"))
             _guard(rows, lambda: [bench_prefill(dev, ceil, 8192, 2048, "fp8 paged", 64, kernel="sm90")])
             rows[-1]["kernel"] += f" {variant}"
+            rows[-1]["impl"] += f" {variant}"
         print_table(rows[n:])
     return rows
 
@@ -221,7 +222,7 @@ def bench_prefill(dev, ceil, T: int, K: int, kind: str, ref_rows: int, config: t
     label = f" [{kernel}]" if kernel else ""
     return roofline_row(f"sparse_mla_prefill {kind} T={T}{label}", t, unique, T * H * K * FLOP_PER_ROW_HEAD, ceil,
                         t_ref, T=T, K=K, gathered_bytes=T * K * row_bytes, ref_rows=n, config=config or "default",
-                        kernel=kernel or "default")
+                        impl=kernel or "default")
 
 
 def bench_store_gather(dev, ceil, T: int) -> list[dict]:

@@ -7,19 +7,37 @@
 // (<= 64) of the row; splits write fp32 partials that kernels/merge.py combines.
 //
 // Structure (the Hopper pattern of FlashAttention-3 and FlashMLA, written for this cache format):
-//   * warpgroup 2, the producer, gathers each tile of 64 selected rows (656 bytes each: 512 e4m3 latents,
-//     4 fp32 scales per 128 latents, 64 bf16 rope values), dequantises the latents to bf16 (exact: e4m3 times
-//     a power of two) and writes the tile into one of two shared-memory stages, in the 128-byte-swizzled
-//     layout wgmma reads; a tile's rows are loaded into registers (and the next tile's indices and page-table
-//     entries) before the producer waits for a free stage, so the gather's latency overlaps the consumers'
-//     math instead of preceding it;
+//   * the selected rows of a tile (64 of them, 656 bytes each: 512 e4m3 latents, 4 fp32 scales per 128
+//     latents, 64 bf16 rope values) move from HBM into a shared-memory stage as they are stored, one bulk copy
+//     (cp.async.bulk, the TMA unit's 1-D form) a row, completing on the stage's `raw` mbarrier by byte count:
+//     no registers hold them in flight, so a whole tile is in flight while the previous one is computed. The
+//     consumers issue the copies of tile t + 2 the moment they are done with tile t's stage (the producer
+//     issues tiles 0 and 1), so each stage is refilled without waiting for anyone;
+//   * warpgroup 2, the producer, converts each stage in place: it reads the tile's raw rows (which take the
+//     first 42 KB of the stage), and once all 128 threads hold theirs, writes the latents dequantised to bf16
+//     (exact: e4m3 times a power of two) and the rope values into the 128-byte-swizzled layout wgmma reads,
+//     handing the tile over in five parts (the rope chunk, then latent chunks {c, c + 4}) so the score GEMM
+//     starts on the first part while the rest converts. It also looks up the slots of the tile two ahead
+//     (indices, page-table entries) for the consumers' copies, so no index load is on the copy's path. (The
+//     first version loaded the rows into the producer's registers: one tile in flight at most, behind a chain
+//     of index, page-table and spilled-register loads; ncu put half the consumers' time at the full barrier.)
 //   * warpgroups 0 and 1, the consumers, each compute the scores of half the tile's rows (64 heads x 32 rows,
 //     K = 576: wgmma m64n32k16 with q and the tile in shared memory), exchange their row maxima through shared
 //     memory, write their half of P (bf16) into a shared 64 x 64 tile, and each accumulate 256 of the 512
-//     output columns (wgmma m64n256k16: P the A operand, the tile's latents the B operand, read transposed). The score
-//     work is split, not duplicated (the Triton kernel's chained dots computed it in both warpgroups).
-//   * mbarriers hand stages between the producer and the consumers; named barriers sync the two consumers.
+//     output columns (wgmma m64n256k16: P the A operand, the tile's latents the B operand, read transposed).
+//     The score work is split, not duplicated (the Triton kernel's chained dots computed it in both).
+//   * mbarriers hand stages on: `raw` (copies landed, by bytes) to the producer, `full` (one a part,
+//     converted) to the consumers; the consumers' end-of-tile named barrier frees the stage for the next
+//     copies. Named barriers also sync the two consumers (row maxima, P) and the producer's threads (all raw
+//     rows read before any converted row overwrites them).
 //
+// What sets its pace (H200, bench/data/kernels/NOTES.md): the conversion. A stage's cycle is copy + HBM latency
+// + conversion + the consumers' tile, and two stages overlap two cycles; the producer's warpgroup spends about
+// 1,000 instructions a warp on a tile (three quarters of them the e4m3 -> f16 -> f32 x scale -> bf16 steps),
+// and the consumers wait for its later parts. A second converting warpgroup would cap every thread at 128
+// registers (the launch bound), below the PV accumulators' 128; shared memory (q 72 KB + two 72 KB stages)
+// holds no third stage.
+
 // The tile's shared-memory layout: 9 chunks of 64 columns (128 bytes a row), each [64 rows][128 bytes] with
 // the 16-byte units of row r XOR-ed by r % 8 (the 128B swizzle), chunks 8 KiB apart. Read K-major it is the
 // B operand of the score GEMM (rows = N, columns = K); read MN-major it is the B operand of the PV GEMM
@@ -45,25 +63,31 @@ constexpr int CHUNKS = D / 64;   // 9 swizzled chunks of 64 bf16 columns
 constexpr int CHUNK_BYTES = 64 * 128;
 constexpr int TILE_BYTES = CHUNKS * CHUNK_BYTES;  // 73,728
 constexpr int STAGES = 2;
+constexpr int ROW_BYTES = R + 16 + 2 * P;   // 656: an fp8_ds_mla cache row, copied as is to the stage's start
 constexpr int CONSUMERS = 256;   // warpgroups 0 and 1
-constexpr int THREADS = 384;     // + the producer warpgroup
+constexpr int PRODUCERS = 128;   // warpgroup 2, two threads a row (one more warpgroup would cap every thread at
+                                 // 128 registers, and the PV accumulators alone take 128)
+constexpr int THREADS = CONSUMERS + PRODUCERS;
 
 // shared memory, from a 1024-byte aligned base
 constexpr int OFF_Q = 0;
 constexpr int OFF_K = OFF_Q + TILE_BYTES;
 constexpr int OFF_P = OFF_K + STAGES * TILE_BYTES;
 constexpr int OFF_MAX = OFF_P + HEADS * 128;            // [2 buffers][2 warpgroups][64] fp32 row maxima
-constexpr int OFF_SUM = OFF_MAX + 2 * 2 * HEADS * 4;    // [2 warpgroups][64] fp32 row sums (the end)
-constexpr int OFF_VALID = OFF_SUM + 2 * HEADS * 4;      // [STAGES][64] bytes: row valid
-constexpr int OFF_BAR = OFF_VALID + STAGES * BN;        // full[STAGES], empty[STAGES] mbarriers
-constexpr int OFF_NTILES = OFF_BAR + 2 * STAGES * 8;
+constexpr int OFF_SUM = OFF_MAX;                        // [2 warpgroups][64] fp32 row sums, after the last tile
+constexpr int OFF_VALID = OFF_MAX + 2 * 2 * HEADS * 4;  // [STAGES][64] bytes: row valid
+constexpr int OFF_NEXT = OFF_VALID + STAGES * BN;       // [STAGES][64] int32: tile t + 2's rows, offset / 16 (-1: none)
+constexpr int PARTS = 5;         // a tile is handed over in parts: the rope chunk, then latent chunks {c, c + 4}
+constexpr int OFF_BAR = OFF_NEXT + STAGES * BN * 4;     // raw[STAGES], then full[STAGES][PARTS] mbarriers
+constexpr int OFF_NTILES = OFF_BAR + STAGES * (1 + PARTS) * 8;
 constexpr int SMEM_BYTES = OFF_NTILES + 16;
 constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;           // room to align the base
 static_assert(SMEM_ALLOC <= 227 * 1024, "shared memory");
-static_assert(R + 16 + 2 * P == 656, "fp8_ds_mla row");
+static_assert(ROW_BYTES == 656 && ROW_BYTES % 16 == 0, "fp8_ds_mla row: bulk copies move multiples of 16 bytes");
+static_assert(BN * ROW_BYTES <= TILE_BYTES, "a tile's raw rows fit in its stage");
 
 // named barriers (0 is __syncthreads)
-constexpr int BAR_Q = 1, BAR_MAX = 2, BAR_P = 3, BAR_SUM = 4;
+constexpr int BAR_Q = 1, BAR_MAX = 2, BAR_P = 3, BAR_SUM = 4, BAR_DONE = 5, BAR_RAW = 6;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -94,6 +118,18 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Arrive, adding `bytes` to the transaction count the phase waits for (the bulk copies' completions subtract them).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Copy `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory through the async
+// proxy; completion is reported to `bar` as transaction bytes.
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
 // Wait until the phase of parity `parity` has completed (a fresh barrier is in phase 0).
@@ -202,6 +238,31 @@ __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_shared_u8(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void st_shared_u8(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
@@ -220,8 +281,8 @@ struct Args {
   float sm_scale_log2;
 };
 
-// Timing variants (time the kernel with one stage left out): the producer reads the cache's first 64 rows (cached
-// after the first tile) instead of the selected ones, so the tile costs its conversion and stores but not the
+// Timing variants (time the kernel with one stage left out): the copies read the cache's first 64 rows (cached
+// after the first tile) instead of the selected ones, so a tile costs its conversion and stores but not the
 // gather from HBM (indices and page-table entries still load); or the consumers skip the wgmmas (the softmax runs
 // on whatever the score registers hold). Their outputs mean nothing.
 constexpr int FULL = 0, NO_GATHER = 1, NO_MMA = 2;
@@ -231,40 +292,74 @@ __device__ __forceinline__ long long row_offset(const Args& a, long long slot) {
   return (slot >> a.block_shift) * a.s_blk + (slot & ((1 << a.block_shift) - 1)) * a.s_tok;
 }
 
-// Warpgroup 2: gathers and dequantises the tiles into the stages.
+// The cache row of `slot` as its byte offset / 16 (rows sit on 16-byte boundaries; 31 bits reach 32 GiB, which
+// the launcher checks the layer's span against), -1 for none; NO_GATHER: the cache's row r.
+template <int VARIANT>
+__device__ __forceinline__ int row_units(const Args& a, int slot, int r) {
+  if (slot < 0) return -1;
+  return static_cast<int>((VARIANT == NO_GATHER ? r * a.s_tok : row_offset(a, slot)) >> 4);
+}
+
+// Row r of tile t: copy the cache row at 16 * `units` bytes to row r's place in stage t % 2's raw area, counted on
+// that stage's raw barrier (one arrival per row; a row with nothing selected only arrives).
+__device__ __forceinline__ void copy_row(const Args& a, uint32_t sbase, int t, int r, int units) {
+  const int st = t & 1;
+  const uint32_t bar = sbase + OFF_BAR + st * 8;
+  if (units < 0) {
+    mbar_arrive(bar);
+    return;
+  }
+  mbar_arrive_expect_tx(bar, ROW_BYTES);
+  bulk_copy_g2s(sbase + OFF_K + st * TILE_BYTES + r * ROW_BYTES, a.kv + 16ll * units, ROW_BYTES, bar);
+}
+
+// Warpgroup 2: converts each stage's raw rows in place into the tile the consumers read; looks up the slots of
+// the tile two ahead for the consumers' copies.
 template <int VARIANT>
 __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int* idx_row, const int* tab, int lo,
                                         int hi, int n_tiles) {
   const int pt = threadIdx.x - CONSUMERS;
   const int r = pt >> 1, hf = pt & 1;  // two threads a row: latents [256 * hf, +256), rope [32 * hf, +32)
   const uint32_t sbase = smem_u32(smem);
-  auto slot_of = [&](int t) -> long long {
+  auto slot_of = [&](int t) -> int {  // row r's cache slot in tile t, -1 where nothing is selected
     const int n = lo + t * BN + r;
-    if (n >= hi) return -1;
+    if (t >= n_tiles || n >= hi) return -1;
     const int ix = __ldg(idx_row + n);
-    if (ix < 0) return -1;
-    if (!a.positions) return ix;
-    const long long page = __ldg(tab + (ix >> a.block_shift));
-    return (page << a.block_shift) + (ix & ((1 << a.block_shift) - 1));
+    if (ix < 0 || !a.positions) return ix;
+    return (__ldg(tab + (ix >> a.block_shift)) << a.block_shift) + (ix & ((1 << a.block_shift) - 1));
   };
-  long long slot = n_tiles > 0 ? slot_of(0) : -1;
+  int cur = slot_of(0), nxt = slot_of(1);
+  if (hf == 0) {  // tiles 0 and 1; the consumers copy the rest
+    if (n_tiles > 0) copy_row(a, sbase, 0, r, row_units<VARIANT>(a, cur, r));
+    if (n_tiles > 1) copy_row(a, sbase, 1, r, row_units<VARIANT>(a, nxt, r));
+  }
   for (int t = 0; t < n_tiles; ++t) {
     const int st = t & 1;
-    const bool valid = slot >= 0;
+    const int ahead = slot_of(t + 2);  // in flight while this tile's rows land and convert
+    const bool valid = cur >= 0;
+    const uint32_t k = sbase + OFF_K + st * TILE_BYTES;
+    const uint32_t raw = k + r * ROW_BYTES;
+    mbar_wait(sbase + OFF_BAR + st * 8, (t >> 1) & 1);  // the tile's rows landed
     uint4 lat[16], rope[4];
     float2 sc = make_float2(0.f, 0.f);
-    const uint8_t* row = a.kv + (!valid ? 0 : VARIANT == NO_GATHER ? r * a.s_tok : row_offset(a, slot));
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
-      lat[j] = valid ? __ldg(reinterpret_cast<const uint4*>(row + hf * 256) + j) : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < 16; ++j) lat[j] = valid ? ld_shared_v4(raw + hf * 256 + 16 * j) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      rope[j] = valid ? __ldg(reinterpret_cast<const uint4*>(row + R + 16 + hf * 64) + j) : make_uint4(0, 0, 0, 0);
-    if (valid) sc = __ldg(reinterpret_cast<const float2*>(row + R + hf * 8));
-    const long long next = t + 1 < n_tiles ? slot_of(t + 1) : -1;  // loads while this tile's rows are in flight
-
-    mbar_wait(sbase + OFF_BAR + (STAGES + st) * 8, ((t >> 1) & 1) ^ 1);  // the consumers released the stage
-    const uint32_t k = sbase + OFF_K + st * TILE_BYTES;
+      rope[j] = valid ? ld_shared_v4(raw + R + 16 + hf * 64 + 16 * j) : make_uint4(0, 0, 0, 0);
+    if (valid) sc = ld_shared_f2(raw + R + hf * 8);
+    bar_sync(BAR_RAW, PRODUCERS);  // every raw row is in registers: the converted tile may overwrite them
+    // handed over in parts, so the consumers' score GEMM starts on the first part while the rest converts: the
+    // rope chunk (and the row flags, the next slots), then latent chunks c (by the hf = 0 threads) and c + 4
+    const uint32_t full = sbase + OFF_BAR + (STAGES + st * PARTS) * 8;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) st_shared(k + 8 * CHUNK_BYTES + swz(r, 4 * hf + j), rope[j]);
+    if (hf == 0) {
+      st_shared_u8(sbase + OFF_VALID + st * BN + r, (uint32_t)valid);
+      st_shared(sbase + OFF_NEXT + (st * BN + r) * 4, static_cast<uint32_t>(row_units<VARIANT>(a, ahead, r)));
+    }
+    fence_async_smem();  // the generic-proxy stores, visible to wgmma (async proxy) after the barrier
+    mbar_arrive(full);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {  // columns 256 * hf + 16 * j: chunk 4 * hf + j / 4, units 2 * (j % 4) and +1
       uint4 v0, v1;
@@ -272,13 +367,13 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
       const uint32_t c = k + (4 * hf + j / 4) * CHUNK_BYTES;
       st_shared(c + swz(r, 2 * (j % 4)), v0);
       st_shared(c + swz(r, 2 * (j % 4) + 1), v1);
+      if (j % 4 == 3) {
+        fence_async_smem();
+        mbar_arrive(full + (1 + j / 4) * 8);
+      }
     }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) st_shared(k + 8 * CHUNK_BYTES + swz(r, 4 * hf + j), rope[j]);
-    if (hf == 0) st_shared_u8(sbase + OFF_VALID + st * BN + r, (uint32_t)valid);
-    fence_async_smem();  // the generic-proxy stores, visible to wgmma (async proxy) after the barrier
-    mbar_arrive(sbase + OFF_BAR + st * 8);
-    slot = next;
+    cur = nxt;
+    nxt = ahead;
   }
 }
 
@@ -299,12 +394,21 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
   const uint32_t sq = sbase + OFF_Q, sp = sbase + OFF_P;
   const int H = a.num_heads;
 
-  {  // q [H, 576] bf16 -> the swizzled A tile (zeros past H)
+  {  // q [H, 576] bf16 -> the swizzled A tile (zeros past H): every load issued before the first store, so the
+     // tile costs one memory latency, not one a 16-byte unit (the stores' asm "memory" clobbers order them)
+    constexpr int PER_THREAD = HEADS * (D / 8) / CONSUMERS;  // 18
+    static_assert(HEADS * (D / 8) % CONSUMERS == 0, "q units per consumer thread");
     const __nv_bfloat16* qrow = a.q + b * a.sq_b + s * a.sq_s;
-    for (int e = threadIdx.x; e < HEADS * (D / 8); e += CONSUMERS) {
-      const int h = e / (D / 8), du = e % (D / 8);
-      const uint4 v = h < H ? __ldg(reinterpret_cast<const uint4*>(qrow + h * a.sq_h) + du) : make_uint4(0, 0, 0, 0);
-      st_shared(sq + (du >> 3) * CHUNK_BYTES + swz(h, du & 7), v);
+    uint4 v[PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int e = threadIdx.x + i * CONSUMERS, h = e / (D / 8), du = e % (D / 8);
+      v[i] = h < H ? __ldg(reinterpret_cast<const uint4*>(qrow + h * a.sq_h) + du) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int e = threadIdx.x + i * CONSUMERS, h = e / (D / 8), du = e % (D / 8);
+      st_shared(sq + (du >> 3) * CHUNK_BYTES + swz(h, du & 7), v[i]);
     }
     fence_async_smem();
     bar_sync(BAR_Q, CONSUMERS);
@@ -314,31 +418,38 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const float* smax = reinterpret_cast<const float*>(smem + OFF_MAX);
-  const uint8_t* svalid = smem + OFF_VALID;
   // V (the tile's latents) read MN-major: 64-column chunks 8 KiB apart along N, 8-row groups 1 KiB apart along K
   // (transposed operands: the leading byte offset steps along N, the stride byte offset along K)
 
   for (int t = 0; t < n_tiles; ++t) {
     const int st = t & 1;
-    mbar_wait(sbase + OFF_BAR + st * 8, (t >> 1) & 1);
     const uint32_t k = sbase + OFF_K + st * TILE_BYTES;
+    const uint32_t full = sbase + OFF_BAR + (STAGES + st * PARTS) * 8;
     const bool dump = DEBUG && t == 0 && blockIdx.x == 0 && blockIdx.y == 0;
-    if (dump)
-      for (int e = threadIdx.x; e < TILE_BYTES / 4; e += CONSUMERS)
-        a.dbg[DBG_TILE + e] = reinterpret_cast<const float*>(smem + OFF_K + st * TILE_BYTES)[e];
 
     float sc[16];
-    wgmma_fence();
+    // descriptors of step 0; a step adds its byte offset >> 4 to the start-address field (no carry: shared
+    // addresses are < 2^18, so the field never overflows)
+    const uint64_t dq = desc(sq, 16, 1024), dk = desc(k + w * 4 * 1024, 16, 1024);
+    // 36 steps of 16 columns (chunk kk / 4, 32 bytes apart inside it), in the order the parts arrive: the rope
+    // chunk 8, then chunks c and c + 4; the wgmmas already issued run while the next part is waited for
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {  // 36 steps of 16 columns: chunk kk / 4, 32 bytes apart inside it
-      const uint32_t off = (kk >> 2) * CHUNK_BYTES + (kk & 3) * 32;
-      if (VARIANT != NO_MMA)
-        wgmma_m64n32k16<0>(sc, desc(sq + off, 16, 1024), desc(k + off + w * 4 * 1024, 16, 1024), kk > 0);
+    for (int part = 0; part < PARTS; ++part) {
+      mbar_wait(full + part * 8, (t >> 1) & 1);
+      wgmma_fence();  // after every wait (a loop): otherwise ptxas fences each wgmma on its own
+#pragma unroll
+      for (int i = 0; i < (part == 0 ? 4 : 8); ++i) {
+        const int kk = part == 0 ? 32 + i : (i < 4 ? 4 * (part - 1) + i : 4 * (part + 3) + i - 4);
+        const uint32_t off = (kk >> 2) * CHUNK_BYTES + (kk & 3) * 32;
+        if (VARIANT != NO_MMA) wgmma_m64n32k16<0>(sc, dq + (off >> 4), dk + (off >> 4), part > 0 || i > 0);
+      }
     }
     wgmma_commit();
     wgmma_wait0();
     fence_regs(sc);
+    if (dump)
+      for (int e = threadIdx.x; e < TILE_BYTES / 4; e += CONSUMERS)
+        a.dbg[DBG_TILE + e] = reinterpret_cast<const float*>(smem + OFF_K + st * TILE_BYTES)[e];
     if (dump)
 #pragma unroll
       for (int e = 0; e < 16; ++e)
@@ -350,7 +461,7 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
     for (int n = 0; n < 4; ++n)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const bool ok = svalid[st * BN + 32 * w + 8 * n + 2 * quad + j] != 0;
+        const bool ok = ld_shared_u8(sbase + OFF_VALID + st * BN + 32 * w + 8 * n + 2 * quad + j) != 0;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           float& z = sc[n * 4 + i * 2 + j];
@@ -358,19 +469,19 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
           mx[i] = fmaxf(mx[i], z);
         }
       }
-    float* smax_w = reinterpret_cast<float*>(smem + OFF_MAX) + ((t & 1) * 2 + w) * HEADS;
+    const uint32_t smax_w = sbase + OFF_MAX + ((t & 1) * 2 + w) * HEADS * 4;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 2));
-      if (quad == 0) smax_w[r0 + 8 * i] = mx[i];
+      if (quad == 0) st_shared(smax_w + (r0 + 8 * i) * 4, __float_as_uint(mx[i]));
     }
     bar_sync(BAR_MAX, CONSUMERS);
-    const float* smax_o = smax + ((t & 1) * 2 + (1 - w)) * HEADS;
+    const uint32_t smax_o = sbase + OFF_MAX + ((t & 1) * 2 + (1 - w)) * HEADS * 4;
     float alpha[2], msafe[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const float mn = fmaxf(m[i], fmaxf(mx[i], smax_o[r0 + 8 * i]));
+      const float mn = fmaxf(m[i], fmaxf(mx[i], __uint_as_float(ld_shared_u32(smax_o + (r0 + 8 * i) * 4))));
       msafe[i] = mn == -INFINITY ? 0.f : mn;  // nothing valid yet: stay at 0
       alpha[i] = fast_exp2(m[i] - msafe[i]);
       m[i] = mn;
@@ -400,11 +511,10 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
     bar_sync(BAR_P, CONSUMERS);  // both halves of P written
 
     wgmma_fence();
+    const uint64_t dp = desc(sp, 16, 1024), dv = desc(k + 4 * w * CHUNK_BYTES, CHUNK_BYTES, 1024);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)  // 4 steps of 16 tile rows: P 32 bytes apart, V two 8-row groups
-      if (VARIANT != NO_MMA)
-        wgmma_m64n256k16<1>(o, desc(sp + kk * 32, 16, 1024),
-                          desc(k + 4 * w * CHUNK_BYTES + kk * 2048, CHUNK_BYTES, 1024), 1);
+      if (VARIANT != NO_MMA) wgmma_m64n256k16<1>(o, dp + (kk * 32 >> 4), dv + (kk * 2048 >> 4), 1);
     wgmma_commit();
     wgmma_wait0();
     fence_regs(o);
@@ -412,8 +522,13 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
 #pragma unroll
       for (int e = 0; e < 128; ++e)
         a.dbg[DBG_O + (r0 + 8 * ((e >> 1) & 1)) * R + 256 * w + 8 * (e >> 2) + 2 * quad + (e & 1)] = o[e];
-    __syncwarp();
-    if (lane == 0) mbar_arrive(sbase + OFF_BAR + (STAGES + st) * 8);  // this warp is done with the stage
+    if (t + 2 < n_tiles) {  // refill the stage: once every consumer warp is done with it, copy tile t + 2's rows
+      bar_sync(BAR_DONE, CONSUMERS);
+      if (lane < BN / 8) {
+        const int r = (threadIdx.x >> 5) * (BN / 8) + lane;
+        copy_row(a, sbase, t + 2, r, static_cast<int>(ld_shared_u32(sbase + OFF_NEXT + (st * BN + r) * 4)));
+      }
+    }
   }
 
   // the row sums of both warpgroups' columns
@@ -463,10 +578,9 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args 
   if (threadIdx.x < 32) {  // warp 0: barriers, and the trimmed bound (stop after the split's last valid index)
     if (threadIdx.x == 0) {
       const uint32_t bar = smem_u32(smem + OFF_BAR);
-      for (int i = 0; i < STAGES; ++i) {
-        mbar_init(bar + i * 8, CONSUMERS / 2);            // full: the producer's 128 threads
-        mbar_init(bar + (STAGES + i) * 8, CONSUMERS / 32);  // empty: the consumers' 8 warps
-      }
+      for (int i = 0; i < STAGES; ++i) mbar_init(bar + i * 8, BN);  // raw: one arrival a row, plus the copies' bytes
+      for (int i = 0; i < STAGES * PARTS; ++i) mbar_init(bar + (STAGES + i) * 8, PRODUCERS);  // full: the producer
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy
     }
     int last = hi - 1;
     if (a.trim && hi > lo && __ldg(idx_row + hi - 1) < 0) {  // a full row keeps its bound after one load
@@ -484,10 +598,10 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args 
   if (a.trim) hi = min(hi, lo + n_tiles * BN);  // the producer masks entries past its tiles' end only
 
   if (threadIdx.x >= CONSUMERS) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 112;\n" ::: "memory");
     produce<VARIANT>(a, smem, idx_row, tab, lo, hi, n_tiles);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n" ::: "memory");
     consume<OUT_F32, DEBUG, VARIANT>(a, smem, row, b, s, split, n_tiles);
   }
 }

@@ -2,7 +2,8 @@
 
 On a machine with nvcc and no GPU: it builds for sm_90a, and its machine code has the structure the file
 describes (36 score wgmmas of 64 x 32 x 16 and 4 transposed PV wgmmas of 64 x 256 x 16 per tile, the
-producer's and consumers' register budgets). On an H200: the same checks as the Triton kernel's GPU tests
+producer's and consumers' register budgets, rows moved by bulk copies rather than through registers). On an
+H200: the same checks as the Triton kernel's GPU tests
 (tests/kernels/test_sparse_mla.py's helpers, against the fp32 reference, NaN-poisoned unused pages, shuffled
 block tables, -1 padding, rows with nothing selected, trimmed rows, positions through the block table), with
 the sm_90 path asserted taken."""
@@ -47,7 +48,9 @@ def test_builds_for_sm90a_with_the_described_structure(tmp_path):
     for k in kernels:
         assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16 ", k)) == 36, "score GEMM: 576 columns in 36 steps"
         assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16 .*tnspB", k)) == 4, "PV GEMM: 64 rows in 4 steps"
-        assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc8" in k and "USETMAXREG.DEALLOC.CTAPOOL 0x68" in k
+        assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc0" in k and "USETMAXREG.DEALLOC.CTAPOOL 0x70" in k
+        assert "UBLKCP.S.G" in k, "rows move by bulk copies into the stages"
+        assert len(re.findall(r"LDG\.E\.128", k)) == 18, "16-byte loads: q's 18 a consumer thread; no cache row"
 
 
 def test_kernel_choice_is_checked_interp():

@@ -1,4 +1,5 @@
-"""bench.kernels --only sparse-mla-sm90 times the sm_90 kernel only when its check passed: the gate over the check's rows."""
+"""bench.kernels --only sparse-mla-sm90 times the sm_90 kernel only when its check passed: the gate over the
+check's rows."""
 from bench.kernels.suite import check_passed
 
 TILE = {"kernel": "check sm90 first tile, stage by stage", "tile_exact": True, "tile_err": 0.0, "scores_err": 4.5e-07,
