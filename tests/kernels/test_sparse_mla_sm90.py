@@ -50,7 +50,7 @@ def test_builds_for_sm90a_with_the_described_structure(tmp_path):
         assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16 .*tnspB", k)) == 4, "PV GEMM: 64 rows in 4 steps"
         assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc0" in k and "USETMAXREG.DEALLOC.CTAPOOL 0x70" in k
         assert "UBLKCP.S.G" in k, "rows move by bulk copies into the stages"
-        assert len(re.findall(r"LDG\.E\.128", k)) == 18, "16-byte loads: q's 18 a consumer thread; no cache row"
+        assert len(re.findall(r"LDG\.E\.128", k)) == 18, "16-byte loads: q's, 18 a thread; no cache row"
 
 
 def test_kernel_choice_is_checked_interp():
@@ -97,6 +97,25 @@ def test_first_tile_stage_by_stage_gpu(mark):
     report = sm90.first_tile_report(q, cache, idx, 576 ** -0.5)
     assert report["tile_exact"], report
     assert report["scores_err"] < 1e-4 and report["p_err"] < 1e-2 and report["pv_err"] < 1e-4, report
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_every_code_and_scale_converts_exactly_gpu(mark):
+    """The producer's conversion against the fp32 dequantisation, bit for bit: every e4m3 code but NaN (subnormals,
+    both zeros, the largest) in every latent position, under power-of-two scales from 2^-40 to 2^20."""
+    rows = 64
+    cache = torch.zeros(1, rows, sm90.ROW_BYTES, dtype=torch.uint8, device="cuda")
+    codes = (torch.arange(rows * 512, device="cuda") * 7 % 256).to(torch.uint8).view(rows, 512)
+    codes[(codes & 0x7F) == 0x7F] = 0x80  # -0 in place of the NaN codes
+    cache[0, :, :512] = codes
+    exps = torch.tensor([-40, -20, -9, -6, 0, 8, 14, 15, 16, 20], device="cuda")
+    scales = torch.pow(2.0, exps[torch.arange(rows * 4, device="cuda") % len(exps)].float()).view(rows, 4)
+    cache[0, :, 512:528] = scales.view(torch.uint8).view(rows, 16)
+    cache[0, :, 528:].view(torch.bfloat16).copy_(torch.randn(rows, 64, device="cuda").bfloat16())
+    idx = torch.arange(rows, dtype=torch.int32, device="cuda").view(1, 1, rows)
+    q = torch.randn(1, 1, 64, 576, device="cuda").bfloat16() * 1e-6
+    report = sm90.first_tile_report(q, cache, idx, 576 ** -0.5)
+    assert report["tile_exact"], report
     assert not any(report["nan"].values()), report
 
 
