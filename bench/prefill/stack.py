@@ -2,7 +2,9 @@
 
     python -m bench.prefill.stack --layers 4 --lengths 8192,32768,131072 --out prefill.json
 
-Measures, through the engine (scheduler, chunked prefill, paged fp8 KV):
+Measures, through the engine (scheduler, chunked prefill, paged fp8 KV), after `--warmup` untimed passes of each
+length's shapes (a fresh prompt and a cached second turn: Triton compiles a kernel variant the first time a shape
+needs it, which otherwise lands in the timed figures):
   * TTFT of one fresh prompt per length (median of --reps, distinct tokens so nothing is cached);
   * TTFT of a second turn: 1,024 new tokens (L/4 for short L) after a cached prefix, L in all;
   * the per-rank work of a PCP-N step on one GPU: rank 0's two DualChunkSwap chunks (chunk 0 and chunk
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -82,6 +85,12 @@ def run(args) -> dict:
            "device": torch.cuda.get_device_name() if not cpu else "cpu"}
     seed = 1
     for L in args.lengths:
+        print(f"length {L}: {args.warmup} warm-up pass(es), then timed", file=sys.stderr, flush=True)
+        for _ in range(args.warmup):
+            seed += 1
+            _time_prefill(llm, _ids(L, seed, vocab))
+            new = min(1024, L // 4)
+            _cached_tail(llm, _ids(L - new, seed + 3000, vocab) + _ids(new, seed + 4000, vocab), L - new, L)
         times = []
         for _ in range(args.reps):
             seed += 1
@@ -116,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pcp", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
     p.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens (chunked prefill)")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1, help="untimed passes of each length's shapes first")
     p.add_argument("--indexer", choices=("auto", "fused", "radix"), default="auto",
                    help="the indexer's kernel path (auto: fused on sm_90+)")
     p.add_argument("--out", default=None)
