@@ -86,16 +86,15 @@ def run(args) -> dict:
     seed = 1
     for L in args.lengths:
         print(f"length {L}: {args.warmup} warm-up pass(es), then timed", file=sys.stderr, flush=True)
+        new = min(1024, L // 4)  # the second turn's new tokens
         for _ in range(args.warmup):
             seed += 1
             _time_prefill(llm, _ids(L, seed, vocab))
-            new = min(1024, L // 4)
             _cached_tail(llm, _ids(L - new, seed + 3000, vocab) + _ids(new, seed + 4000, vocab), L - new, L)
         times = []
         for _ in range(args.reps):
             seed += 1
             times.append(_time_prefill(llm, _ids(L, seed, vocab)))
-        new = min(1024, L // 4)
         base = _ids(L - new, seed + 1000, vocab)
         turn2 = _cached_tail(llm, base + _ids(new, seed + 2000, vocab), L - new, L)
         row = {"ttft_s": statistics.median(times), "all_s": times, "second_turn_s": turn2,

@@ -287,6 +287,13 @@ struct Args {
 // on whatever the score registers hold). Their outputs mean nothing.
 constexpr int FULL = 0, NO_GATHER = 1, NO_MMA = 2;
 
+// Shared addresses of stage `st`'s tile, its raw barrier and its first full barrier (one a part, 8 bytes apart).
+__device__ __forceinline__ uint32_t stage_tile(uint32_t sbase, int st) { return sbase + OFF_K + st * TILE_BYTES; }
+__device__ __forceinline__ uint32_t raw_bar(uint32_t sbase, int st) { return sbase + OFF_BAR + st * 8; }
+__device__ __forceinline__ uint32_t full_bar(uint32_t sbase, int st) {
+  return sbase + OFF_BAR + (STAGES + st * PARTS) * 8;
+}
+
 // Byte offset of a cache slot's row: page * block stride + offset in the page * row stride.
 __device__ __forceinline__ long long row_offset(const Args& a, long long slot) {
   return (slot >> a.block_shift) * a.s_blk + (slot & ((1 << a.block_shift) - 1)) * a.s_tok;
@@ -304,13 +311,13 @@ __device__ __forceinline__ int row_units(const Args& a, int slot, int r) {
 // that stage's raw barrier (one arrival per row; a row with nothing selected only arrives).
 __device__ __forceinline__ void copy_row(const Args& a, uint32_t sbase, int t, int r, int units) {
   const int st = t & 1;
-  const uint32_t bar = sbase + OFF_BAR + st * 8;
+  const uint32_t bar = raw_bar(sbase, st);
   if (units < 0) {
     mbar_arrive(bar);
     return;
   }
   mbar_arrive_expect_tx(bar, ROW_BYTES);
-  bulk_copy_g2s(sbase + OFF_K + st * TILE_BYTES + r * ROW_BYTES, a.kv + 16ll * units, ROW_BYTES, bar);
+  bulk_copy_g2s(stage_tile(sbase, st) + r * ROW_BYTES, a.kv + 16ll * units, ROW_BYTES, bar);
 }
 
 // Warpgroup 2: converts each stage's raw rows in place into the tile the consumers read; looks up the slots of
@@ -337,9 +344,9 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
     const int st = t & 1;
     const int ahead = slot_of(t + 2);  // in flight while this tile's rows land and convert
     const bool valid = cur >= 0;
-    const uint32_t k = sbase + OFF_K + st * TILE_BYTES;
+    const uint32_t k = stage_tile(sbase, st);
     const uint32_t raw = k + r * ROW_BYTES;
-    mbar_wait(sbase + OFF_BAR + st * 8, (t >> 1) & 1);  // the tile's rows landed
+    mbar_wait(raw_bar(sbase, st), (t >> 1) & 1);  // the tile's rows landed
     uint4 lat[16], rope[4];
     float2 sc = make_float2(0.f, 0.f);
 #pragma unroll
@@ -351,7 +358,7 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
     bar_sync(BAR_RAW, PRODUCERS);  // every raw row is in registers: the converted tile may overwrite them
     // handed over in parts, so the consumers' score GEMM starts on the first part while the rest converts: the
     // rope chunk (and the row flags, the next slots), then latent chunks c (by the hf = 0 threads) and c + 4
-    const uint32_t full = sbase + OFF_BAR + (STAGES + st * PARTS) * 8;
+    const uint32_t full = full_bar(sbase, st);
 #pragma unroll
     for (int j = 0; j < 4; ++j) st_shared(k + 8 * CHUNK_BYTES + swz(r, 4 * hf + j), rope[j]);
     if (hf == 0) {
@@ -423,8 +430,7 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
 
   for (int t = 0; t < n_tiles; ++t) {
     const int st = t & 1;
-    const uint32_t k = sbase + OFF_K + st * TILE_BYTES;
-    const uint32_t full = sbase + OFF_BAR + (STAGES + st * PARTS) * 8;
+    const uint32_t k = stage_tile(sbase, st), full = full_bar(sbase, st);
     const bool dump = DEBUG && t == 0 && blockIdx.x == 0 && blockIdx.y == 0;
 
     float sc[16];
@@ -577,9 +583,9 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args 
 
   if (threadIdx.x < 32) {  // warp 0: barriers, and the trimmed bound (stop after the split's last valid index)
     if (threadIdx.x == 0) {
-      const uint32_t bar = smem_u32(smem + OFF_BAR);
-      for (int i = 0; i < STAGES; ++i) mbar_init(bar + i * 8, BN);  // raw: one arrival a row, plus the copies' bytes
-      for (int i = 0; i < STAGES * PARTS; ++i) mbar_init(bar + (STAGES + i) * 8, PRODUCERS);  // full: the producer
+      const uint32_t sbase = smem_u32(smem);
+      for (int st = 0; st < STAGES; ++st) mbar_init(raw_bar(sbase, st), BN);  // one arrival a row + the copies' bytes
+      for (int i = 0; i < STAGES * PARTS; ++i) mbar_init(full_bar(sbase, 0) + i * 8, PRODUCERS);  // the producer's
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy
     }
     int last = hi - 1;
