@@ -42,7 +42,6 @@ HEADS = 64          # one wgmma M tile
 LATENT, ROPE = 512, 64
 ROW_BYTES = LATENT + 4 * (LATENT // 128) + 2 * ROPE  # 656
 BLOCK_N = 64        # selected rows per tile
-MAX_SPAN = 16 << 31  # bytes of one cache layer the kernel addresses (16-byte units in 31 bits)
 
 VARIANTS = {"full": 0, "no-gather": 1, "no-mma": 2}  # timing variants: the source's FULL / NO_GATHER / NO_MMA
 _variant = "full"
@@ -143,8 +142,6 @@ def eligible(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, latent_di
         return f"page size {kv.shape[1]} is not a power of two"
     if kv.stride(2) != 1 or kv.stride(0) % 16 or kv.stride(1) % 16 or kv.data_ptr() % 16:
         return "cache rows are not on 16-byte boundaries"
-    if (kv.shape[0] - 1) * kv.stride(0) + kv.shape[1] * kv.stride(1) > MAX_SPAN:
-        return "the cache layer spans more than 32 GiB (rows are addressed in 16-byte units, 31 bits)"
     if q.data_ptr() % 16 or any(s % 8 for s in q.stride()[:-1]) or q.stride(-1) != 1:
         return "q rows are not on 16-byte boundaries"
     if indices.dtype != torch.int32:

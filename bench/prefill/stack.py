@@ -3,8 +3,8 @@
     python -m bench.prefill.stack --layers 4 --lengths 8192,32768,131072 --out prefill.json
 
 Measures, through the engine (scheduler, chunked prefill, paged fp8 KV), after `--warmup` untimed passes of each
-length's shapes (a fresh prompt and a cached second turn: Triton compiles a kernel variant the first time a shape
-needs it, which otherwise lands in the timed figures):
+length's shapes (a fresh prompt, a cached second turn and each PCP size's rank-0 chunks: Triton compiles a kernel
+variant the first time a shape needs it, which otherwise lands in the timed figures):
   * TTFT of one fresh prompt per length (median of --reps, distinct tokens so nothing is cached);
   * TTFT of a second turn: 1,024 new tokens (L/4 for short L) after a cached prefix, L in all;
   * the per-rank work of a PCP-N step on one GPU: rank 0's two DualChunkSwap chunks (chunk 0 and chunk
@@ -65,6 +65,17 @@ def _cached_tail(llm, ids: list[int], start: int, end: int) -> float:
     return _time_prefill(llm, ids[:end])
 
 
+def _pcp_sizes(sizes: list[int], L: int) -> list[int]:
+    """The PCP sizes whose 2N chunks of an L-token prompt are whole pages (64 tokens)."""
+    return [n for n in sizes if (L // (2 * n)) % 64 == 0]
+
+
+def _pcp_rank0(llm, ids: list[int], n: int) -> float:
+    """Seconds of PCP-n rank 0's work on ids: chunk 0, then chunk 2n-1 after the rest is cached."""
+    c = len(ids) // (2 * n)
+    return _cached_tail(llm, ids, 0, c) + _cached_tail(llm, ids, (2 * n - 1) * c, 2 * n * c)
+
+
 def run(args) -> dict:
     from engine import LLM
 
@@ -91,6 +102,8 @@ def run(args) -> dict:
             seed += 1
             _time_prefill(llm, _ids(L, seed, vocab))
             _cached_tail(llm, _ids(L - new, seed + 3000, vocab) + _ids(new, seed + 4000, vocab), L - new, L)
+            for n in _pcp_sizes(args.pcp, L):
+                _pcp_rank0(llm, _ids(L, seed + 6000 + n, vocab), n)
         times = []
         for _ in range(args.reps):
             seed += 1
@@ -99,15 +112,9 @@ def run(args) -> dict:
         turn2 = _cached_tail(llm, base + _ids(new, seed + 2000, vocab), L - new, L)
         row = {"ttft_s": statistics.median(times), "all_s": times, "second_turn_s": turn2,
                "per_layer_ms": 1e3 * statistics.median(times) / args.layers, "pcp_rank0": {}}
-        for n in args.pcp:
-            c = L // (2 * n)
-            if c % 64:
-                continue
+        for n in _pcp_sizes(args.pcp, L):
             seed += 1
-            ids = _ids(L, seed + 5000, vocab)
-            t0 = _cached_tail(llm, ids, 0, c)
-            t1 = _cached_tail(llm, ids, (2 * n - 1) * c, 2 * n * c)
-            rank = t0 + t1
+            rank = _pcp_rank0(llm, _ids(L, seed + 5000, vocab), n)
             row["pcp_rank0"][n] = {"rank0_s": rank, "speedup_bound": row["ttft_s"] / rank,
                                    "efficiency": row["ttft_s"] / rank / n}
         out["lengths"][L] = row

@@ -76,7 +76,7 @@ constexpr int OFF_P = OFF_K + STAGES * TILE_BYTES;
 constexpr int OFF_MAX = OFF_P + HEADS * 128;            // [2 buffers][2 warpgroups][64] fp32 row maxima
 constexpr int OFF_SUM = OFF_MAX;                        // [2 warpgroups][64] fp32 row sums, after the last tile
 constexpr int OFF_VALID = OFF_MAX + 2 * 2 * HEADS * 4;  // [STAGES][64] bytes: row valid
-constexpr int OFF_NEXT = OFF_VALID + STAGES * BN;       // [STAGES][64] int32: tile t + 2's rows, offset / 16 (-1: none)
+constexpr int OFF_NEXT = OFF_VALID + STAGES * BN;       // [STAGES][64] int32: tile t + 2's rows (row_ref; -1: none)
 constexpr int PARTS = 5;         // a tile is handed over in parts: the rope chunk, then latent chunks {c, c + 4}
 constexpr int OFF_BAR = OFF_NEXT + STAGES * BN * 4;     // raw[STAGES], then full[STAGES][PARTS] mbarriers
 constexpr int OFF_NTILES = OFF_BAR + STAGES * (1 + PARTS) * 8;
@@ -299,25 +299,26 @@ __device__ __forceinline__ long long row_offset(const Args& a, long long slot) {
   return (slot >> a.block_shift) * a.s_blk + (slot & ((1 << a.block_shift) - 1)) * a.s_tok;
 }
 
-// The cache row of `slot` as its byte offset / 16 (rows sit on 16-byte boundaries; 31 bits reach 32 GiB, which
-// the launcher checks the layer's span against), -1 for none; NO_GATHER: the cache's row r.
+// What the producer hands the consumers for row r of a tile: the cache slot it copies (the cache's row r with
+// NO_GATHER), -1 for none; `copy_row` turns it into a 64-bit byte offset, so a layer view may span any size.
 template <int VARIANT>
-__device__ __forceinline__ int row_units(const Args& a, int slot, int r) {
-  if (slot < 0) return -1;
-  return static_cast<int>((VARIANT == NO_GATHER ? r * a.s_tok : row_offset(a, slot)) >> 4);
+__device__ __forceinline__ int row_ref(int slot, int r) {
+  return slot < 0 ? -1 : (VARIANT == NO_GATHER ? r : slot);
 }
 
-// Row r of tile t: copy the cache row at 16 * `units` bytes to row r's place in stage t % 2's raw area, counted on
+// Row r of tile t: copy the cache row `ref` names (row_ref) to row r's place in stage t % 2's raw area, counted on
 // that stage's raw barrier (one arrival per row; a row with nothing selected only arrives).
-__device__ __forceinline__ void copy_row(const Args& a, uint32_t sbase, int t, int r, int units) {
+template <int VARIANT>
+__device__ __forceinline__ void copy_row(const Args& a, uint32_t sbase, int t, int r, int ref) {
   const int st = t & 1;
   const uint32_t bar = raw_bar(sbase, st);
-  if (units < 0) {
+  if (ref < 0) {
     mbar_arrive(bar);
     return;
   }
+  const long long off = VARIANT == NO_GATHER ? static_cast<long long>(ref) * a.s_tok : row_offset(a, ref);
   mbar_arrive_expect_tx(bar, ROW_BYTES);
-  bulk_copy_g2s(stage_tile(sbase, st) + r * ROW_BYTES, a.kv + 16ll * units, ROW_BYTES, bar);
+  bulk_copy_g2s(stage_tile(sbase, st) + r * ROW_BYTES, a.kv + off, ROW_BYTES, bar);
 }
 
 // Warpgroup 2: converts each stage's raw rows in place into the tile the consumers read; looks up the slots of
@@ -337,8 +338,8 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
   };
   int cur = slot_of(0), nxt = slot_of(1);
   if (hf == 0) {  // tiles 0 and 1; the consumers copy the rest
-    if (n_tiles > 0) copy_row(a, sbase, 0, r, row_units<VARIANT>(a, cur, r));
-    if (n_tiles > 1) copy_row(a, sbase, 1, r, row_units<VARIANT>(a, nxt, r));
+    if (n_tiles > 0) copy_row<VARIANT>(a, sbase, 0, r, row_ref<VARIANT>(cur, r));
+    if (n_tiles > 1) copy_row<VARIANT>(a, sbase, 1, r, row_ref<VARIANT>(nxt, r));
   }
   for (int t = 0; t < n_tiles; ++t) {
     const int st = t & 1;
@@ -363,7 +364,7 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
     for (int j = 0; j < 4; ++j) st_shared(k + 8 * CHUNK_BYTES + swz(r, 4 * hf + j), rope[j]);
     if (hf == 0) {
       st_shared_u8(sbase + OFF_VALID + st * BN + r, (uint32_t)valid);
-      st_shared(sbase + OFF_NEXT + (st * BN + r) * 4, static_cast<uint32_t>(row_units<VARIANT>(a, ahead, r)));
+      st_shared(sbase + OFF_NEXT + (st * BN + r) * 4, static_cast<uint32_t>(row_ref<VARIANT>(ahead, r)));
     }
     fence_async_smem();  // the generic-proxy stores, visible to wgmma (async proxy) after the barrier
     mbar_arrive(full);
@@ -532,7 +533,7 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
       bar_sync(BAR_DONE, CONSUMERS);
       if (lane < BN / 8) {
         const int r = (threadIdx.x >> 5) * (BN / 8) + lane;
-        copy_row(a, sbase, t + 2, r, static_cast<int>(ld_shared_u32(sbase + OFF_NEXT + (st * BN + r) * 4)));
+        copy_row<VARIANT>(a, sbase, t + 2, r, static_cast<int>(ld_shared_u32(sbase + OFF_NEXT + (st * BN + r) * 4)));
       }
     }
   }

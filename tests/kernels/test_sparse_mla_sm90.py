@@ -174,6 +174,36 @@ def test_prefill_over_fp8_pages_gpu(sm90_on, mark):
 
 
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_a_layer_view_wider_than_32_gib_gpu(sm90_on, mark):
+    """The engine's pool is [blocks, layers, page, row], so one layer's view spans the whole pool: with few layers
+    and most of an H200 (the 4-layer prefill stack) that is past 32 GiB. Rows there are addressed in 64 bits: the
+    default still takes the sm_90 kernel and pages past 2^35 bytes read right."""
+    row = sm90.ROW_BYTES
+    blocks = (34 << 30) // (2 * 64 * row) + 1
+    if torch.cuda.mem_get_info()[0] < blocks * 2 * 64 * row + (4 << 30):
+        pytest.skip("needs about 38 GiB of free GPU memory")
+    pool = torch.empty((blocks, 2, 64, row), dtype=torch.uint8, device="cuda")
+    kv = pool[:, 1]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    used = torch.cat([torch.arange(0, 8), torch.arange(blocks - 56, blocks)]).cuda()  # pages at both ends
+    rows = torch.randint(0, 256, (used.numel(), 64, row), dtype=torch.uint8, device="cuda", generator=gen)
+    rows[(rows & 0x7F) == 0x7F] = 0  # no NaN codes
+    rows[:, :, 512:528].view(torch.float32).fill_(2.0 ** -6)
+    rows[:, :, 528:].view(torch.bfloat16).normal_(generator=gen)
+    kv[used] = rows
+    slots = (used[:, None] * 64 + torch.arange(64, device="cuda")).reshape(-1)
+    assert int(slots.max()) * 2 * row > 32 << 30
+    idx = slots[torch.randint(0, slots.numel(), (6, 2, 2048), device="cuda", generator=gen)].to(torch.int32)
+    idx[..., ::7] = -1
+    q = torch.randn(6, 2, 64, 576, device="cuda", generator=gen).bfloat16()
+    assert sm90.eligible(q, kv, idx, 512, False, None, None) is None
+    got = sparse_mla(q, kv, idx, 0.05)
+    ref = sparse_mla_ref(q.float(), kv, idx, 0.05, 512, 64)
+    assert_attention_close(got[0], got[1], ref[0], ref[1])
+    assert sm90_on
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_close_to_the_triton_kernel_and_captured_by_graphs_gpu(mark):
     """Same inputs through both kernels (both round P to bf16: the outputs agree far inside the reference
     tolerance), and a CUDA-graph replay of the sm_90 launch gives its eager bits."""
