@@ -1,7 +1,7 @@
 """FP8 block-scaled GEMMs on the GPU against measured ceilings and the bf16 paths they replace.
 
     python -m bench.kernels.fp8_gemm --out results.json [--quick] [--no-sweep] [--decode-only | --moe-only]
-        [--only q_a_proj,kv_a_proj,packed_x --rows 4,64,256,8192]
+        [--only q_a_proj,kv_a_proj,packed_x --rows 4,64,256,8192] [--moe-tokens 8192,2048,256,64]
 
 Ceilings, measured in the same run: copy bandwidth (bytes read + written), dense bf16 matmul and dense
 FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's projection shapes:
@@ -20,7 +20,9 @@ FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's project
 A config sweep per shape reports the launcher's pick and the best found; at decode shapes it crosses the
 column tile (64, 128), the split count and whether x is quantized in the kernel or by `quant_act`, so
 one run can retune `splitk_config`. `--decode-only` runs the decode rows alone, `--moe-only` the grouped MoE alone
-(8,192 tokens; 256 = the verify rows of 64 requests with MTP3, where the decode step spends its MoE time; 64).
+(8,192 tokens; 256 = the verify rows of 64 requests with MTP3, where the decode step spends its MoE time; 64;
+`--moe-tokens 4,16`: B = 1 and 4 with MTP3, swept over smaller tiles too, and timed against the bytes of the
+experts the batch touches, `touched_frac_copy_bw`).
 `packed_x` / `packed_q_resid` are the packed projections the model runs (engine.model.projections) beside
 their members' rows; `--only` / `--rows` pick projections and M values (GEMM rows only).
 """
@@ -56,6 +58,9 @@ SHAPES = [("q_a_proj", 2048, 6144), ("q_b_proj", 16384, 2048), ("kv_a_proj", 576
 PREFILL_SWEEP = [(128, 128, 1, 8, 4), (64, 256, 1, 8, 3), (64, 256, 1, 8, 4), (256, 64, 1, 8, 3), (64, 128, 1, 4, 4)]
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 MOE_SWEEP = [(32, 64, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4)]
+# decode sizes below 64 tokens (B = 1 / 4 with MTP3: 4 / 16 rows): smaller row tiles, fewer stages (more CTAs a SM)
+MOE_SMALL_SWEEP = [(16, 64, 4, 4), (16, 64, 4, 2), (16, 32, 4, 4), (16, 128, 4, 3), (32, 64, 4, 2), (32, 32, 4, 4),
+                   (32, 128, 4, 3), (16, 64, 2, 4), (16, 32, 2, 3)]
 
 
 def fp8_ceiling(dev) -> float:
@@ -175,7 +180,7 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
     t = t_cublas if cublas else t_triton
     tried = {}
     if sweep:
-        for cfg in MOE_SWEEP:
+        for cfg in MOE_SWEEP + (MOE_SMALL_SWEEP if T < 64 else []):
             try:
                 tried[str(cfg)] = timed(lambda c=cfg: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=c)) * 1e6
             except Exception as e:  # noqa: BLE001
@@ -183,6 +188,8 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
     best = min([v for v in tried.values() if isinstance(v, float)] + [t * 1e6])
     flops = T * k * 3 * 2 * H * inner
     wbytes = E * 3 * H * inner
+    touched = int(ids.unique().numel())  # the experts the batch reads: at small T not all of them
+    tbytes = touched * 3 * H * inner
     return {"name": f"moe T={T} E={E} k={k}", "T": T, "E": E, "H": H, "I": inner, "config": list(pick),
             "impl": "cublas" if cublas else "triton", "triton_us": t_triton * 1e6,
             "cublas_out_arg": fp8_cublas._OUT_ARG[0] if cublas_ok else None,  # False: each GEMM's rows copied
@@ -191,6 +198,8 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
             "bf16_us": t_bf16 * 1e6, "tflops": flops / t / 1e12,
             "frac_fp8_rate": flops / t / 1e12 / ceil["fp8_tflops"], "weight_tbps": wbytes / t / 1e12,
             "frac_copy_bw": wbytes / t / 1e12 / ceil["copy_tbps"], "speedup_vs_bf16": t_bf16 / t,
+            "touched_experts": touched, "touched_frac_copy_bw": tbytes / t / 1e12 / ceil["copy_tbps"],
+            "best_touched_frac_copy_bw": tbytes / best * 1e6 / 1e12 / ceil["copy_tbps"],
             "best_frac_fp8_rate": flops / best * 1e6 / 1e12 / ceil["fp8_tflops"],
             "best_frac_copy_bw": wbytes / best * 1e6 / 1e12 / ceil["copy_tbps"], "sweep_us": tried}
 
@@ -225,6 +234,8 @@ def main() -> None:
     p.add_argument("--moe-only", action="store_true", help="the grouped MoE rows alone")
     p.add_argument("--only", default=None, metavar="NAMES", help="comma-separated projection names (GEMM rows only)")
     p.add_argument("--rows", default=None, metavar="MS", help="comma-separated M values (default 8192,64,256)")
+    p.add_argument("--moe-tokens", default="8192,2048,256,64", metavar="TS",
+                   help="comma-separated token counts of the grouped MoE rows (4 / 16: B = 1 / 4 with MTP3)")
     a = p.parse_args()
     dev = torch.device("cuda")
     ceil = ceilings(dev)
@@ -249,7 +260,7 @@ def main() -> None:
             _save(a.out, res, r)
     if a.decode_only or a.only:
         return
-    for T in (8192, 2048, 256, 64):  # ids spread evenly over the 32 local experts (balanced EP8)
+    for T in (int(t) for t in a.moe_tokens.split(",")):  # ids spread evenly over the 32 local experts (balanced EP8)
         r = bench_moe(dev, ceil, T, 32, 6144, 2048, 8, not a.no_sweep)
         res["moe"].append(r)
         _save(a.out, res, r)

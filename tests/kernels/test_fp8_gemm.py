@@ -233,6 +233,16 @@ def test_fused_moe_fp8_nothing_local_interp():
     assert torch.all(fused_moe_fp8(x, w13[:2], s13[:2], w2[:2], s2[:2], weights, ids, expert_offset=100) == 0)
 
 
+def test_fused_moe_fp8_tile_follows_the_rows_per_expert(monkeypatch):
+    """The compiled kernel's tiles by assignments per local expert (the H200 sweeps in bench/data/fp8-gemm/NOTES.md):
+    16 rows up to 4 (B <= 4 with MTP3 over 32 experts), 32 up to 16, 64 beyond, 128 from 64 (prefill)."""
+    import kernels.fp8_moe as fp8_moe
+
+    monkeypatch.setattr(fp8_moe, "interpreting", lambda: False)
+    picks = {n: fp8_moe._config(n, 32)[0] for n in (8, 32, 128, 129, 512, 513, 2048, 2049)}
+    assert picks == {8: 16, 32: 16, 128: 16, 129: 32, 512: 32, 513: 64, 2048: 128, 2049: 128}
+
+
 @pytest.mark.parametrize("M,N,K", [(8192, 2048, 6144), (64, 6144, 2048), (256, 24576, 6144), (1, 576, 6144),
                                    (300, 1000, 1100)])
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
