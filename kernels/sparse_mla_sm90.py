@@ -70,6 +70,17 @@ def use_sm90() -> bool:
     return env_flag("PDSERVE_SPARSE_MLA_SM90", True)
 
 
+_fallbacks: set[str] = set()
+
+
+def note_fallback(why: str) -> None:
+    """The default dispatch wanted this kernel on an sm_90 GPU and the inputs ruled it out: logged once per reason,
+    since the Triton kernel it keeps is 1.5x slower and nobody chose it."""
+    if why not in _fallbacks:
+        _fallbacks.add(why)
+        log.warning("sparse MLA: the sm_90 kernel cannot run these inputs (%s); using the Triton kernel", why)
+
+
 def nvcc() -> str | None:
     """The nvcc to build with: $CUDA_HOME/bin/nvcc, else the one on PATH."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")

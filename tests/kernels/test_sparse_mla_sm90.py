@@ -155,6 +155,16 @@ def test_few_heads_stay_on_triton_unless_asked_gpu(sm90_on, mark):
 
 
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_inputs_the_kernel_cannot_run_fall_back_with_one_warning_gpu(sm90_on, monkeypatch, caplog, mark):
+    """fp32 queries with 64 heads: the default keeps the Triton kernel and says why, once."""
+    monkeypatch.setattr(sm90, "_fallbacks", set())
+    check_decode("fp8", B=2, Sq=1, H=64, K=2048, R=512, P=64, block_size=64, device="cuda", q_dtype=torch.float32)
+    check_decode("fp8", B=3, Sq=1, H=64, K=2048, R=512, P=64, block_size=64, device="cuda", q_dtype=torch.float32)
+    assert sm90_on == []
+    assert caplog.text.count("cannot run these inputs (q is torch.float32") == 1
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_positions_through_the_block_table_gpu(sm90_on, mark):
     check_positions(B=33, H=64, K=2048, R=512, P=64, block_size=64, device="cuda")
     assert sm90_on
