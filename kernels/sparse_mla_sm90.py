@@ -42,6 +42,7 @@ HEADS = 64          # one wgmma M tile
 LATENT, ROPE = 512, 64
 ROW_BYTES = LATENT + 4 * (LATENT // 128) + 2 * ROPE  # 656
 BLOCK_N = 64        # selected rows per tile
+NARROW_SPAN = 16 << 31  # layer views up to this many bytes hand rows over as 16-byte units in 31 bits (row_ref)
 
 VARIANTS = {"full": 0, "no-gather": 1, "no-mma": 2}  # timing variants: the source's FULL / NO_GATHER / NO_MMA
 _variant = "full"
@@ -127,7 +128,7 @@ def library() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(build()))
                 fn = lib.pdserve_sparse_mla_sm90
                 fn.restype = ctypes.c_int
-                fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 7 + [ctypes.c_float]
+                fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 8 + [ctypes.c_float]
                                + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p])
                 _lib = lib
             except (RuntimeError, OSError) as e:
@@ -162,6 +163,11 @@ def eligible(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, latent_di
     return None
 
 
+def span(kv: torch.Tensor) -> int:
+    """Bytes from a paged layer view's first row to the end of its last."""
+    return (kv.shape[0] - 1) * kv.stride(0) + kv.shape[1] * kv.stride(1)
+
+
 def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
            rows: int, splits: int, split_len: int, sq_len: int, q_strides: tuple[int, int, int],
            idx_strides: tuple[int, int], out_strides: tuple[int, int, int], lse_strides: tuple[int, int],
@@ -182,6 +188,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.
         *q_strides, *idx_strides, kv.stride(0), kv.stride(1), *out_strides, *lse_strides,
         block_table.stride(0) if positions else 0,
         q.shape[-2], indices.shape[-1], split_len, sq_len, kv.shape[1].bit_length() - 1, int(positions), int(trim),
+        int(span(kv) > NARROW_SPAN),
         sm_scale_log2, int(out.dtype == torch.float32),
         rows, splits, q.device.index if q.device.index is not None else torch.cuda.current_device(),
         None if dbg is None else dbg.data_ptr(), VARIANTS[_variant], stream)

@@ -278,6 +278,7 @@ struct Args {
   const int* req;          // request of each query row (positions only)
   long long sq_b, sq_s, sq_h, si_b, si_s, s_blk, s_tok, so_split, so_row, so_h, sl_split, sl_row, s_table;
   int num_heads, num_idx, split_len, sq_len, block_shift, positions, trim;
+  int wide;                // the layer view spans more than 32 GiB: rows handed over as slots (row_ref)
   float sm_scale_log2;
 };
 
@@ -299,11 +300,16 @@ __device__ __forceinline__ long long row_offset(const Args& a, long long slot) {
   return (slot >> a.block_shift) * a.s_blk + (slot & ((1 << a.block_shift) - 1)) * a.s_tok;
 }
 
-// What the producer hands the consumers for row r of a tile: the cache slot it copies (the cache's row r with
-// NO_GATHER), -1 for none; `copy_row` turns it into a 64-bit byte offset, so a layer view may span any size.
+// What the producer hands the consumers for row r of a tile, -1 for none: the row's byte offset / 16, which the
+// consumers' copy adds to the base as it is (31 bits of 16-byte units reach 32 GiB), or, where the layer view
+// spans more (`wide`: a pool of few layers on a large GPU), the slot itself (the cache's row r with NO_GATHER),
+// which the copy turns into a 64-bit offset. The wide form puts a few 64-bit multiplies on the consumers' path
+// between freeing a stage and refilling it: 3-4% slower on the H200, so only views wider than 32 GiB pay it.
 template <int VARIANT>
-__device__ __forceinline__ int row_ref(int slot, int r) {
-  return slot < 0 ? -1 : (VARIANT == NO_GATHER ? r : slot);
+__device__ __forceinline__ int row_ref(const Args& a, int slot, int r) {
+  if (slot < 0) return -1;
+  if (a.wide) return VARIANT == NO_GATHER ? r : slot;
+  return static_cast<int>((VARIANT == NO_GATHER ? r * a.s_tok : row_offset(a, slot)) >> 4);
 }
 
 // Row r of tile t: copy the cache row `ref` names (row_ref) to row r's place in stage t % 2's raw area, counted on
@@ -316,7 +322,8 @@ __device__ __forceinline__ void copy_row(const Args& a, uint32_t sbase, int t, i
     mbar_arrive(bar);
     return;
   }
-  const long long off = VARIANT == NO_GATHER ? static_cast<long long>(ref) * a.s_tok : row_offset(a, ref);
+  const long long off = !a.wide ? 16ll * ref
+                        : VARIANT == NO_GATHER ? static_cast<long long>(ref) * a.s_tok : row_offset(a, ref);
   mbar_arrive_expect_tx(bar, ROW_BYTES);
   bulk_copy_g2s(stage_tile(sbase, st) + r * ROW_BYTES, a.kv + off, ROW_BYTES, bar);
 }
@@ -338,8 +345,8 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
   };
   int cur = slot_of(0), nxt = slot_of(1);
   if (hf == 0) {  // tiles 0 and 1; the consumers copy the rest
-    if (n_tiles > 0) copy_row<VARIANT>(a, sbase, 0, r, row_ref<VARIANT>(cur, r));
-    if (n_tiles > 1) copy_row<VARIANT>(a, sbase, 1, r, row_ref<VARIANT>(nxt, r));
+    if (n_tiles > 0) copy_row<VARIANT>(a, sbase, 0, r, row_ref<VARIANT>(a, cur, r));
+    if (n_tiles > 1) copy_row<VARIANT>(a, sbase, 1, r, row_ref<VARIANT>(a, nxt, r));
   }
   for (int t = 0; t < n_tiles; ++t) {
     const int st = t & 1;
@@ -364,7 +371,7 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
     for (int j = 0; j < 4; ++j) st_shared(k + 8 * CHUNK_BYTES + swz(r, 4 * hf + j), rope[j]);
     if (hf == 0) {
       st_shared_u8(sbase + OFF_VALID + st * BN + r, (uint32_t)valid);
-      st_shared(sbase + OFF_NEXT + (st * BN + r) * 4, static_cast<uint32_t>(row_ref<VARIANT>(ahead, r)));
+      st_shared(sbase + OFF_NEXT + (st * BN + r) * 4, static_cast<uint32_t>(row_ref<VARIANT>(a, ahead, r)));
     }
     fence_async_smem();  // the generic-proxy stores, visible to wgmma (async proxy) after the barrier
     mbar_arrive(full);
@@ -645,7 +652,7 @@ int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void
                             const void* req, long long sq_b, long long sq_s, long long sq_h, long long si_b,
                             long long si_s, long long s_blk, long long s_tok, long long so_split, long long so_row,
                             long long so_h, long long sl_split, long long sl_row, long long s_table, int num_heads,
-                            int num_idx, int split_len, int sq_len, int block_shift, int positions, int trim,
+                            int num_idx, int split_len, int sq_len, int block_shift, int positions, int trim, int wide,
                             float sm_scale_log2, int out_f32, int rows, int splits, int device, void* dbg,
                             int variant, void* stream) {
   Args a;
@@ -661,7 +668,7 @@ int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void
   a.so_split = so_split; a.so_row = so_row; a.so_h = so_h; a.sl_split = sl_split; a.sl_row = sl_row;
   a.s_table = s_table;
   a.num_heads = num_heads; a.num_idx = num_idx; a.split_len = split_len; a.sq_len = sq_len;
-  a.block_shift = block_shift; a.positions = positions; a.trim = trim;
+  a.block_shift = block_shift; a.positions = positions; a.trim = trim; a.wide = wide;
   a.sm_scale_log2 = sm_scale_log2;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (dbg) return launch<false, true>(a, rows, splits, device, st);  // bf16 output, one split

@@ -187,7 +187,8 @@ def test_prefill_over_fp8_pages_gpu(sm90_on, mark):
 def test_a_layer_view_wider_than_32_gib_gpu(sm90_on, mark):
     """The engine's pool is [blocks, layers, page, row], so one layer's view spans the whole pool: with few layers
     and most of an H200 (the 4-layer prefill stack) that is past 32 GiB. Rows there are addressed in 64 bits: the
-    default still takes the sm_90 kernel and pages past 2^35 bytes read right."""
+    default still takes the sm_90 kernel (its wide form: slots handed over, 64-bit offsets) and pages past 2^35 bytes
+    read right."""
     row = sm90.ROW_BYTES
     blocks = (34 << 30) // (2 * 64 * row) + 1
     if torch.cuda.mem_get_info()[0] < blocks * 2 * 64 * row + (4 << 30):
@@ -202,7 +203,7 @@ def test_a_layer_view_wider_than_32_gib_gpu(sm90_on, mark):
     rows[:, :, 528:].view(torch.bfloat16).normal_(generator=gen)
     kv[used] = rows
     slots = (used[:, None] * 64 + torch.arange(64, device="cuda")).reshape(-1)
-    assert int(slots.max()) * 2 * row > 32 << 30
+    assert int(slots.max()) * 2 * row > 32 << 30 and sm90.span(kv) > sm90.NARROW_SPAN  # the wide form
     idx = slots[torch.randint(0, slots.numel(), (6, 2, 2048), device="cuda", generator=gen)].to(torch.int32)
     idx[..., ::7] = -1
     q = torch.randn(6, 2, 64, 576, device="cuda", generator=gen).bfloat16()
