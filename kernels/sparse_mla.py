@@ -246,7 +246,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
                                     trim_tail() if trim is None else trim)
         if kernel == "sm90":
             raise ValueError(f"the sm_90 sparse MLA kernel cannot run these inputs: {why}")
-        if why is not None and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0):
+        if why not in (None, sm90.NOT_SM90):
             sm90.note_fallback(why)
     dot_f32 = interpreting() or q.dtype == torch.float32
     block_h, block_n, warps, stages, idx_ahead = config or _config(H, dot_f32, kv.dtype == torch.uint8)

@@ -42,6 +42,7 @@ HEADS = 64          # one wgmma M tile
 LATENT, ROPE = 512, 64
 ROW_BYTES = LATENT + 4 * (LATENT // 128) + 2 * ROPE  # 656
 BLOCK_N = 64        # selected rows per tile
+NOT_SM90 = "needs an sm_90 GPU"  # eligible()'s answer off Hopper (the only one the default does not log)
 NARROW_SPAN = 16 << 31  # layer views up to this many bytes hand rows over as 16-byte units in 31 bits (row_ref)
 
 VARIANTS = {"full": 0, "no-gather": 1, "no-mma": 2}  # timing variants: the source's FULL / NO_GATHER / NO_MMA
@@ -141,7 +142,7 @@ def eligible(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, latent_di
              positions: bool, block_table: torch.Tensor | None, token_req_idx: torch.Tensor | None) -> str | None:
     """None when the sm_90 kernel can run these inputs, else why not."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "needs an sm_90 GPU"
+        return NOT_SM90
     if q.dtype != torch.bfloat16:
         return f"q is {q.dtype}, not bfloat16"
     if q.shape[-2] > HEADS:
