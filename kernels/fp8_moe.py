@@ -124,7 +124,8 @@ def _check(x, w13, w13_scale, w2, w2_scale, weights, ids) -> tuple[int, int, int
 
 
 def _config(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N of the down GEMM, num_warps, num_stages)."""
+    """(BLOCK_M, BLOCK_N of the down GEMM, num_warps, num_stages), both GEMMs launched alike; `_launches`
+    spells it out per GEMM."""
     if interpreting():
         return 16, 32, 4, 1
     if num_assign >= 64 * num_experts:  # prefill: 128-row tiles (best of the H200 sweep, BENCHMARKS.md)
@@ -136,6 +137,19 @@ def _config(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
     # 4 or fewer (B <= 4 with MTP3): 16-row tiles, 17-20% faster at 4 tokens and 8% at 16 than 32-row ones (H200
     # sweep, bench/data/fp8-gemm/NOTES.md)
     return 16, 64, 4, 4
+
+
+def _launches(config: tuple) -> tuple[int, tuple[int, int], tuple[int, int, int]]:
+    """A config -> (BLOCK_M, (up num_warps, num_stages), (down BLOCK_N, num_warps, num_stages)). A config is
+    `_config`'s 4-tuple (both GEMMs launched alike) or a 6-tuple (BLOCK_M, up warps, up stages, down BLOCK_N,
+    down warps, down stages): the up GEMM (a 128-column block of gate and of up, K = H) and the down GEMM
+    (K = I, an eighth of it at GLM-5.3 widths) have different shapes, and at decode sizes different best tiles."""
+    if len(config) == 4:
+        block_m, block_n, warps, stages = config
+        return block_m, (warps, stages), (block_n, warps, stages)
+    if len(config) == 6:
+        return config[0], (config[1], config[2]), (config[3], config[4], config[5])
+    raise ValueError(f"an MoE config has 4 or 6 entries, got {config!r}")
 
 
 def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
@@ -166,7 +180,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     # `impl` is checked whatever the config; a config runs the Triton kernel it names
     if fp8_cublas.chosen(impl, auto, can, f"this MoE (H {H}, I {inner}, {x.dtype}) on {x.device}") and config is None:
         return fp8_cublas.fused_moe_fp8_cublas(x, w13, w13_scale, w2, w2_scale, weights, ids, expert_offset)
-    block_m, block_n, warps, stages = config or _config(ids.numel(), E)
+    block_m, (up_warps, up_stages), (block_n, warps, stages) = _launches(config or _config(ids.numel(), E))
     rows, block_expert = sort_by_expert(ids, E, expert_offset, block_m, small_routing)
     xq, xs = quant_act(x)
     ib, hb = triton.cdiv(inner, BLOCK), triton.cdiv(H, BLOCK)
@@ -179,7 +193,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
         xq, xs, w13, w13_scale, h, hs, rows, block_expert, E, top_k, H, inner, hb, ib,
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         h.stride(0), hs.stride(0), BLOCK_M=block_m, DOT_F32=dot_f32, ROUND_FIRST=interpreting(),
-        num_warps=warps, num_stages=stages)
+        num_warps=up_warps, num_stages=up_stages)
     w_flat = weights.reshape(-1).float().contiguous()
     _fp8_moe_down_kernel[(nb, triton.cdiv(H, block_n))](
         h.view(torch.float8_e4m3fn), hs, w2, w2_scale, y, rows, block_expert, w_flat, E, H, inner, ib,

@@ -23,6 +23,8 @@ one run can retune `splitk_config`. `--decode-only` runs the decode rows alone, 
 (8,192 tokens; 256 = the verify rows of 64 requests with MTP3, where the decode step spends its MoE time; 64;
 `--moe-tokens 4,16`: B = 1 and 4 with MTP3, swept over smaller tiles too, and timed against the bytes of the
 experts the batch touches, `touched_frac_copy_bw`).
+`--moe-split-sweep` also tunes the two MoE GEMMs apart (kernels.fp8_moe's 6-tuple configs: the up GEMM's warps and
+stages, then the down GEMM's column tile, warps and stages, per row tile); `best_config` names the fastest.
 `packed_x` / `packed_q_resid` are the packed projections the model runs (engine.model.projections) beside
 their members' rows; `--only` / `--rows` pick projections and M values (GEMM rows only).
 """
@@ -61,6 +63,32 @@ MOE_SWEEP = [(32, 64, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4)
 # decode sizes below 64 tokens (B = 1 / 4 with MTP3: 4 / 16 rows): smaller row tiles, fewer stages (more CTAs a SM)
 MOE_SMALL_SWEEP = [(16, 64, 4, 4), (16, 64, 4, 2), (16, 32, 4, 4), (16, 128, 4, 3), (32, 64, 4, 2), (32, 32, 4, 4),
                    (32, 128, 4, 3), (16, 64, 2, 4), (16, 32, 2, 3)]
+
+
+# `--moe-split-sweep`: the two GEMMs' launches apart (kernels.fp8_moe._launches' 6-tuples): per row tile, the up
+# GEMM's (warps, stages) with the down GEMM as the pick launches it, then the down GEMM's (BLOCK_N, warps, stages)
+# under the best up launch
+MOE_SPLIT_BLOCK_M = (32, 64, 128)
+MOE_UP_LAUNCHES = [(4, 3), (4, 4), (4, 5), (8, 3), (8, 4), (8, 5)]
+MOE_DOWN_LAUNCHES = [(64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 3), (128, 4, 4), (128, 8, 3), (128, 8, 4),
+                     (256, 8, 3), (256, 8, 4), (32, 4, 4)]
+
+
+def moe_split_sweep(timed, pick: tuple) -> dict:
+    """{str(6-tuple config): microseconds or why it failed}, coordinate descent from `pick` (a 4-tuple)."""
+    tried: dict = {}
+
+    def run(cfg):
+        if str(cfg) not in tried:
+            tried.update(_sweep(timed, [cfg]))
+        v = tried[str(cfg)]
+        return v if isinstance(v, float) else float("inf")
+
+    for block_m in MOE_SPLIT_BLOCK_M:
+        down = (pick[1], pick[2], pick[3])
+        up = min(MOE_UP_LAUNCHES, key=lambda u: run((block_m, *u, *down)))
+        min(MOE_DOWN_LAUNCHES, key=lambda d: run((block_m, *up, *d)))
+    return tried
 
 
 def fp8_ceiling(dev) -> float:
@@ -158,7 +186,7 @@ def _sweep(timed, configs) -> dict:
     return tried
 
 
-def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
+def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool, split_sweep: bool = False) -> dict:
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     w13 = torch.randn(E, 2 * inner, H, device=dev, dtype=torch.bfloat16) * H ** -0.5
@@ -185,7 +213,12 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
                 tried[str(cfg)] = timed(lambda c=cfg: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=c)) * 1e6
             except Exception as e:  # noqa: BLE001
                 tried[str(cfg)] = f"failed: {type(e).__name__}"
+    if split_sweep:
+        def with_config(c):
+            return timed(lambda: fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, config=c))
+        tried.update(moe_split_sweep(with_config, pick))
     best = min([v for v in tried.values() if isinstance(v, float)] + [t * 1e6])
+    best_cfg = min(((v, c) for c, v in tried.items() if isinstance(v, float)), default=(t * 1e6, str(pick)))[1]
     flops = T * k * 3 * 2 * H * inner
     wbytes = E * 3 * H * inner
     touched = int(ids.unique().numel())  # the experts the batch reads: at small T not all of them
@@ -201,7 +234,8 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool) -> dict:
             "touched_experts": touched, "touched_frac_copy_bw": tbytes / t / 1e12 / ceil["copy_tbps"],
             "best_touched_frac_copy_bw": tbytes / best * 1e6 / 1e12 / ceil["copy_tbps"],
             "best_frac_fp8_rate": flops / best * 1e6 / 1e12 / ceil["fp8_tflops"],
-            "best_frac_copy_bw": wbytes / best * 1e6 / 1e12 / ceil["copy_tbps"], "sweep_us": tried}
+            "best_frac_copy_bw": wbytes / best * 1e6 / 1e12 / ceil["copy_tbps"], "best_config": best_cfg,
+            "sweep_us": tried}
 
 
 def bench_absorbed(dev, T, H=64, nope=192, v=256, R=512) -> dict:
@@ -234,6 +268,8 @@ def main() -> None:
     p.add_argument("--moe-only", action="store_true", help="the grouped MoE rows alone")
     p.add_argument("--only", default=None, metavar="NAMES", help="comma-separated projection names (GEMM rows only)")
     p.add_argument("--rows", default=None, metavar="MS", help="comma-separated M values (default 8192,64,256)")
+    p.add_argument("--moe-split-sweep", action="store_true",
+                   help="also sweep the MoE's up and down GEMM launches apart (6-tuple configs)")
     p.add_argument("--moe-tokens", default="8192,2048,256,64", metavar="TS",
                    help="comma-separated token counts of the grouped MoE rows (4 / 16: B = 1 / 4 with MTP3)")
     a = p.parse_args()
@@ -261,7 +297,7 @@ def main() -> None:
     if a.decode_only or a.only:
         return
     for T in (int(t) for t in a.moe_tokens.split(",")):  # ids spread evenly over the 32 local experts (balanced EP8)
-        r = bench_moe(dev, ceil, T, 32, 6144, 2048, 8, not a.no_sweep)
+        r = bench_moe(dev, ceil, T, 32, 6144, 2048, 8, not a.no_sweep, a.moe_split_sweep)
         res["moe"].append(r)
         _save(a.out, res, r)
     if a.moe_only:

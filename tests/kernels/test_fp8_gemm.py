@@ -201,11 +201,11 @@ def make_fp8_moe(T, H, inner, E, k, device, seed=0):
 
 
 def check_fp8_moe(T, H, inner, E, k, device, offset=0, num_local=None, dtype=torch.float32, tol=1e-3,
-                  cos_min=0.99999):
+                  cos_min=0.99999, config=None):
     x, (w13, s13, w2, s2), (w13_f, w2_f), weights, ids = make_fp8_moe(T, H, inner, E, k, device)
     lo, n = offset, num_local or E
     local = [t[lo: lo + n] for t in (w13, s13, w2, s2)]
-    got = fused_moe_fp8(x.to(dtype), *local, weights, ids, offset)
+    got = fused_moe_fp8(x.to(dtype), *local, weights, ids, offset, config=config)
     want = fused_moe_fp8_ref(x.to(dtype).float(), *local, weights, ids, offset).cpu()
     assert got.shape == (T, H) and got.dtype == dtype and not torch.isnan(got).any()
     g = got.float().cpu()
@@ -231,6 +231,16 @@ def test_fused_moe_fp8_interp(T, H, inner, offset, num_local):
 def test_fused_moe_fp8_nothing_local_interp():
     x, (w13, s13, w2, s2), _, weights, ids = make_fp8_moe(5, 64, 32, 8, 2, "cpu")
     assert torch.all(fused_moe_fp8(x, w13[:2], s13[:2], w2[:2], s2[:2], weights, ids, expert_offset=100) == 0)
+
+
+@interp
+def test_fused_moe_fp8_launches_each_gemm_its_own_way_interp():
+    """A 6-tuple config launches the up and down GEMMs with their own settings (down column tile 32 here, 16
+    rows, H not a multiple of either) and gives the reference's result; other lengths are refused."""
+    check_fp8_moe(11, 200, 160, E=8, k=2, device="cpu", config=(16, 4, 1, 32, 2, 1))
+    x, (w13, s13, w2, s2), _, weights, ids = make_fp8_moe(3, 64, 32, 4, 2, "cpu")
+    with pytest.raises(ValueError, match="4 or 6 entries"):
+        fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=(16, 32, 4))
 
 
 def test_fused_moe_fp8_tile_follows_the_rows_per_expert(monkeypatch):
