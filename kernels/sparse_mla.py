@@ -196,8 +196,8 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     `num_splits` / `config` (BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD) override the heuristics.
     `trim`: stop each row after its last valid index (same result; None = `trim_tail()`).
     `kernel`: "triton", "sm90" (kernels/sparse_mla_sm90.py; ValueError where it cannot run these inputs) or
-    None: sm90 where `sparse_mla_sm90.use_sm90()`, H > 32 and the inputs allow it (and no `config` is given), else
-    Triton.
+    None: sm90 where `sparse_mla_sm90.use_sm90()`, H > 32, the cache is fp8_ds_mla and the inputs allow it (and no
+    `config` is given), else Triton. bf16 rows run on the sm_90 kernel only when asked for by name.
     """
     lead = q.dim() - 2
     if lead not in (1, 2) or indices.shape[:-1] != q.shape[:-2]:
@@ -237,8 +237,10 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
         return out, lse
     if kernel not in (None, "triton", "sm90"):
         raise ValueError(f"kernel must be 'triton', 'sm90' or None, got {kernel!r}")
-    # the default takes it for > 32 heads: it always computes 64 (one wgmma M tile), Triton's 16-head tiles win below
-    if kernel == "sm90" or (kernel is None and config is None and H > 32 and sm90.use_sm90()):
+    # the default takes it for > 32 heads: it always computes 64 (one wgmma M tile), Triton's 16-head tiles win below;
+    # and for fp8 rows only: its bf16-rows mode is taken on request until it is measured against Triton
+    if kernel == "sm90" or (kernel is None and config is None and H > 32 and kv.dtype == torch.uint8
+                            and sm90.use_sm90()):
         why = sm90.eligible(q, kv, indices, R, positions, block_table, token_req_idx)
         if why is None and (kernel == "sm90" or sm90.library() is not None):
             return _sparse_mla_sm90(q, kv, indices, out, lse, sm_scale, lead, rows, num_splits,

@@ -16,6 +16,13 @@ without nvcc, or a failed build, logs once and keeps the Triton kernel.
 PDSERVE_SPARSE_MLA_SM90=0 keeps the Triton kernel; on the H200 it is 1.5-1.6x the Triton kernel's speed at decode
 and prefill, BENCHMARKS.md) and `eligible(...)` holds: bf16 q with <= 64 heads,
 an fp8_ds_mla paged cache (latent 512, rope 64, 656-byte rows on 16-byte boundaries), int32 indices.
+
+The kernel also reads bf16 rows (a workspace [S, 576], or bf16 pages [blocks, page, 576]): nothing to convert,
+the producer copies each row's 16-byte units by cp.async straight to their swizzled places, and the raw-row
+barriers become the stages' "empty" barriers. That mode is what a prefill over a dequantised workspace would
+run; it builds and its structure is tested (test_builds_for_sm90a_with_the_described_structure), but it has
+not yet been timed against the Triton kernel, so `sparse_mla` takes it only when asked for by name
+(kernel="sm90"); its GPU tests are in tests/kernels/test_sparse_mla_sm90.py.
 """
 
 from __future__ import annotations
@@ -55,7 +62,8 @@ _failed: str | None = None
 @contextlib.contextmanager
 def timing_variant(name: str):
     """Launches inside run a variant with one stage left out (bench.kernels --only sparse-mla-sm90): "no-gather"
-    (no row reads), "no-mma" (no wgmma); their outputs mean nothing. Not thread-safe: benchmarks only."""
+    (no row reads), "no-mma" (no wgmma); their outputs mean nothing; bf16 rows always run the full kernel. Not
+    thread-safe: benchmarks only."""
     global _variant
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {name!r}")
@@ -130,7 +138,7 @@ def library() -> ctypes.CDLL | None:
                 fn = lib.pdserve_sparse_mla_sm90
                 fn.restype = ctypes.c_int
                 fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 8 + [ctypes.c_float]
-                               + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p])
+                               + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
                 _lib = lib
             except (RuntimeError, OSError) as e:
                 _failed = str(e)
@@ -149,24 +157,44 @@ def eligible(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, latent_di
         return f"{q.shape[-2]} heads > {HEADS}"
     if latent_dim != LATENT or q.shape[-1] != LATENT + ROPE:
         return f"latent {latent_dim} / head dim {q.shape[-1]} are not {LATENT} / {LATENT + ROPE}"
-    if kv.dtype != torch.uint8 or kv.dim() != 3 or kv.shape[2] != ROW_BYTES:
+    if kv.dtype == torch.bfloat16:
+        if kv.dim() not in (2, 3) or kv.shape[-1] != LATENT + ROPE:
+            return f"bf16 rows {tuple(kv.shape)} are neither a workspace [S, {LATENT + ROPE}] nor pages of them"
+        if kv.dim() == 3 and bad_page_size(kv.shape[1]):
+            return f"page size {kv.shape[1]} is not a power of two"
+        if kv.stride(-1) != 1 or any(st * 2 % 16 for st in kv.stride()[:-1]) or kv.data_ptr() % 16:
+            return "bf16 rows are not on 16-byte boundaries"
+    elif kv.dtype != torch.uint8 or kv.dim() != 3 or kv.shape[2] != ROW_BYTES:
         return "the cache is not an fp8_ds_mla paged layer view"
-    if kv.shape[1] & (kv.shape[1] - 1):
+    elif kv.shape[1] & (kv.shape[1] - 1):
         return f"page size {kv.shape[1]} is not a power of two"
-    if kv.stride(2) != 1 or kv.stride(0) % 16 or kv.stride(1) % 16 or kv.data_ptr() % 16:
+    elif kv.stride(2) != 1 or kv.stride(0) % 16 or kv.stride(1) % 16 or kv.data_ptr() % 16:
         return "cache rows are not on 16-byte boundaries"
     if q.data_ptr() % 16 or any(s % 8 for s in q.stride()[:-1]) or q.stride(-1) != 1:
         return "q rows are not on 16-byte boundaries"
     if indices.dtype != torch.int32:
         return f"indices are {indices.dtype}, not int32"
+    if positions and kv.dim() == 2:
+        return "positions need a paged cache, not a workspace"
     if positions and (block_table.dtype != torch.int32 or token_req_idx.dtype != torch.int32):
         return "the block table and token_req_idx must be int32"
     return None
 
 
+def bad_page_size(n: int) -> bool:
+    """Whether a page size is unusable (not a power of two)."""
+    return n <= 0 or n & (n - 1) != 0
+
+
+def paged(kv: torch.Tensor) -> torch.Tensor:
+    """The cache as [blocks, page, row]: a workspace [S, 576] is pages of one row."""
+    return kv if kv.dim() == 3 else kv.unsqueeze(1)
+
+
 def span(kv: torch.Tensor) -> int:
     """Bytes from a paged layer view's first row to the end of its last."""
-    return (kv.shape[0] - 1) * kv.stride(0) + kv.shape[1] * kv.stride(1)
+    kv, e = paged(kv), kv.element_size()
+    return ((kv.shape[0] - 1) * kv.stride(0) + kv.shape[1] * kv.stride(1)) * e
 
 
 def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
@@ -183,16 +211,18 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.
     positions = block_table is not None
     table = block_table if positions else indices
     stream = torch.cuda.current_stream(q.device).cuda_stream
+    bf16_rows = kv.dtype == torch.bfloat16
+    pages, e = paged(kv), kv.element_size()
     err = lib.pdserve_sparse_mla_sm90(
         q.data_ptr(), kv.data_ptr(), indices.data_ptr(), out.data_ptr(), lse.data_ptr(), table.data_ptr(),
         (token_req_idx if positions else indices).data_ptr(),
-        *q_strides, *idx_strides, kv.stride(0), kv.stride(1), *out_strides, *lse_strides,
+        *q_strides, *idx_strides, pages.stride(0) * e, pages.stride(1) * e, *out_strides, *lse_strides,
         block_table.stride(0) if positions else 0,
-        q.shape[-2], indices.shape[-1], split_len, sq_len, kv.shape[1].bit_length() - 1, int(positions), int(trim),
+        q.shape[-2], indices.shape[-1], split_len, sq_len, pages.shape[1].bit_length() - 1, int(positions), int(trim),
         int(span(kv) > NARROW_SPAN),
         sm_scale_log2, int(out.dtype == torch.float32),
         rows, splits, q.device.index if q.device.index is not None else torch.cuda.current_device(),
-        None if dbg is None else dbg.data_ptr(), VARIANTS[_variant], stream)
+        None if dbg is None else dbg.data_ptr(), VARIANTS[_variant], int(bf16_rows), stream)
     if err:
         raise RuntimeError(f"sparse MLA sm_90 launch failed: CUDA error {err}")
 
@@ -222,6 +252,8 @@ def first_tile_report(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
     P. Max |error| / max |reference| per stage, so a wrong stage is named instead of a wrong output."""
     from kernels.store_kv import gather_kv_ref
 
+    if kv.dtype != torch.uint8:
+        raise ValueError("the debug dump covers the fp8 path only (bf16 rows are copied, not converted)")
     lead = q.dim() - 2
     rows = q.shape[:-2].numel()
     q2 = q.reshape(rows, *q.shape[-2:])

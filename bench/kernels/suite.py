@@ -169,7 +169,8 @@ def check_passed(rows: list[dict]) -> bool:
 def bench_sparse_mla_sm90(dev, ceil) -> list[dict]:
     """`--only sparse-mla-sm90`: the accuracy check, then the sm_90 kernel beside the Triton kernel on the same
     inputs: decode H = 64, K = 2,048, B = 32 / 64 / 128, 1 and 4 query rows; 320 valid indices of 2,048 at 4
-    rows (trimmed); prefill over fp8 pages at T = 8K and 64K; then the sm_90 kernel's timing variants (no row
+    rows (trimmed); prefill at T = 8K and 64K over fp8 pages, over a bf16 workspace, and over fp8 pages dequantised
+    into a workspace first (sm_90 only); then the sm_90 kernel's timing variants (no row
     gather from HBM; no wgmma) at B = 64 / 128 and T = 8K, which say whether the producer or the tensor cores set
     its pace."""
     rows = check_sm90(dev)
@@ -188,9 +189,10 @@ def bench_sparse_mla_sm90(dev, ceil) -> list[dict]:
                                           valid=320, kernel=kernel, label=f" trim [{kernel}]"))
         print_table(rows[n:])
     for T in (8192, 65536):
-        for kernel in ("triton", "sm90"):
+        for kernel, kind in (("triton", "fp8 paged"), ("sm90", "fp8 paged"), ("triton", "bf16 workspace"),
+                             ("sm90", "bf16 workspace"), ("sm90", "fp8 pages via workspace")):
             n = len(rows)
-            _guard(rows, lambda: [bench_prefill(dev, ceil, T, 2048, "fp8 paged", 64, kernel=kernel)])
+            _guard(rows, lambda: [bench_prefill(dev, ceil, T, 2048, kind, 64, kernel=kernel)])
             print_table(rows[n:])
     for variant in ("no-gather", "no-mma"):  # where the time goes: the same launches with one stage left out
         n = len(rows)
@@ -207,15 +209,24 @@ def bench_sparse_mla_sm90(dev, ceil) -> list[dict]:
 
 def bench_prefill(dev, ceil, T: int, K: int, kind: str, ref_rows: int, config: tuple | None = None,
                   kernel: str | None = None) -> dict:
-    """T query rows over a context of T tokens (bf16 workspace, or the fp8 paged cache)."""
+    """T query rows over a context of T tokens: `kind` "bf16 workspace", "fp8 paged" (the cache), or "fp8 pages via
+    workspace" (the cache dequantised into a bf16 workspace by gather_kv, then attended over: both timed)."""
     H = 64
     q = torch.randn(T, H, R + P, device=dev, dtype=torch.bfloat16)
     idx = torch.randint(0, T, (T, K), device=dev, dtype=torch.int32)
     kv = (torch.randn(T, R + P, device=dev, dtype=torch.bfloat16) if kind == "bf16 workspace"
           else fp8_cache(T, dev))
     row_bytes = (R + P) * 2 if kind == "bf16 workspace" else ROW
-    t = time_plain(lambda: sparse_mla(q, kv, idx, 0.0625, num_splits=1, config=config, kernel=kernel), dev,
-                   rep_ms=300)
+    if kind == "fp8 pages via workspace":  # dequantise the context into a bf16 workspace, then attend over it
+        slots = torch.arange(T, device=dev, dtype=torch.int32)
+
+        def call():
+            return sparse_mla(q, gather_kv(kv, slots, R, P, torch.bfloat16), idx, 0.0625, num_splits=1, config=config,
+                              kernel=kernel)
+    else:
+        def call():
+            return sparse_mla(q, kv, idx, 0.0625, num_splits=1, config=config, kernel=kernel)
+    t = time_plain(call, dev, rep_ms=300)
     n = min(T, ref_rows)
     t_ref = time_plain(lambda: sparse_mla_ref(q[:n], kv, idx[:n], 0.0625, R, P), dev, rep_ms=50) * T / n
     unique = T * row_bytes + q.numel() * 2 + idx.numel() * 4 + T * H * (R * 2 + 4)

@@ -392,13 +392,96 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, const int*
   }
 }
 
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Wait until part `p` of the oldest tile in flight has landed, `newer` (0 or PARTS) groups of a later tile
+// issued after it: cp.async.wait_group takes its count as an immediate.
+__device__ __forceinline__ void wait_part(int p, int newer) {
+  switch (newer + PARTS - 1 - p) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    case 7: cp_async_wait<7>(); break;
+    case 8: cp_async_wait<8>(); break;
+    default: cp_async_wait<9>(); break;
+  }
+}
+
+// Warpgroup 2 over bf16 rows (a workspace [S, 576] or bf16 pages: 1,152 bytes a row, nothing to convert): each
+// row's 72 16-byte units go straight from global memory to their swizzled places (cp.async, two threads a row:
+// the rope chunk's units 4 hf.., then latent chunk c + 4 hf in part c + 1), one commit group a part, so a tile is
+// handed over in the same five parts as the fp8 tile. A stage is refilled once the consumers have arrived on its
+// `empty` barrier (the raw barrier's place: nothing lands raw here), and a tile's parts are published (wait for
+// the copies, proxy fence, arrive) while the next tile's copies are in flight. Rows with nothing selected are
+// zeroed (P is 0 there, and 0 times a stale NaN would not be).
+__device__ __forceinline__ void produce_bf16(const Args& a, uint8_t* smem, const int* idx_row, const int* tab,
+                                             int lo, int hi, int n_tiles) {
+  const int pt = threadIdx.x - CONSUMERS;
+  const int r = pt >> 1, hf = pt & 1;
+  const uint32_t sbase = smem_u32(smem);
+  auto slot_of = [&](int t) -> int {
+    const int n = lo + t * BN + r;
+    if (t >= n_tiles || n >= hi) return -1;
+    const int ix = __ldg(idx_row + n);
+    if (ix < 0 || !a.positions) return ix;
+    return (__ldg(tab + (ix >> a.block_shift)) << a.block_shift) + (ix & ((1 << a.block_shift) - 1));
+  };
+  uint32_t valid = 0;  // bit st: this thread's row of the tile in stage st is selected
+  auto issue = [&](int t) {
+    const int st = t & 1;
+    if (t >= 2) mbar_wait(raw_bar(sbase, st), ((t >> 1) - 1) & 1);  // the consumers are done with tile t - 2
+    const int slot = slot_of(t);
+    valid = (valid & ~(1u << st)) | (static_cast<uint32_t>(slot >= 0) << st);
+    const uint32_t k = stage_tile(sbase, st);
+    const uint8_t* row = a.kv + (slot >= 0 ? row_offset(a, slot) : 0);
+#pragma unroll
+    for (int part = 0; part < PARTS; ++part) {
+      const int c = part == 0 ? 8 : part - 1 + 4 * hf;  // the chunk this thread fills in this part
+#pragma unroll
+      for (int j = 0; j < (part == 0 ? 4 : 8); ++j) {
+        const int u = part == 0 ? 4 * hf + j : j;
+        const uint32_t dst = k + c * CHUNK_BYTES + swz(r, u);
+        if (slot >= 0) cp_async16(dst, row + c * 128 + u * 16);
+        else st_shared(dst, make_uint4(0, 0, 0, 0));
+      }
+      cp_async_commit();
+    }
+  };
+  auto publish = [&](int t, int newer) {
+    const int st = t & 1;
+    const uint32_t full = full_bar(sbase, st);
+    if (hf == 0) st_shared_u8(sbase + OFF_VALID + st * BN + r, (valid >> st) & 1u);
+#pragma unroll
+    for (int part = 0; part < PARTS; ++part) {
+      wait_part(part, newer);
+      fence_async_smem();  // the copies' (and zero rows') bytes, visible to wgmma after the barrier
+      mbar_arrive(full + part * 8);
+    }
+  };
+  if (n_tiles > 0) issue(0);
+  if (n_tiles > 1) issue(1);
+  for (int t = 0; t < n_tiles; ++t) {
+    publish(t, t + 1 < n_tiles ? PARTS : 0);
+    if (t + 2 < n_tiles) issue(t + 2);
+  }
+}
+
 // The DEBUG instantiation's dump of CTA (0, 0)'s first tile, in floats: raw scores [64 heads][64 rows], P as
 // rounded to bf16 [64][64], the accumulator after that tile's PV [64][512], the stage's bf16 tile as stored
 // (73,728 swizzled bytes).
 constexpr int DBG_S = 0, DBG_P = HEADS * BN, DBG_O = 2 * HEADS * BN, DBG_TILE = DBG_O + HEADS * R;
 
 // Warpgroups 0 and 1: scores, softmax and the PV accumulation; then the output.
-template <bool OUT_F32, bool DEBUG, int VARIANT>
+template <bool OUT_F32, bool DEBUG, int VARIANT, bool BF16>
 __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long row, long long b, long long s,
                                         int split, int n_tiles) {
   const int w = threadIdx.x >> 7;  // warpgroup: rows [32 w, +32) of each tile's scores, columns [256 w, +256)
@@ -536,7 +619,9 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
 #pragma unroll
       for (int e = 0; e < 128; ++e)
         a.dbg[DBG_O + (r0 + 8 * ((e >> 1) & 1)) * R + 256 * w + 8 * (e >> 2) + 2 * quad + (e & 1)] = o[e];
-    if (t + 2 < n_tiles) {  // refill the stage: once every consumer warp is done with it, copy tile t + 2's rows
+    if constexpr (BF16) {
+      mbar_arrive(raw_bar(sbase, st));  // the stage is free: the producer refills it (produce_bf16)
+    } else if (t + 2 < n_tiles) {  // refill the stage: once every consumer warp is done with it, copy tile t + 2's rows
       bar_sync(BAR_DONE, CONSUMERS);
       if (lane < BN / 8) {
         const int r = (threadIdx.x >> 5) * (BN / 8) + lane;
@@ -576,7 +661,7 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, long long 
   }
 }
 
-template <bool OUT_F32, bool DEBUG, int VARIANT>
+template <bool OUT_F32, bool DEBUG, int VARIANT, bool BF16>
 __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args a) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -592,7 +677,8 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args 
   if (threadIdx.x < 32) {  // warp 0: barriers, and the trimmed bound (stop after the split's last valid index)
     if (threadIdx.x == 0) {
       const uint32_t sbase = smem_u32(smem);
-      for (int st = 0; st < STAGES; ++st) mbar_init(raw_bar(sbase, st), BN);  // one arrival a row + the copies' bytes
+      // fp8: one arrival a row + the copies' bytes; bf16 rows: the stage's `empty` barrier, one arrival a consumer
+      for (int st = 0; st < STAGES; ++st) mbar_init(raw_bar(sbase, st), BF16 ? CONSUMERS : BN);
       for (int i = 0; i < STAGES * PARTS; ++i) mbar_init(full_bar(sbase, 0) + i * 8, PRODUCERS);  // the producer's
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy
     }
@@ -613,14 +699,15 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_mla_sm90_kernel(const Args 
 
   if (threadIdx.x >= CONSUMERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 112;\n" ::: "memory");
-    produce<VARIANT>(a, smem, idx_row, tab, lo, hi, n_tiles);
+    if constexpr (BF16) produce_bf16(a, smem, idx_row, tab, lo, hi, n_tiles);
+    else produce<VARIANT>(a, smem, idx_row, tab, lo, hi, n_tiles);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n" ::: "memory");
-    consume<OUT_F32, DEBUG, VARIANT>(a, smem, row, b, s, split, n_tiles);
+    consume<OUT_F32, DEBUG, VARIANT, BF16>(a, smem, row, b, s, split, n_tiles);
   }
 }
 
-template <bool OUT_F32, bool DEBUG, int VARIANT = FULL>
+template <bool OUT_F32, bool DEBUG, int VARIANT = FULL, bool BF16 = false>
 int launch(const Args& a, int rows, int splits, int device, cudaStream_t stream) {
   // This library links its own CUDA runtime, whose current device is not torch's: set it where it differs.
   int current = -1;
@@ -629,12 +716,12 @@ int launch(const Args& a, int rows, int splits, int device, cudaStream_t stream)
   if (e != cudaSuccess) return (int)e;
   static unsigned long long ready = 0;  // devices whose dynamic shared-memory limit is raised for this kernel
   if (device >= 64 || !(ready >> device & 1)) {
-    e = cudaFuncSetAttribute(sparse_mla_sm90_kernel<OUT_F32, DEBUG, VARIANT>,
+    e = cudaFuncSetAttribute(sparse_mla_sm90_kernel<OUT_F32, DEBUG, VARIANT, BF16>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_ALLOC);
     if (e != cudaSuccess) return (int)e;
     if (device < 64) ready |= 1ull << device;
   }
-  sparse_mla_sm90_kernel<OUT_F32, DEBUG, VARIANT><<<dim3(rows, splits), THREADS, SMEM_ALLOC, stream>>>(a);
+  sparse_mla_sm90_kernel<OUT_F32, DEBUG, VARIANT, BF16><<<dim3(rows, splits), THREADS, SMEM_ALLOC, stream>>>(a);
   return (int)cudaGetLastError();
 }
 
@@ -654,7 +741,7 @@ int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void
                             long long so_h, long long sl_split, long long sl_row, long long s_table, int num_heads,
                             int num_idx, int split_len, int sq_len, int block_shift, int positions, int trim, int wide,
                             float sm_scale_log2, int out_f32, int rows, int splits, int device, void* dbg,
-                            int variant, void* stream) {
+                            int variant, int bf16_rows, void* stream) {
   Args a;
   a.q = static_cast<const __nv_bfloat16*>(q);
   a.kv = static_cast<const uint8_t*>(kv);
@@ -671,6 +758,9 @@ int pdserve_sparse_mla_sm90(const void* q, const void* kv, const void* idx, void
   a.block_shift = block_shift; a.positions = positions; a.trim = trim; a.wide = wide;
   a.sm_scale_log2 = sm_scale_log2;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (bf16_rows)  // bf16 rows: the full kernel only (no debug dump, no timing variants)
+    return out_f32 ? launch<true, false, FULL, true>(a, rows, splits, device, st)
+                   : launch<false, false, FULL, true>(a, rows, splits, device, st);
   if (dbg) return launch<false, true>(a, rows, splits, device, st);  // bf16 output, one split
   if (variant == NO_GATHER)
     return out_f32 ? launch<true, false, NO_GATHER>(a, rows, splits, device, st)

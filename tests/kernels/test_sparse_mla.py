@@ -43,7 +43,7 @@ def pick(gen, S: int, K: int, device) -> torch.Tensor:
 
 
 def check_decode(kind: str, B: int, Sq: int, H: int, K: int, R: int, P: int, block_size: int, device,
-                 num_splits=None, q_dtype=torch.bfloat16, config=None):
+                 num_splits=None, q_dtype=torch.bfloat16, config=None, kernel=None):
     gen = torch.Generator().manual_seed(B * 1000 + H * 10 + Sq)
     seq_lens = [K // 2 + 7 * b for b in range(B)]  # some requests shorter than K: padded rows
     cache, table = make_cache(kind, seq_lens, R, P, block_size, device, gen)
@@ -54,16 +54,17 @@ def check_decode(kind: str, B: int, Sq: int, H: int, K: int, R: int, P: int, blo
     idx[0, -1] = -1  # a row with nothing selected: out 0, lse -inf
     q = randn(gen, B, Sq, H + 3, R + P, dtype=q_dtype, device=device)[:, :, 1: H + 1]  # non-contiguous heads
     scale = (R + P) ** -0.5
-    if config is None:
+    if config is None and kernel is None:
         out, lse = sparse_mla_decode(q, cache, idx, scale, R, num_splits=num_splits)
     else:
-        out, lse = sparse_mla(q, cache, idx, scale, R, num_splits=num_splits, config=config)
+        out, lse = sparse_mla(q, cache, idx, scale, R, num_splits=num_splits, config=config, kernel=kernel)
     ref_out, ref_lse = sparse_mla_ref(q.float(), cache, idx, scale, R, P)
     assert out.shape == (B, Sq, H, R) and out.dtype == q.dtype and lse.shape == (B, Sq, H)
     assert_attention_close(out, lse, ref_out, ref_lse)
 
 
-def check_prefill(kind: str, T: int, H: int, K: int, R: int, P: int, device, q_dtype=torch.bfloat16):
+def check_prefill(kind: str, T: int, H: int, K: int, R: int, P: int, device, q_dtype=torch.bfloat16,
+                  kernel=None):
     gen = torch.Generator().manual_seed(T + H + K)
     S = 3 * K
     if kind == "workspace":
@@ -76,7 +77,10 @@ def check_prefill(kind: str, T: int, H: int, K: int, R: int, P: int, device, q_d
     idx = idx.to(torch.int32)
     idx[T // 2] = -1  # zero-length row
     q = randn(gen, H, T, R + P, dtype=q_dtype, device=device).transpose(0, 1)  # [T, H, D], non-contiguous
-    out, lse = sparse_mla_prefill(q, kv, idx, 0.0625, R)
+    if kernel is None:
+        out, lse = sparse_mla_prefill(q, kv, idx, 0.0625, R)
+    else:
+        out, lse = sparse_mla(q, kv, idx, 0.0625, R, num_splits=1, kernel=kernel)
     ref_out, ref_lse = sparse_mla_ref(q.float(), kv, idx, 0.0625, R, P)
     assert_attention_close(out, lse, ref_out, ref_lse)
 

@@ -41,16 +41,22 @@ def test_builds_for_sm90a_with_the_described_structure(tmp_path):
     if tool is None:
         pytest.skip("no cuobjdump to read the machine code")
     sass = subprocess.run([str(tool), "--dump-sass", str(lib)], capture_output=True, text=True, check=True).stdout
-    # <OUT_F32, DEBUG = false, VARIANT = full>
-    kernels = [k for k in re.split(r"\n\s*Function : ", sass)[1:] if "ELb0ELi0EEE" in k.split()[0]]
-    assert len(kernels) == 2, "one kernel for bf16 output and one for fp32 partials"
+    # <OUT_F32, DEBUG = false, VARIANT = full, BF16 rows = false / true>
+    functions = re.split(r"\n\s*Function : ", sass)[1:]
+    fp8 = [k for k in functions if "ELb0ELi0ELb0EEE" in k.split()[0]]
+    bf16 = [k for k in functions if "ELb0ELi0ELb1EEE" in k.split()[0]]
+    assert len(fp8) == 2 and len(bf16) == 2, "for each row format, one kernel for bf16 output and one for partials"
     assert ctypes.CDLL(str(lib)).pdserve_sparse_mla_sm90_debug_floats() == sm90.debug_floats()
-    for k in kernels:
+    for k in fp8 + bf16:
         assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16 ", k)) == 36, "score GEMM: 576 columns in 36 steps"
         assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16 .*tnspB", k)) == 4, "PV GEMM: 64 rows in 4 steps"
         assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc0" in k and "USETMAXREG.DEALLOC.CTAPOOL 0x70" in k
-        assert "UBLKCP.S.G" in k, "rows move by bulk copies into the stages"
         assert len(re.findall(r"LDG\.E\.128", k)) == 18, "16-byte loads: q's, 18 a thread; no cache row"
+    for k in fp8:
+        assert "UBLKCP.S.G" in k, "fp8 rows move by bulk copies into the stages"
+    for k in bf16:  # bf16 rows: 16-byte asynchronous copies straight to their swizzled places, no conversion
+        assert "UBLKCP" not in k and len(re.findall(r"LDGSTS\.E\.BYPASS\.128", k)) >= 36
+        assert "F2FP" not in k.split("USETMAXREG.DEALLOC")[-1].split("EXIT")[0], "the producer converts nothing"
 
 
 def test_kernel_choice_is_checked_interp():
@@ -61,6 +67,20 @@ def test_kernel_choice_is_checked_interp():
         sparse_mla(q, kv, idx, 0.1, 512, kernel="sm90")
     with pytest.raises(ValueError, match="kernel must be"):
         sparse_mla(q, kv, idx, 0.1, 512, kernel="cuda")
+
+
+def test_the_default_leaves_bf16_rows_to_triton_interp(monkeypatch):
+    """The sm_90 kernel's bf16-rows mode runs only when asked for by name: the default, even where the sm_90 kernel
+    is on, sends a bf16 workspace to the Triton kernel (and still answers the reference)."""
+    monkeypatch.setattr(sm90, "use_sm90", lambda: True)
+    monkeypatch.setattr(sm90, "eligible", lambda *a, **k: pytest.fail("the default asked the sm_90 kernel"))
+    gen = torch.Generator().manual_seed(3)
+    kv = randn(gen, 40, 576, dtype=torch.bfloat16)
+    idx = torch.randint(0, 40, (2, 16), generator=gen, dtype=torch.int32)
+    q = randn(gen, 2, 64, 576, dtype=torch.bfloat16)
+    out, lse = sparse_mla(q, kv, idx, 0.05, 512, num_splits=1)
+    ref_out, ref_lse = sparse_mla_ref(q.float(), kv, idx, 0.05, 512, 64)
+    assert_attention_close(out, lse, ref_out, ref_lse)
 
 
 def test_a_host_without_nvcc_keeps_the_triton_kernel(monkeypatch, caplog):
@@ -181,6 +201,23 @@ def test_trim_gives_the_same_bits_gpu(sm90_on, splits, mark):
 def test_prefill_over_fp8_pages_gpu(sm90_on, mark):
     check_prefill("fp8", T=128, H=64, K=2048, R=512, P=64, device="cuda")
     assert sm90_on == [1]
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_prefill_over_a_bf16_workspace_gpu(sm90_on, mark):
+    """bf16 rows (nothing to convert: copied straight into the swizzled tile), -1 padding and a row with nothing
+    selected, non-contiguous q."""
+    check_prefill("workspace", T=128, H=64, K=2048, R=512, P=64, device="cuda", kernel="sm90")
+    assert sm90_on == [1]
+
+
+@pytest.mark.parametrize("B,Sq,splits", [(16, 4, None), (5, 1, 3)])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_decode_over_bf16_pages_gpu(sm90_on, B, Sq, splits, mark):
+    """bf16 pages in shuffled blocks of a NaN-poisoned layer view, requests shorter than the top-k (-1 padding)."""
+    check_decode("bf16", B=B, Sq=Sq, H=64, K=2048, R=512, P=64, block_size=64, device="cuda", num_splits=splits,
+                 kernel="sm90")
+    assert sm90_on
 
 
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
