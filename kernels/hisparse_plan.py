@@ -8,14 +8,19 @@ checks the two agree entry for entry. One program per request:
     1. gather the request's selected positions (its 1 or 1 + drafts rows of the top-k) and sort them
        (key = position * N_PAD + entry, so duplicates sit together and the entry is recovered)
     2. classify: device page -> read in place;  >= start -> the reserved newest row;  else the LRU
-    3. void LRU rows caching positions >= start; sort the rows by position; binary-search each LRU entry
-    4. victims: rows that no entry hits, ordered by (stamp, row); the i-th miss takes the i-th
+    3. void LRU rows caching positions >= start; each row binary-searches its position among the sorted
+       selections and claims the LRU entry it finds (a row's hit)
+    4. victims: the n least recently used rows that no entry hits, n = the misses: the n-th smallest
+       (stamp, row) found by a binary search over stamps (a count per probe), not a sort; the i-th miss, by
+       position, takes the i-th victim in row order
     5. record positions and stamps of hit and victim rows; duplicates take their first entry's row
     6. write the virtual selection of every entry (device position, or hot_base + hot row) into the
        pool's selection rows, the misses (host slot -> device slot) compactly, and add the counters
 
-Rows of a sorted vector are exchanged through a per-program scratch area in global memory (a barrier
-between the store and the loads of other threads), as Triton has no register shuffles by index.
+The selections' sort is the only one: the rows are never sorted (by position for the lookup, or by stamp
+for the victims), which the kernel's first form did, three bitonic sorts in all (docs/hisparse.md). Rows
+of a sorted vector are exchanged through a per-program scratch area in global memory (a barrier between
+the store and the loads of other threads), as Triton has no register shuffles by index.
 """
 
 from __future__ import annotations
@@ -48,19 +53,19 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
                  rowpos_ptr, stamp_ptr, state_off, s_state,
                  dst_row_ptr, sel_ptr, s_sel, msrc_ptr, mdst_ptr, scratch_ptr, counters_ptr,
                  bytes_per_miss, clock_ptr, R, K, M, BS,
-                 N_PAD: tl.constexpr, R_PAD: tl.constexpr, LOG_R: tl.constexpr):
+                 N_PAD: tl.constexpr, R_PAD: tl.constexpr, LOG_N: tl.constexpr):
     BIG: tl.constexpr = 1 << 40
     b = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, N_PAD).to(tl.int64)
     r = tl.arange(0, R_PAD).to(tl.int64)
-    scr = scratch_ptr + b * (2 * N_PAD + 3 * R_PAD)
-    s_sorted = scr  # [N_PAD] sorted positions, later the rows of the sorted entries
-    s_rows = scr + N_PAD  # [R_PAD] LRU rows sorted by position
-    s_flags = scr + N_PAD + R_PAD  # [R_PAD] rows hit by this plan
-    s_vict = scr + N_PAD + 2 * R_PAD  # [R_PAD] rows in victim order
-    s_first = scr + N_PAD + 3 * R_PAD  # [N_PAD] row of each sorted entry
+    scr = scratch_ptr + b * (4 * N_PAD + R_PAD)
+    s_sorted = scr  # [N_PAD] sorted positions (BIG: none)
+    s_lru = scr + N_PAD  # [N_PAD] 1 where the sorted entry is an LRU lookup
+    s_hit = scr + 2 * N_PAD  # [N_PAD] the LRU row holding the sorted entry's position (-1: none)
+    s_first = scr + 3 * N_PAD  # [N_PAD] row of each sorted entry
+    s_vict = scr + 4 * N_PAD  # [R_PAD] victim rows, in row order
 
-    # 1. the request's selections, sorted by position (invalid last)
+    # 1. the request's selections, sorted by position (invalid last): the kernel's one sort
     in_n = e < M * K
     m = e // K
     erow = tl.load(entry_ptr + b * M + m, mask=in_n, other=-1)
@@ -82,8 +87,11 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
     hot = valid & (page < 0)
     newest = hot & (spos >= start)
     lru = first & hot & (spos < start)
+    tl.store(s_lru + e, lru.to(tl.int64))
+    tl.store(s_hit + e, tl.full([N_PAD], -1, tl.int64))
 
-    # 3. the LRU state (rows caching positions >= start are voided) and the lookup
+    # 3. the LRU state (rows caching positions >= start are voided); each row looks its position up among the
+    #    sorted selections (lower bound: the first of its duplicates) and, if an LRU entry is there, claims it
     hs = tl.load(hot_slot_ptr + b)
     in_r = r < R
     st_off = state_off + hs * s_state + r
@@ -92,29 +100,44 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
     void = rp >= start
     rp = tl.where(void, -1, rp)
     stp = tl.where(void, -1, stp)
-    tl.store(s_rows + r, tl.sort(tl.where(in_r, rp + 1, BIG) * R_PAD + r))
-    tl.store(s_flags + r, tl.zeros([R_PAD], dtype=tl.int64))
     tl.debug_barrier()
-    target = (spos + 1) * R_PAD
-    lo = tl.zeros([N_PAD], dtype=tl.int64)
-    for j in tl.static_range(LOG_R):
-        step = R_PAD >> (j + 1)
-        probe = tl.load(s_rows + lo + step - 1, mask=lru, other=BIG * R_PAD)
-        lo = tl.where(lru & (probe < target), lo + step, lo)
-    cand = tl.load(s_rows + lo, mask=lru, other=-1)
-    found = lru & (cand // R_PAD == spos + 1)
-    hit_row = cand % R_PAD
-    miss = lru & (cand // R_PAD != spos + 1)
+    cached = in_r & (rp >= 0)
+    target = tl.where(cached, rp, -1)
+    lo = tl.zeros([R_PAD], dtype=tl.int64)
+    for j in tl.static_range(LOG_N):
+        step = N_PAD >> (j + 1)
+        probe = tl.load(s_sorted + lo + step - 1, mask=cached, other=BIG)
+        lo = tl.where(cached & (probe < target), lo + step, lo)
+    cand = tl.load(s_sorted + lo, mask=cached, other=-1)
+    is_hit = cached & (cand == target) & (tl.load(s_lru + lo, mask=cached, other=0) != 0)
+    tl.store(s_hit + lo, r, mask=is_hit)  # rows hold distinct positions: one row per entry
+    tl.debug_barrier()
+    hit_row = tl.load(s_hit + e)
+    found = lru & (hit_row >= 0)
+    miss = lru & (hit_row < 0)
 
-    # 4. victims: the least recently used rows that no entry of this plan hits (empty rows first)
-    tl.store(s_flags + hit_row, tl.full([N_PAD], 1, tl.int64), mask=found)
+    # 4. victims: the n least recently used rows that no entry hits (empty and voided rows first, ties by row),
+    #    found by a search for the n-th smallest stamp instead of a sort; the i-th miss takes the i-th in row order
+    num_miss = tl.sum(miss.to(tl.int64), 0)
+    free = in_r & ~is_hit
+    key = tl.where(free, stp + 1, BIG)  # 0: empty or voided
+    lo_k = tl.min(key, 0)
+    hi_k = tl.max(tl.where(free, key, 0), 0)
+    hi_k = tl.maximum(hi_k, lo_k)
+    while lo_k < hi_k:  # the least stamp with at least num_miss free rows at or below it
+        mid = (lo_k + hi_k) >> 1
+        enough = tl.sum((key <= mid).to(tl.int64), 0) >= num_miss
+        hi_k = tl.where(enough, mid, hi_k)
+        lo_k = tl.where(enough, lo_k, mid + 1)
+    below = key < lo_k
+    tie = (key == lo_k) & free
+    tie_rank = tl.cumsum(tie.to(tl.int64), 0) - 1
+    take = below | (tie & (tie_rank < num_miss - tl.sum(below.to(tl.int64), 0)))
+    vrank = tl.cumsum(take.to(tl.int64), 0) - 1
+    tl.store(s_vict + vrank, r, mask=take)
     tl.debug_barrier()
-    is_hit = tl.load(s_flags + r) != 0
-    age = tl.where(is_hit, BIG, stp)
-    tl.store(s_vict + r, tl.sort(tl.where(in_r, age + 1, BIG + 2) * R_PAD + r))
-    tl.debug_barrier()
-    rank = tl.cumsum(miss.to(tl.int32), 0) - 1
-    victim = tl.load(s_vict + rank, mask=miss, other=0) % R_PAD
+    rank = tl.cumsum(miss.to(tl.int64), 0) - 1
+    victim = tl.load(s_vict + rank, mask=miss, other=0)
     row = tl.where(found, hit_row, tl.where(miss, victim, -1))
 
     # 5. record, then the rows of duplicates and of the newest positions
@@ -145,7 +168,6 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
     tl.debug_barrier()
     tl.store(msrc_ptr + b * N_PAD + rank, hblock * BS + spos % BS, mask=miss)
     tl.store(mdst_ptr + b * N_PAD + rank, blk * BS + vr % BS, mask=miss)
-    num_miss = tl.sum(miss.to(tl.int64), 0)
     num_hit = tl.sum((first & valid).to(tl.int64), 0) - num_miss
     tl.atomic_add(counters_ptr, num_hit)
     tl.atomic_add(counters_ptr + 1, num_miss)
@@ -192,7 +214,7 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
     r_pad = triton.next_power_of_2(max(R, 2))
     dev = topk_pos.device
     # one allocation: the two miss lists, then the programs' scratch
-    buf = torch.empty(B * (4 * n_pad + 3 * r_pad), dtype=torch.int64, device=dev)
+    buf = torch.empty(B * (6 * n_pad + r_pad), dtype=torch.int64, device=dev)
     msrc, mdst = buf[: B * n_pad], buf[B * n_pad: 2 * B * n_pad]
     if B == 0:
         return msrc, mdst
@@ -211,7 +233,7 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
                  row_pos, stamp, group * row_pos.stride(0), row_pos.stride(1),
                  dst_row.contiguous(), sel, sel.stride(0), msrc, mdst, scratch, counters,
                  bytes_per_miss, clock, R, K, M, block_size),
-          dict(N_PAD=n_pad, R_PAD=r_pad, LOG_R=r_pad.bit_length() - 1), num_warps or plan_warps(n_pad, r_pad))
+          dict(N_PAD=n_pad, R_PAD=r_pad, LOG_N=n_pad.bit_length() - 1), num_warps or plan_warps(n_pad, r_pad))
     return msrc, mdst
 
 
@@ -291,13 +313,18 @@ def resolve_ref(row_pos: torch.Tensor, stamp: torch.Tensor, pos: torch.Tensor, o
     found = lru & (rp_sorted.gather(1, idx) == sorted_pos)
     hit_row = rp_order.gather(1, idx)
     miss = lru & ~found
-    # the i-th miss takes the i-th least recently used row that no entry hits (empty rows first, ties by row)
+    # victims: the n least recently used rows that no entry hits (empty rows first, ties by row), n = the misses;
+    # the i-th miss (by position) takes the i-th of them in row order
     sink = torch.full_like(hit_row[:, :1], R)
     is_hit = torch.zeros((stamp.shape[0], R + 1), dtype=torch.bool, device=stamp.device)
     is_hit.scatter_(1, torch.where(found, hit_row, sink), True)
     age = torch.where(is_hit[:, :R], torch.full_like(stamp, _BIG), stamp)
+    rows = torch.arange(R, device=stamp.device).expand_as(stamp)
+    lru_rank = torch.empty_like(rows).scatter_(1, age.argsort(dim=1, stable=True), rows)
+    taken = lru_rank < miss.sum(dim=1, keepdim=True)
+    in_row_order = torch.where(taken, rows, torch.full_like(rows, R)).sort(dim=1).values.clamp(max=R - 1)
     rank = (miss.long().cumsum(dim=1) - 1).clamp(0, R - 1)
-    victim_row = age.argsort(dim=1, stable=True).gather(1, rank)
+    victim_row = in_row_order.gather(1, rank)
     row = torch.where(found, hit_row, torch.where(miss, victim_row, torch.full_like(hit_row, -1)))
     idx = torch.where(found | miss, row, sink)  # hit and victim rows now hold their positions, stamped
     row_pos = torch.cat([row_pos, sink], 1).scatter(1, idx, sorted_pos)[:, :R]

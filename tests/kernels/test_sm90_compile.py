@@ -50,7 +50,7 @@ def test_hisparse_plan_kernel_compiles_for_sm90_at_the_service_shapes():
                    bytes_per_miss="i64", clock_ptr=P, R="i32", K="i32", M="i32", BS="i32")
         n_pad, r_pad = 8192, 4096
         t = time.perf_counter()
-        size = build(_plan_kernel, sig, dict(N_PAD=n_pad, R_PAD=r_pad, LOG_R=r_pad.bit_length() - 1),
+        size = build(_plan_kernel, sig, dict(N_PAD=n_pad, R_PAD=r_pad, LOG_N=n_pad.bit_length() - 1),
                      num_warps=plan_warps(n_pad, r_pad))
         print(plan_warps(n_pad, r_pad), size, round(time.perf_counter() - t, 1))
     ''', timeout=900)

@@ -262,3 +262,40 @@ def test_plan_of_a_padded_batch_leaves_requests_without_entries_untouched(fused)
         misses += len(got[1])
     assert bool((hot.row_pos[:, spare] == -1).all()) and bool((hot.stamp[:, spare] == -1).all())
     assert misses > 0 and int(got[2][0]) > 0
+
+
+@pytest.mark.parametrize("spread", [1, 1 << 35])
+def test_victims_are_the_least_recently_used_rows_whatever_the_stamps(spread):
+    """The kernel finds its victims by a binary search over stamps, not a sort: over LRU states with stamps far
+    apart (up to 2^35 between rows), many equal, empty and voided rows, it evicts the same rows as the reference's
+    sort by (stamp, row) and pairs them with the misses the same way."""
+    rng = random.Random(spread % 1000)
+    K, spec = 8, 1
+    layout = HotLayout.create(K, 24, spec, block_size=BS)
+    M, R = layout.max_new_rows, layout.lru_rows
+    W, B = 64, 3
+    fused, torch_plan = (HotBuffers(layout, 1, B, d) for d in (DEV, torch.device("cpu")))
+    start = torch.tensor([200, 180, 190])
+    for b in range(B):
+        pos = rng.sample(range(230), R)
+        stamps = [rng.choice([-1, 7, 7, 7] + [rng.randint(0, 5) * spread for _ in range(4)]) for _ in range(R)]
+        row_pos = torch.tensor([p if s >= 0 else -1 for p, s in zip(pos, stamps)])  # some past start: voided
+        for hb in (fused, torch_plan):
+            hb.assign(b, [300 + b * layout.num_blocks + i for i in range(layout.num_blocks)])
+            hb.row_pos[0, b], hb.stamp[0, b] = row_pos, torch.tensor(stamps)
+            hb.clock.fill_(6 * spread)
+    topk = torch.tensor([[rng.randint(0, 199) for _ in range(K)] for _ in range(B * M)], dtype=torch.int32)
+    entry = torch.arange(B * M).view(B, M)
+    page_table = torch.full((B, W), -1, dtype=torch.int32)
+    host_table = torch.randint(0, 500, (B, W))
+    args = (start, torch.arange(B), torch.arange(B), torch.tensor([1000, 2000, 3000]), page_table, host_table)
+    outs = []
+    for hb, plan, dev in ((fused, plan_hot, DEV), (torch_plan, plan_hot_ref, torch.device("cpu"))):
+        sel, counters = torch.full((B * M, K), -1, dtype=torch.int32, device=dev), torch.zeros(4, dtype=torch.int64,
+                                                                                                  device=dev)
+        src, dst = plan(topk.to(dev), entry.to(dev), *(a.to(dev) for a in args), hb.blocks, hb.row_pos, hb.stamp, 0,
+                        hb.clock, entry.to(dev), sel, counters, bytes_per_miss=1, block_size=BS)
+        outs.append([t.cpu() for t in (sel, counters, src, dst, hb.row_pos, hb.stamp)])
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+    assert int(outs[1][1][1]) > B * K, "many misses: most of the victims come from the older stamps"
