@@ -220,6 +220,28 @@ def test_decode_over_bf16_pages_gpu(sm90_on, B, Sq, splits, mark):
     assert sm90_on
 
 
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_bf16_copies_of_fp8_pages_give_the_fp8_paths_bits_gpu(sm90_on, sq, mark):
+    """fp8 pages dequantised into bf16 pages (exact: power-of-two scales) and read by the bf16-rows mode give the
+    same bits as the fp8 pages read in place: the two producers hand the consumers the same tile. What the
+    prefill workspace (PDSERVE_PREFILL_BF16_WORKSPACE) relies on."""
+    from kernels.store_kv import gather_kv
+
+    gen = torch.Generator().manual_seed(5)
+    cache, table = make_cache("fp8", [3000, 2600], 512, 64, 64, "cuda", gen)
+    slots = torch.arange(cache.shape[0] * 64, device="cuda")
+    pages = gather_kv(cache, slots, 512, 64, torch.bfloat16).view(cache.shape[0], 64, 576)
+    idx = torch.stack([torch.stack([slots_of(table[b], torch.randperm(2600, generator=gen)[:2048].cuda(), 64)
+                                    for _ in range(sq)]) for b in range(2)]).to(torch.int32)
+    idx[1, -1, 100:] = -1
+    q = randn(gen, 2, sq, 64, 576, dtype=torch.bfloat16, device="cuda")
+    fp8 = sparse_mla(q, cache, idx, 0.05, kernel="sm90")
+    bf16 = sparse_mla(q, pages, idx, 0.05, kernel="sm90")
+    assert torch.equal(fp8[0], bf16[0]) and torch.equal(fp8[1], bf16[1])
+    assert len(sm90_on) == 2
+
+
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_a_layer_view_wider_than_32_gib_gpu(sm90_on, mark):
     """The engine's pool is [blocks, layers, page, row], so one layer's view spans the whole pool: with few layers
