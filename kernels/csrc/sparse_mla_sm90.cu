@@ -421,8 +421,8 @@ __device__ __forceinline__ void wait_part(int p, int newer) {
 // the rope chunk's units 4 hf.., then latent chunk c + 4 hf in part c + 1), one commit group a part, so a tile is
 // handed over in the same five parts as the fp8 tile. A stage is refilled once the consumers have arrived on its
 // `empty` barrier (the raw barrier's place: nothing lands raw here), and a tile's parts are published (wait for
-// the copies, proxy fence, arrive) while the next tile's copies are in flight. Rows with nothing selected are
-// zeroed (P is 0 there, and 0 times a stale NaN would not be).
+// the copies, proxy fence, arrive) as they land. Rows with nothing selected are zeroed (P is 0 there, and 0 times
+// a stale NaN would not be).
 __device__ __forceinline__ void produce_bf16(const Args& a, uint8_t* smem, const int* idx_row, const int* tab,
                                              int lo, int hi, int n_tiles) {
   const int pt = threadIdx.x - CONSUMERS;
@@ -438,8 +438,8 @@ __device__ __forceinline__ void produce_bf16(const Args& a, uint8_t* smem, const
   uint32_t valid = 0;  // bit st: this thread's row of the tile in stage st is selected
   auto issue = [&](int t) {
     const int st = t & 1;
+    const int slot = slot_of(t);  // the index and table loads overlap the wait below
     if (t >= 2) mbar_wait(raw_bar(sbase, st), ((t >> 1) - 1) & 1);  // the consumers are done with tile t - 2
-    const int slot = slot_of(t);
     valid = (valid & ~(1u << st)) | (static_cast<uint32_t>(slot >= 0) << st);
     const uint32_t k = stage_tile(sbase, st);
     const uint8_t* row = a.kv + (slot >= 0 ? row_offset(a, slot) : 0);
@@ -467,11 +467,14 @@ __device__ __forceinline__ void produce_bf16(const Args& a, uint8_t* smem, const
       mbar_arrive(full + part * 8);
     }
   };
+  // Tile t + 1 is published before the producer waits to refill tile t's stage, so the consumers never wait for
+  // that refill: while they work on tile t + 1, tile t + 2's copies land.
   if (n_tiles > 0) issue(0);
   if (n_tiles > 1) issue(1);
-  for (int t = 0; t < n_tiles; ++t) {
-    publish(t, t + 1 < n_tiles ? PARTS : 0);
-    if (t + 2 < n_tiles) issue(t + 2);
+  if (n_tiles > 0) publish(0, n_tiles > 1 ? PARTS : 0);
+  for (int t = 1; t < n_tiles; ++t) {
+    if (t >= 2) issue(t);
+    publish(t, 0);  // the only copies in flight are tile t's
   }
 }
 
