@@ -37,13 +37,6 @@ def fused_ops() -> bool:
     return env_int("PDSERVE_FUSED_OPS", 1) != 0
 
 
-def prefill_bf16_workspace() -> int:
-    """Query rows from which a forward's sparse MLA reads a bf16 copy of its requests' fp8 pages (dequantised once
-    per layer, engine.attention.triton_backend) instead of the fp8 pages; 0 (default): never. Off until the sm_90
-    kernel's bf16-rows mode is timed against its fp8 path (kernels/sparse_mla_sm90.py)."""
-    return max(env_int("PDSERVE_PREFILL_BF16_WORKSPACE", 0), 0)
-
-
 # ---- multi-rank engines (torchrun's variables; set by engine.parallel.spawn for spawned ranks) ----
 def dist_rank() -> int | None:
     """This process's rank when torchrun or engine.parallel.spawn started it, else None."""

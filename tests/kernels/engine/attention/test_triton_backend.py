@@ -172,22 +172,3 @@ def test_triton_backend_contract_interp():
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_triton_backend_contract_gpu(mark):
     check_contract("fp8_ds_mla", "fp8", "cuda", seq_lens=[3000, 700, 40], num_blocks=400, topk=512)
-
-
-@interp
-def test_prefill_over_a_bf16_copy_of_the_pages_interp(monkeypatch):
-    """PDSERVE_PREFILL_BF16_WORKSPACE: a forward of enough query rows reads its requests' fp8 pages dequantised into
-    a bf16 copy (shuffled blocks, NaN-filled unused pages, a request shorter than the top-k), and answers as the
-    torch backend does over the fp8 pages; a forward with fewer rows reads the pages in place."""
-    import engine.attention.triton_backend as tb
-
-    taken = []
-    gather = tb.gather_kv
-    monkeypatch.setattr(tb, "gather_kv", lambda *a, **k: (taken.append(a[1].numel()), gather(*a, **k))[1])
-    monkeypatch.setenv("PDSERVE_PREFILL_BF16_WORKSPACE", "20")
-    check_backend("fp8_ds_mla", "fp8", "cpu", seq_lens=[40, 30, 5],
-                  step_rows=[list(range(24, 40)), [29], [0, 1, 2, 3, 4]], num_blocks=9, topk=16)
-    assert taken == [3 * 3 * BLOCK], "one copy of every block of the [3, 3] table"
-    check_backend("fp8_ds_mla", "fp8", "cpu", seq_lens=[40, 30, 5], step_rows=[[39], [29], [4]], num_blocks=9,
-                  topk=16)
-    assert len(taken) == 1, "3 query rows < 20: the pages are read in place"
