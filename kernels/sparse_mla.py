@@ -196,8 +196,8 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     `num_splits` / `config` (BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD) override the heuristics.
     `trim`: stop each row after its last valid index (same result; None = `trim_tail()`).
     `kernel`: "triton", "sm90" (kernels/sparse_mla_sm90.py; ValueError where it cannot run these inputs) or
-    None: sm90 where `sparse_mla_sm90.use_sm90()`, H > 32, the cache is fp8_ds_mla and the inputs allow it (and no
-    `config` is given), else Triton. bf16 rows run on the sm_90 kernel only when asked for by name.
+    None: sm90 where `sparse_mla_sm90.use_sm90()`, H > 32, the inputs allow it and the cache is fp8_ds_mla or the
+    call has at least `sparse_mla_sm90.BF16_MIN_ROWS` query rows (and no `config` is given), else Triton.
     """
     lead = q.dim() - 2
     if lead not in (1, 2) or indices.shape[:-1] != q.shape[:-2]:
@@ -238,9 +238,9 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     if kernel not in (None, "triton", "sm90"):
         raise ValueError(f"kernel must be 'triton', 'sm90' or None, got {kernel!r}")
     # the default takes it for > 32 heads: it always computes 64 (one wgmma M tile), Triton's 16-head tiles win below;
-    # and for fp8 rows only: its bf16-rows mode is taken on request until it is measured against Triton
-    if kernel == "sm90" or (kernel is None and config is None and H > 32 and kv.dtype == torch.uint8
-                            and sm90.use_sm90()):
+    # over bf16 rows only for prefill-sized calls (H200: 1.2x Triton at 8K and 64K rows, 0-10% slower at decode sizes)
+    if kernel == "sm90" or (kernel is None and config is None and H > 32 and sm90.use_sm90()
+                            and (kv.dtype == torch.uint8 or rows >= sm90.BF16_MIN_ROWS)):
         why = sm90.eligible(q, kv, indices, R, positions, block_table, token_req_idx)
         if why is None and (kernel == "sm90" or sm90.library() is not None):
             return _sparse_mla_sm90(q, kv, indices, out, lse, sm_scale, lead, rows, num_splits,

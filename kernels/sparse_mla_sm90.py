@@ -17,12 +17,13 @@ PDSERVE_SPARSE_MLA_SM90=0 keeps the Triton kernel; on the H200 it is 1.5-1.6x th
 and prefill, BENCHMARKS.md) and `eligible(...)` holds: bf16 q with <= 64 heads,
 an fp8_ds_mla paged cache (latent 512, rope 64, 656-byte rows on 16-byte boundaries), int32 indices.
 
-The kernel also reads bf16 rows (a workspace [S, 576], or bf16 pages [blocks, page, 576]): nothing to convert,
-the producer copies each row's 16-byte units by cp.async straight to their swizzled places, and the raw-row
-barriers become the stages' "empty" barriers. That mode is what a prefill over a dequantised workspace would
-run; it builds and its structure is tested (test_builds_for_sm90a_with_the_described_structure), but it has
-not yet been timed against the Triton kernel, so `sparse_mla` takes it only when asked for by name
-(kernel="sm90"); its GPU tests are in tests/kernels/test_sparse_mla_sm90.py.
+The kernel also reads bf16 rows (a workspace [S, 576], or bf16 pages [blocks, page, 576], e.g. a bf16 model's
+"auto" KV cache): nothing to convert, the producer copies each row's 16-byte units by cp.async straight to their
+swizzled places, and the raw-row barriers become the stages' "empty" barriers. On the H200 (BENCHMARKS.md) that
+is 1.2x the Triton kernel at prefill sizes (8K and 64K query rows) but 0-10% slower at decode sizes (32-512 rows
+over a 2M-token cache), so `sparse_mla` takes it by default from BF16_MIN_ROWS query rows. It is no faster than
+this kernel over fp8 rows (the consumers, not the conversion, set the prefill's pace), so fp8 pages are read in
+place rather than dequantised into a bf16 copy first.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ _variant = "full"
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
+BF16_MIN_ROWS = 8192  # bf16 rows: the default takes this kernel from this many query rows (measured at 8K)
 
 
 @contextlib.contextmanager

@@ -46,17 +46,19 @@ def fp8_cache(num_tokens: int, device, layers: int = 2, gen=None) -> torch.Tenso
 
 def bench_decode(dev, ceil, H: int, Sq: int, batches: list[int], K: int, ctx: int, ref: bool,
                  config: tuple | None = None, trim: bool | None = None, valid: int | None = None,
-                 label: str = "", kernel: str | None = None) -> list[dict]:
+                 label: str = "", kernel: str | None = None, bf16_pages: bool = False) -> list[dict]:
     """sparse_mla_decode rows; `trim` and `kernel` as sparse_mla's (None: the defaults), `valid`: only the first
     `valid` of each row's K indices are real (the rest -1, a context shorter than the top-k); bytes and FLOPs
-    count the real ones."""
-    cache = fp8_cache(ctx, dev)
+    count the real ones. `bf16_pages`: a cache of bf16 rows (pages of 64) instead of fp8_ds_mla."""
+    cache = (torch.randn(-(-ctx // 64), 64, R + P, device=dev, dtype=torch.bfloat16) if bf16_pages
+             else fp8_cache(ctx, dev))
+    row_bytes = (R + P) * 2 if bf16_pages else ROW
     rows_out = []
     n = K if valid is None else min(valid, K)
     for B in batches:
         q = torch.randn(B, Sq, H, R + P, device=dev, dtype=torch.bfloat16)
         rows = B * Sq
-        kv_bytes = rows * n * ROW + rows * K * 4
+        kv_bytes = rows * n * row_bytes + rows * K * 4
         io_bytes = q.numel() * 2 + rows * H * (R * 2 + 4)
         sets = [torch.randint(0, ctx, (B, Sq, K), device=dev, dtype=torch.int32) for _ in range(num_sets(kv_bytes))]
         if n < K:
@@ -169,10 +171,10 @@ def check_passed(rows: list[dict]) -> bool:
 def bench_sparse_mla_sm90(dev, ceil) -> list[dict]:
     """`--only sparse-mla-sm90`: the accuracy check, then the sm_90 kernel beside the Triton kernel on the same
     inputs: decode H = 64, K = 2,048, B = 32 / 64 / 128, 1 and 4 query rows; 320 valid indices of 2,048 at 4
-    rows (trimmed); prefill at T = 8K and 64K over fp8 pages, over a bf16 workspace, and over fp8 pages dequantised
-    into a workspace first (sm_90 only); then the sm_90 kernel's timing variants (no row
-    gather from HBM; no wgmma) at B = 64 / 128 and T = 8K, which say whether the producer or the tensor cores set
-    its pace."""
+    rows (trimmed); the same decode over bf16 pages; prefill at T = 8K and 64K over fp8 pages, over a bf16
+    workspace, and over fp8 pages dequantised into a workspace first (sm_90 only); then the sm_90 kernel's timing
+    variants (no row gather from HBM; no wgmma) at B = 64 / 128 and T = 8K, which say whether the producer or the
+    tensor cores set its pace."""
     rows = check_sm90(dev)
     if not check_passed(rows):
         print("sm90 kernel failed its check: not timed", flush=True)
@@ -188,6 +190,12 @@ def bench_sparse_mla_sm90(dev, ceil) -> list[dict]:
         _guard(rows, lambda: bench_decode(dev, ceil, 64, 4, [1, 8, 64], K=2048, ctx=1 << 21, ref=False, trim=True,
                                           valid=320, kernel=kernel, label=f" trim [{kernel}]"))
         print_table(rows[n:])
+    for Sq in (1, 4):  # bf16 pages (a bf16 model's cache): the sm_90 kernel's bf16-rows mode against Triton
+        for kernel in ("triton", "sm90"):
+            n = len(rows)
+            _guard(rows, lambda: bench_decode(dev, ceil, 64, Sq, [32, 64, 128], K=2048, ctx=1 << 21, ref=False,
+                                              kernel=kernel, bf16_pages=True, label=f" bf16 pages [{kernel}]"))
+            print_table(rows[n:])
     for T in (8192, 65536):
         for kernel, kind in (("triton", "fp8 paged"), ("sm90", "fp8 paged"), ("triton", "bf16 workspace"),
                              ("sm90", "bf16 workspace"), ("sm90", "fp8 pages via workspace")):

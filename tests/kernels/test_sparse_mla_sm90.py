@@ -20,7 +20,7 @@ import torch
 
 import kernels.sparse_mla_sm90 as sm90
 from kernels.sparse_mla import sparse_mla, sparse_mla_ref
-from tests.helpers.kernel_inputs import assert_attention_close, gpu, randn, slots_of
+from tests.helpers.kernel_inputs import assert_attention_close, gpu, interp, randn, slots_of
 from tests.kernels.test_sparse_mla import check_decode, check_positions, check_prefill, check_trim, make_cache
 
 needs_nvcc = pytest.mark.skipif(sm90.nvcc() is None, reason="needs nvcc")
@@ -59,6 +59,7 @@ def test_builds_for_sm90a_with_the_described_structure(tmp_path):
         assert "F2FP" not in k.split("USETMAXREG.DEALLOC")[-1].split("EXIT")[0], "the producer converts nothing"
 
 
+@interp
 def test_kernel_choice_is_checked_interp():
     q = torch.zeros(1, 4, 576, dtype=torch.bfloat16)
     kv = torch.zeros(2, 16, sm90.ROW_BYTES, dtype=torch.uint8)
@@ -69,18 +70,29 @@ def test_kernel_choice_is_checked_interp():
         sparse_mla(q, kv, idx, 0.1, 512, kernel="cuda")
 
 
-def test_the_default_leaves_bf16_rows_to_triton_interp(monkeypatch):
-    """The sm_90 kernel's bf16-rows mode runs only when asked for by name: the default, even where the sm_90 kernel
-    is on, sends a bf16 workspace to the Triton kernel (and still answers the reference)."""
+@interp
+def test_the_default_takes_bf16_rows_only_at_prefill_sizes_interp(monkeypatch):
+    """Over bf16 rows the default asks for the sm_90 kernel only from BF16_MIN_ROWS query rows (below, Triton is
+    faster on the H200); fp8 rows always. Either way the answer is the reference's."""
+    asked = []
     monkeypatch.setattr(sm90, "use_sm90", lambda: True)
-    monkeypatch.setattr(sm90, "eligible", lambda *a, **k: pytest.fail("the default asked the sm_90 kernel"))
+    monkeypatch.setattr(sm90, "BF16_MIN_ROWS", 3)
+    eligible = sm90.eligible
+
+    def ask(q, kv, *a):
+        asked.append((q.shape[0], kv.dtype))
+        return eligible(q, kv, *a)
+
+    monkeypatch.setattr(sm90, "eligible", ask)
     gen = torch.Generator().manual_seed(3)
     kv = randn(gen, 40, 576, dtype=torch.bfloat16)
-    idx = torch.randint(0, 40, (2, 16), generator=gen, dtype=torch.int32)
-    q = randn(gen, 2, 64, 576, dtype=torch.bfloat16)
-    out, lse = sparse_mla(q, kv, idx, 0.05, 512, num_splits=1)
-    ref_out, ref_lse = sparse_mla_ref(q.float(), kv, idx, 0.05, 512, 64)
-    assert_attention_close(out, lse, ref_out, ref_lse)
+    for T in (2, 3):
+        idx = torch.randint(0, 40, (T, 16), generator=gen, dtype=torch.int32)
+        q = randn(gen, T, 64, 576, dtype=torch.bfloat16)
+        out, lse = sparse_mla(q, kv, idx, 0.05, 512, num_splits=1)
+        ref_out, ref_lse = sparse_mla_ref(q.float(), kv, idx, 0.05, 512, 64)
+        assert_attention_close(out, lse, ref_out, ref_lse)
+    assert asked == [(3, torch.bfloat16)], "2 rows < BF16_MIN_ROWS: not asked; 3 rows: asked (and, off sm_90, declined)"
 
 
 def test_a_host_without_nvcc_keeps_the_triton_kernel(monkeypatch, caplog):
@@ -224,8 +236,7 @@ def test_decode_over_bf16_pages_gpu(sm90_on, B, Sq, splits, mark):
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_bf16_copies_of_fp8_pages_give_the_fp8_paths_bits_gpu(sm90_on, sq, mark):
     """fp8 pages dequantised into bf16 pages (exact: power-of-two scales) and read by the bf16-rows mode give the
-    same bits as the fp8 pages read in place: the two producers hand the consumers the same tile. What the
-    prefill workspace (PDSERVE_PREFILL_BF16_WORKSPACE) relies on."""
+    same bits as the fp8 pages read in place: the two producers hand the consumers the same tile."""
     from kernels.store_kv import gather_kv
 
     gen = torch.Generator().manual_seed(5)
