@@ -123,17 +123,18 @@ def _check(x, w13, w13_scale, w2, w2_scale, weights, ids) -> tuple[int, int, int
     return T, H, E, inner
 
 
-def _config(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N of the down GEMM, num_warps, num_stages), both GEMMs launched alike; `_launches`
-    spells it out per GEMM."""
+def _config(num_assign: int, num_experts: int) -> tuple:
+    """(BLOCK_M, BLOCK_N of the down GEMM, num_warps, num_stages), both GEMMs launched alike, or the 6-tuple of
+    `_launches` where the up and down GEMMs are best launched apart (the H200 sweep of each GEMM's warps, stages
+    and down tile, bench/data/fp8-gemm/NOTES.md)."""
     if interpreting():
         return 16, 32, 4, 1
     if num_assign >= 64 * num_experts:  # prefill: 128-row tiles (best of the H200 sweep, BENCHMARKS.md)
         return 128, 128, 8, 3
-    if num_assign > 16 * num_experts:
-        return 64, 128, 8, 3
-    if num_assign > 4 * num_experts:
-        return 32, 64, 4, 4  # decode: 16 rows per expert or fewer
+    if num_assign > 16 * num_experts:  # 128 tokens: 351 us against 444 alike (64, 128, 8, 3)
+        return 64, 8, 5, 128, 4, 4
+    if num_assign > 4 * num_experts:  # decode, 16 rows per expert or fewer; 64 tokens: 336 us against 346 alike
+        return 32, 4, 3, 128, 4, 4
     # 4 or fewer (B <= 4 with MTP3): 16-row tiles, 17-20% faster at 4 tokens and 8% at 16 than 32-row ones (H200
     # sweep, bench/data/fp8-gemm/NOTES.md)
     return 16, 64, 4, 4

@@ -251,6 +251,10 @@ def test_fused_moe_fp8_tile_follows_the_rows_per_expert(monkeypatch):
     monkeypatch.setattr(fp8_moe, "interpreting", lambda: False)
     picks = {n: fp8_moe._config(n, 32)[0] for n in (8, 32, 128, 129, 512, 513, 2048, 2049)}
     assert picks == {8: 16, 32: 16, 128: 16, 129: 32, 512: 32, 513: 64, 2048: 128, 2049: 128}
+    # between those, the up and down GEMMs launch apart (the split sweep): down on 128-column tiles with 4 warps
+    for n in (512, 1024):
+        _, (up_warps, _), (down_n, down_warps, _) = fp8_moe._launches(fp8_moe._config(n, 32))
+        assert down_n == 128 and down_warps == 4 and up_warps in (4, 8)
 
 
 @pytest.mark.parametrize("M,N,K", [(8192, 2048, 6144), (64, 6144, 2048), (256, 24576, 6144), (1, 576, 6144),
