@@ -39,7 +39,7 @@ proto: install
 	$(PY) -m proto.build
 
 demo: install
-	$(PY) -m services.deploy.demo
+	$(PY) -m services.launch.demo
 
 # Lint and import order first (configured in pyproject.toml [tool.ruff]): a violation fails the run.
 test: install

@@ -6,17 +6,18 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "AsyncEngine"]
 
 
 def __getattr__(name: str):
-    # Lazy so that `import engine.config.model` (planners, tools) does not build the whole runtime.
-    if name in ("LLM",):
-        from engine.frontend.llm import LLM
+    # Lazy, each of them: `import engine.settings` (the kernels) or `engine.config.model_config` (planners, tools)
+    # must not build the whole runtime, and `from engine import LLM` builds only what LLM needs.
+    if name == "LLM":
+        from engine.frontend.llm import LLM  # lazy: above
         return LLM
-    if name in ("SamplingParams",):
-        from engine.core.sampling_params import SamplingParams
+    if name == "SamplingParams":
+        from engine.core.sampling_params import SamplingParams  # lazy: above
         return SamplingParams
-    if name in ("RequestOutput",):
-        from engine.frontend.outputs import RequestOutput
+    if name == "RequestOutput":
+        from engine.frontend.outputs import RequestOutput  # lazy: above
         return RequestOutput
-    if name in ("AsyncEngine",):
-        from engine.frontend.async_engine import AsyncEngine
+    if name == "AsyncEngine":
+        from engine.frontend.async_engine import AsyncEngine  # lazy: above
         return AsyncEngine
     raise AttributeError(name)

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit, to_bf16
-from kernels.fp8_gemm import BLOCK, dequantize_weight_ref
+from kernels.fp8_quant import BLOCK, dequantize_weight_ref
+from kernels.triton_support import check_device, interpreting, jit, to_bf16
 
 
 @jit

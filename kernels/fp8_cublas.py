@@ -23,8 +23,10 @@ and M a multiple of 4 (it rejects M = 1, 63 or 8,193: `quant_act` pads the rows)
   graph capture: the launcher keeps the Triton kernel there), and only at >= 2,048 assignments per expert,
 where the GPU time of each GEMM outweighs its host cost.
 
-`available(device)` says whether this torch and cuBLAS take the recipe (one small call, cached per device);
-`PDSERVE_FP8_CUBLAS=0` turns the path off.
+`available(device)` says whether this torch and cuBLAS take the recipe (one small call, cached per device).
+The Triton kernel stays behind it for every other device and shape, under CUDA graph capture of the MoE, and
+where a caller asks for it (`impl="triton"` of kernels.fp8_gemm.w8a8_block_fp8_matmul and
+kernels.fp8_moe.fused_moe_fp8: the benchmarks' side-by-side, bench/kernels/fp8_gemm.py).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import env_flag, interpreting, jit, quant_e4m3_rows, to_bf16
+from kernels.fp8_quant import BLOCK, dequant_act_ref, dequantize_weight_ref, quant_act
+from kernels.moe_routing import align_by_expert
+from kernels.triton_support import interpreting, jit, quant_e4m3_rows, to_bf16
 
-BLOCK = 128
 ROW_ALIGN = 16  # each expert's rows are padded to this (cuBLAS wants M % 4 == 0 and aligned scale blocks)
 DENSE_MIN_M = 129  # at M <= 128 the split-K Triton kernel is faster at every GLM-5.3 shape (H200)
 DENSE_DECODE_MIN_WEIGHT = 24 << 20  # at 129..256 rows cuBLAS wins only on weights of >= 24 Mi elements
@@ -48,13 +51,9 @@ MOE_MIN_TOKENS = 1024  # and at prefill sizes only: a decode step must not wait 
 _AVAILABLE: dict[int, bool] = {}
 
 
-def enabled() -> bool:
-    return env_flag("PDSERVE_FP8_CUBLAS", True)
-
-
 def available(device: torch.device) -> bool:
     """cuBLAS block-scaled FP8 on this device: Hopper (sm_90), and one 16 x 128 x 512 call that runs."""
-    if device.type != "cuda" or interpreting() or not enabled():
+    if device.type != "cuda" or interpreting():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _AVAILABLE:
@@ -102,8 +101,6 @@ def use_dense(M: int, N: int, K: int, out_dtype: torch.dtype, device: torch.devi
 def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> the activation operand cuBLAS takes: e4m3 codes [M4, K] and column-major scales
     [M4, K/128], M4 = M rounded up to a multiple of 4. One quantization can feed several projections of x."""
-    from kernels.fp8_gemm import quant_act
-
     return quant_act(x, col_major_scales=True, pad_rows_to=4)
 
 
@@ -224,8 +221,6 @@ def fused_moe_fp8_cublas(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Te
     """kernels.fp8_moe.fused_moe_fp8 (same arguments, checked there) as one block-scaled GEMM per local
     expert and GEMM. `mm(a, b_t, scale_a, scale_b_t, out)` is the GEMM (cuBLAS; tests pass a torch
     reference on CPU); `inter_dtype` the gate/up and down outputs' dtype (bf16 with cuBLAS)."""
-    from kernels.moe import align_by_expert
-
     T, H = x.shape
     E, two_i, _ = w13.shape
     inner, top_k = two_i // 2, ids.shape[1]
@@ -279,6 +274,4 @@ def scaled_mm_ref(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor, sca
                   out: torch.Tensor) -> None:
     """What `_scaled_mm` computes with the 1x128 / 128x128 recipe, in fp32: out = (a * scale_a) @ (b * scale_b)^T
     for a [M, K], b_t = b.t() of b [N, K], scale_a [M, K/128], scale_b_t [K/128, N/128]."""
-    from kernels.fp8_gemm import dequant_act_ref, dequantize_weight_ref
-
     out.copy_(dequant_act_ref(a, scale_a) @ dequantize_weight_ref(b_t.t(), scale_b_t.t()).t())

@@ -7,7 +7,7 @@ Expert weights in the checkpoint format (docs/fp8.md), experts stacked:
 y[t] = sum_j weights[t, j] * W2[e] (silu(W_gate[e] x_t) * (W_up[e] x_t)),  e = ids[t, j] - expert_offset;
 ids outside this rank's [offset, offset + E) are skipped (expert parallelism).
 
-x is quantized per token per 128 channels once (kernels.fp8_gemm.quant_act); the first GEMM's epilogue
+x is quantized per token per 128 channels once (kernels.fp8_quant.quant_act); the first GEMM's epilogue
 quantizes h the same way (its 128-wide column tile is exactly one scale block), so the second GEMM
 reads fp8 h and its scales. Assignments are sorted by expert with `kernels.moe_routing.sort_by_expert`.
 """
@@ -19,10 +19,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit, to_e4m3
-from kernels.fp8_gemm import BLOCK, dequant_act_ref, dequantize_weight_ref, quant_act, quant_act_ref
+from kernels import fp8_cublas
+from kernels.fp8_quant import BLOCK, dequant_act_ref, dequantize_weight_ref, quant_act, quant_act_ref
 from kernels.moe import sort_assignments
 from kernels.moe_routing import assignment_rows, combine, sort_by_expert
+from kernels.triton_support import check_device, interpreting, jit, to_e4m3
 
 
 @jit
@@ -173,8 +174,6 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     w13_scale = w13_scale if w13_scale.stride(2) == 1 else w13_scale.contiguous()
     w2_scale = w2_scale if w2_scale.stride(2) == 1 else w2_scale.contiguous()
-    from kernels import fp8_cublas
-
     auto = config is None and impl is None and fp8_cublas.use_moe(T, ids.numel(), E, H, inner, x.dtype, x.device)
     can = impl == "cublas" and x.dtype == torch.bfloat16 and fp8_cublas.moe_fits(H, inner) and \
         fp8_cublas.available(x.device) and not fp8_cublas.capturing(x.device)

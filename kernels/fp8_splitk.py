@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import interpreting, jit, next_pow2, quant_e4m3_rows
+from kernels.triton_support import interpreting, jit, next_pow2, quant_e4m3_rows
 
 MAX_M = 256  # rows up to which kernels.fp8_gemm takes this path
 MAX_SPLIT = 8  # bounds the last split's reads (S partial tiles); the H200 sweep never chose more

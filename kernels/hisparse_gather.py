@@ -10,19 +10,11 @@ for bit. On CUDA either side may be pinned host memory: the kernel reads or writ
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
-
-# A CPU-only torch cannot compile kernels: run them in Triton's interpreter (set before triton's import).
-if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import triton
 import triton.language as tl
 
-from kernels._jit import CompiledKernel
+from kernels.triton_support import CompiledKernel
 
 
 @triton.jit

@@ -25,19 +25,13 @@ the store and the loads of other threads), as Triton has no register shuffles by
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import NamedTuple
 
 import torch
-
-if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import triton
 import triton.language as tl
 
-from kernels._jit import CompiledKernel
+from kernels.triton_support import CompiledKernel
 
 _BIG = 1 << 40  # sorts after every position (positions are int32) and every plan clock
 

@@ -23,12 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit, next_pow2
 from kernels.formats import quantize_index_rows_ref, read_index_rows, write_index_rows
 from kernels.indexer_fused import FusedConfig, default_config, fused_indexer_topk, fused_scores, tile_tensor
 from kernels.store_kv import cache_views, store_rows
 from kernels.topk import topk_rows
 from kernels.topk_threshold import num_maxima
+from kernels.triton_support import check_device, interpreting, jit, next_pow2
 
 # Bytes of fp32 scores materialised at once ([rows, S] per chunk of query rows).
 _MAX_SCORE_BYTES = 1 << 30

@@ -61,8 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import interpreting, jit, next_pow2
 from kernels.topk_threshold import SelectConfig, num_maxima, topk_threshold_rows
+from kernels.triton_support import interpreting, jit, next_pow2
 
 
 @jit

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit, next_pow2, to_bf16
+from kernels.triton_support import check_device, interpreting, jit, next_pow2, to_bf16
 
 
 @jit

@@ -1,4 +1,5 @@
-"""Routed experts: route tokens (sigmoid + correction bias, group-limited top-k) and run the experts.
+"""Routed experts: run them over routed tokens (the routing itself, `route_ref` and the sorts by expert, is
+kernels.moe_routing's, the floor below).
 
 Expert weights: w13 [E, 2I, H] (gate rows then up rows, HF's gate_up_proj layout), w2 [E, H, I].
 y[t] = sum_j weights[t, j] * w2[e] (silu(w13[e, :I] x) * (w13[e, I:] x)),  e = ids[t, j].
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit, to_bf16
+from kernels.moe_routing import assignment_rows, combine, sort_by_expert
+from kernels.triton_support import check_device, interpreting, jit, to_bf16
 
 
 @jit
@@ -77,35 +79,6 @@ def _moe_down_kernel(h_ptr, w2_ptr, y_ptr, rows_ptr, block_expert_ptr, weights_p
                  mask=ok[:, None] & (n[None, :] < hidden))
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int, expert_offset: int,
-                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Assignments (token, j) sorted by local expert, each expert padded to a multiple of block_m rows.
-
-    Returns rows [max_rows] (assignment id t*k + j, -1 = padding) and block_expert [max_rows / block_m]
-    (num_experts = past the last expert). Only device ops (sort, scatter, cumsum, searchsorted): no host
-    synchronisation; max_rows is a host-side bound, A + min(E, A) * (block_m - 1).
-    """
-    A = ids.numel()
-    flat = ids.reshape(-1).long() - expert_offset
-    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # non-local ids sort last
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    pad_end = torch.cumsum(padded, 0)
-    start = torch.cumsum(counts, 0) - counts
-    sorted_key = key[order]
-    local_key = sorted_key.clamp(max=num_experts - 1)
-    max_rows = triton.cdiv(A + min(num_experts, A) * (block_m - 1), block_m) * block_m
-    dest = pad_end[local_key] - padded[local_key] + torch.arange(A, device=ids.device) - start[sorted_key]
-    dest = torch.where(sorted_key < num_experts, dest, max_rows)  # the dump slot, cut off below
-    rows = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=ids.device)
-    rows.scatter_(0, dest, order.to(torch.int32))
-    block_start = torch.arange(0, max_rows, block_m, device=ids.device)
-    block_expert = torch.searchsorted(pad_end, block_start, right=True).to(torch.int32)
-    return rows[:max_rows], block_expert
-
-
 def _moe_config(num_assign: int, num_experts: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): small M when experts see few tokens each."""
     if interpreting():
@@ -119,8 +92,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     """Triton `fused_moe_ref` (same arguments): a grouped GEMM over expert-sorted assignments, with
     SiLU-and-mul fused into the first GEMM and the routing weight into the second; no host syncs.
     small_routing: as `kernels.fp8_moe.fused_moe_fp8`'s."""
-    from kernels.moe_routing import assignment_rows, combine, sort_by_expert  # it builds on this module
-
     T, H = x.shape
     E, two_i, H_w = w13.shape
     inner = two_i // 2
@@ -156,28 +127,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
 def moe_impl_for(device: torch.device | str):
     """The `Experts.impl` to use on `device`: the Triton grouped GEMM on CUDA, the reference elsewhere."""
     return fused_moe if torch.device(device).type == "cuda" else fused_moe_ref
-
-
-def route_ref(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, *, n_group: int = 1,
-              topk_group: int = 1, normalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] fp32 -> (weights [T, k] fp32, ids [T, k] int64). No host synchronisation.
-
-    The bias only steers *which* experts are chosen; the weights come from the unbiased sigmoid scores.
-    """
-    scores = router_logits.float().sigmoid()
-    choice = scores + correction_bias.float() if correction_bias is not None else scores
-    T, E = choice.shape
-    if n_group > 1:
-        grouped = choice.view(T, n_group, E // n_group)
-        group_scores = grouped.topk(min(2, E // n_group), dim=-1).values.sum(dim=-1)
-        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
-        mask = keep[:, :, None].expand(T, n_group, E // n_group).reshape(T, E).bool()
-        choice = choice.masked_fill(~mask, float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if normalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
 
 
 def sort_assignments(ids: torch.Tensor, weights: torch.Tensor, num_local: int, expert_offset: int = 0):

@@ -1,10 +1,10 @@
 """The small steps around the grouped MoE GEMMs, one launch each: routing, sorting by expert, combining.
 
 - `route`: router logits [T, E] fp32 -> (weights [T, k] fp32, ids [T, k] int64): sigmoid, correction bias,
-  top-k by the biased scores, weights from the unbiased ones, normalised and scaled (`kernels.moe.route_ref`,
+  top-k by the biased scores, weights from the unbiased ones, normalised and scaled (`route_ref`,
   n_group = 1: GLM-5.x routes ungrouped). One program per token; the top-k is k rounds of max over the E
   scores, ties to the lower expert id.
-- `align_by_expert_small`: `kernels.moe.align_by_expert`'s result (assignments sorted by local expert,
+- `align_by_expert_small`: `align_by_expert`'s result (assignments sorted by local expert,
   each expert padded to a multiple of BLOCK_M rows; the padded block -> expert table) in one program, for
   the decode sizes (at most 8,192 assignments). One bitonic sort of (expert, assignment) keys gives the
   stable order; a row's place is its sorted position plus the padding of the experts before its own. The
@@ -12,6 +12,8 @@
 - `moe_combine`: y [T * k, H] fp32 per-assignment rows -> [T, H] in the output dtype, summing each token's
   local assignments in order j = 0..k-1 and skipping the others, so y's rows of other ranks' experts are never
   read (y need not be zeroed: under EP most of it is never written).
+
+The grouped GEMMs (kernels.moe, kernels.fp8_moe, kernels.fp8_cublas) build on this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit, next_pow2, to_bf16
-from kernels.moe import align_by_expert, route_ref
+from kernels.triton_support import check_device, interpreting, jit, next_pow2, to_bf16
 
 MAX_SMALL_ASSIGNMENTS = 8192
 
@@ -115,7 +116,7 @@ def _align_kernel(ids_ptr, rows_ptr, block_expert_ptr, scratch_ptr, A, num_exper
 
 def align_by_expert_small(ids: torch.Tensor, num_experts: int, expert_offset: int,
                           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `kernels.moe.align_by_expert` (same arguments and results) for at most
+    """Triton `align_by_expert` (same arguments and results) for at most
     MAX_SMALL_ASSIGNMENTS assignments and 1,023 local experts; one launch, no host synchronisation."""
     A = ids.numel()
     if A > MAX_SMALL_ASSIGNMENTS or num_experts >= 1024 or block_m & (block_m - 1):
@@ -177,6 +178,59 @@ def moe_combine_ref(y: torch.Tensor, ids: torch.Tensor, num_experts: int, expert
     local = ((ids - expert_offset) >= 0) & ((ids - expert_offset) < num_experts)
     rows = torch.where(local.reshape(-1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))
     return rows.view(T, k, -1).sum(dim=1).to(dtype)
+
+
+# ---- the eager forms: the references, and the sort beyond the one-launch sizes ----------------------------
+
+def route_ref(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, *, n_group: int = 1,
+              topk_group: int = 1, normalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] fp32 -> (weights [T, k] fp32, ids [T, k] int64). No host synchronisation.
+
+    The bias only steers *which* experts are chosen; the weights come from the unbiased sigmoid scores.
+    """
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float() if correction_bias is not None else scores
+    T, E = choice.shape
+    if n_group > 1:
+        grouped = choice.view(T, n_group, E // n_group)
+        group_scores = grouped.topk(min(2, E // n_group), dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
+        mask = keep[:, :, None].expand(T, n_group, E // n_group).reshape(T, E).bool()
+        choice = choice.masked_fill(~mask, float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, expert_offset: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assignments (token, j) sorted by local expert, each expert padded to a multiple of block_m rows.
+
+    Returns rows [max_rows] (assignment id t*k + j, -1 = padding) and block_expert [max_rows / block_m]
+    (num_experts = past the last expert). Only device ops (sort, scatter, cumsum, searchsorted): no host
+    synchronisation; max_rows is a host-side bound, A + min(E, A) * (block_m - 1).
+    """
+    A = ids.numel()
+    flat = ids.reshape(-1).long() - expert_offset
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # non-local ids sort last
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    start = torch.cumsum(counts, 0) - counts
+    sorted_key = key[order]
+    local_key = sorted_key.clamp(max=num_experts - 1)
+    max_rows = triton.cdiv(A + min(num_experts, A) * (block_m - 1), block_m) * block_m
+    dest = pad_end[local_key] - padded[local_key] + torch.arange(A, device=ids.device) - start[sorted_key]
+    dest = torch.where(sorted_key < num_experts, dest, max_rows)  # the dump slot, cut off below
+    rows = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=ids.device)
+    rows.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(0, max_rows, block_m, device=ids.device)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True).to(torch.int32)
+    return rows[:max_rows], block_expert
 
 
 # ---- what the grouped MoE GEMMs call (kernels.moe.fused_moe, kernels.fp8_moe.fused_moe_fp8) ----------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit, next_pow2, on_bf16_grid, to_bf16
+from kernels.triton_support import check_device, interpreting, jit, next_pow2, on_bf16_grid, to_bf16
 
 
 @jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, jit, next_pow2, on_bf16_grid
+from kernels.triton_support import check_device, jit, next_pow2, on_bf16_grid
 
 
 @triton.jit

@@ -14,10 +14,10 @@ import triton
 import triton.language as tl
 
 from kernels import sparse_mla_sm90 as sm90
-from kernels._jit import check_device, env_flag, interpreting, jit, next_pow2, num_sms, to_bf16
 from kernels.formats import tile_size
 from kernels.merge import merge_attn_states
 from kernels.store_kv import cache_views, gather_kv_ref
+from kernels.triton_support import check_device, interpreting, jit, next_pow2, num_sms, to_bf16
 
 LOG2E = 1.4426950408889634
 
@@ -129,14 +129,6 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_pt
     tl.store(lse_ptr + split * sl_split + row * sl_row + heads, lse, mask=hmask)
 
 
-def trim_tail() -> bool:
-    """Whether rows stop after their last valid index (on unless PDSERVE_SPARSE_MLA_TRIM=0). The same bits either
-    way (tests/kernels/test_sparse_mla.py). On the H200 (2026-12-03, BENCHMARKS.md, "sparse_mla_decode") a
-    320-token context's rows at 4 query rows, B = 64, take 88.9 us trimmed against 370.5; full rows (a split's
-    last index valid: one scalar load, no scan) cost 0-1% at one query row and 1-2% at four."""
-    return env_flag("PDSERVE_SPARSE_MLA_TRIM", True)
-
-
 def _config(num_heads: int, dot_f32: bool, kv_fp8: bool) -> tuple[int, int, int, int, bool]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD): the fastest of the H200 sweeps in
     BENCHMARKS.md. 64 heads fill one wgmma M tile; the [64, R] fp32 accumulator needs two warpgroups to
@@ -186,7 +178,7 @@ def _row_strides(t: torch.Tensor, lead: int) -> tuple[int, int, int]:
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                latent_dim: int = 512, *, num_splits: int | None = None, config: tuple | None = None,
                block_table: torch.Tensor | None = None, token_req_idx: torch.Tensor | None = None,
-               trim: bool | None = None, kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               trim: bool = True, kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `sparse_mla_ref`. q [T, H, R+P] or [B, Sq, H, R+P] (bf16/fp32, any strides with the last
     dim contiguous); kv a paged layer view [num_blocks, block_size, row] (fp8_ds_mla uint8, bf16, fp32;
     indices are global slots) or a workspace [S, R+P] (indices are rows); indices [..., K] int, -1 = skip.
@@ -194,9 +186,13 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
     each row's request, mapped to slots inside the kernel (what `rows_to_slots` computes, without its ops).
     Returns (out [..., H, R] in q's dtype, lse [..., H] fp32); a row with no valid index gives 0 / -inf.
     `num_splits` / `config` (BLOCK_H, BLOCK_N, num_warps, num_stages, IDX_AHEAD) override the heuristics.
-    `trim`: stop each row after its last valid index (same result; None = `trim_tail()`).
+    `trim`: stop each row after its last valid index (the default). The same bits either way
+    (tests/kernels/test_sparse_mla.py compares them; False walks every entry, for that test and the benchmarks'
+    side-by-side). On the H200 (2026-12-03, BENCHMARKS.md, "sparse_mla_decode") a 320-token context's rows at 4
+    query rows, B = 64, take 88.9 us trimmed against 370.5; full rows (a split's last index valid: one scalar
+    load, no scan) cost 0-1% at one query row and 1-2% at four.
     `kernel`: "triton", "sm90" (kernels/sparse_mla_sm90.py; ValueError where it cannot run these inputs) or
-    None: sm90 where `sparse_mla_sm90.use_sm90()`, H > 32, the inputs allow it and the cache is fp8_ds_mla or the
+    None: sm90 where H > 32, the inputs allow it and the cache is fp8_ds_mla or the
     call has at least `sparse_mla_sm90.BF16_MIN_ROWS` query rows (and no `config` is given), else Triton.
     """
     lead = q.dim() - 2
@@ -239,13 +235,12 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
         raise ValueError(f"kernel must be 'triton', 'sm90' or None, got {kernel!r}")
     # the default takes it for > 32 heads: it always computes 64 (one wgmma M tile), Triton's 16-head tiles win below;
     # over bf16 rows only for prefill-sized calls (H200: 1.2x Triton at 8K and 64K rows, 0-10% slower at decode sizes)
-    if kernel == "sm90" or (kernel is None and config is None and H > 32 and sm90.use_sm90()
+    if kernel == "sm90" or (kernel is None and config is None and H > 32
                             and (kv.dtype == torch.uint8 or rows >= sm90.BF16_MIN_ROWS)):
         why = sm90.eligible(q, kv, indices, R, positions, block_table, token_req_idx)
         if why is None and (kernel == "sm90" or sm90.library() is not None):
             return _sparse_mla_sm90(q, kv, indices, out, lse, sm_scale, lead, rows, num_splits,
-                                    block_table if positions else None, token_req_idx,
-                                    trim_tail() if trim is None else trim)
+                                    block_table if positions else None, token_req_idx, trim)
         if kernel == "sm90":
             raise ValueError(f"the sm_90 sparse MLA kernel cannot run these inputs: {why}")
         if why not in (None, sm90.NOT_SM90):
@@ -267,7 +262,7 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scal
         token_req_idx if positions else indices,
         R=R, P=P, TILE=tile, KV_FP8=kv.dtype == torch.uint8, BLOCK_SIZE=paged.shape[1], BLOCK_H=block_h,
         BLOCK_N=block_n, IDX_AHEAD=idx_ahead, DOT_F32=dot_f32, ROUND_FIRST=interpreting(), POSITIONS=positions,
-        TRIM=trim_tail() if trim is None else trim, num_warps=warps, num_stages=stages)
+        TRIM=trim, num_warps=warps, num_stages=stages)
     if splits > 1:
         merge_attn_states(dst, dst_lse, out=out.view(rows, H, R), lse=lse.view(rows, H))
     return out, lse

@@ -8,13 +8,13 @@ between the Triton releases our hosts run (3.6) and pin (3.9), and one source ha
 C++ builds with the toolkit's nvcc everywhere the H200s run, and its instructions are the ones written.
 
 The source is built on first use with nvcc (`-gencode arch=compute_90a,code=sm_90a`) into a shared library
-under $PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels), named by the source's and nvcc's hash, and
-called through ctypes with raw pointers and torch's current stream (so CUDA graphs capture it). A host
+under PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels; engine.settings), named by the source's and nvcc's
+hash, and called through ctypes with raw pointers and torch's current stream (so CUDA graphs capture it). A host
 without nvcc, or a failed build, logs once and keeps the Triton kernel.
 
-`sparse_mla` in kernels/sparse_mla.py takes this path for more than 32 heads when `use_sm90()` (the default;
-PDSERVE_SPARSE_MLA_SM90=0 keeps the Triton kernel; on the H200 it is 1.5-1.6x the Triton kernel's speed at decode
-and prefill, BENCHMARKS.md) and `eligible(...)` holds: bf16 q with <= 64 heads,
+`sparse_mla` in kernels/sparse_mla.py takes this path by default for more than 32 heads (on the H200 it is
+1.5-1.6x the Triton kernel's speed at decode and prefill, BENCHMARKS.md; `kernel="triton"` keeps the Triton
+kernel, for the benchmarks' side-by-side) when `eligible(...)` holds: bf16 q with <= 64 heads,
 an fp8_ds_mla paged cache (latent 512, rope 64, 656-byte rows on 16-byte boundaries), int32 indices.
 
 The kernel also reads bf16 rows (a workspace [S, 576], or bf16 pages [blocks, page, 576], e.g. a bf16 model's
@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from kernels._jit import env_flag
+from engine import settings
+from kernels.store_kv import gather_kv_ref
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +77,6 @@ def timing_variant(name: str):
         _variant = before
 
 
-def use_sm90() -> bool:
-    """Whether sparse_mla takes the sm_90 kernel where it applies (default on; PDSERVE_SPARSE_MLA_SM90=0 turns it
-    off)."""
-    return env_flag("PDSERVE_SPARSE_MLA_SM90", True)
-
-
 _fallbacks: set[str] = set()
 
 
@@ -95,7 +90,7 @@ def note_fallback(why: str) -> None:
 
 def nvcc() -> str | None:
     """The nvcc to build with: $CUDA_HOME/bin/nvcc, else the one on PATH."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    home = settings.cuda_home()
     if home and (Path(home) / "bin" / "nvcc").exists():
         return str(Path(home) / "bin" / "nvcc")
     return shutil.which("nvcc")
@@ -114,7 +109,7 @@ def build(out_dir: Path | None = None) -> Path:
         raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(build_command("", Path())).encode())
-    out_dir = out_dir or Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
+    out_dir = out_dir or settings.kernel_cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"sparse_mla_sm90-{key.hexdigest()[:16]}.so"
     if lib.exists():
@@ -252,8 +247,6 @@ def first_tile_report(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
     stage against torch on the kernel's own intermediate values: the producer's tile (bit-exact against the
     dequantised rows), the scores (fp32 accumulation order), P from those scores, the PV accumulator from that
     P. Max |error| / max |reference| per stage, so a wrong stage is named instead of a wrong output."""
-    from kernels.store_kv import gather_kv_ref
-
     if kv.dtype != torch.uint8:
         raise ValueError("the debug dump covers the fp8 path only (bf16 rows are copied, not converted)")
     lead = q.dim() - 2

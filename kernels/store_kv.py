@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit, to_bf16, to_e4m3
 from kernels.formats import dequantize_mla_rows_ref, quantize_mla_rows_ref, tile_size
+from kernels.triton_support import check_device, interpreting, jit, to_bf16, to_e4m3
 
 _ROWS_PER_PROGRAM = 16  # H200 sweep: 4 -> 62%, 8 -> 68%, 16 -> 69%, 32 -> 65% of copy bandwidth
 

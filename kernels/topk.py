@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from kernels._jit import check_device, interpreting, jit
+from kernels.triton_support import check_device, interpreting, jit
 
 
 @jit

@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import check_device, jit, num_sms
 from kernels.topk import _emit_all, _radix_select_row
+from kernels.triton_support import check_device, jit, num_sms
 
 _KEY_MIN = tl.constexpr(-2147483648)  # below every float's key: masked entries are never counted
 

@@ -20,12 +20,19 @@ Deployment model (docs/parallelism.md, docs/hisparse.md, docs/deployment.md):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from math import ceil
 
-from engine.config.model import ModelConfig
+import torch
+
+from engine.config.model_config import ModelConfig
 from engine.kv.cache import KVCacheSpec
+from engine.loading.loader import build_model
+from engine.loading.weight_stats import weight_bytes_by_dtype
+from engine.model.model import GlmDsaForCausalLM
+from engine.parallel.ep import expert_shard
 
 GIB = 1 << 30
 FP8_TILE = 128  # fp8 checkpoints: one fp32 scale per 128 x 128 weight tile
@@ -103,10 +110,6 @@ def _param_bytes(name: str, shape: tuple[int, ...], numel: int, weight_dtype: st
 @lru_cache(maxsize=8)
 def param_shapes(cfg: ModelConfig, with_mtp: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, shape) of every parameter, from the engine's model built on `meta` (no memory used)."""
-    import torch
-
-    from engine.model.model import GlmDsaForCausalLM
-
     with torch.device("meta"):
         model = GlmDsaForCausalLM(cfg, with_mtp=with_mtp)
     return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
@@ -191,14 +194,6 @@ def rank_weight_bytes(cfg: ModelConfig, with_mtp: bool, weight_dtype: str, ep: i
     """Bytes by dtype of one expert-parallel rank's weights (its 1/ep of the routed experts and all the
     rest), from the engine's own model for that rank built on `meta`: the parameters an engine allocates,
     FP8 modules and their scales included (engine.model.fp8)."""
-    import dataclasses
-
-    import torch
-
-    from engine.loading.loader import build_model
-    from engine.loading.weight_stats import weight_bytes_by_dtype
-    from engine.parallel.ep import expert_shard
-
     if weight_dtype == "fp8":
         cfg = dataclasses.replace(cfg, quantization="fp8", weight_block_size=(FP8_TILE, FP8_TILE))
     else:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.config.model import ConfigError, ModelConfig
+from engine.config.model_config import ConfigError, ModelConfig
 from engine.config.presets import PRESETS, preset
 from planner.capacity import Deployment, capacity, kv_spec
 from planner.roofline import prefill_split, roofline

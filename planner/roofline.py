@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine.config.model import ModelConfig
+from engine.config.model_config import ModelConfig
 from engine.kv.cache import KVCacheSpec
 from planner.capacity import numel, param_shapes
 

@@ -1,42 +1,89 @@
-"""`pdserve`: one console script, one subcommand per tool; each tool's module is imported only when
-its subcommand runs (so `pdserve plan` never starts grpc, and a missing part says so plainly).
+"""`pdserve`: one console script, one subcommand per tool.
 
-    pdserve up [--config T] | down | status     services.deploy.launcher   (up_main / down_main / status_main)
+    pdserve up [--config T] | down | status     services.launch.commands   (up_main / down_main / status_main)
     pdserve make-checkpoint ...                engine.loading.checkpoint   (main)
     pdserve bench agentx | serve | load | compare   bench.serving.agentx / .serve / .loadtest / .compare (main)
     pdserve plan ...                           planner.cli          (main)
 
-Every target is `fn(argv: list[str]) -> int` and owns its own argparse (so `--help` is its help).
+Every tool is `fn(argv: list[str]) -> int` and owns its own argparse (so `--help` is its help). The table
+holds, per command, a loader: a small function that imports the tool's module when its command runs and
+returns the tool.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+
+Tool = Callable[[list[str]], int]
+
+# The loaders import inside: `pdserve` must start fast, `pdserve plan` must not start grpc, and a tool's
+# heavy dependencies (torch for make-checkpoint, plotting for bench) load only when that tool runs.
+
+
+def _up() -> Tool:
+    from services.launch.commands import up_main  # lazy: above
+    return up_main
+
+
+def _down() -> Tool:
+    from services.launch.commands import down_main  # lazy: above
+    return down_main
+
+
+def _status() -> Tool:
+    from services.launch.commands import status_main  # lazy: above
+    return status_main
+
+
+def _make_checkpoint() -> Tool:
+    from engine.loading.checkpoint import main  # lazy: above
+    return main
+
+
+def _bench_agentx() -> Tool:
+    from bench.serving.agentx import main  # lazy: above
+    return main
+
+
+def _bench_serve() -> Tool:
+    from bench.serving.serve import main  # lazy: above
+    return main
+
+
+def _bench_load() -> Tool:
+    from bench.serving.loadtest import main  # lazy: above
+    return main
+
+
+def _bench_compare() -> Tool:
+    from bench.serving.compare import main  # lazy: above
+    return main
+
+
+def _plan() -> Tool:
+    from planner.cli import main  # lazy: above
+    return main
 
 
 @dataclass(frozen=True)
 class Command:
-    module: str
-    function: str
+    load: Callable[[], Tool]
     help: str
 
 
 COMMANDS: dict[tuple[str, ...], Command] = {
-    ("up",): Command("services.deploy.launcher", "up_main",
-                     "start a topology (router, prefill, decode, kvstore, redis)"),
-    ("down",): Command("services.deploy.launcher", "down_main", "stop a topology started by `pdserve up`"),
-    ("status",): Command("services.deploy.launcher", "status_main", "which processes of a topology are alive"),
-    ("make-checkpoint",): Command("engine.loading.checkpoint", "main", "write a checkpoint (random or converted)"),
-    ("bench", "agentx"): Command("bench.serving.agentx", "main",
-                                 "replay agentic-coding traces at several concurrencies"),
-    ("bench", "serve"): Command("bench.serving.serve", "main", "random/fixed-length prompts, vllm-bench-serve metrics"),
-    ("bench", "load"): Command("bench.serving.loadtest", "main",
-                               "N concurrent greedy streams: tokens = offline, no leaks, flat RSS"),
-    ("bench", "compare"): Command("bench.serving.compare", "main", "plot several agentx results with ratios"),
-    ("plan",): Command("planner.cli", "main", "KV, capacity and roofline planner for a model and deployment"),
+    ("up",): Command(_up, "start a topology (router, prefill, decode, kvstore, redis)"),
+    ("down",): Command(_down, "stop a topology started by `pdserve up`"),
+    ("status",): Command(_status, "which processes of a topology are alive"),
+    ("make-checkpoint",): Command(_make_checkpoint, "write a checkpoint (random or converted)"),
+    ("bench", "agentx"): Command(_bench_agentx, "replay agentic-coding traces at several concurrencies"),
+    ("bench", "serve"): Command(_bench_serve, "random/fixed-length prompts, vllm-bench-serve metrics"),
+    ("bench", "load"): Command(_bench_load, "N concurrent greedy streams: tokens = offline, no leaks, flat RSS"),
+    ("bench", "compare"): Command(_bench_compare, "plot several agentx results with ratios"),
+    ("plan",): Command(_plan, "KV, capacity and roofline planner for a model and deployment"),
 }
 GROUP_HELP = {"bench": "benchmarks against a running server"}
 
@@ -58,16 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve(cmd: Command):
+def resolve(cmd: Command) -> Tool:
+    """The command's tool; a part missing from this installation is a plain message, not a traceback."""
     try:
-        module = importlib.import_module(cmd.module)
+        return cmd.load()
     except ImportError as e:
-        raise SystemExit(f"pdserve: this command is not available in this installation "
-                         f"({cmd.module} cannot be imported: {e})") from None
-    fn = getattr(module, cmd.function, None)
-    if not callable(fn):
-        raise SystemExit(f"pdserve: {cmd.module}.{cmd.function} is missing from this installation")
-    return fn
+        raise SystemExit(f"pdserve: this command is not available in this installation ({e})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

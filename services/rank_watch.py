@@ -20,8 +20,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from engine import settings
 from engine.frontend.async_engine import AsyncEngine
-from services import settings
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ async def wait_for_engine_death(engine: AsyncEngine, *, period_s: float = 0.5,
             # asyncio.timeout, not wait_for: under Python 3.11 a wait_for whose inner call completes as this
             # task is cancelled returns the result and swallows the cancellation, and this loop never ends
             async with asyncio.timeout(hang_timeout_s or 30.0):
-                await engine.call(lambda core: core.collective_rpc("services.rank_watch:ping"))
+                await engine.call(lambda core: core.collective_rpc(ping))
             last_ok = time.monotonic()
         except TimeoutError:
             stalled = time.monotonic() - last_ok

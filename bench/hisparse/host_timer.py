@@ -61,7 +61,7 @@ STEP_PARTS = [
     "engine.hisparse.backend:HiSparseBackend.store_kv", "engine.hisparse.backend:HiSparseBackend.sparse_mla",
     "engine.hisparse.backend:plan_forward", "engine.hisparse.backend:HiSparseBackend._resolve_virtual",
     "engine.hisparse.backend:plan_hot", "engine.hisparse.forward:_dev_slots", "engine.hisparse.forward:sub_batch",
-    "engine.hisparse.transfer:RowMover.copy_layers", "engine.hisparse.transfer:RowMover.copy_group",
-    "engine.hisparse.transfer:RowMover.wait", "engine.hisparse.transfer:RowMover._copy_part",
+    "engine.hisparse.row_mover:RowMover.copy_layers", "engine.hisparse.row_mover:RowMover.copy_group",
+    "engine.hisparse.row_mover:RowMover.wait", "engine.hisparse.row_mover:RowMover._copy_part",
     "engine.hisparse.manager:HiSparseManager.place",
 ]

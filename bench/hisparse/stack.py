@@ -17,7 +17,7 @@ import torch
 from engine.attention.metadata import AttnMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config.engine import CacheConfig, EngineConfig, HiSparseConfig, SchedulerConfig
-from engine.config.model import ModelConfig
+from engine.config.model_config import ModelConfig
 from engine.config.presets import preset
 from engine.hisparse import HiSparseManager
 from engine.kv.cache import KVCacheSpec, PagedKVCache

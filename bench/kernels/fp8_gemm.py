@@ -41,13 +41,14 @@ import torch
 
 from bench.kernels.timing import ceilings, num_sets, time_plain, time_rotating
 from kernels import fp8_cublas
-from kernels._jit import num_sms
 from kernels.fp8_absorbed import dequantize_fp8
-from kernels.fp8_gemm import gemm_config, quant_act, quantize_weight_ref, split_decode_config, w8a8_block_fp8_matmul
+from kernels.fp8_gemm import gemm_config, split_decode_config, w8a8_block_fp8_matmul
 from kernels.fp8_moe import _config as moe_config
 from kernels.fp8_moe import fused_moe_fp8, merge_gate_up_scales
+from kernels.fp8_quant import quant_act, quantize_weight_ref
 from kernels.fp8_splitk import SplitKConfig, splitk_config
 from kernels.moe import fused_moe
+from kernels.triton_support import num_sms
 
 # (name, N, K) of GLM-5.3's quantized projections (hidden 6144, q_lora 2048, 64 heads, dense width 12288)
 SHAPES = [("q_a_proj", 2048, 6144), ("q_b_proj", 16384, 2048), ("kv_a_proj", 576, 6144),

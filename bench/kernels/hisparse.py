@@ -146,7 +146,7 @@ def bench_launch(dev, n: int = 16, reps: int = 2000) -> list[dict]:
     def compiled():
         kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *every)
 
-    from kernels._jit import CompiledKernel, _no_launch_hooks
+    from kernels.triton_support import CompiledKernel, _no_launch_hooks
 
     launcher = CompiledKernel(hisparse_gather._copy_rows_kernel)
     print(json.dumps({"no_launch_hooks": _no_launch_hooks()}), flush=True)

@@ -22,7 +22,8 @@ from bench.kernels import indexer as indexer_bench
 from bench.kernels.timing import ceilings, num_sets, roofline_row, sync, time_plain, time_rotating
 from kernels.formats import mla_row_bytes
 from kernels.merge import merge_attn_states, merge_attn_states_ref
-from kernels.moe import fused_moe, fused_moe_ref, route_ref
+from kernels.moe import fused_moe, fused_moe_ref
+from kernels.moe_routing import route_ref
 from kernels.sparse_mla import sparse_mla, sparse_mla_decode, sparse_mla_ref
 from kernels.sparse_mla_sm90 import timing_variant as sm90_variant
 from kernels.store_kv import gather_kv, gather_kv_ref, store_kv, store_kv_ref
@@ -45,9 +46,10 @@ def fp8_cache(num_tokens: int, device, layers: int = 2, gen=None) -> torch.Tenso
 
 
 def bench_decode(dev, ceil, H: int, Sq: int, batches: list[int], K: int, ctx: int, ref: bool,
-                 config: tuple | None = None, trim: bool | None = None, valid: int | None = None,
+                 config: tuple | None = None, trim: bool = True, valid: int | None = None,
                  label: str = "", kernel: str | None = None, bf16_pages: bool = False) -> list[dict]:
-    """sparse_mla_decode rows; `trim` and `kernel` as sparse_mla's (None: the defaults), `valid`: only the first
+    """sparse_mla_decode rows; `trim` and `kernel` as sparse_mla's (their defaults: trimmed rows, the kernel
+    sparse_mla picks), `valid`: only the first
     `valid` of each row's K indices are real (the rest -1, a context shorter than the top-k); bytes and FLOPs
     count the real ones. `bf16_pages`: a cache of bf16 rows (pages of 64) instead of fp8_ds_mla."""
     cache = (torch.randn(-(-ctx // 64), 64, R + P, device=dev, dtype=torch.bfloat16) if bf16_pages

@@ -13,7 +13,6 @@ from __future__ import annotations
 from engine.parallel.spawn import RankPool
 
 RANKS = RankPool()
-_HERE = __name__
 
 
 def _stats(runner) -> dict:
@@ -32,13 +31,13 @@ def _prefetch(runner, on: bool) -> None:
 
 def rank_stats(core) -> list[dict]:
     """Per rank: rows the indexer and the DCP path scored, bytes and calls per collective tag."""
-    return core.collective_rpc(f"{_HERE}:_stats")
+    return core.collective_rpc(_stats)
 
 
 def reset_comm_counters(core) -> None:
-    core.collective_rpc(f"{_HERE}:_reset")
+    core.collective_rpc(_reset)
 
 
 def set_kv_prefetch(core, on: bool) -> None:
     """Overlap layer l+1's DCP context all-gather with layer l (True, the default) or not."""
-    core.collective_rpc(f"{_HERE}:_prefetch", on)
+    core.collective_rpc(_prefetch, on)

@@ -4,7 +4,7 @@ decode steps with MTP3.
 
     python -m bench.prefill.standin --out standin.json [--prefill-tokens 32768] [--batches 1,16,64]
                                     [--weight-dtype fp8|bf16] [--set num_hidden_layers=8 ...]
-                                    [--prefill-repeats 2 --compare-env PDSERVE_FP8_CUBLAS=0]
+                                    [--prefill-repeats 2]
 
 The rank holds every attention, indexer, dense and MTP weight and 32 of the 256 routed experts (experts
 [0, 32)). Routing is remapped so the local experts get the load they would get under balanced EP8: each
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -149,8 +148,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--decode-steps", type=int, default=10)
     p.add_argument("--prefill-repeats", type=int, default=0,
                    help="warm prefills after the first (cold) one, new tokens each; their median is reported")
-    p.add_argument("--compare-env", action="append", default=[], metavar="NAME=VALUE",
-                   help="also time the warm prefills with this environment variable set (A/B in one run)")
     a = p.parse_args(argv)
     overrides = {k: json.loads(v) for k, _, v in (s.partition("=") for s in a.set)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,19 +160,6 @@ def main(argv: list[str] | None = None) -> dict:
         res["prefill_warm_s"] = [_run_prefill(core, a.prefill_tokens, a.device, 1 + i)
                                  for i in range(a.prefill_repeats)]
         res["prefill_warm_median_s"] = statistics.median(res["prefill_warm_s"])
-        for j, spec in enumerate(a.compare_env):
-            name, _, value = spec.partition("=")
-            old_value = os.environ.get(name)
-            os.environ[name] = value
-            try:
-                times = [_run_prefill(core, a.prefill_tokens, a.device, 100 * (j + 1) + i)
-                         for i in range(a.prefill_repeats)]
-            finally:
-                if old_value is None:
-                    os.environ.pop(name)
-                else:
-                    os.environ[name] = old_value
-            res.setdefault("prefill_compare", {})[spec] = {"warm_s": times, "warm_median_s": statistics.median(times)}
     res["decode_step_s"] = {b: _run_decode(core, b, a.decode_steps, a.device) for b in a.batches}
     st = core.stats()
     res["spec_mean_acceptance_length"] = st.spec_mean_acceptance_length

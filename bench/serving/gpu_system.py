@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests sent (and not measured) first: they pay for the kernels' compilation")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    from services.deploy import launcher
+    from services.launch import launcher
 
     work = Path(tempfile.mkdtemp(prefix="gpu-system-"))
     model = str(random_model_dir(work / "model")) if a.random_model else None

@@ -132,7 +132,7 @@ def memory_report(sampler: loadcheck.RssSampler, driven: Driven) -> dict:
 
 
 def run_load(dep, cfg: LoadConfig, echo=lambda s: None) -> dict:
-    """The whole load test against a running Deployment (services.deploy.launcher); returns the figures."""
+    """The whole load test against a running Deployment (services.launch.launcher); returns the figures."""
     info = asyncio.run(wait_ready(dep.url, timeout_s=60))
     prompts = make_prompts(cfg, int(info.get("vocab_size") or 4096))
     reference = None
@@ -175,7 +175,7 @@ def summary(cfg: LoadConfig, driven: Driven, t_drained: float, blocks: dict, mem
 # ---- command line ---------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.deploy.topology import ROOT
+    from services.launch.topology import ROOT
 
     p = argparse.ArgumentParser(prog="pdserve bench load", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,7 +210,7 @@ def started_topology(config: str, run_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.deploy import launcher
+    from services.launch import launcher
 
     a = build_parser().parse_args(argv)
     cfg = LoadConfig(concurrency=a.concurrency, duration_s=a.duration, min_tokens=a.min_tokens,

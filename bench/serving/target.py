@@ -1,6 +1,6 @@
 """The server a benchmark talks to: a given URL, or a fresh `pdserve up` per concurrency level.
 
-Deployment contract (`services.deploy.launcher`, imported only when `--fresh-server` is used):
+Deployment contract (`services.launch.launcher`, imported only when `--fresh-server` is used):
 
     up(topology_path: str) -> handle      start every service of the topology and return once the
                                           router answers; raise on failure (with the reason)
@@ -33,9 +33,9 @@ class Endpoint:
 
 def _launcher():
     try:
-        return importlib.import_module("services.deploy.launcher")
+        return importlib.import_module("services.launch.launcher")
     except ImportError as e:
-        raise RuntimeError(f"--fresh-server needs services.deploy.launcher (pdserve up), which is not available: "
+        raise RuntimeError(f"--fresh-server needs services.launch.launcher (pdserve up), which is not available: "
                            f"{e}") from e
 
 
@@ -47,7 +47,7 @@ class FreshServer:
         self._launcher = _launcher()
         for name in ("up", "down"):
             if not callable(getattr(self._launcher, name, None)):
-                raise RuntimeError(f"services.deploy.launcher has no {name}() function; see bench/serving/target.py "
+                raise RuntimeError(f"services.launch.launcher has no {name}() function; see bench/serving/target.py "
                                    "for the contract")
         self._handle = None
 
@@ -56,7 +56,7 @@ class FreshServer:
         url = getattr(self._handle, "url", None)
         if not url:
             self._launcher.down(self._handle)
-            raise RuntimeError("services.deploy.launcher.up() returned a handle without a .url")
+            raise RuntimeError("services.launch.launcher.up() returned a handle without a .url")
         return Endpoint(url=url, num_gpus=getattr(self._handle, "num_gpus", None), handle=self._handle)
 
     def __exit__(self, *exc) -> None:

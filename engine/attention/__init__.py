@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
 from engine.kv.cache import KVCacheSpec
 
 BACKENDS = ("torch", "triton")
@@ -18,7 +19,5 @@ def get_attention_backend(spec: KVCacheSpec, device: torch.device | str, name: s
     if name == "torch":
         return TorchAttentionBackend(spec)
     if name == "triton":
-        from engine.attention.triton_backend import TritonAttentionBackend
-
         return TritonAttentionBackend(spec)
     raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")

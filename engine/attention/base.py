@@ -4,8 +4,10 @@
                    buffers are allocated once and refilled per step (padded to a capture bucket in decode)
     graph_safe     whether a decode forward over static metadata can be captured as a CUDA graph
     begin_forward  called once per forward, before the first layer: a wrapping backend attaches its
-                   per-forward state to the metadata's typed fields (`meta.hisparse`, `meta.cp`) and
-                   passes the call on to the backend it wraps
+                   per-forward state to the metadata under its own typed key (`ForwardSlot`: the
+                   attention package names no backend) and passes the call on to the backend it wraps
+    pads_decode    whether decode forwards may be padded to a capture size (a backend that routes from
+                   the metadata's host lists per forward says no)
     store_kv / store_index_k / indexer_topk / sparse_mla
                    the per-layer operations (selections cross the boundary as request-local positions
                    [T, K], int32, -1 padded)
@@ -30,6 +32,7 @@ class AttentionBackend(Protocol):
     name: str
     spec: KVCacheSpec
     graph_safe: bool  # no host sync and no launch shaped by host lists when meta.max_seq_len_bound is set
+    pads_decode: bool  # decode forwards may be padded to a capture size (padding rows write nowhere)
 
     @property
     def indexer_rows_scored(self) -> int: ...
@@ -55,6 +58,7 @@ class BaseAttentionBackend:
 
     name = "base"
     graph_safe = False
+    pads_decode = True
 
     def __init__(self, spec: KVCacheSpec):
         self.spec = spec
@@ -76,6 +80,7 @@ class WrappingAttentionBackend:
     def __init__(self, inner: AttentionBackend):
         self.inner = inner
         self.spec = inner.spec
+        self.pads_decode = inner.pads_decode
 
     @property
     def indexer_rows_scored(self) -> int:

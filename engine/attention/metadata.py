@@ -14,14 +14,12 @@ write). `block_table[b]` lists request b's blocks; position p of request b lives
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.hisparse.forward import ForwardState, StaticRouting
-    from engine.parallel.step import CPStep
+T = TypeVar("T")
 
 
 @dataclass
@@ -35,14 +33,17 @@ class AttnMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
-    # per-forward state of the wrapping backends, typed (set by the builder / begin_forward)
     req_ids: list[str] | None = None  # the batch's request ids (backends keeping per-request state)
-    hisparse: ForwardState | None = None  # HiSparse: this forward's routing, plans and copies
-    hisparse_routing: StaticRouting | None = None  # HiSparse, padded static decode: the routing's device inputs
-    cp: CPStep | None = None  # context parallelism: this rank's plan of the step
+    # the wrapping backends' per-forward state, each under its own typed key (ForwardSlot), set by the
+    # backend's metadata builder or begin_forward: attention itself names no backend
+    backend_state: dict[str, object] = field(default_factory=dict)
     # graph-captured steps: launches must not depend on this step's host lists; a backend that can
     # (graph_safe) sizes its work by this bound on every seq len instead (None: use the lists)
     max_seq_len_bound: int | None = None
+
+    def __post_init__(self):
+        # a copy (dataclasses.replace) starts with the same slots but sets its own, as a field would
+        self.backend_state = dict(self.backend_state)
 
     @property
     def num_reqs(self) -> int:
@@ -61,6 +62,25 @@ class AttnMetadata:
         n = self.seq_lens_cpu[req_idx] if length is None else length
         pos = torch.arange(n, device=self.block_table.device)
         return positions_to_slots(self.block_table[req_idx], pos, self.block_size)
+
+
+class ForwardSlot(Generic[T]):
+    """A wrapping backend's typed place on a forward's metadata: the backend that owns it declares one
+    (`STEP = ForwardSlot[CPStep]("cp")`) and reads back what its builder or begin_forward put there.
+    A copy of the metadata (`dataclasses.replace`) starts with the same values; setting one on either
+    does not change the other, as with an ordinary field."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def get(self, meta: AttnMetadata) -> T | None:
+        return meta.backend_state.get(self.name)  # type: ignore[return-value]
+
+    def put(self, meta: AttnMetadata, value: T | None) -> None:
+        meta.backend_state[self.name] = value
+
+    def __repr__(self) -> str:
+        return f"ForwardSlot({self.name!r})"
 
 
 def positions_to_slots(block_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

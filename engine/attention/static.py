@@ -54,11 +54,13 @@ class StaticMetadataBuilder:
         self.num_h2d = 0  # host -> device copies made (one per build)
 
     def build(self, rows: list[tuple[list[int], list[int], int, list[int], list[int]]],
-              extras: tuple[list[int], ...] = (),
-              req_ints: tuple[list[int], ...] = ()) -> tuple[torch.Tensor, AttnMetadata, list[torch.Tensor]]:
+              extras: tuple[list[int], ...] = (), req_ints: tuple[list[int], ...] = (),
+              req_ids: list[str] | None = None) -> tuple[torch.Tensor, AttnMetadata, list[torch.Tensor]]:
         """rows: per request (block ids, positions of its rows, seq len after the step, token ids, write
         slots); extras: int lists that travel in the same copy; req_ints: lists of one int per request, which
-        land in `self.req_ints[i, :B]`. Returns (input_ids [T], metadata, the extras as device int64 tensors)."""
+        land in `self.req_ints[i, :B]` (None: the backend's `route` decides them from `req_ids`); req_ids:
+        the requests' ids ("" for a padding request). Returns (input_ids [T], metadata, the extras as device
+        int64 tensors)."""
         ids, pos, slots, counts, lens, tables = [], [], [], [], [], []
         for b, (blocks, row_pos, seq_len, tokens, row_slots) in enumerate(rows):
             if not len(row_pos) == len(tokens) == len(row_slots):
@@ -69,15 +71,18 @@ class StaticMetadataBuilder:
             counts.append(len(tokens))
             lens.append(seq_len)
             tables.append(blocks)
-        return self.build_columns(ids, pos, slots, counts, lens, tables, extras, req_ints)
+        return self.build_columns(ids, pos, slots, counts, lens, tables, extras, req_ints, req_ids)
 
     def build_columns(self, ids: list[int], pos: list[int], slots: list[int], counts: list[int], seq_lens: list[int],
                       tables: list[list[int]], extras: tuple[list[int], ...] = (),
-                      req_ints: tuple[list[int], ...] = ()) -> tuple[torch.Tensor, AttnMetadata, list[torch.Tensor]]:
+                      req_ints: tuple[list[int], ...] = (),
+                      req_ids: list[str] | None = None) -> tuple[torch.Tensor, AttnMetadata, list[torch.Tensor]]:
         """`build` from its rows already flattened: every row's token id, position and write slot, in order;
         per request its number of rows, seq len after the step and block ids (the one pass a caller that
         builds the rows itself saves)."""
         T, B = len(ids), len(counts)
+        if req_ids is not None and not req_ints:
+            req_ints = self.route(req_ids, seq_lens, max(counts, default=1))
         W = max(max(map(len, tables), default=1), 1)  # columns copied; those past them are never read
         if T > self.max_rows or B > self.max_reqs or sum(len(e) for e in extras) > self.max_extra:
             raise ValueError(f"static batch of {T} rows / {B} requests / {sum(len(e) for e in extras)} extra ints "
@@ -116,12 +121,15 @@ class StaticMetadataBuilder:
         meta = AttnMetadata(positions=self.positions[:T], slot_mapping=self.slot_mapping[:T],
                             query_start_loc=self.query_start_loc[: B + 1], seq_lens=self.seq_lens[:B],
                             block_table=self.block_table[:B], token_req_idx=self.token_req_idx[:T],
-                            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=self.block_size)
+                            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=self.block_size,
+                            req_ids=req_ids)
+        self.attach(meta)
         return self.input_ids[:T], meta, out
 
     def derive(self, positions: torch.Tensor, seq_lens_cpu: list[int], num_padded: int,
-               requests: torch.Tensor | None = None, pad_req_ints: tuple[int, ...] = (),
-               live: torch.Tensor | None = None) -> tuple[torch.Tensor, AttnMetadata]:
+               requests: torch.Tensor | None = None, pad_req_ints: tuple[int, ...] | None = None,
+               live: torch.Tensor | None = None,
+               req_ids: list[str] | None = None) -> tuple[torch.Tensor, AttnMetadata]:
         """The forward of one row per request at `positions` [B] (device), written into the buffers on the device:
         no host list is packed and nothing is copied from the host. The requests are those of the buffers' block
         table (`requests`: which of its rows, in order, gathered first; None: its first B), so each position must
@@ -130,9 +138,14 @@ class StaticMetadataBuilder:
         len (exact, or upper bounds for a graph-safe backend). The per-request ints follow their requests;
         `pad_req_ints`: the value of each list for a padding request. `live` [B] (device, nonzero: a real
         request): rows of the others write nowhere, as padding requests' rows (the whole-step graph passes
-        its padding requests as requests). Returns (input_ids [num_padded], metadata); the caller writes the
-        token ids."""
+        its padding requests as requests). `req_ids`: the padded batch's request ids, for the backend's `route`
+        (whose per-request ints are gathered here, not copied; None: no routing). Returns (input_ids
+        [num_padded], metadata); the caller writes the token ids."""
         B, Bp, bs = positions.shape[0], num_padded, self.block_size
+        if req_ids is not None:
+            self.route(req_ids, seq_lens_cpu, 1)
+        if pad_req_ints is None:
+            pad_req_ints = self.pad_req_ints
         n_ints = len(pad_req_ints)
         if requests is not None:
             self.block_table[:B].copy_(self.block_table[requests])
@@ -157,8 +170,21 @@ class StaticMetadataBuilder:
                             query_start_loc=self.query_start_loc[:Bp + 1], seq_lens=self.seq_lens[:Bp],
                             block_table=self.block_table[:Bp], token_req_idx=self.token_req_idx[:Bp],
                             query_start_loc_cpu=list(range(Bp + 1)), seq_lens_cpu=seq_lens_cpu,
-                            block_size=self.block_size)
+                            block_size=self.block_size, req_ids=req_ids)
+        self.attach(meta)
         return self.input_ids[:Bp], meta
+
+    # ---- what a wrapping backend's builder adds (engine.hisparse.builder) --------------------------
+    pad_req_ints: tuple[int, ...] = ()  # each per-request int list's value for a padding request (`derive`)
+
+    def route(self, req_ids: list[str], seq_lens: list[int], rows_per_req: int) -> tuple[list[int], ...]:
+        """The per-request ints the backend's forward reads for this batch (they land in `req_ints`), decided
+        on the host before the copy from the requests' ids ("" for padding) and seq lens. None here."""
+        return ()
+
+    def attach(self, meta: AttnMetadata) -> None:
+        """Put the backend's per-forward inputs on the metadata (views of `req_ints`). Nothing here."""
+        return None
 
     def _spread(self, T: int, B: int, W: int, num_req_ints: int = 0) -> int:
         """The packed device copy -> the typed static tensors (device-side copies)."""

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from engine.config.engine import (
+    INDEXER_PRECISIONS,
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     GraphConfig,
@@ -27,8 +29,7 @@ from engine.config.engine import (
     SpeculativeConfig,
     check_offloading_size,
 )
-from engine.config.model import ModelConfig
-from engine.kv.cache import INDEXER_PRECISIONS, KV_CACHE_DTYPES
+from engine.config.model_config import ModelConfig
 
 
 @dataclass

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
-from engine.config.model import ModelConfig
-from engine.kv.cache import INDEXER_PRECISIONS, KV_CACHE_DTYPES
+from engine.config.model_config import ModelConfig
 
+# the KV cache's row formats (engine/kv/cache.py, docs/kv-formats.md) and the indexer keys' precisions
+KV_CACHE_DTYPES = ("fp8_ds_mla", "bfloat16", "float32")
+INDEXER_PRECISIONS = ("fp8", "fp32")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

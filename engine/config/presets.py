@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config.model import ConfigError, ModelConfig
+from engine.config.model_config import ConfigError, ModelConfig
 
 _GLM_5_3: dict[str, Any] = {
     "model_type": "glm_moe_dsa",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config.engine import EngineConfig
@@ -13,6 +14,7 @@ from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.kv.export import KVExport, kv_exports
 from engine.kv.manager import KVCacheManager
 from engine.kv.offload import OffloadTier
+from engine.structured.grammar import engine_backend
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +66,14 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, runner_factory=None):
-        from engine.runner import ModelRunner
+    """`runner_factory(cfg)` builds the runner (engine.runner.ModelRunner, or a rank's runner): the core knows
+    it only through what it calls (execute / execute_async, kv_cache, weight_report, ...), and
+    engine.frontend.core_factory picks it."""
 
+    def __init__(self, cfg: EngineConfig, runner_factory: Callable[[EngineConfig], object]):
         self.cfg = cfg
         # the runner sizes the KV pool after loading the weights (what is left of the memory budget)
-        self.runner = (runner_factory or ModelRunner)(cfg)
+        self.runner = runner_factory(cfg)
         self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.cache.block_size,
                                  cfg.parallel.decode_context_parallel_size, cfg.cache.enable_prefix_caching,
                                  offload=self.new_offload_tier())
@@ -104,8 +108,6 @@ class EngineCore:
         """A structured output must compile for this model's tokenizer (ValueError names why not)."""
         spec = req.sampling_params.structured_outputs
         if spec is not None:
-            from engine.runner.structured import engine_backend
-
             engine_backend(self.cfg).compile(spec)
 
     def add_request(self, req: Request) -> None:
@@ -232,9 +234,7 @@ class EngineCore:
         return self._weight_reports
 
     def _collect_weight_reports(self) -> list[dict]:
-        from engine.loading.weight_stats import rank_weight_report
-
-        return [rank_weight_report(self.runner)]
+        return [self.runner.weight_report()]
 
 
 def _read_back(handle):
@@ -255,16 +255,3 @@ def scheduler_stats(s: Scheduler, hisparse=None) -> EngineStats:
                        num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
                        hisparse=hisparse, kv_offload=kv.offload_stats())
 
-
-def make_engine_core(cfg: EngineConfig, rank_pool=None) -> EngineCore:
-    """The core a config asks for: one process, or rank 0 of a multi-rank engine (`rank_pool`: an
-    engine.parallel.spawn.RankPool whose idle ranks it may reuse; multi-rank only)."""
-    if cfg.parallel.data_parallel_size > 1:  # a DP x EP group (engine/parallel/dp.py)
-        from engine.parallel.dp import DPEngineCore
-
-        return DPEngineCore(cfg, rank_pool=rank_pool)
-    if cfg.parallel.world_size > 1:
-        from engine.parallel.executor import MultiRankEngineCore
-
-        return MultiRankEngineCore(cfg, rank_pool=rank_pool)
-    return EngineCore(cfg)

@@ -24,9 +24,10 @@ from typing import Any
 
 from engine.config.arg_utils import EngineArgs
 from engine.config.engine import EngineConfig
-from engine.core.core import EngineStats, make_engine_core
+from engine.core.core import EngineStats
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
+from engine.frontend.core_factory import make_engine_core
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.outputs import RequestOutput
 from engine.frontend.tokenizer import Tokenizer

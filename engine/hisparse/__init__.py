@@ -7,8 +7,9 @@ small per-request hot buffer of selected rows once they do not.
     hot_buffer.py per-request LRU of hot rows: one plan per step and full layer (hits, misses, victims)
     forward.py    per-forward routing of each request: resident, hot (decode rows) or staged (prefill rows); on the
                   padded static decode path from fixed device tensors (StaticRouting, plan_static: CUDA graphs)
-    backend.py    the attention-backend wrapper the model calls
-    transfer.py   row copies (torch on CPU; the Triton kernel with pinned host memory and a side stream on CUDA)
+    builder.py    the static metadata builder of padded decode forwards: routing ints in the batch's one copy
+    backend.py    the attention-backend wrapper the model calls (its state on the metadata: FORWARD_STATE)
+    row_mover.py  row copies (torch on CPU; the Triton kernel with pinned host memory and a side stream on CUDA)
     manager.py    what the ModelRunner owns: all of the above, the per-step hook and the counters (on the device,
                   read from a pinned snapshot while a step runs)
 """

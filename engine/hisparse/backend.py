@@ -22,7 +22,16 @@ import torch
 from engine.attention.base import WrappingAttentionBackend
 from engine.attention.metadata import AttnMetadata
 from engine.attention.static import StaticMetadataBuilder
-from engine.hisparse.forward import STAGED, ForwardState, Workspace, plan_forward, plan_static
+from engine.hisparse.builder import HiSparseMetadataBuilder
+from engine.hisparse.forward import (
+    FORWARD_STATE,
+    STAGED,
+    STATIC_ROUTING,
+    ForwardState,
+    Workspace,
+    plan_forward,
+    plan_static,
+)
 from kernels.hisparse_plan import plan_hot, plan_hot_ref
 
 
@@ -44,33 +53,41 @@ class _OneLayer:
 
 
 class HiSparseBackend(WrappingAttentionBackend):
-    def __init__(self, inner, mgr):
+    def __init__(self, inner, mgr, pads_decode: bool):
         super().__init__(inner)
         self.mgr = mgr
         self.name = f"hisparse+{inner.name}"
         # a padded static decode forward routes from device tensors only (plan_static): capturable when the inner
         # backend is; the offload-only baseline stages whole contexts per step and never takes that path
         self.graph_safe = inner.graph_safe and not mgr.offload_only
+        # padded decode forwards carry their routing in the builder's copy (HiSparseMetadataBuilder); unpadded
+        # ones route from the metadata's host lists per forward (plan_forward)
+        self.pads_decode = pads_decode and not mgr.offload_only
 
     def metadata_builder(self, max_rows: int, max_reqs: int, max_blocks: int,
                          device: torch.device | str) -> StaticMetadataBuilder:
-        """The inner backend's buffers plus two per-request ints: page-table row and hot slot (StaticRouting)."""
-        return StaticMetadataBuilder(max_rows, max_reqs, max_blocks, self.spec.block_size, device, num_req_ints=2)
+        """The inner backend's buffers plus two per-request ints, page-table row and hot slot (StaticRouting),
+        when decode forwards are padded; the plain buffers otherwise."""
+        if not self.pads_decode:
+            return StaticMetadataBuilder(max_rows, max_reqs, max_blocks, self.spec.block_size, device)
+        return HiSparseMetadataBuilder(self.mgr, max_rows, max_reqs, max_blocks, device)
 
     def begin_forward(self, meta: AttnMetadata) -> None:
         """This forward's routing (resident / hot / staged requests), device slots and sub-batches: from the
         static routing's device tensors on the padded static path, else from the metadata's host lists."""
         self.inner.begin_forward(meta)
-        rt = meta.hisparse_routing
+        rt = STATIC_ROUTING.get(meta)
         fw = plan_static(self.mgr, meta, rt) if rt is not None else plan_forward(self.mgr, meta)
         if fw.hot is not None and fw.assembled is None:
             self.mgr.hot.clock += 1  # one tick per forward (on the device): its plans stamp the rows they touch
-        meta.hisparse = fw
+        FORWARD_STATE.put(meta, fw)
 
     def state(self, meta: AttnMetadata) -> ForwardState:
-        if meta.hisparse is None:  # a caller that drives the layers itself (benchmarks) may skip begin_forward
+        fw = FORWARD_STATE.get(meta)
+        if fw is None:  # a caller that drives the layers itself (benchmarks) may skip begin_forward
             self.begin_forward(meta)
-        return meta.hisparse
+            fw = FORWARD_STATE.get(meta)
+        return fw
 
     # ---- writes -------------------------------------------------------------------------------
     def store_kv(self, cache, layer: int, latent: torch.Tensor, k_rope: torch.Tensor, meta: AttnMetadata) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.metadata import AttnMetadata
+from engine.attention.metadata import AttnMetadata, ForwardSlot
 from kernels.hisparse_plan import dev_slots, dev_slots_ref
 
 RESIDENT, HOT, STAGED = "resident", "hot", "staged"
@@ -115,6 +115,11 @@ class ForwardState:
     scratch_meta: AttnMetadata | None = None  # the batch's metadata with slots 0..T-1 (into `scratch`)
     dev_meta: AttnMetadata | None = None  # the batch's metadata with the rows' device slots
     stage_buf: torch.Tensor | None = None  # shared by the staged workspaces (one layer at a time)
+
+
+# where HiSparse keeps its state on a forward's metadata (engine.attention.metadata.ForwardSlot)
+FORWARD_STATE: ForwardSlot[ForwardState] = ForwardSlot("hisparse")  # this forward's routing, plans and copies
+STATIC_ROUTING: ForwardSlot[StaticRouting] = ForwardSlot("hisparse.static")  # padded static decode: device inputs
 
 
 @dataclass

@@ -16,7 +16,7 @@ from engine.hisparse.host_pool import HiSparseKVCache, host_blocks_for
 from engine.hisparse.hot_buffer import HotBuffers
 from engine.hisparse.layout import HotLayout, LayerGroups
 from engine.hisparse.residency import DeviceFootprint, Residency, StepActions
-from engine.hisparse.transfer import RowMover
+from engine.hisparse.row_mover import RowMover
 from engine.kv.cache import KVCacheSpec
 
 _HITS, _MISSES, _H2D, _STEP_H2D = range(4)
@@ -69,7 +69,9 @@ class HiSparseManager:
         self.page_table = torch.full((max_reqs + 1, max_pages), -1, dtype=torch.int32, device=device)
         self.spare_slot = max_reqs
         self.hot = HotBuffers(self.layout, self.groups.num_groups, self.residency.max_hot, device)
-        self.mover = RowMover(torch.device(device))
+        self.device = torch.device(device)
+        self.capture_graphs = cfg.graphs.capture_hisparse
+        self.mover = RowMover(self.device)
         self.assemble = assemble
         # the plan as one kernel (kernels.hisparse_plan) on GPUs; the torch ops elsewhere (tests may switch)
         self.fused_plan = torch.device(device).type == "cuda"
@@ -92,7 +94,10 @@ class HiSparseManager:
     def wrap(self, backend) -> HiSparseBackend:
         if self.assemble is None:  # bit-exact reads for the reference backend, the virtual layout otherwise
             self.assemble = backend.name == "torch"
-        return HiSparseBackend(backend, self)
+        # decode forwards padded to capture sizes on the CPU and, on CUDA, with graphs asked for
+        # (GraphConfig.capture_hisparse) until its graph tests have run on an H200; unpadded otherwise
+        pads = self.device.type != "cuda" or self.capture_graphs
+        return HiSparseBackend(backend, self, pads_decode=pads)
 
     def footprint(self) -> DeviceFootprint | None:
         """The scheduler's device-room check (none for offload-only: nothing stays on the device)."""

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config.model import ModelConfig
+from engine.config.engine import INDEXER_PRECISIONS, KV_CACHE_DTYPES
+from engine.config.model_config import ModelConfig
 from kernels.formats import mla_row_bytes as fp8_row_bytes
 
-KV_CACHE_DTYPES = ("fp8_ds_mla", "bfloat16", "float32")
-INDEXER_PRECISIONS = ("fp8", "fp32")
+__all__ = ["INDEXER_PRECISIONS", "KV_CACHE_DTYPES", "KVCacheSpec", "PagedKVCache", "num_blocks_for_bytes"]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-import numpy as np
 import xxhash
 
 BLOCK_SIZE = 64
@@ -23,8 +22,7 @@ ROOT = xxhash.xxh3_128_digest(b"pdserve/v1/prefix-root")
 def hash_block(parent: bytes | None, tokens: Sequence[int], extra: Sequence[str] = ()) -> bytes:
     """16-byte digest of one full block chained to its parent (None = the fixed root)."""
     buf = bytearray(parent if parent is not None else ROOT)
-    buf += struct.pack("<I", len(tokens))
-    buf += np.asarray(tokens, dtype="<i4").tobytes()
+    buf += struct.pack(f"<I{len(tokens)}i", len(tokens), *tokens)  # struct, not numpy: the router loads no numpy
     buf += struct.pack("<I", len(extra))
     for e in extra:
         raw = e.encode("utf-8")

@@ -15,9 +15,22 @@ device misses; a tier hit gets a device block at allocation, loaded before the f
 
 from __future__ import annotations
 
-from engine.core.request import Request
+from typing import Protocol
+
 from engine.kv.block_pool import BlockPool, KVBlock
 from engine.kv.offload import KVCopy, KVOffloadStats, OffloadTier, TierHit
+
+
+class Request(Protocol):
+    """What the KV manager reads of a request (engine.core.request.Request has it): ids, counts and the
+    prefix hashes of its full blocks."""
+
+    req_id: str
+    num_tokens: int
+    num_computed_tokens: int
+    return_prompt_logits: bool
+
+    def block_hashes(self, block_size: int) -> list[bytes]: ...
 
 
 class KVCacheManager:

@@ -6,15 +6,19 @@ byte-level BPE tokenizer.json trained on a fixed corpus, so tests and the demo r
 
 from __future__ import annotations
 
+import argparse
 import json
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 
-from engine.config.model import ModelConfig
-from engine.config.presets import preset_dict
+from engine.config.model_config import ModelConfig
+from engine.config.presets import PRESETS, preset_dict
+from engine.loading.fp8_checkpoint import quantize_checkpoint
 from engine.loading.loader import build_model
 from engine.loading.weights import to_hf_state_dict
 
@@ -48,8 +52,6 @@ def _corpus() -> list[str]:
 
 
 def train_tokenizer(vocab_size: int, out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -101,10 +103,6 @@ def _save_shards(tensors: dict[str, torch.Tensor], out: Path, num_shards: int) -
 
 def main(argv: list[str]) -> int:
     """`pdserve make-checkpoint --preset tiny --out DIR --seed N [--shards K] [--set key=value ...]`."""
-    import argparse
-
-    from engine.config.presets import PRESETS
-
     p = argparse.ArgumentParser(prog="pdserve make-checkpoint", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--out", required=True, help="output directory")
@@ -139,10 +137,6 @@ def main(argv: list[str]) -> int:
 
 def _write_fp8(p, a, overrides: dict) -> int:
     """`--weight-dtype fp8 [--from DIR]`: quantize DIR (or a fresh random bf16 checkpoint) to FP8."""
-    import tempfile
-
-    from engine.loading.fp8_checkpoint import quantize_checkpoint
-
     if a.weight_dtype != "fp8":
         p.error("--from quantizes an existing checkpoint: pass --weight-dtype fp8")
     if a.source is not None:

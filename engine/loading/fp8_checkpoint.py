@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from engine.loading.weight_reader import checkpoint_files
 from engine.model.fp8 import DEFAULT_NOT_CONVERT, is_quantized_name
-from kernels.fp8_gemm import quantize_weight_ref
+from kernels.fp8_quant import quantize_weight_ref
 
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 _MERGED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")

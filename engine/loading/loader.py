@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from engine.config.model import ModelConfig
+from engine.config.model_config import ModelConfig
 from engine.loading.weight_reader import read_index
 from engine.loading.weights import FP32_PARAMS, fp8_modules, load_weights
 from engine.model import GlmDsaForCausalLM
 from engine.model.fp8 import convert_to_fp8
-from engine.model.moe import Experts, MoE
+from engine.model.layers import RMSNorm
+from engine.model.mla import Indexer, MLAttention
+from engine.model.moe import Experts, MoE, MoEGate
+from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref
+from kernels.moe import fused_moe, fused_moe_ref
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -51,8 +56,6 @@ def dummy_init(model: GlmDsaForCausalLM, seed: int = 0, std: float = 0.02) -> No
     Routed experts are drawn one expert at a time, seeded by their global id, so an expert-parallel rank
     holding experts [offset, offset + n) gets the same weights as one rank holding them all (the
     multi-GPU benchmarks compare the two)."""
-    from engine.model.moe import Experts
-
     expert_offset = {id(p): m.offset for m in model.modules() if isinstance(m, Experts)
                      for p in (m.w13, m.w2)}
     with torch.no_grad():
@@ -85,15 +88,8 @@ def _normal(t: torch.Tensor, std: float, g: torch.Generator) -> None:
 def use_kernels(model: GlmDsaForCausalLM, on: bool, fused: bool = True) -> None:
     """Route every MoE layer through the Triton grouped GEMM and, with `fused`, the norms, RoPE and routing
     through their one-launch kernels (on: CUDA), or everything through the torch references (off).
-    on with fused=False keeps the eager small ops beside the kernels (PDSERVE_FUSED_OPS=0, for comparison)."""
-    from functools import partial
-
-    from engine.model.attention import Indexer, MLAttention
-    from engine.model.layers import RMSNorm
-    from engine.model.moe import Experts, MoEGate
-    from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref
-    from kernels.moe import fused_moe, fused_moe_ref
-
+    on with fused=False keeps the eager small ops beside the kernels: the engine always fuses; the eager ops
+    are the reference tests/engine/model/test_fused_ops.py compares the fused ones against."""
     small = on and fused
     for m in model.modules():
         if isinstance(m, Experts):

@@ -24,9 +24,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.config.model import ModelConfig
+from engine.config.model_config import ModelConfig, hf_name
 from engine.loading.weight_reader import ShardReader, TensorInfo, WeightLoadError, checkpoint_files, read_index
-from kernels.fp8_gemm import dequantize_weight_ref, quantize_weight_ref
+from kernels.fp8_quant import dequantize_weight_ref, quantize_weight_ref
 
 __all__ = ["WeightLoadError", "checkpoint_files", "fp8_modules", "load_weights", "to_hf_state_dict"]
 
@@ -248,16 +248,6 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
         want = torch.float32 if name.endswith(FP32_PARAMS) else dtype
         if p.dtype != want and p.is_floating_point():
             p.data = p.data.to(want)
-
-
-def hf_name(name: str, cfg: ModelConfig) -> str:
-    """Our parameter name -> the checkpoint's (the MTP layer is stored as layer num_hidden_layers)."""
-    mtp_prefix = f"model.layers.{cfg.mtp_layer_index}."
-    if name.startswith("mtp.layer."):
-        return mtp_prefix + name[len("mtp.layer."):]
-    if name.startswith("mtp."):
-        return mtp_prefix + name[len("mtp."):]
-    return name
 
 
 def to_hf_state_dict(model: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:

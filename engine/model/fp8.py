@@ -31,9 +31,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config.model import ModelConfig
-from engine.loading.weights import hf_name
-from kernels.fp8_gemm import BLOCK, w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref
+from engine.config.model_config import ModelConfig, hf_name
+from engine.model.moe import Experts
+from kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref
+from kernels.fp8_quant import BLOCK
 
 DEFAULT_NOT_CONVERT = ("embed_tokens", "lm_head", "norm", "mlp.gate", "weights_proj", "eh_proj", "shared_head")
 SCALE_SUFFIX = "_scale_inv"
@@ -84,8 +85,6 @@ def convert_to_fp8(model: nn.Module, cfg: ModelConfig, stored_fp8: set[str] | No
     """Swap the quantized nn.Linear modules of a model on `meta` for Fp8Linear and the routed experts for
     their FP8 form. `stored_fp8`: the checkpoint's FP8 module names (`fp8_modules`), which decide when the
     config lists no unquantized modules. Returns the converted module names."""
-    from engine.model.moe import Experts
-
     skip = not_convert_list(cfg)
     by_checkpoint = stored_fp8 is not None and cfg.modules_to_not_convert is None
     done = []

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config.model import ModelConfig
-from engine.model.attention import MLAttention
+from engine.config.model_config import ModelConfig
 from engine.model.context import ForwardContext
 from engine.model.layers import GatedMLP, RMSNorm
+from engine.model.mla import MLAttention
 from engine.model.moe import MoE
 
 

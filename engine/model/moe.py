@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config.model import ModelConfig
+from engine.config.model_config import ModelConfig
 from engine.model.layers import GatedMLP
 from kernels.fp8_moe import fused_moe_fp8_ref
-from kernels.moe import fused_moe_ref, route_ref
-from kernels.moe_routing import route
+from kernels.moe import fused_moe_ref
+from kernels.moe_routing import route, route_ref
 
 
 class MoEGate(nn.Module):
-    """fp32 logits (x . w in fp32, the reference's precision) -> sigmoid routing (kernels.moe.route_ref).
+    """fp32 logits (x . w in fp32, the reference's precision) -> sigmoid routing (kernels.moe_routing.route_ref).
 
     fused (CUDA, engine.loading.loader.use_kernels): bf16 x and w multiply into fp32 logits in one GEMM (a
     product of two bf16 values is exact in fp32, so this is the fp32 GEMM up to the order of its sums,

@@ -17,12 +17,24 @@ Loading into a packed model still works (the loader copies into the views).
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.model.fp8 import Fp8Linear, fp8_linear
-from kernels.fp8_gemm import BLOCK
+from kernels import fp8_cublas
+from kernels.fp8_quant import BLOCK
+
+
+@runtime_checkable
+class HasProjectionGroups(Protocol):
+    """A layer that reads some inputs several times: it names, per input, the projections of it (None for one
+    it lacks), and `project`s each input through them. The layer knows its groups; this module only packs them,
+    so it never needs to import the layer (engine.model.mla.MLAttention is the one such layer)."""
+
+    def projection_groups(self) -> list[list[nn.Module | None]]: ...
 
 
 class Pack:
@@ -86,18 +98,15 @@ def _packable(mods: list[nn.Module]) -> list[list[nn.Module]]:
 
 
 def pack_projections(model: nn.Module) -> int:
-    """Pack every MLA layer's projections of x (q_a_proj, the indexer's wk, kv_a_proj_with_mqa) and of the
-    query residual (q_b_proj, the indexer's wq_b). Returns the number of packs made."""
-    from engine.model.attention import MLAttention
-
+    """Pack the projection groups of every layer that names them (`HasProjectionGroups`: each MLA layer's
+    projections of x and of the query residual). Returns the number of packs made. Always done by the runner;
+    a model left unpacked computes the same (tests/engine/model/test_projections.py compares the two)."""
     made = 0
     for m in model.modules():
-        if not isinstance(m, MLAttention):
+        if not isinstance(m, HasProjectionGroups):
             continue
-        idx = m.indexer
-        for group in ([m.q_a_proj, idx.wk if idx is not None else None, m.kv_a_proj_with_mqa],
-                      [m.q_b_proj, idx.wq_b if idx is not None else None]):
-            for members in _packable(group):
+        for group in m.projection_groups():
+            for members in _packable([p for p in group if p is not None]):
                 Pack(members)
                 made += 1
     return made
@@ -107,15 +116,11 @@ def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
     """[mod(x) for mod in mods] (None for a None mod), with as few GEMMs and quantizations as it can: one
     per pack whose members are all asked for (views of its output), and, for the others, x quantized once
     when every one is an Fp8Linear that cuBLAS serves at this size (kernels.fp8_cublas)."""
-    from engine import envs
-    from kernels import fp8_cublas
-
     outs: list[torch.Tensor | None] = [None] * len(mods)
     asked = {id(m) for m in mods if m is not None}
-    use_packs = envs.packed_projections()  # read per call: an eager A/B in one process (bench.prefill.standin)
     for i, m in enumerate(mods):
         pk = getattr(m, "pack", None)
-        if not use_packs or outs[i] is not None or pk is None or any(id(o) not in asked for o in pk.members):
+        if outs[i] is not None or pk is None or any(id(o) not in asked for o in pk.members):
             continue
         y = pk(x)
         for j, o in enumerate(mods):

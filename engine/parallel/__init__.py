@@ -4,7 +4,7 @@
     spawn.py       spawns ranks 1..N-1 (torchrun's environment), RankPool (idle ranks reused), torchrun entry point
     worker.py      a worker rank's loop
     dist.py        process groups, collectives with byte counters
-    runner.py      CPModelRunner: own rows, DCP write mapping, EP experts, gathered outputs
+    cp_runner.py   CPModelRunner: own rows, DCP write mapping, EP experts, gathered outputs
     step.py        the plan of one forward pass (PCP rows, prefill vs decode attention path)
     pcp.py         DualChunkSwap split of query rows
     dcp.py         token -> (rank, local index) arithmetic, LSE merges (ag_rs, a2a), global top-k

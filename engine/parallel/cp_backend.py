@@ -16,7 +16,7 @@ import torch
 
 from engine.attention.base import WrappingAttentionBackend
 from engine.attention.metadata import AttnMetadata
-from engine.parallel.step import CPStep
+from engine.parallel.step import CP_STEP, CPStep
 
 
 class CPAttentionBackend(WrappingAttentionBackend):
@@ -104,6 +104,8 @@ class CPAttentionBackend(WrappingAttentionBackend):
 
 
 def _step(meta: AttnMetadata) -> CPStep:
-    if meta.cp is None:
-        raise RuntimeError("the CP backend needs the step plan in meta.cp (engine.parallel.step.build_step)")
-    return meta.cp
+    step = CP_STEP.get(meta)
+    if step is None:
+        raise RuntimeError("the CP backend needs the step plan on the metadata (CP_STEP; "
+                           "engine.parallel.step.build_step puts it there)")
+    return step

@@ -19,7 +19,7 @@ import bisect
 
 import torch
 
-from engine.attention.metadata import AttnMetadata
+from engine.attention.metadata import AttnMetadata, build_metadata
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.parallel.dcp import global_position, num_local
 from kernels.formats import read_index_rows, write_index_rows
@@ -174,8 +174,6 @@ class ContextGather:
 
 def _meta(positions: list[int], slots: list[int], counts: list[int], requests, tables, block_size: int,
           device) -> AttnMetadata:
-    from engine.attention.metadata import build_metadata
-
     return build_metadata(positions=positions, slot_mapping=slots, query_lens=counts,
                           seq_lens=[r.seq_len for r in requests], block_tables=tables, block_size=block_size,
                           device=device)

@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine import envs
+from engine import settings
 
 _STARTUP_TIMEOUT = timedelta(minutes=5)
 _DATA_TIMEOUT = timedelta(minutes=30)
@@ -48,13 +48,13 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls) -> DistEnv:
-        rank, world, port = envs.dist_rank(), envs.dist_world_size(), envs.dist_master_port()
+        rank, world, port = settings.dist_rank(), settings.dist_world_size(), settings.dist_master_port()
         if rank is None or world is None or port is None:
             raise ValueError("RANK, WORLD_SIZE and MASTER_PORT must be set (launch with torchrun or "
                              "engine.parallel.spawn)")
         if not 0 <= rank < world:
             raise ValueError(f"RANK {rank} is outside WORLD_SIZE {world}")
-        return cls(rank, world, envs.dist_local_rank(), envs.dist_master_addr(), port)
+        return cls(rank, world, settings.dist_local_rank(), settings.dist_master_addr(), port)
 
     @classmethod
     def for_rank(cls, rank: int, world_size: int, master_addr: str, master_port: int, cuda: bool,
@@ -118,7 +118,7 @@ def _free_port(host: str) -> int:
     now = time.monotonic()
     for port in [p for p, t in _HANDED_OUT.items() if now - t > _PROMISE_S]:
         del _HANDED_OUT[port]
-    lo, hi = envs.port_range() or default_port_range()
+    lo, hi = settings.port_range() or default_port_range()
     hi += 1
     for port in itertools.chain((_PORTS.randrange(lo, hi) for _ in range(64)), _shuffled(lo, hi)):
         if port in _HANDED_OUT:
@@ -156,7 +156,7 @@ class RankComm:
         # the store's timeout bounds the start-up rendezvous (a worker that died importing is not waited
         # for 30 minutes); the groups' timeouts bound each collective. Under torchrun its agent hosts
         # the store and every rank is a client.
-        host_store = env.rank == 0 and not envs.torchelastic_agent_store()
+        host_store = env.rank == 0 and not settings.torchelastic_agent_store()
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, host_store,
                               timeout=_STARTUP_TIMEOUT)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,

@@ -30,13 +30,14 @@ from engine.core.request import Request
 from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.kv.manager import KVCacheManager
 from engine.kv.offload import sum_stats
+from engine.parallel.dp_runner import DPModelRunner
 from engine.parallel.executor import MultiRankEngineCore
 
 log = logging.getLogger(__name__)
 
 
 class DPEngineCore(MultiRankEngineCore):
-    def __init__(self, cfg: EngineConfig, check_outputs: bool | None = None, rank_pool=None):
+    def __init__(self, cfg: EngineConfig, check_outputs: bool = False, rank_pool=None):
         pc = cfg.parallel
         if not pc.enable_expert_parallel:
             log.info("data_parallel_size %d without enable_expert_parallel: every rank holds all routed experts "
@@ -56,8 +57,6 @@ class DPEngineCore(MultiRankEngineCore):
         self.rank_hisparse = self.collective_rpc("hisparse_stats") if cfg.hisparse is not None else []
 
     def _make_runner(self, cfg: EngineConfig):
-        from engine.parallel.dp_runner import DPModelRunner
-
         return DPModelRunner(cfg, self.comm)
 
     # ---- requests --------------------------------------------------------------------------------

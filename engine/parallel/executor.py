@@ -15,22 +15,24 @@ from __future__ import annotations
 import atexit
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
-from engine import envs
 from engine.config.engine import EngineConfig
 from engine.core.core import EngineCore
 from engine.core.scheduler import EngineCoreOutput
+from engine.parallel.cp_runner import CPModelRunner, rank_output_digest
 from engine.parallel.dist import DistEnv, RankComm
-from engine.parallel.runner import CPModelRunner, rank_output_digest
 from engine.parallel.spawn import RankPool, RankSpawner, started_by_torchrun
-from engine.parallel.worker import call_rpc
+from engine.parallel.worker import call_rpc, check_rank_call
 
 
 class MultiRankEngineCore(EngineCore):
-    def __init__(self, cfg: EngineConfig, check_outputs: bool | None = None, rank_pool: RankPool | None = None):
-        """`rank_pool`: take idle ranks of this world size from it, and give them back at `shutdown`."""
+    def __init__(self, cfg: EngineConfig, check_outputs: bool = False, rank_pool: RankPool | None = None):
+        """`check_outputs`: after every step, check that all ranks sampled the same tokens (one extra small
+        gather; tests and benchmarks turn it on). `rank_pool`: take idle ranks of this world size from it, and give
+        them back at `shutdown`."""
         world = cfg.parallel.world_size
         if world < 2:
             raise ValueError("a multi-rank engine needs prefill_context_parallel_size or data_parallel_size >= 2; "
@@ -49,7 +51,7 @@ class MultiRankEngineCore(EngineCore):
         except BaseException:
             self._abandon()
             raise
-        self.check_outputs = envs.cp_check_outputs() if check_outputs is None else check_outputs
+        self.check_outputs = check_outputs
         ref = weakref.ref(self)  # not a strong reference: the engine may be collected before exit
         atexit.register(lambda: ref() is not None and ref().shutdown())
 
@@ -102,8 +104,11 @@ class MultiRankEngineCore(EngineCore):
         if copies:
             self.collective_rpc("apply_kv_copies", copies)
 
-    def collective_rpc(self, method: str, *args) -> list:
-        """Call runner `method` (or "module:function", runner first) on every rank -> results by rank."""
+    def collective_rpc(self, method: str | Callable, *args) -> list:
+        """On every rank: the runner's method named `method`, or the function `method(runner, *args)` -> the
+        results by rank. A function travels by reference (pickled as its module and name), so it must be
+        defined at a module's top level; the ranks import its module when they first receive it."""
+        check_rank_call(method)
         self._send(("rpc", method, args))
         results = self.comm.gather_objects(call_rpc(self.runner, method, args))
         for rank, (ok, value) in enumerate(results):
@@ -119,7 +124,7 @@ class MultiRankEngineCore(EngineCore):
         self.comm.broadcast_object(msg)
 
     def _collect_weight_reports(self) -> list[dict]:
-        return self.collective_rpc("engine.loading.weight_stats:rank_weight_report")
+        return self.collective_rpc("weight_report")
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -10,7 +10,7 @@ torchrun mode: `torchrun --nproc-per-node N my_driver.py`, where my_driver.py ca
 nothing), every other rank serves as a worker.
 
 Service mode (a multi-rank prefill service, one process per rank with its own log): the launcher or
-`services.deploy.ranks` starts every rank with `--rank/--world-size/--master-addr/--master-port`, which
+`services.launch.ranks` starts every rank with `--rank/--world-size/--master-addr/--master-port`, which
 `services.rpc.service_args.set_rank_environ` turns into the same torchrun environment (`DistEnv`); rank 0
 serves, the others run `engine.parallel.worker` as in the two modes above.
 """
@@ -24,8 +24,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import envs
+from engine import settings
 from engine.parallel.dist import DistEnv, free_port
+from engine.parallel.worker import exit_now, worker_main
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,10 +44,9 @@ class RankSpawner:
 
     def start(self) -> DistEnv:
         """Start ranks 1..N-1; returns rank 0's environment (the caller joins as rank 0)."""
-        base = dict(os.environ)
+        base = dict(os.environ)  # this process's environment, passed on to the ranks it starts
         path = [str(_PROJECT_ROOT)] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
-        base.update(PYTHONPATH=os.pathsep.join(path), PDSERVE_DIST_DEVICE=self.device_type,
-                    PDSERVE_PARENT_PID=str(os.getpid()))
+        base.update(PYTHONPATH=os.pathsep.join(path), **settings.spawned_rank_environ(self.device_type, os.getpid()))
         if self.device_type == "cuda":  # GPU ranks do no heavy host math; N ranks x all cores of OpenMP
             base.setdefault("OMP_NUM_THREADS", "1")  # threads only contend with NCCL's and CUDA's
         for rank in range(1, self.world_size):
@@ -121,14 +121,12 @@ class RankPool:
 
 
 def started_by_torchrun() -> bool:
-    return envs.dist_world_size() is not None and envs.dist_rank() is not None
+    return settings.dist_world_size() is not None and settings.dist_rank() is not None
 
 
 def run_rank(driver: Callable[[], object]) -> object:
     """torchrun entry point: rank 0 runs `driver`, the other ranks serve as workers until it shuts down."""
-    if not started_by_torchrun() or envs.dist_rank() == 0:
+    if not started_by_torchrun() or settings.dist_rank() == 0:
         return driver()
-    from engine.parallel.worker import worker_main
-
     worker_main()
-    return None
+    exit_now(0)  # a worker rank ends here: nothing of the driver's script runs after it

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.metadata import AttnMetadata
+from engine.attention.metadata import AttnMetadata, ForwardSlot
+from engine.parallel.dcp_context import ContextGather
+from engine.parallel.dcp_decode import DecodeAttention
 from engine.parallel.pcp import RowPlan, plan_step_rows
 from engine.runner.inputs import BatchRows, build_batch
 
@@ -65,6 +67,10 @@ class CPStep:
         return self.layer_ids[i + 1] if i + 1 < len(self.layer_ids) else None
 
 
+# where the plan of this rank's forward waits for the CP attention backend (cp_backend.py)
+CP_STEP: ForwardSlot[CPStep] = ForwardSlot("cp")
+
+
 def select_rows(meta: AttnMetadata, rows: list[int], counts: list[int], device) -> AttnMetadata:
     """The metadata of a subset of rows (ascending, `counts` of them per request), same requests."""
     idx = torch.tensor(rows, dtype=torch.int64, device=device)
@@ -79,10 +85,7 @@ def select_rows(meta: AttnMetadata, rows: list[int], counts: list[int], device) 
 
 def build_step(runner, rows, layer_ids: list[int]) -> tuple[torch.Tensor, AttnMetadata, CPStep, BatchRows]:
     """rows (request state, start, token ids) of one forward -> (own input ids, own metadata with the
-    plan in `meta.cp`, the plan, the layout of all step rows)."""
-    from engine.parallel.dcp_context import ContextGather
-    from engine.parallel.dcp_decode import DecodeAttention
-
+    plan under `CP_STEP`, the plan, the layout of all step rows)."""
     pc = runner.cfg.parallel
     input_ids, write_meta, layout = build_batch(rows, runner.block_size, runner.device, runner.slot_fn)
     plan = plan_step_rows(layout.num_rows, pc.prefill_context_parallel_size, runner.rank, runner.device)
@@ -108,7 +111,7 @@ def build_step(runner, rows, layer_ids: list[int]) -> tuple[torch.Tensor, AttnMe
             step.context = ContextGather(step, runner.kv_cache, runner.comm, runner.kv_prefetch)
         if any(r.decode for r in requests):
             step.decode = DecodeAttention(step, runner.comm, runner.backend.inner, pc.dcp_comm_backend)
-    own_meta.cp = step
+    CP_STEP.put(own_meta, step)
     own_ids = input_ids[torch.tensor(own, dtype=torch.int64, device=input_ids.device)]
     return own_ids, own_meta, step, layout
 

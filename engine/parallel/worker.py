@@ -7,15 +7,14 @@ CPModelRunner (a DPModelRunner with data_parallel_size > 1), whose messages it t
                                       all-gather what was sampled so rank 0 can compare
     ("dpstep",)                       data parallel: receive this rank's SchedulerOutput (scatter), run it,
                                       gather the RankStepResults (RunnerOutput + HiSparse figures) on rank 0
-    ("rpc", method, args)             call a runner method (or "module:function" with the runner first)
-                                      and gather the results on rank 0
+    ("rpc", method, args)             call a runner method (by name) or a function (runner first; it arrives
+                                      pickled by reference) and gather the results on rank 0
     ("release",)                      drop the runner, wait for the next ("engine", cfg) or ("exit",)
     ("shutdown",)                     leave
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import threading
@@ -24,13 +23,15 @@ import traceback
 
 import torch
 
-from engine import envs
+from engine import settings
+from engine.parallel.cp_runner import CPModelRunner, rank_output_digest
 from engine.parallel.dist import DistEnv, RankComm
+from engine.parallel.dp_runner import DPModelRunner
 
 
 def worker_main() -> None:
     env = DistEnv.from_environ()
-    device_type = envs.dist_device() or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = settings.dist_device() or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)
@@ -51,18 +52,12 @@ def worker_main() -> None:
 def rank_runner(cfg, comm: RankComm):
     """This rank's runner: a DP rank's (data_parallel_size > 1) or a CP rank's."""
     if cfg.parallel.data_parallel_size > 1:
-        from engine.parallel.dp_runner import DPModelRunner
-
         return DPModelRunner(cfg, comm)
-    from engine.parallel.runner import CPModelRunner
-
     return CPModelRunner(cfg, comm)
 
 
 def serve(runner, comm: RankComm) -> str:
     """Run rank 0's messages until "release" (back to the pool) or "shutdown"; returns which."""
-    from engine.parallel.runner import rank_output_digest
-
     while True:
         msg = comm.broadcast_object()
         if msg[0] == "step":
@@ -79,19 +74,30 @@ def serve(runner, comm: RankComm) -> str:
             raise RuntimeError(f"unknown message {msg[0]!r} from rank 0")
 
 
-def call_rpc(runner, method: str, args: tuple) -> tuple[bool, object]:
+def check_rank_call(method) -> None:
+    """What `collective_rpc` accepts: a runner method's name, or a function defined at a module's top level
+    (pickled by reference: a lambda or a nested function cannot reach the other ranks)."""
+    if isinstance(method, str):
+        if not method.isidentifier():
+            raise ValueError(f"collective_rpc takes a runner method's name or a function, got {method!r}")
+        return
+    name = getattr(method, "__qualname__", "")
+    if not callable(method) or "<" in name or not getattr(method, "__module__", None):
+        raise TypeError(f"collective_rpc takes a function defined at a module's top level, got {method!r}")
+
+
+def call_rpc(runner, method, args: tuple) -> tuple[bool, object]:
     """(ok, result or formatted exception): an RPC error must not leave the other ranks waiting."""
     try:
-        if ":" in method:
-            module, name = method.split(":", 1)
-            return True, getattr(importlib.import_module(module), name)(runner, *args)
-        return True, getattr(runner, method)(*args)
+        if isinstance(method, str):
+            return True, getattr(runner, method)(*args)
+        return True, method(runner, *args)
     except Exception:  # noqa: BLE001 - reported to rank 0, which raises it
         return False, traceback.format_exc()
 
 
 def _exit_with_parent() -> None:
-    parent = envs.parent_pid()
+    parent = settings.parent_pid()
     if parent is None:
         return
 
@@ -104,9 +110,19 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown: a process group's C++ threads may still be joinable when
+    static destructors run, which aborts the process ("terminate called without an active exception")
+    after its work is done. Nothing of ours is left to flush but the standard streams."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     try:
         worker_main()
     except Exception:  # noqa: BLE001 - printed for the log; rank 0 sees the rank gone
         traceback.print_exc()
-        sys.exit(1)
+        exit_now(1)
+    exit_now(0)

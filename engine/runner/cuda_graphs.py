@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from engine.runner.static_decode import PaddedBatch, eager_forward
+from engine.runner.padded_batch import PaddedBatch, eager_forward
 
 log = logging.getLogger(__name__)
 

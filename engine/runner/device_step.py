@@ -3,7 +3,7 @@ drafts, and its tokens stay on the device until the step's one read-back.
 
     target    the padded static forward (engine/runner/static_decode.py) over each request's 1 + d rows; a
               placeholder request's ids and start come from the last step's device outputs (LastStep)
-    verify    engine/runner/spec.py `verify`, the host path's own: greedy requests accept drafts while each
+    verify    engine/runner/speculative.py `verify`, the host path's own: greedy requests accept drafts while each
               equals the argmax of the row before it; sampled ones (temperature, top-k / top-p / min-p, with
               or without a seed) by rejection sampling against the distributions their drafts were drawn
               from, then one token from the residual or the last row (synthetic acceptance: a host draw per
@@ -33,7 +33,7 @@ import torch
 from engine.core.scheduler_output import RunnerOutput, SampledOutput, ScheduledChunk
 from engine.runner.inputs import device_index
 from engine.runner.sampler import RowParams, draw_rows, sampled_order
-from engine.runner.spec import DraftDists, StepRows, draft_dists, verify
+from engine.runner.speculative import DraftDists, StepRows, draft_dists, verify
 from engine.runner.step_graph import StepGraphs
 from engine.runner.step_output import LastStep, StepHandle
 

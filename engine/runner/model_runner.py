@@ -12,15 +12,17 @@ from itertools import accumulate
 
 import torch
 
-from engine import envs
+from engine import settings
 from engine.attention import get_attention_backend
 from engine.config.engine import EngineConfig
 from engine.core.scheduler_output import RunnerOutput, SampledOutput, ScheduledChunk, SchedulerOutput
+from engine.hisparse import HiSparseManager
 from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.kv.offload import KVCopy
 from engine.kv.offload_buffer import OffloadBuffer
 from engine.loading.loader import build_model, dummy_init, use_kernels
+from engine.loading.weight_stats import rank_weight_report
 from engine.model.context import ForwardContext
 from engine.model.layers import rope_cos_sin, rope_inv_freq
 from engine.model.projections import pack_projections
@@ -28,7 +30,7 @@ from engine.runner.device_step import DeviceDecode
 from engine.runner.inputs import BatchRows, build_batch, chunk_rows, device_index, rows_layout, slots_for
 from engine.runner.mtp import MTPProposer
 from engine.runner.sampler import RowParams, RowSpec, Sampler, sampled_order, top_logprobs
-from engine.runner.spec import StepRows, SyntheticAcceptance, draft_dists, verify
+from engine.runner.speculative import StepRows, SyntheticAcceptance, draft_dists, verify
 from engine.runner.state import RunnerRequest
 from engine.runner.static_decode import StaticDecode
 from engine.runner.step_output import LastStep, StepHandle, host_last_step
@@ -40,14 +42,14 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(envs.cpu_threads())
+            torch.set_num_threads(settings.cpu_threads())
         self.block_size = cfg.cache.block_size
         self.with_mtp = cfg.with_mtp
         self.model = model if model is not None else build_model(
             cfg.model, device=self.device, dtype=cfg.torch_dtype, with_mtp=self.with_mtp, checkpoint=cfg.checkpoint)
         if model is None and cfg.checkpoint is None:
             dummy_init(self.model, cfg.seed)
-        if envs.packed_projections() and pack_projections(self.model) and self.device.type == "cuda":
+        if pack_projections(self.model) and self.device.type == "cuda":
             # the members' own weight tensors were freed: hand their memory back before the KV budget reads it
             torch.cuda.empty_cache()
         self.spec = KVCacheSpec.from_model(cfg.model, block_size=self.block_size,
@@ -56,8 +58,6 @@ class ModelRunner:
         num_blocks = num_blocks or num_kv_blocks(cfg, self.spec)
         self.hisparse = None  # HiSparse: host pool + device pages + hot buffers behind a backend wrapper
         if cfg.hisparse is not None:
-            from engine.hisparse import HiSparseManager
-
             self.hisparse = HiSparseManager(cfg, self.spec, self.device, num_blocks)
             self.kv_cache = self.hisparse.cache
         else:
@@ -92,7 +92,7 @@ class ModelRunner:
     def make_attention_backend(self):
         """The attention backend stack of this runner (engine.attention.base.AttentionBackend)."""
         backend = get_attention_backend(self.spec, self.device, self.cfg.attention_backend)
-        use_kernels(self.model, backend.name == "triton", envs.fused_ops())  # one switch for every kernel
+        use_kernels(self.model, backend.name == "triton")  # one switch for every kernel
         if self.hisparse is not None:
             backend = self.hisparse.wrap(backend)
         return backend
@@ -190,6 +190,10 @@ class ModelRunner:
         if self.mtp is not None:
             out.drafts = self.mtp.run(sched.chunks, layout, hidden, emitted)
         return out
+
+    def weight_report(self) -> dict:
+        """This rank's weights: bytes by dtype and what loading read (engine.loading.weight_stats)."""
+        return rank_weight_report(self)
 
     def apply_kv_copies(self, copies: list[KVCopy]) -> None:
         """Offload copies decided outside a step (EngineCore.flush_kv_copies), done when this returns."""

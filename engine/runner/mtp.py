@@ -17,7 +17,7 @@ import torch
 from engine.core.scheduler_output import ScheduledChunk
 from engine.runner.inputs import BatchRows, device_index
 from engine.runner.sampler import RowParams, RowSpec, draw_rows
-from engine.runner.spec import DraftDists
+from engine.runner.speculative import DraftDists
 
 
 class MTPProposer:

@@ -13,11 +13,11 @@ Rows never interact inside a layer (attention reads the cache, every other op is
 rows compute what they would unpadded. On CUDA, with a graph-safe backend, each (kind, size, R) is
 captured once and replayed; elsewhere the same padded forward runs eagerly.
 
-HiSparse: each request's page-table row and hot slot (engine.hisparse.forward.StaticRouting, padding
-requests on a spare row with none) travel in the same copy into fixed device tensors, and the forward
-computes its routing, plans and miss copies from those and the metadata on the device
-(`plan_static`), so it is padded and captured like any other. The offload-only baseline keeps its
-per-step host routing: unpadded, never captured.
+The buffers come from the attention backend (`metadata_builder`), so a wrapping backend adds what its
+forward reads: HiSparse's builder sends each request's page-table row and hot slot in the same copy, and
+its forward routes from those on the device, so it is padded and captured like any other. A backend that
+routes from host lists per forward (`pads_decode` false: HiSparse's offload-only baseline, its CUDA path
+without graphs asked for) runs here unpadded and is never captured.
 """
 
 from __future__ import annotations
@@ -25,43 +25,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.metadata import AttnMetadata
-from engine.hisparse.forward import StaticRouting, static_routing
+from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.padded_batch import PaddedBatch, eager_forward
 
 log = logging.getLogger(__name__)
 PROGRESS_S = 10.0  # capture_all logs its progress at most this often
-
-
-@dataclass
-class PaddedBatch:
-    input_ids: torch.Tensor  # [T_pad] static view
-    meta: AttnMetadata
-    real_idx: torch.Tensor  # [T] padded row of each real row, in the rows' order
-    src_idx: torch.Tensor  # [T_pad] real row each padded row takes its MTP input hidden state from
-    key: tuple  # (num padded requests, rows per request)
-    extras: list[torch.Tensor] = field(default_factory=list)  # the caller's lists, on the device (one copy)
-    runs: int = 0  # forwards run on it so far
-
-    def place(self, start: torch.Tensor, built: torch.Tensor) -> None:
-        """Move every real request's rows to start at `start` [B] (device) instead of `built` [B] (the host
-        starts they were built with): positions, write slots and seq lens, on the device. Padding rows move
-        with their request and keep writing nowhere; padding requests stay where they are."""
-        m = self.meta
-        req = m.token_req_idx.long()
-        delta = start.long() - built.long()
-        pad = m.seq_lens.shape[0] - delta.shape[0]
-        if pad:
-            delta = torch.cat([delta, delta.new_zeros(pad)])
-        pos = m.positions + delta[req]
-        bs = m.block_size
-        slots = m.block_table.long()[req, pos // bs] * bs + pos % bs
-        m.slot_mapping.copy_(torch.where(m.slot_mapping >= 0, slots, m.slot_mapping))
-        m.positions.copy_(pos)
-        m.seq_lens.add_(delta.to(m.seq_lens.dtype))
 
 
 class StaticDecode:
@@ -70,13 +41,7 @@ class StaticDecode:
         self.runner = runner
         self.sizes = cfg.graphs.capture_sizes(cfg.scheduler.max_num_seqs)
         self.rows_per_req = 1 + cfg.num_spec_tokens
-        hs = runner.hisparse
-        # HiSparse decode is padded (routed by StaticRouting) on the CPU and, on CUDA, only with graphs asked for
-        # (GraphConfig.capture_hisparse) until its graph tests have run on an H200; else it runs unpadded
-        padded_hs = hs is not None and not hs.offload_only and (runner.device.type != "cuda"
-                                                                 or cfg.graphs.capture_hisparse)
-        self.hisparse = hs if padded_hs else None
-        self.pad = hs is None or padded_hs
+        self.pad = runner.backend.pads_decode
         bs = runner.block_size
         self.max_blocks = -(-(cfg.scheduler.max_model_len + self.rows_per_req) // bs) + 1
         self.builder = runner.backend.metadata_builder(self.sizes[-1] * self.rows_per_req, self.sizes[-1],
@@ -84,11 +49,7 @@ class StaticDecode:
         self.graph_safe = runner.backend.graph_safe and self.pad
         self.capture = self.graph_safe and runner.device.type == "cuda"
         self.bound = self.max_blocks * bs if self.graph_safe else None
-        self.graphs = None
-        if self.capture:
-            from engine.runner.cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(runner)
+        self.graphs = DecodeGraphs(runner) if self.capture else None
         self.num_static = 0  # forwards on this path: built (one H2D copy each) or derived (instrumented for the tests)
         self.num_derived = 0  # ... of those, derived on the device from the last build (`next_rows`)
         self.num_reruns = 0  # forwards run again on a built batch (the device step's MTP catch-up)
@@ -145,13 +106,9 @@ class StaticDecode:
             lens.append(R)
             tables.append([])
             req_ids.append("")
-        route = self._routing(req_ids, lens, R)
         ids, meta, (real_t, src_t, *extra_t) = self.builder.build_columns(
-            ids, pos, slots, counts, lens, tables, (real_idx, src_idx, *extras),
-            route.ints if route is not None else ())
-        meta.req_ids = req_ids
+            ids, pos, slots, counts, lens, tables, (real_idx, src_idx, *extras), req_ids=req_ids)
         meta.max_seq_len_bound = self.bound
-        meta.hisparse_routing = self._attach(route, B_pad)
         self.num_static += 1
         self.shapes[(B, B_pad, R)] += 1
         return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R), extra_t)
@@ -168,13 +125,9 @@ class StaticDecode:
         B_pad = self.bucket(B) if self.pad else B
         lens = [p + 1 for p in host_positions] + [1] * (B_pad - B)
         meta_ids = req_ids + [""] * (B_pad - B)
-        # HiSparse: the host lists of the same routing; its device ints follow their requests in `derive`
-        route = self._routing(meta_ids, lens, 1)
-        pads = (self.hisparse.spare_slot, -1) if route is not None else ()
-        ids, meta = self.builder.derive(positions, lens, B_pad, requests, pads, live)
-        meta.req_ids = meta_ids
+        # a backend's per-request ints follow their requests on the device (`derive`), its host lists are new
+        ids, meta = self.builder.derive(positions, lens, B_pad, requests, live=live, req_ids=meta_ids)
         meta.max_seq_len_bound = self.bound
-        meta.hisparse_routing = self._attach(route, B_pad)
         self.num_static += 1
         self.num_derived += 1
         self.shapes[(B, B_pad, 1)] += 1
@@ -191,25 +144,9 @@ class StaticDecode:
     def dummy(self, B_pad: int, R: int) -> PaddedBatch:
         """A batch of padding requests only (R rows at positions 0..R-1 of block 0, slot -1: nothing written)."""
         entries = [([], list(range(R)), R, [0] * R, [-1] * R) for _ in range(B_pad)]
-        route = self._routing([""] * B_pad, [R] * B_pad, R)
-        ids, meta, (real_t, src_t) = self.builder.build(entries, ([], [0] * (B_pad * R)),
-                                                        route.ints if route is not None else ())
-        meta.req_ids = [""] * B_pad
+        ids, meta, (real_t, src_t) = self.builder.build(entries, ([], [0] * (B_pad * R)), req_ids=[""] * B_pad)
         meta.max_seq_len_bound = self.bound
-        meta.hisparse_routing = self._attach(route, B_pad)
         return PaddedBatch(ids, meta, real_t, src_t, (B_pad, R))
-
-    def _routing(self, req_ids: list[str], seq_lens: list[int], R: int) -> StaticRouting | None:
-        """HiSparse's routing of a padded batch (host side, after the step's placement), else None."""
-        if self.hisparse is None:
-            return None
-        return static_routing(self.hisparse, req_ids, seq_lens, R)
-
-    def _attach(self, route: StaticRouting | None, B_pad: int) -> StaticRouting | None:
-        """The routing's device tensors: the builder's fixed per-request rows, filled by this build's copy."""
-        if route is not None:
-            route.slot, route.hot_slot = self.builder.req_ints[0, :B_pad], self.builder.req_ints[1, :B_pad]
-        return route
 
     def capture_all(self) -> None:
         """Capture every key at start-up (vLLM's convention), so serving never pauses to capture and a
@@ -218,8 +155,8 @@ class StaticDecode:
             return
         mc = self.runner.cfg.model
         keys = self.keys()
-        what = "HiSparse " if self.hisparse is not None else ""
-        log.info("capturing %d %sdecode graphs (sizes %s)", len(keys), what, ",".join(map(str, self.sizes)))
+        backend = self.runner.backend.name
+        log.info("capturing %d decode graphs (sizes %s) over %s", len(keys), ",".join(map(str, self.sizes)), backend)
         t0 = last = time.perf_counter()
         for i, (kind, size, R) in enumerate(keys):
             t = time.perf_counter()
@@ -237,7 +174,7 @@ class StaticDecode:
                 log.info("captured %d of %d decode graphs in %.1f s (last: %s, %d requests x %d rows, %.2f s)",
                          i + 1, len(keys), now - t0, kind, size, R, now - t)
         torch.cuda.synchronize()
-        log.info("captured %d %sdecode graphs in %.1f s", len(keys), what, time.perf_counter() - t0)
+        log.info("captured %d decode graphs in %.1f s over %s", len(keys), time.perf_counter() - t0, backend)
 
     def run(self, kind: str, batch: PaddedBatch, prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The model (kind "target") or its MTP layer ("mtp") over the padded batch -> the real rows' outputs."""
@@ -250,11 +187,3 @@ class StaticDecode:
             out = eager_forward(self.runner, kind, batch.input_ids, batch.meta, prev)
         return out[batch.real_idx]
 
-
-def eager_forward(runner, kind: str, input_ids: torch.Tensor, meta: AttnMetadata,
-                  prev: torch.Tensor | None) -> torch.Tensor:
-    ctx = runner.make_context(meta)
-    with torch.inference_mode():
-        if kind == "target":
-            return runner.model(input_ids, ctx)
-        return runner.model.mtp_forward(input_ids, prev, ctx)

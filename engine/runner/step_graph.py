@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from engine.runner.spec import StepRows, verify
-from engine.runner.static_decode import eager_forward
+from engine.runner.padded_batch import eager_forward
+from engine.runner.speculative import StepRows, verify
 from engine.runner.step_output import LastStep, StepHandle
 
 log = logging.getLogger(__name__)

@@ -15,17 +15,10 @@ import torch
 
 from engine.core.scheduler_output import SampledOutput, ScheduledChunk
 from engine.runner.state import RunnerRequest
-from engine.structured.grammar import GrammarBackend, backend_for
+from engine.structured.grammar import GrammarBackend, engine_backend
 from engine.structured.matcher import RequestGrammar, apply_bitmask, build_bitmask
 
 log = logging.getLogger(__name__)
-
-
-def engine_backend(cfg) -> GrammarBackend:
-    """The grammar backend for an engine's model (its tokenizer, logits width and EOS ids)."""
-    if cfg.model_path is None:
-        raise ValueError("structured outputs need the model's tokenizer: this engine has no model directory")
-    return backend_for(str(cfg.model_path), cfg.model.vocab_size, tuple(cfg.model.eos_token_ids))
 
 
 class StructuredOutputs:

@@ -16,11 +16,20 @@ from collections import OrderedDict
 from pathlib import Path
 
 import xgrammar as xgr
+from tokenizers import Tokenizer
 
 from engine.structured.spec import StructuredOutputSpec
 
 MAX_COMPILED = 256  # compiled grammars kept per tokenizer (LRU)
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")  # "[09:03:56] /path/x.cc:83: " on xgrammar errors
+
+
+def engine_backend(cfg) -> GrammarBackend:
+    """The grammar backend for an engine's model (its tokenizer, logits width and EOS ids): what validation
+    (EngineCore) and the runner's matchers share."""
+    if cfg.model_path is None:
+        raise ValueError("structured outputs need the model's tokenizer: this engine has no model directory")
+    return backend_for(str(cfg.model_path), cfg.model.vocab_size, tuple(cfg.model.eos_token_ids))
 
 
 def _ebnf_of_choice(choices: list[str]) -> str:
@@ -53,8 +62,6 @@ def _label(kind: str) -> str:
 def tokenizer_info(tokenizer_dir: str | Path, vocab_size: int, stop_token_ids: tuple[int, ...]) -> xgr.TokenizerInfo:
     """xgrammar's view of the checkpoint's `tokenizer.json` (vocabulary, byte encoding, stop tokens);
     `vocab_size` is the model's logits width (it may exceed the tokenizer's)."""
-    from tokenizers import Tokenizer
-
     file = Path(tokenizer_dir) / "tokenizer.json"
     if not file.exists():
         raise ValueError(f"structured outputs need the model's tokenizer.json (none in {tokenizer_dir})")

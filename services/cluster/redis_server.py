@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+import redis
+
 from engine.parallel.dist import free_port
-from services.deploy.procs import stop_pid, tie_to_parent
 from services.rpc.net import is_local_address
+from services.rpc.procs import stop_pid, tie_to_parent
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -30,8 +32,6 @@ class PortTaken(RuntimeError):
 
 def _server_pid(url: str) -> int | None:
     """The process id of the Redis answering at `url` (INFO server), or None."""
-    import redis
-
     client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
     try:
         return int(client.info("server")["process_id"])
@@ -43,8 +43,6 @@ def _server_pid(url: str) -> int | None:
 
 def ping(url: str, timeout: float = 0.5) -> bool:
     """True if a Redis answers PING at `url` (synchronous: used before any event loop exists)."""
-    import redis
-
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
         return bool(client.ping())

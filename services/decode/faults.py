@@ -1,12 +1,12 @@
 """Fault injection, a debug facility kept out of the request path: `with_faults(puller)` wraps the decode
-service's KV puller when `PDSERVE_FAULT_NIXL_FAIL_FIRST_N` (services/settings.py) is set, so that its first
+service's KV puller when `PDSERVE_FAULT_NIXL_FAIL_FIRST_N` (engine/settings.py) is set, so that its first
 N pull attempts fail as a NIXL transfer error would (the e2e fault tests run real processes with it; see
 docs/failures.md). Unset, the service runs its own puller untouched.
 """
 
 from __future__ import annotations
 
-from services import settings
+from engine import settings
 from services.transfer.nixl_agent import TransferError
 
 

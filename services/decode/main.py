@@ -3,7 +3,7 @@
 A decode engine with hybrid HiSparse (`--attention-config '{"hisparse_config": {...}}'`) and MTP
 (`--speculative-config '{"method": "mtp", "num_speculative_tokens": 3}'`): one instance, or, with
 `--data-parallel-size D --enable-expert-parallel`, one DP × EP group of D ranks, one process each
-(`--rank r --world-size D --master-addr A --master-port P`, as the launcher or `services.deploy.ranks`
+(`--rank r --world-size D --master-addr A --master-port P`, as the launcher or `services.launch.ranks`
 start them). Rank 0 serves gRPC and drives the group; the others run the engine's worker loop and pull
 their own requests' KV. The group registers as D instances `<id>-dp0` ... `<id>-dp{D-1}` at rank 0's
 address (docs/dp_ep.md), and leaves service as one when a rank dies or hangs (services/rank_watch.py)."""
@@ -18,6 +18,7 @@ import sys
 
 from engine.config.arg_utils import EngineArgs
 from engine.frontend.async_engine import AsyncEngine
+from engine.parallel.worker import exit_now, worker_main
 from proto.pdserve.v1 import decode_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, RedisState
 from services.decode.faults import with_faults
@@ -122,11 +123,9 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
-    if args.world_size > 1:  # a DP group started rank by rank (launcher / services.deploy.ranks)
+    if args.world_size > 1:  # a DP group started rank by rank (launcher / services.launch.ranks)
         set_rank_environ(args)
         if args.rank > 0:
-            from engine.parallel.worker import worker_main
-
             worker_main()
-            return
+            exit_now(0)  # past the process group's teardown: no C++ thread left joinable at exit
     sys.exit(run(lambda: serve(args)))

@@ -29,11 +29,12 @@ from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.rpc.admission import Admission
 from services.rpc.bounds import ModelLimits, check_generate_proto, check_token_ids
+from services.rpc.convert import delta_to_proto, sampling_from_proto
 from services.rpc.grpc_server import Overloaded, channel, grpc_errors
 from services.rpc.metrics import ServiceMetrics
+from services.transfer.convert import check_kv_layout
 from services.transfer.nixl_agent import TransferError, TransferTimeout
 from services.transfer.pull import KVPuller
-from services.transfer.wire import check_kv_layout, delta_to_proto, sampling_from_proto
 
 log = logging.getLogger(__name__)
 

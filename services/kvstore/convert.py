@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from proto.pdserve.v1 import kvstore_pb2
 from services.kvstore.pool import Lease, Reservation
-from services.transfer.wire import unix_ms
+from services.rpc.convert import unix_ms
 
 
 def reserve_response(res: Reservation | None, num_present: int, agent_name: str) -> kvstore_pb2.ReserveResponse:

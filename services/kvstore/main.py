@@ -7,7 +7,7 @@ import logging
 import sys
 
 from engine.config.arg_utils import add_kv_layout_args
-from engine.config.model import ModelConfig
+from engine.config.model_config import ModelConfig
 from engine.kv.cache import KVCacheSpec, num_blocks_for_bytes
 from proto.pdserve.v1 import kvstore_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState

@@ -22,10 +22,11 @@ from proto.pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.cluster.redis_state import RedisState
 from services.kvstore import convert
 from services.kvstore.pool import BlockPool, PoolChanges
+from services.rpc.convert import block_hashes_from_proto, ttl_s
 from services.rpc.grpc_server import Overloaded, grpc_errors
 from services.rpc.metrics import ServiceMetrics
+from services.transfer.convert import kv_layout_to_proto, nixl_peer_to_proto
 from services.transfer.nixl_agent import NixlAgent
-from services.transfer.wire import block_hashes_from_proto, kv_layout_to_proto, nixl_peer_to_proto, ttl_s
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """`python -m services.prefill --model DIR --port 50051 --redis-url URL [engine flags]`
 
 Rank 0 serves gRPC and drives the engine; with PCP/DCP > 1 the other ranks run the engine's worker
-loop (`--rank r --world-size N --master-addr A --master-port P`, as `services.deploy.ranks` or the
+loop (`--rank r --world-size N --master-addr A --master-port P`, as `services.launch.ranks` or the
 launcher start them).
 """
 
@@ -13,6 +13,7 @@ import sys
 
 from engine.config.arg_utils import EngineArgs
 from engine.frontend.async_engine import AsyncEngine
+from engine.parallel.worker import exit_now, worker_main
 from proto.pdserve.v1 import prefill_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, RedisState
 from services.engine_host import EngineHost
@@ -101,11 +102,9 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
-    if args.world_size > 1:  # started rank by rank (launcher / services.deploy.ranks): torchrun's contract
+    if args.world_size > 1:  # started rank by rank (launcher / services.launch.ranks): torchrun's contract
         set_rank_environ(args)
         if args.rank > 0:
-            from engine.parallel.worker import worker_main
-
             worker_main()
-            return
+            exit_now(0)  # past the process group's teardown: no C++ thread left joinable at exit
     sys.exit(run(lambda: serve(args)))

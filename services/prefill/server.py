@@ -25,11 +25,11 @@ from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.leases import LeaseTable
 from services.rpc.admission import Admission
 from services.rpc.bounds import ModelLimits, check_generate_proto
+from services.rpc.convert import delta_to_proto, sampling_from_proto, unix_ms
 from services.rpc.grpc_server import FailedPrecondition, NotFound, Unavailable, grpc_errors
 from services.rpc.metrics import ServiceMetrics
 from services.transfer.export import KVExporter
 from services.transfer.prefix import PrefixTransfer
-from services.transfer.wire import delta_to_proto, sampling_from_proto, unix_ms
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,9 @@
                parsed as reasoning; else, with a reasoning parser, a prompt left inside <think>
                starts the output in the reasoning
 
-`ChatSettings` is the server's side (template, parsers, flags); `prepare_chat_request` returns the
-prompt text, the output options of every choice, and the forced-call spec (or None).
+`ChatSettings` is the server's side (template, parsers, flags); `render_chat` (the render step of
+services/router/prepare.py) returns the prompt text, the output options of every choice, and the
+forced-call spec (or None).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from jsonschema import SchemaError, validators  # imported at start: a router wi
 from services.router.chat_output import OutputOptions
 from services.router.chat_template import ChatTemplate, ChatTemplateError
 from services.router.requests import BadRequest
-from services.router.tool_grammar import ToolGrammarError, tool_choice_spec
 from services.router.tool_parsers import tool_schemas
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -147,7 +147,8 @@ def _forced_names(choice, tools: dict[str, dict], settings: ChatSettings) -> tup
     return True, [name]
 
 
-def prepare_chat_request(body, settings: ChatSettings) -> ChatPlan:
+def render_chat(body, settings: ChatSettings) -> ChatPlan:
+    """Tools and tool_choice checked, the messages rendered with the chat template; BadRequest naming the field."""
     if settings.template is None:
         raise BadRequest("this model has no chat template: use /v1/completions, or start the server with "
                          "--chat-template FILE", "messages", code="no_chat_template")
@@ -166,10 +167,18 @@ def prepare_chat_request(body, settings: ChatSettings) -> ChatPlan:
                         settings.tool_parser if parse_tools else None, tools, body.parallel_tool_calls is not False)
     spec = None
     if forced:
-        try:
-            parallel = body.tool_choice == "required" and body.parallel_tool_calls is not False
-            spec = tool_choice_spec(tools, forced, parallel, settings.tool_parser.part_separator,
-                                    reasoning.end if in_reasoning else "")
-        except ToolGrammarError as e:
-            raise BadRequest(str(e), "tools") from e
+        parallel = body.tool_choice == "required" and body.parallel_tool_calls is not False
+        spec = _forced_call_spec(tools, forced, parallel, settings.tool_parser.part_separator,
+                                 reasoning.end if in_reasoning else "")
     return ChatPlan(prompt, out, spec, tools)
+
+
+def _forced_call_spec(tools: dict[str, dict], allowed: list[str], parallel: bool, sep: str, reasoning_end: str):
+    """The grammar of a forced call (services/router/tool_grammar.py); BadRequest when it cannot be built."""
+    # tool_grammar builds the grammar with xgrammar, which imports torch: loaded by the first forced call
+    from services.router.tool_grammar import ToolGrammarError, tool_choice_spec
+
+    try:
+        return tool_choice_spec(tools, allowed, parallel, sep, reasoning_end)
+    except ToolGrammarError as e:
+        raise BadRequest(str(e), "tools") from e

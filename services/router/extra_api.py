@@ -24,7 +24,7 @@ from pathlib import Path
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.router.chat_request import prepare_chat_request
+from services.router.chat_request import render_chat
 from services.router.openai_models import ChatCompletionRequest
 from services.router.requests import BadRequest
 
@@ -108,7 +108,7 @@ class DetokenizeRequest(BaseModel):
 
 
 class ExtraEndpoints:
-    """/version, /tokenize and /detokenize, mixed into RouterAPI: it provides `tok`, `limits`, `chat`,
+    """/version, /tokenize and /detokenize, mixed into RouterAPI: it provides `served` (prepare.ServedModel),
     `_check_model` and `error` (an exception as an OpenAI error response)."""
 
     async def version(self) -> dict:
@@ -128,20 +128,23 @@ class ExtraEndpoints:
                                                  add_generation_prompt=body.add_generation_prompt, tool_choice="none")
                 except pydantic.ValidationError as e:
                     raise BadRequest(f"messages: {e.errors()[0]['msg']}", "messages") from e
-                text = prepare_chat_request(chat, self.chat).prompt
-            ids = self.tok.encode(text)
-            strs = [self.tok.id_to_token(t) for t in ids] if body.return_token_strs else None
-            return {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids, "token_strs": strs}
+                text = render_chat(chat, self.served.chat).prompt
+            tok = self.served.tok
+            ids = tok.encode(text)
+            strs = [tok.id_to_token(t) for t in ids] if body.return_token_strs else None
+            return {"count": len(ids), "max_model_len": self.served.limits.max_model_len, "tokens": ids,
+                    "token_strs": strs}
         except Exception as exc:  # noqa: BLE001
             return self.error(exc)
 
     async def detokenize(self, body: DetokenizeRequest):
         try:
             self._check_model(body.model)
-            bad = [t for t in body.tokens if not 0 <= t < self.limits.vocab_size]
+            vocab_size = self.served.limits.vocab_size
+            bad = [t for t in body.tokens if not 0 <= t < vocab_size]
             if bad:
-                raise BadRequest(f"tokens must be in [0, {self.limits.vocab_size}); got {bad[:5]}", "tokens")
-            return {"prompt": self.tok.decode(body.tokens, skip_special_tokens=False)}
+                raise BadRequest(f"tokens must be in [0, {vocab_size}); got {bad[:5]}", "tokens")
+            return {"prompt": self.served.tok.decode(body.tokens, skip_special_tokens=False)}
         except Exception as exc:  # noqa: BLE001
             return self.error(exc)
 

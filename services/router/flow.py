@@ -33,9 +33,9 @@ from engine.frontend.tokenizer import Tokenizer
 from engine.kv.hashing import block_hashes
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.router.routing import NoInstance, Routing
+from services.rpc.convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
 from services.rpc.grpc_server import Overloaded, channel, retry_after_s
 from services.rpc.metrics import ServiceMetrics
-from services.transfer.wire import finish_from_proto, logprobs_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 

@@ -1,18 +1,18 @@
 """The router's OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE; tools,
 tool calls and reasoning: chat_request.py, chat_output.py), /v1/models, /tokenize, /detokenize,
-/version, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}`.
-Bodies are parsed as strict JSON (strict_json.py) and their numbers checked (validation.py) before use.
-The Anthropic Messages API (/v1/messages) is mounted beside them from services/router/anthropic/."""
+/version, /health, /metrics. Errors are `{"error": {"message", "type", "param", "code"}}` (errors.py).
+
+A request is a body parsed as strict JSON (strict_json.py), made into engine work by prepare.py (validate,
+render the chat template, build SamplingParams), then run here: n choices per prompt through the flow
+(flow.py), collected into one response or streamed as SSE. The Anthropic Messages API (/v1/messages) is
+mounted beside them from services/router/anthropic/ and runs its prepared requests through `respond`."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import math
 import time
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,55 +20,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.anthropic.endpoint import mount as mount_anthropic
-from services.router.api_fields import check_extra_fields
 from services.router.chat_output import ChoiceParser, OutputOptions, openai_delta, openai_message
-from services.router.chat_request import ChatSettings, prepare_chat_request
-from services.router.extra_api import ExtraEndpoints, RequestIdHeader, apply_generation_defaults, new_api_request_id
-from services.router.flow import Flow, RequestStats, UpstreamError
-from services.router.guard import ApiKeys, Guard, tenant_cache_salt
-from services.router.openai_models import ChatCompletionRequest, CompletionRequest, error_body
-from services.router.requests import BadRequest, Limits, Prepared, prepare_chat, prepare_completion
+from services.router.chat_request import ChatSettings
+from services.router.errors import error_response, exception_response
+from services.router.extra_api import ExtraEndpoints, RequestIdHeader, new_api_request_id
+from services.router.flow import Flow, RequestStats
+from services.router.guard import ApiKeys, Guard
+from services.router.openai_models import ChatCompletionRequest, CompletionRequest
+from services.router.prepare import ServedModel, check_model, prepare_chat, prepare_completion
+from services.router.requests import Limits, Prepared
 from services.router.responses import Formatter, sse, usage
-from services.router.routing import NoInstance
 from services.router.strict_json import StrictJSONRoute
 from services.rpc.admission import Admission
 from services.rpc.bounds import seed_for_sample
-from services.rpc.grpc_server import Overloaded, retry_after_s
 
 log = logging.getLogger(__name__)
 
-_GRPC_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-              grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-              grpc.StatusCode.FAILED_PRECONDITION: 409}
 # chunks buffered per streaming response: a slow reader back-pressures the engines instead of growing memory
 STREAM_BUFFER_CHUNKS = 64
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", code=None, param=None,
-                   retry_after: int | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after)} if retry_after else None
-    return JSONResponse(error_body(message, type_, code if code is not None else status, param), status_code=status,
-                        headers=headers)
-
-
-def exception_response(exc: BaseException) -> JSONResponse:
-    if isinstance(exc, BadRequest):
-        return error_response(400, str(exc), code=exc.code, param=exc.param)
-    if isinstance(exc, RecursionError):  # JSON nested past what a schema check or a template can walk
-        return error_response(400, "the request is nested too deeply")
-    if isinstance(exc, Overloaded):
-        return error_response(429, str(exc), "rate_limit_error", retry_after=math.ceil(exc.retry_after_s))
-    if isinstance(exc, NoInstance):
-        return error_response(503, str(exc), "service_unavailable", retry_after=2)
-    if isinstance(exc, grpc.aio.AioRpcError):
-        status = _GRPC_HTTP.get(exc.code(), 502)
-        return error_response(status, f"{exc.code().name}: {exc.details()}",
-                              "invalid_request_error" if status == 400 else "upstream_error",
-                              retry_after=math.ceil(retry_after_s(exc)) if status in (429, 503) else None)
-    if isinstance(exc, UpstreamError):
-        return error_response(502, str(exc), "upstream_error")
-    log.exception("request failed", exc_info=exc)
-    return error_response(500, f"{type(exc).__name__}: {exc}", "internal_error")
+_ID_PREFIX = {"chat": "chatcmpl", "text": "cmpl"}
 
 
 class _AdmittedStream(StreamingResponse):
@@ -91,11 +61,10 @@ class RouterAPI(ExtraEndpoints):
                  keys: ApiKeys | None = None, admission: Admission | None = None, max_body_bytes: int = 32 << 20,
                  chat: ChatSettings | None = None, generation_defaults: dict | None = None):
         """`model_name`: the served name, or several (the first is the one responses carry)."""
-        self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
-        self.flow, self.limits, self.model_name, self.metrics = flow, limits, self.model_names[0], metrics
-        self.chat = chat or ChatSettings(None)
-        self.generation_defaults = dict(generation_defaults or {})
-        self.tok = flow.tokenizer
+        names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        self.served = ServedModel(names, flow.tokenizer, limits, chat or ChatSettings(None),
+                                  dict(generation_defaults or {}))
+        self.flow, self.metrics = flow, metrics
         self.keys = keys or ApiKeys()
         self.admission = admission or Admission("router", 1024)
         self.max_body_bytes = max_body_bytes
@@ -132,10 +101,7 @@ class RouterAPI(ExtraEndpoints):
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
     def _check_model(self, model: str | None) -> None:
-        if model and model not in self.model_names:
-            served = ", ".join(map(repr, self.model_names))
-            raise BadRequest(f"model {model!r} does not exist; this server serves {served}", "model",
-                             code="model_not_found")
+        check_model(model, self.served.names)
 
     def _request_id(self, prefix: str, request: Request) -> str:
         req_id = new_api_request_id(prefix, request.state.client_request_id)
@@ -147,40 +113,23 @@ class RouterAPI(ExtraEndpoints):
         return {"status": "ok", "redis": self.flow.routing.redis_ok}
 
     async def models(self) -> dict:
+        limits = self.served.limits
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
-                                            "root": self.model_name, "max_model_len": self.limits.max_model_len,
-                                            "vocab_size": self.limits.vocab_size} for name in self.model_names]}
+                                            "root": self.served.names[0], "max_model_len": limits.max_model_len,
+                                            "vocab_size": limits.vocab_size} for name in self.served.names]}
 
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, body: CompletionRequest, request: Request):
         try:
-            self._check_model(body.model)
-            check_extra_fields(body)
-            apply_generation_defaults(body, self.generation_defaults)
-            prep = prepare_completion(body, self.tok, self.limits)
-            prep.cache_salt = tenant_cache_salt(request.state.tenant, prep.cache_salt)
-            fmt = Formatter("text", self._request_id("cmpl", request), self.model_name, self.tok)
-            return await self._respond(fmt, prep, 0)
+            return await self.respond(prepare_completion(body, self.served, request.state.tenant), "text", request)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return exception_response(exc)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         try:
-            self._check_model(body.model)
-            check_extra_fields(body)
-            apply_generation_defaults(body, self.generation_defaults)
-            plan = prepare_chat_request(body, self.chat)
-            prep = prepare_chat(body, self.tok, self.limits, plan.prompt)
-            if plan.forced is not None:
-                if prep.params.structured_outputs is not None:
-                    raise BadRequest("a required or named tool_choice cannot be combined with another structured "
-                                     "output (response_format, structured_outputs)", "tool_choice")
-                prep.params = dataclasses.replace(prep.params, structured_outputs=plan.forced)
-            prep.cache_salt = tenant_cache_salt(request.state.tenant, prep.cache_salt)
-            fmt = Formatter("chat", self._request_id("chatcmpl", request), self.model_name, self.tok)
-            return await self._respond(fmt, prep, body.top_logprobs or 0, plan.output)
+            return await self.respond(prepare_chat(body, self.served, request.state.tenant), "chat", request)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return exception_response(exc)
 
@@ -195,9 +144,13 @@ class RouterAPI(ExtraEndpoints):
                 jobs.append((p * prep.n + i, ids, params))
         return jobs
 
-    async def _respond(self, fmt: Formatter, prep: Prepared, top_n: int, out: OutputOptions | None = None):
+    async def respond(self, prep: Prepared, kind: str, request: Request):
+        """Run a prepared request's choices: the response body (a dict) or, streaming, its SSE response.
+        `kind`: "chat" or "text" (completions). Failures raise; the caller answers them in its API's form."""
+        fmt = Formatter(kind, self._request_id(_ID_PREFIX[kind], request), self.served.names[0], self.served.tok)
         jobs = self._jobs(prep)
-        out = out if out is not None and not out.plain else None
+        top_n = prep.top_logprobs
+        out = prep.output if prep.output is not None and not prep.output.plain else None
         self.admission.acquire(len(jobs))  # Overloaded -> 429 + Retry-After; released when the response ends
         if prep.stream:
             return _AdmittedStream(self._stream(fmt, prep, jobs, top_n, out), lambda: self.admission.release(len(jobs)))

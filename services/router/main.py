@@ -11,10 +11,10 @@ import sys
 
 import uvicorn
 
-from engine.config.model import ModelConfig
+from engine import settings
+from engine.config.model_config import ModelConfig
 from engine.frontend.tokenizer import Tokenizer
 from proto.pdserve.v1 import router_pb2_grpc
-from services import settings
 from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
 from services.router.chat_request import ChatSettings
 from services.router.chat_template import ChatTemplate

@@ -1,23 +1,29 @@
-"""Turning an API request into engine work: prompts as token ids and validated SamplingParams.
+"""The last step of preparing a request (services/router/prepare.py): a checked body, or a gRPC
+`GenerateRequest`, as engine work: prompts as token ids, validated SamplingParams, the cache salt.
 
-Every check raises `BadRequest` with a message that names the field, so the HTTP API answers 400 and
-the gRPC API INVALID_ARGUMENT, before anything is sent to an engine. Numeric bounds are declared once
-(services/rpc/bounds.py) and applied to a body by services/router/validation.py.
+What is checked here depends on the prompt (its length against the context, what max_tokens leaves)
+or on the deployment (vocabulary, stop lists); the body's own numbers were checked before
+(services/router/validation.py, bounds declared in services/rpc/bounds.py). Every check raises
+`BadRequest` with a message that names the field: HTTP 400 / gRPC INVALID_ARGUMENT, before anything is
+sent to an engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.core.sampling_params import SamplingParams
 from engine.frontend.tokenizer import Tokenizer
+from proto.pdserve.v1 import common_pb2
+from services.router.chat_output import OutputOptions
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest
-from services.router.structured import SpecError, check_spec, structured_from_request
-from services.router.validation import check_body
+from services.router.structured import SpecError, check_grammar, structured_from_request
 from services.rpc.bounds import InvalidArgument as BadRequest
 from services.rpc.bounds import check_min_max_tokens, check_sampling_proto, check_token_ids
+from services.rpc.convert import sampling_from_proto
 
-__all__ = ["BadRequest", "Limits", "Prepared", "prepare_chat", "prepare_completion", "prepare_generate"]
+__all__ = ["BadRequest", "Limits", "Prepared", "build_chat", "build_completion", "build_generate"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,8 @@ class Limits:
 
 @dataclass
 class Prepared:
+    """What the engines are asked: every prompt `n` times with `params`; how the answer is shaped."""
+
     prompts: list[list[int]]
     params: SamplingParams
     n: int
@@ -41,9 +49,68 @@ class Prepared:
     include_usage: bool
     cache_salt: str | None
     return_token_ids: bool = False
+    top_logprobs: int = 0  # chat: alternatives per token in the response
+    output: OutputOptions | None = None  # chat: the reasoning and tool-call parsers of each choice
 
 
-def _ids_from_prompt(prompt, tok: Tokenizer, limits: Limits) -> list[list[int]]:
+def build_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits, cache_salt: str | None) -> Prepared:
+    prompts = _ids_from_prompt(body.prompt, tok)
+    if len(prompts) > limits.max_prompts:
+        raise BadRequest(f"at most {limits.max_prompts} prompts per request", "prompt")
+    for ids in prompts:
+        _check_prompt(ids, limits)
+    params = _params(body, body.max_tokens, body.logprobs, max(len(p) for p in prompts), limits)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Prepared(prompts, params, body.n, body.stream, include_usage, cache_salt, body.return_token_ids)
+
+
+def build_chat(body: ChatCompletionRequest, plan, tok: Tokenizer, limits: Limits, cache_salt: str | None) -> Prepared:
+    """`plan`: the rendered chat (services/router/chat_request.py's ChatPlan)."""
+    ids = tok.encode(plan.prompt)
+    _check_prompt(ids, limits)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = _params(body, max_tokens, logprobs, len(ids), limits)
+    params = force_tool_call(params, plan.forced, "another structured output (response_format, structured_outputs)")
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Prepared([ids], params, body.n, body.stream, include_usage, cache_salt, body.return_token_ids,
+                    body.top_logprobs or 0, plan.output)
+
+
+def build_generate(g: common_pb2.GenerateRequest, tok: Tokenizer, limits: Limits, cache_salt: str | None,
+                   plan=None) -> Prepared:
+    """gRPC Router.Generate: the same checks as the HTTP API, on a `GenerateRequest` (with `plan`, the
+    rendered chat whose prompt ids `g` carries)."""
+    if bool(g.prompt) == bool(g.prompt_token_ids):
+        raise BadRequest("give exactly one of prompt and prompt_token_ids", "prompt")
+    check_sampling_proto(g.sampling_params, limits)
+    ids = tok.encode(g.prompt) if g.prompt else list(g.prompt_token_ids)
+    _check_prompt(ids, limits, "prompt" if g.prompt else "prompt_token_ids")
+    try:
+        params = sampling_from_proto(g.sampling_params)
+    except ValueError as e:
+        raise BadRequest(str(e), "sampling_params") from e
+    if params.structured_outputs is not None:
+        try:
+            check_grammar(params.structured_outputs)
+        except ValueError as e:
+            raise BadRequest(str(e), "sampling_params.structured_outputs") from e
+    _check_sampling(params, len(ids), limits)
+    if plan is not None:
+        params = force_tool_call(params, plan.forced, "structured_outputs")
+    return Prepared([ids], params, 1, True, False, cache_salt, output=plan.output if plan is not None else None)
+
+
+def force_tool_call(params: SamplingParams, forced, others: str) -> SamplingParams:
+    """`params` constrained to the forced call's grammar (a required or named tool_choice), if any."""
+    if forced is None:
+        return params
+    if params.structured_outputs is not None:
+        raise BadRequest(f"a required or named tool_choice cannot be combined with {others}", "tool_choice")
+    return dataclasses.replace(params, structured_outputs=forced)
+
+
+def _ids_from_prompt(prompt, tok: Tokenizer) -> list[list[int]]:
     if isinstance(prompt, str):
         return [tok.encode(prompt)]
     if not prompt:
@@ -88,30 +155,9 @@ def _check_sampling(p: SamplingParams, prompt_len: int, limits: Limits) -> None:
                          code="context_length_exceeded")
 
 
-def prepare_generate(g, tok: Tokenizer, limits: Limits) -> tuple[list[int], SamplingParams]:
-    """gRPC Router.Generate: the same checks as the HTTP API, on a `GenerateRequest`."""
-    from services.transfer.wire import sampling_from_proto
-
-    if bool(g.prompt) == bool(g.prompt_token_ids):
-        raise BadRequest("give exactly one of prompt and prompt_token_ids", "prompt")
-    check_sampling_proto(g.sampling_params, limits)
-    ids = tok.encode(g.prompt) if g.prompt else list(g.prompt_token_ids)
-    _check_prompt(ids, limits, "prompt" if g.prompt else "prompt_token_ids")
-    try:
-        params = sampling_from_proto(g.sampling_params)
-    except ValueError as e:
-        raise BadRequest(str(e), "sampling_params") from e
-    if params.structured_outputs is not None:
-        try:
-            check_spec(params.structured_outputs)
-        except ValueError as e:
-            raise BadRequest(str(e), "sampling_params.structured_outputs") from e
-    _check_sampling(params, len(ids), limits)
-    return ids, params
-
-
 def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int, limits: Limits) -> SamplingParams:
-    """Bodies reach here checked by `check_body`; what is left depends on the prompt's length."""
+    """An HTTP body's SamplingParams (vLLM's defaults for unset fields); what is checked here depends on
+    the prompt's length."""
     room = limits.max_model_len - prompt_len
     if max_tokens is None:
         max_tokens = room
@@ -140,31 +186,3 @@ def _params(body, max_tokens: int | None, logprobs: int | None, prompt_len: int,
         raise BadRequest(str(e)) from e
     _check_sampling(params, prompt_len, limits)
     return params
-
-
-def prepare_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits) -> Prepared:
-    if body.echo:
-        raise BadRequest("echo is not supported", "echo")
-    if body.suffix:
-        raise BadRequest("suffix is not supported", "suffix")
-    check_body(body, "completions", limits)
-    prompts = _ids_from_prompt(body.prompt, tok, limits)
-    if len(prompts) > limits.max_prompts:
-        raise BadRequest(f"at most {limits.max_prompts} prompts per request", "prompt")
-    for ids in prompts:
-        _check_prompt(ids, limits)
-    params = _params(body, body.max_tokens, body.logprobs, max(len(p) for p in prompts), limits)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(prompts, params, body.n, body.stream, include_usage, body.cache_salt, body.return_token_ids)
-
-
-def prepare_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, prompt: str) -> Prepared:
-    """`prompt`: the rendered chat template (services/router/chat_request.py)."""
-    ids = tok.encode(prompt)
-    check_body(body, "chat", limits)
-    _check_prompt(ids, limits)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = _params(body, max_tokens, logprobs, len(ids), limits)
-    return Prepared([ids], params, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                    body.cache_salt, body.return_token_ids)

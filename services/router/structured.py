@@ -6,10 +6,13 @@ Accepted spellings (at most one per request; each error names its `param`):
   structured_outputs   vLLM: exactly one of {"json", "regex", "choice", "grammar", "json_object"}
   guided_json / guided_regex / guided_choice / guided_grammar   (vLLM's older names)
 
-The grammar is parsed with xgrammar here (a bad schema, regex or grammar is a 400); engines compile
-it for their tokenizer. With a reasoning parser on, the grammar applies after the reasoning end
-("</think>"), unless the spec itself spells that marker out (it then describes the whole output,
-reasoning included) or the request turned thinking off. Completions have no reasoning split: no gate.
+The grammar is parsed with xgrammar here (a bad schema, regex or grammar is a 400 naming its field,
+also for a streamed request); engines compile it for their tokenizer. xgrammar imports torch, so it
+is loaded by the first request that carries a grammar, not when the router starts.
+
+With a reasoning parser on, the grammar applies after the reasoning end ("</think>"), unless the spec
+itself spells that marker out (it then describes the whole output, reasoning included) or the request
+turned thinking off. Completions have no reasoning split: no gate.
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.structured import StructuredOutputSpec
-from engine.structured.grammar import check_spec
+from engine.structured.spec import StructuredOutputSpec
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -26,7 +28,7 @@ _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _SO_IGNORED = {"backend", "disable_fallback", "disable_any_whitespace", "disable_additional_properties"}
 
 
-__all__ = ["SpecError", "check_spec", "structured_from_request"]
+__all__ = ["SpecError", "check_grammar", "structured_from_request"]
 
 
 class SpecError(ValueError):
@@ -58,10 +60,19 @@ def structured_from_request(body: Any, reasoning_end: str = "") -> StructuredOut
     gate = reasoning_end if _thinking(body) and reasoning_end not in text else ""
     try:
         spec = StructuredOutputSpec(kind, text, gate)
-        check_spec(spec)
+        check_grammar(spec)
     except ValueError as e:
         raise SpecError(str(e), param) from e
     return spec
+
+
+def check_grammar(spec: StructuredOutputSpec) -> None:
+    """ValueError (naming what is wrong) when xgrammar cannot parse the spec's schema, regex or grammar."""
+    if spec.kind == "json_object":
+        return  # a fixed grammar: nothing of the client's to parse
+    from engine.structured.grammar import check_spec  # xgrammar imports torch: only once a request needs it
+
+    check_spec(spec)
 
 
 def _thinking(body: Any) -> bool:

@@ -208,7 +208,7 @@ def run(main: Callable[[], Awaitable[Any]]) -> Any:
     """Run a service's async main on uvloop (falls back to asyncio when uvloop is missing). A port it could
     not listen on returns PORT_IN_USE_EXIT (for `sys.exit`), so that a launcher can tell it apart."""
     try:
-        import uvloop
+        import uvloop  # optional at import: the fallback below keeps a service running where it is missing
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a declared dependency
         runner = asyncio.run

@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import socket
 
-from services import settings
+from engine import settings
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

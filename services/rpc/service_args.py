@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
-from services import settings
+from engine import settings
 
 
 def add_endpoint_args(p: argparse.ArgumentParser, default_port: int, *, host: str = "127.0.0.1",
@@ -72,17 +71,17 @@ def rank_flags(rank: int, world_size: int, master_addr: str, master_port: int) -
 
 
 def set_rank_environ(args: argparse.Namespace) -> None:
-    """A service process started rank by rank (the launcher, services.deploy.ranks): its rank flags become
+    """A service process started rank by rank (the launcher, services.launch.ranks): its rank flags become
     torchrun's environment, the one contract every rank of an engine is started with (engine.parallel.spawn)."""
+    # here, not at the top: the router imports this module too, and must not load torch (test_router_imports)
     import torch
 
     from engine.parallel.dist import DistEnv
 
     # The launcher names each rank's GPU (LOCAL_RANK within its CUDA_VISIBLE_DEVICES); else rank r uses GPU r.
-    local = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None
     env = DistEnv.for_rank(args.rank, args.world_size, args.master_addr, args.master_port,
-                           cuda=torch.cuda.is_available(), local_rank=local)
-    os.environ.update(env.to_environ())
+                           cuda=torch.cuda.is_available(), local_rank=settings.assigned_local_rank())
+    settings.set_torchrun_environ(env.to_environ())
 
 
 def setup_logging() -> None:

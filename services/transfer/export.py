@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from engine.frontend.async_engine import AsyncEngine
 from engine.kv.export import kv_regions
 from proto.pdserve.v1 import prefill_pb2
+from services.rpc.convert import unix_ms
+from services.transfer import rank_agent
+from services.transfer.convert import kv_layout_to_proto, nixl_peer_to_proto
 from services.transfer.nixl_agent import BlockTensor, NixlAgent
-from services.transfer.wire import kv_layout_to_proto, nixl_peer_to_proto, unix_ms
 
 
 @dataclass
@@ -42,7 +44,7 @@ class KVExporter:
     async def start(self) -> None:
         if self.dcp_size > 1:
             self.workers = await self.engine.call(
-                lambda core: core.collective_rpc("services.transfer.rank_agent:setup", self.instance_id))
+                lambda core: core.collective_rpc(rank_agent.setup, self.instance_id))
 
     def _peer(self, rank: int) -> dict:
         if rank == 0:

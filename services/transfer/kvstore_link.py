@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from engine.kv.cache import KVCacheSpec
 from services.cluster.redis_state import RedisState
-from services.kvstore.client import KVStoreClient
+from services.transfer.kvstore_client import KVStoreClient
 from services.transfer.nixl_agent import NixlAgent
 
 log = logging.getLogger(__name__)

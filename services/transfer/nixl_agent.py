@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services import settings
+from engine import settings
 from services.transfer.nixl_descs import (
     BlockDescList,
     BlockTensor,
@@ -90,6 +90,8 @@ class NixlAgent:
     def __init__(self, name: str, backends: Iterable[str] | None = None, *, num_threads: int = 0,
                  progress_thread: bool | None = None, poll_interval_s: float = 0.002,
                  idle_poll_interval_s: float | None = None, metrics: Any = None):
+        # here, not at the top: nixl loads UCX and CUDA libraries, which a process that only describes
+        # transfers (the router's conversions, the tests' fakes) must not pay for
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name

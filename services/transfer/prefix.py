@@ -16,9 +16,9 @@ import logging
 
 from engine.frontend.async_engine import AsyncEngine
 from engine.kv.export import kv_regions
+from services.transfer import staging
 from services.transfer.kvstore_link import KVStoreLink
 from services.transfer.nixl_agent import NixlAgent
-from services.transfer.staging import RPC_ENSURE, RPC_GATHER, RPC_SCATTER
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class PrefixTransfer:
             return
         if num_blocks < 1:
             raise ValueError(f"--kvstore-staging-blocks must be >= 1, got {num_blocks}")
-        await self.engine.call(lambda core: core.collective_rpc(RPC_ENSURE, num_blocks))
+        await self.engine.call(lambda core: core.collective_rpc(staging.ensure, num_blocks))
         self.link.set_staging(agent.register(kv_regions(self.engine.core.runner.kv_staging)), num_blocks)
 
     async def load(self, address: str, hashes: list[bytes], block_ids: list[int], first: int, n: int) -> int:
@@ -59,7 +59,7 @@ class PrefixTransfer:
                 got = await self.link.load(address, chunk, list(range(len(chunk))), staged=True)
                 if got:
                     await self.engine.call(lambda core, c0=c0, got=got: core.collective_rpc(
-                        RPC_SCATTER, block_ids, c0 * bs, got * bs))
+                        staging.scatter, block_ids, c0 * bs, got * bs))
                 loaded += got
                 if got < len(chunk):
                     break
@@ -76,7 +76,7 @@ class PrefixTransfer:
                 for c0 in range(start, len(hashes), size):
                     n = min(size, len(hashes) - c0)
                     await self.engine.call(lambda core, c0=c0, n=n: core.collective_rpc(
-                        RPC_GATHER, block_ids, c0 * bs, n * bs))
+                        staging.gather, block_ids, c0 * bs, n * bs))
                     stored += await self.link.offload(hashes[c0:c0 + n], list(range(n)), staged=True)
         except Exception as exc:  # noqa: BLE001 - the tier is an optimisation; never fail a request for it
             log.warning("kvstore offload through the staging cache failed (%s: %s)", type(exc).__name__, exc)

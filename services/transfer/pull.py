@@ -22,8 +22,8 @@ from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.kv.export import kv_regions
 from engine.parallel.dcp import local_index, num_local, owner_rank
 from kernels.formats import read_index_rows, write_index_rows
+from services.transfer.convert import nixl_peer_from_proto
 from services.transfer.nixl_agent import BlockDescList, NixlAgent, deadline_in
-from services.transfer.wire import nixl_peer_from_proto
 
 
 @dataclass

@@ -115,7 +115,7 @@ class RankPuller:
         """READ the handle's blocks into rank `rank`'s `local_blocks`; returns the bytes moved."""
         token = secrets.token_hex(8)
         args = (self.rank, token, kv.SerializeToString(), list(local_blocks), num_cached)
-        await self.engine.call(lambda core: core.collective_rpc(f"{__name__}:start", *args))
+        await self.engine.call(lambda core: core.collective_rpc(start, *args))
         return self._outcome(await self._report(token))
 
     async def _report(self, token: str) -> str:
@@ -144,7 +144,7 @@ def rank_pullers(engine, agent: NixlAgent, instance_id: str, *, staging_blocks: 
                  timeout_s: float) -> list[RankPuller]:
     """Start every worker rank's pull thread; the pullers of ranks 1..D-1 (rank 0 uses its own KVPuller).
     Call before `engine.start()`: until then the core is the caller's to use directly."""
-    names = engine.core.collective_rpc(f"{__name__}:setup", instance_id, agent.metadata(), staging_blocks,
+    names = engine.core.collective_rpc(setup, instance_id, agent.metadata(), staging_blocks,
                                        timeout_s)
     spec = engine.core.runner.spec
     return [RankPuller(engine, r, agent, names[r], spec, timeout_s) for r in range(1, len(names))]

@@ -7,7 +7,7 @@ prefill's NIXL agent registers it, services/transfer/prefix.py):
     gather   tokens [first, first + n) of a request, from the ranks holding them -> staging blocks 0..n/64-1
     scatter  staging blocks 0..n/64-1 -> tokens [first, first + n) of a request, on the ranks holding them
 
-These run on every rank of the engine (`collective_rpc` with `RPC_GATHER` ...) over the data group.
+These run on every rank of the engine (`collective_rpc(gather, ...)`) over the data group.
 Every rank computes the same token -> (rank, slot) map, so the collectives' shapes agree without an
 exchange. Rows move as bytes: any cache dtype, any backend. Index keys are block-major inside a block
 (docs/kv-formats.md), so a token's key is read and written through `kernels.formats`, never as the
@@ -21,8 +21,6 @@ import torch
 from engine.kv.cache import PagedKVCache
 from engine.parallel.dcp import token_locations
 from kernels.formats import read_index_rows, write_index_rows
-
-RPC_ENSURE, RPC_GATHER, RPC_SCATTER = (f"{__name__}:{f}" for f in ("ensure", "gather", "scatter"))
 
 
 def ensure(runner, num_blocks: int) -> int:

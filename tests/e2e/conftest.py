@@ -36,7 +36,7 @@ def default_deployment(tmp_path_factory):
     """The shipped CPU topology on free ports. Shared by the modules of xdist group "default": their tests
     leave nothing behind that another could see (requests end, blocks are freed, metrics are read as
     deltas or lower bounds), so one start serves them all."""
-    from services.deploy import launcher
+    from services.launch import launcher
     from tests.helpers import system
 
     dep = system.up(tmp_path_factory.mktemp("default"))
@@ -49,7 +49,7 @@ def default_deployment(tmp_path_factory):
 def hardened(tmp_path_factory):
     """The CPU topology with tenants' API keys and small bounds, so that overload is cheap to reach.
     Shared by the modules of xdist group "hardened" (one worker runs them all)."""
-    from services.deploy import launcher
+    from services.launch import launcher
     from tests.helpers import system
 
     run_dir = tmp_path_factory.mktemp("hardened")

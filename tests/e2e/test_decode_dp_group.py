@@ -14,7 +14,7 @@ import time
 import pytest
 
 from engine import SamplingParams
-from services.deploy import launcher
+from services.launch import launcher
 from services.rpc.grpc_server import check_health_sync
 from tests.helpers import chaos, system
 from tests.helpers.chaos import CLIENT_TIMEOUT_S, ROUTER

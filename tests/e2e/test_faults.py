@@ -20,8 +20,8 @@ import pytest
 from engine import SamplingParams
 from proto.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.cluster.redis_server import RedisServer
-from services.deploy import launcher
-from services.transfer.wire import sampling_to_proto
+from services.launch import launcher
+from services.rpc.convert import sampling_to_proto
 from tests.helpers import chaos, system
 from tests.helpers.chaos import CLIENT_TIMEOUT_S, GREEDY, ROUTER
 

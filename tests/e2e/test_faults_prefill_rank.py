@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.deploy import launcher
+from services.launch import launcher
 from services.rpc.grpc_server import check_health_sync
 from tests.helpers import chaos, system
 from tests.helpers.chaos import CLIENT_TIMEOUT_S, GREEDY, ROUTER

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.deploy import launcher
+from services.launch import launcher
 from tests.e2e.test_gpu_system import CHATS, NO_THINKING, gpu_topology, stream_chat
 from tests.helpers import ROOT, chaos, system
 

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from engine.parallel.dist import free_port
-from services.deploy import launcher
+from services.launch import launcher
 from tests.helpers import ROOT, system
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

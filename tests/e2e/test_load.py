@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bench.serving.loadtest import LoadConfig, format_summary, run_load
-from services.deploy import launcher
+from services.launch import launcher
 from tests.helpers import system
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("load")]

@@ -20,8 +20,8 @@ import pytest
 from engine import SamplingParams
 from proto.pdserve.v1 import common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
+from services.rpc.convert import sampling_to_proto
 from services.rpc.grpc_server import RETRY_AFTER_KEY, GrpcServer, Overloaded, grpc_errors
-from services.transfer.wire import sampling_to_proto
 from tests.helpers import hardened as h
 from tests.helpers import system
 from tests.helpers.hardened import HARDENED_LIMITS as LIM

@@ -13,8 +13,8 @@ import pytest
 
 from engine import SamplingParams
 from proto.pdserve.v1 import common_pb2, router_pb2_grpc
+from services.rpc.convert import sampling_to_proto
 from services.rpc.net import split_address
-from services.transfer.wire import sampling_to_proto
 from tests.helpers import hardened as h
 from tests.helpers.hardened import HARDENED_LIMITS as LIM
 

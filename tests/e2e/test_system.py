@@ -181,7 +181,7 @@ def test_abandoned_and_aborted_requests_free_their_blocks(url, instances, offlin
     import grpc
 
     from proto.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-    from services.transfer.wire import sampling_to_proto
+    from services.rpc.convert import sampling_to_proto
 
     async def prefill_without_decode():
         async with grpc.aio.insecure_channel(instances["prefill"].grpc_address) as ch:

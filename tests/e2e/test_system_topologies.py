@@ -11,7 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv.hashing import block_hashes
-from services.deploy import launcher
+from services.launch import launcher
 from tests.helpers import system
 
 pytestmark = pytest.mark.xdist_group("topologies")  # its own unit of work: the longest e2e module

@@ -12,8 +12,9 @@ from engine.config.arg_utils import EngineArgs
 from engine.frontend.async_engine import AsyncEngine
 from proto.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.decode.server import DecodeServicer
+from services.rpc.convert import sampling_to_proto
 from services.rpc.metrics import ServiceMetrics
-from services.transfer.wire import kv_layout_to_proto, sampling_to_proto
+from services.transfer.convert import kv_layout_to_proto
 
 
 class _SlowPuller:

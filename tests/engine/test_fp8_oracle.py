@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from engine import LLM
 from engine.loading.fp8_checkpoint import quantize_checkpoint
 from engine.model.fp8 import DEFAULT_NOT_CONVERT, is_quantized_name
-from kernels.fp8_gemm import dequantize_weight_ref, quantize_weight_ref
+from kernels.fp8_quant import dequantize_weight_ref, quantize_weight_ref
 from tests.helpers.hf_oracle import write_oracle_checkpoint
 
 pytest.importorskip("transformers")

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.loading.weights import WeightLoadError
-from kernels.fp8_gemm import dequantize_weight_ref
+from kernels.fp8_quant import dequantize_weight_ref
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "heldout_python.txt"
 PROJ = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "indexer.wq_b", "indexer.wk",
@@ -256,7 +256,7 @@ def test_ep2_ranks_read_only_their_experts(fp8_tool):
 def test_loader_holds_one_tensor_at_a_time(fp8_tool, monkeypatch):
     """Counting the loader's reads from outside (a wrapped safe_open): bytes per rank and the peak of
     checkpoint tensors alive at once, which must stay within one shard (on CPU no staging buffer)."""
-    from engine.config.model import ModelConfig
+    from engine.config.model_config import ModelConfig
     from engine.loading import weights
     from engine.loading.loader import build_model
 
@@ -340,7 +340,7 @@ def test_merged_expert_fp8_layout_loads_and_slices(fp8_tool, tmp_path, heldout, 
     ours = LLM(str(out), num_blocks=8).prompt_logits(ids)
     assert torch.equal(ours, LLM(str(fp8_tool), num_blocks=8).prompt_logits(ids))
 
-    from engine.config.model import ModelConfig
+    from engine.config.model_config import ModelConfig
     from engine.loading.loader import build_model
 
     model = build_model(ModelConfig.from_pretrained(out), checkpoint=out, expert_shard=(4, 4))

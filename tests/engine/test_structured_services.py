@@ -16,8 +16,9 @@ from engine.structured import StructuredOutputSpec as Spec
 from proto.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.decode.server import DecodeServicer
 from services.prefill.server import PrefillServicer
+from services.rpc.convert import sampling_to_proto
 from services.rpc.metrics import ServiceMetrics
-from services.transfer.wire import kv_layout_to_proto, sampling_to_proto
+from services.transfer.convert import kv_layout_to_proto
 
 
 class _Aborted(Exception):

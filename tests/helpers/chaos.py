@@ -1,4 +1,4 @@
-"""Fault injection on a running deployment (tests/helpers/system.py / `services.deploy.launcher.up`): SIGKILL,
+"""Fault injection on a running deployment (tests/helpers/system.py / `services.launch.launcher.up`): SIGKILL,
 SIGSTOP/SIGCONT and restart of its service processes by record name, and streaming clients that
 report how each request ended and how long it took.
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from engine import LLM, SamplingParams
-from services.deploy import launcher
-from services.deploy.procs import tie_to_parent
-from services.deploy.topology import ROOT
+from services.launch import launcher
+from services.launch.topology import ROOT
+from services.rpc.procs import tie_to_parent
 from tests.helpers import system
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

@@ -39,11 +39,11 @@ def _reset(runner) -> None:
 
 def rank_stats(core) -> list[dict]:
     """Per rank: bytes and calls per collective tag, dummy passes (DP ranks), HiSparse counters."""
-    return core.collective_rpc(f"{__name__}:_stats")
+    return core.collective_rpc(_stats)
 
 
 def reset_counters(core) -> None:
-    core.collective_rpc(f"{__name__}:_reset")
+    core.collective_rpc(_reset)
 
 
 def dispatched_rows(core, hidden_size: int, elem_size: int = 4) -> int:

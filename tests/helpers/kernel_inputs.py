@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._jit import interpreting
+from kernels.triton_support import interpreting
 
 interp = pytest.mark.skipif(not interpreting(), reason="needs Triton's interpreter (CPU-only torch or "
                                                           "TRITON_INTERPRET=1 before triton is imported)")

@@ -77,7 +77,7 @@ def read_kv_rows(runner, block_ids: list[int], num_tokens: int) -> dict:
 def rank_kv_rows(core, req_id: str) -> list[dict]:
     """Every rank's `read_kv_rows` of a request, by rank."""
     m = kv_page_map(core, req_id)
-    return core.collective_rpc("tests.helpers.kv_pages:read_kv_rows", list(m.block_ids), m.num_tokens)
+    return core.collective_rpc(read_kv_rows, list(m.block_ids), m.num_tokens)
 
 
 def write_kv_blocks(runner, rank: int, block_ids: list[int], mla: torch.Tensor, index: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from engine.config.model import ModelConfig
+from engine.config.model_config import ModelConfig
 from engine.frontend.tokenizer import Tokenizer
 from proto.pdserve.v1 import common_pb2, prefill_pb2
 from services.router.chat_request import ChatSettings

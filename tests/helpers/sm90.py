@@ -17,7 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import kernels._jit  # noqa: F401 (decides interpreter or compiler before `nvidia_backend` imports Triton)
+import kernels.triton_support  # noqa: F401 (decides interpreter or compiler before `nvidia_backend` imports Triton)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import yaml
 
 from engine.parallel.dist import free_port
 from services.cluster.redis_state import RedisState
-from services.deploy import launcher
+from services.launch import launcher
 from tests.helpers import ROOT
 
 TOPOLOGY = ROOT / "configs" / "topology.cpu.yaml"

@@ -18,14 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_gemm import (
-    quant_act,
-    quant_act_ref,
-    quantize_weight_ref,
-    w8a8_block_fp8_matmul,
-    w8a8_block_fp8_matmul_ref,
-)
+from kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_block_fp8_matmul_ref
 from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref, merge_gate_up_scales
+from kernels.fp8_quant import quant_act, quant_act_ref, quantize_weight_ref
 from kernels.fp8_splitk import (
     _COUNTERS,
     MAX_SPLIT,
@@ -35,7 +30,8 @@ from kernels.fp8_splitk import (
     _tile_counters,
     splitk_config,
 )
-from kernels.moe import fused_moe_ref, route_ref
+from kernels.moe import fused_moe_ref
+from kernels.moe_routing import route_ref
 from tests.helpers.kernel_inputs import POISON_BYTE, gpu, interp
 
 

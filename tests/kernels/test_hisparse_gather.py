@@ -166,7 +166,7 @@ def test_layer_copy_launches_again_by_specialisation(device, pinned):
 def test_row_mover_group_copies(device, pinned):
     """RowMover's group copies: the parts a group is copied in are built once (the leader layer alone for
     miss copies), every layer gets the reference's bytes, and on CUDA each layer gets the event of its part."""
-    from engine.hisparse.transfer import RowMover
+    from engine.hisparse.row_mover import RowMover
 
     gen = torch.Generator().manual_seed(9)
     host = _cache(5, 656, torch.uint8, gen, device="cpu", pin=pinned, layers=4)

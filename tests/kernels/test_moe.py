@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import align_by_expert, fused_moe, fused_moe_ref, moe_impl_for, route_ref
+from kernels.moe import fused_moe, fused_moe_ref, moe_impl_for
+from kernels.moe_routing import align_by_expert, route_ref
 from tests.helpers.kernel_inputs import gpu, interp, randn
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import align_by_expert, route_ref
-from kernels.moe_routing import align_by_expert_small, moe_combine, moe_combine_ref, route
+from kernels.moe_routing import align_by_expert, align_by_expert_small, moe_combine, moe_combine_ref, route, route_ref
 from tests.helpers.kernel_inputs import gpu, interp, randn
 
 

@@ -85,7 +85,8 @@ def check_prefill(kind: str, T: int, H: int, K: int, R: int, P: int, device, q_d
     assert_attention_close(out, lse, ref_out, ref_lse)
 
 
-def check_positions(B: int, H: int, K: int, R: int, P: int, block_size: int, device, num_splits=None):
+def check_positions(B: int, H: int, K: int, R: int, P: int, block_size: int, device, num_splits=None,
+                    trim: bool = True):
     """Request positions mapped through the block table inside the kernel == the same rows given as slots."""
     gen = torch.Generator().manual_seed(B * 7 + K)
     seq_lens = [K + 5 * b for b in range(B)]
@@ -97,7 +98,7 @@ def check_positions(B: int, H: int, K: int, R: int, P: int, block_size: int, dev
                                                for t, b in enumerate(req.tolist())]), -1)
     q = randn(gen, len(req), H, R + P, dtype=torch.bfloat16, device=device)
     out, lse = sparse_mla(q, cache, pos.to(torch.int32), 0.1, R, num_splits=num_splits,
-                          block_table=table.to(torch.int32), token_req_idx=req)
+                          block_table=table.to(torch.int32), token_req_idx=req, trim=trim)
     ref_out, ref_lse = sparse_mla_ref(q.float(), cache, slots, 0.1, R, P)
     assert_attention_close(out, lse, ref_out, ref_lse)
 
@@ -213,10 +214,9 @@ def test_trim_gives_the_same_bits_interp(splits):
 
 
 @interp
-@pytest.mark.parametrize("flag", ["0", "1", ""])
-def test_trim_through_the_block_table_interp(monkeypatch, flag):
-    monkeypatch.setenv("PDSERVE_SPARSE_MLA_TRIM", flag)
-    check_positions(B=3, H=4, K=40, R=128, P=16, block_size=16, device="cpu", num_splits=2)
+@pytest.mark.parametrize("trim", [False, True])
+def test_trim_through_the_block_table_interp(trim):
+    check_positions(B=3, H=4, K=40, R=128, P=16, block_size=16, device="cpu", num_splits=2, trim=trim)
 
 
 @pytest.mark.parametrize("splits", [None, 1])

@@ -75,7 +75,6 @@ def test_the_default_takes_bf16_rows_only_at_prefill_sizes_interp(monkeypatch):
     """Over bf16 rows the default asks for the sm_90 kernel only from BF16_MIN_ROWS query rows (below, Triton is
     faster on the H200); fp8 rows always. Either way the answer is the reference's."""
     asked = []
-    monkeypatch.setattr(sm90, "use_sm90", lambda: True)
     monkeypatch.setattr(sm90, "BF16_MIN_ROWS", 3)
     eligible = sm90.eligible
 
@@ -153,8 +152,7 @@ def test_every_code_and_scale_converts_exactly_gpu(mark):
 
 @pytest.fixture
 def sm90_on(monkeypatch):
-    """The default dispatch with PDSERVE_SPARSE_MLA_SM90=1; counts the sm_90 launches."""
-    monkeypatch.setenv("PDSERVE_SPARSE_MLA_SM90", "1")
+    """The default dispatch; counts the sm_90 launches."""
     calls = []
     launch = sm90.launch
     monkeypatch.setattr(sm90, "launch", lambda *a, **k: (calls.append(k["splits"]), launch(*a, **k))[1])

@@ -1,6 +1,7 @@
 """The two routes, mounted on the router's FastAPI app by `mount(app, api)`:
 
-    POST /v1/messages              -> the chat-completions path (`RouterAPI.chat_completions`), its
+    POST /v1/messages              -> a chat request prepared as /v1/chat/completions prepares it
+                                      (services/router/prepare.py), run by `RouterAPI.respond`; its
                                       result or SSE stream converted to Anthropic's blocks / events
     POST /v1/messages/count_tokens -> {"input_tokens": N}, the prompt rendered exactly as for
                                       /v1/messages (same template, tools, billing header dropped)
@@ -21,22 +22,17 @@ from services.router.anthropic.convert import chat_completion_request, chat_requ
 from services.router.anthropic.errors import InvalidRequest, convert_error_response, error_response
 from services.router.anthropic.models import CountTokensRequest, MessagesRequest
 from services.router.anthropic.response import message_from_chat
+from services.router.chat_request import render_chat
+from services.router.errors import exception_response
 from services.router.openai_models import ChatCompletionRequest
+from services.router.prepare import check_model, prepare_chat
+from services.router.requests import BadRequest, Prepared
 
 
 def _invalid(exc: ValidationError, prefix: str = "") -> InvalidRequest:
     first = exc.errors()[0] if exc.errors() else {}
     where = ".".join(str(x) for x in first.get("loc", ()))
     return InvalidRequest(first.get("msg", "malformed"), prefix + where if where else None)
-
-
-def _overflows_context(resp) -> bool:
-    """The chat path refused the request because prompt + max_tokens exceed the context (the
-    prompt alone fits: that refusal names `prompt`)."""
-    if not isinstance(resp, JSONResponse) or resp.status_code != 400:
-        return False
-    err = json.loads(resp.body or b"{}").get("error") or {}
-    return err.get("code") == "context_length_exceeded" and err.get("param") == "max_tokens"
 
 
 async def _parse(request: Request, model):
@@ -61,55 +57,55 @@ def _chat(body: dict) -> ChatCompletionRequest:
 
 class AnthropicAPI:
     def __init__(self, api):
-        self.api = api  # the RouterAPI whose chat path serves these requests
+        self.api = api  # the RouterAPI: its served model and the `respond` that runs a prepared request
 
     async def messages(self, request: Request):
         try:
             req = await _parse(request, MessagesRequest)
-            body = chat_completion_request(req)
-            resp = await self.api.chat_completions(_chat(body), request)
-            capped = _overflows_context(resp) and self._cap_to_context(body)
-            if capped:
-                resp = await self.api.chat_completions(_chat(body), request)
+            prep, capped = self._prepare(chat_completion_request(req), request.state.tenant)
+            resp = await self.api.respond(prep, "chat", request)
         except InvalidRequest as exc:
             return error_response(400, str(exc))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an Anthropic error body
+            return convert_error_response(exception_response(exc))
         if isinstance(resp, StreamingResponse):
             state = stream.MessageStream(new_message_id(), req.model, req.stop_sequences, capped)
             # the same response object keeps its admission release; only its body is translated
             resp.body_iterator = stream.with_pings(stream.events(resp.body_iterator, state))
             return resp
-        if not isinstance(resp, dict):  # the chat path answers a dict, or a Response when it failed
-            return convert_error_response(resp)
         return JSONResponse(message_from_chat(resp, new_message_id(), req.model, req.stop_sequences, capped))
 
-    def _cap_to_context(self, body: dict) -> bool:
-        """Lower `max_tokens` to the room the prompt leaves in the context; False when none is left.
-        As Anthropic's API does, a `max_tokens` past the context window generates up to the window
-        and stops with `model_context_window_exceeded`, instead of refusing the request."""
-        from services.router.chat_request import prepare_chat_request
-
-        prompt = prepare_chat_request(_chat(body), self.api.chat).prompt
-        room = self.api.limits.max_model_len - len(self.api.tok.encode(prompt))
-        if room < 1:
-            return False
+    def _prepare(self, body: dict, tenant: str | None) -> tuple[Prepared, bool]:
+        """The chat request, and whether `max_tokens` was lowered to the room the prompt leaves in the
+        context. As Anthropic's API does, a `max_tokens` past the context window generates up to the
+        window and stops with `model_context_window_exceeded`, instead of refusing the request; only a
+        prompt that alone fills the context is refused."""
+        served = self.api.served
+        try:
+            return prepare_chat(_chat(body), served, tenant), False
+        except BadRequest as exc:
+            if exc.code != "context_length_exceeded" or exc.param != "max_tokens":
+                raise
+            prompt = render_chat(_chat(body), served.chat).prompt
+            room = served.limits.max_model_len - len(served.tok.encode(prompt))
+            if room < 1:
+                raise
         body["max_tokens"] = room
-        return True
+        return prepare_chat(_chat(body), served, tenant), True
 
     async def count_tokens(self, request: Request):
-        from services.router.chat_request import prepare_chat_request
-        from services.router.http_api import exception_response
-
         try:
             req = await _parse(request, CountTokensRequest)
             chat = _chat({**chat_request(req), "max_tokens": 1})
         except InvalidRequest as exc:
             return error_response(400, str(exc))
+        served = self.api.served
         try:
-            self.api._check_model(chat.model)
-            prompt = prepare_chat_request(chat, self.api.chat).prompt  # what chat_completions would render
+            check_model(chat.model, served.names)
+            prompt = render_chat(chat, served.chat).prompt  # what /v1/messages would render
         except Exception as exc:  # noqa: BLE001 - every failure becomes an Anthropic error body
             return convert_error_response(exception_response(exc))
-        return {"input_tokens": len(self.api.tok.encode(prompt))}
+        return {"input_tokens": len(served.tok.encode(prompt))}
 
 
 def _inline(node, defs: dict):

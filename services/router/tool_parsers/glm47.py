@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 
 from services.router.reasoning import _held_prefix
-from services.router.tool_parsers import ToolCallDelta, new_tool_call_id
+from services.router.tool_parsers.base import ToolCallDelta, new_tool_call_id
 
 TC_START, TC_END = "<tool_call>", "</tool_call>"
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"

@@ -11,7 +11,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
-from engine.hisparse.forward import HOT
+from engine.hisparse.builder import HiSparseMetadataBuilder
+from engine.hisparse.forward import FORWARD_STATE, HOT
 
 EXACT = dict(dtype="float32", kv_cache_dtype="float32", indexer_precision="fp32")
 TOPK = 16  # code16's index_topk (tests/conftest.py)
@@ -86,7 +87,7 @@ def _record_selections(llm: LLM) -> list:
 def _distinct_hot_selections(calls) -> int:
     n = 0
     for sel, meta in calls:
-        fw = meta.hisparse
+        fw = FORWARD_STATE.get(meta)
         qsl = meta.query_start_loc_cpu
         for b, path in enumerate(fw.paths):
             if path == HOT:
@@ -106,7 +107,7 @@ def test_host_resident_decode_equals_resident(code16, prompts, reference, spec):
 
     def on_step(core):
         st = core.stats().hisparse
-        hot = any(HOT in meta.hisparse.paths for _, meta in calls[prev[1]:])
+        hot = any(HOT in FORWARD_STATE.get(meta).paths for _, meta in calls[prev[1]:])
         steps.append((st.misses - prev[0], hot))
         prev[:] = [st.misses, len(calls)]
 
@@ -139,7 +140,8 @@ def test_static_decode_path_with_misses_equals_resident(code16, prompts, referen
 
     assert _run(llm, prompts, on_step=on_step) == reference[spec]
     static = llm.core.runner.static
-    assert static.num_static > 0 and static.num_captures == 0 and static.hisparse is not None
+    assert static.num_static > 0 and static.num_captures == 0
+    assert static.pad and isinstance(static.builder, HiSparseMetadataBuilder)
     assert all(bp in static.sizes for _, bp, _ in static.shapes), "HiSparse forwards are padded to capture sizes"
     assert sum(m > 0 for m in steps) >= NEW_TOKENS // (1 + spec) - 1, f"decode steps without misses: {steps}"
     _assert_nothing_leaked(llm, len(prompts) * hot_blocks + 1)

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.model.attention as attention
 import engine.model.layers as layers
+import engine.model.mla as attention
 import engine.model.moe as moe
 from engine.frontend.llm import LLM
-from engine.model.attention import Indexer, MLAttention
 from engine.model.layers import RMSNorm
+from engine.model.mla import Indexer, MLAttention
 from engine.model.moe import MoEGate
-from kernels._jit import interpreting
+from kernels.triton_support import interpreting
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "heldout_python.txt"
 pytestmark = pytest.mark.skipif(not interpreting(), reason="runs the kernels in Triton's interpreter")

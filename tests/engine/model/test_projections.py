@@ -18,7 +18,8 @@ from torch import nn
 from engine import LLM
 from engine.model.fp8 import Fp8Linear
 from engine.model.projections import Pack, _packable, pack_projections, project
-from kernels.fp8_gemm import quantize_weight_ref
+from engine.runner import model_runner
+from kernels.fp8_quant import quantize_weight_ref
 from tests.helpers.kernel_inputs import gpu as gpu_marks
 
 
@@ -96,21 +97,26 @@ def test_project_uses_a_pack_only_when_all_its_members_are_asked_for(monkeypatch
     calls.clear()
     ya, yc = project(x, a, c)  # b not asked for: each alone
     assert calls == [] and torch.equal(ya, alone[0]) and torch.equal(yc, alone[2])
-    monkeypatch.setenv("PDSERVE_PACKED_PROJECTIONS", "0")
-    project(x, a, b, c)
-    assert calls == []
+
+
+def _llm(monkeypatch, packed: bool, *args, **kw) -> LLM:
+    """An engine as the runner builds it (packed), or its reference with nothing packed: every projection its own
+    GEMM (the runner always packs; the unpacked model is only this comparison's reference)."""
+    with monkeypatch.context() as m:
+        if not packed:
+            m.setattr(model_runner, "pack_projections", lambda model: 0)
+        return LLM(*args, **kw)
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_engine_packed_equals_unpacked(tiny_code, quantization, monkeypatch):
     """tiny-code (fp32, and FP8 quantized at load): every layer's packs made, weight bytes unchanged, the
-    prompt's logits the same bits as with PDSERVE_PACKED_PROJECTIONS=0."""
+    prompt's logits the same bits as with nothing packed."""
     ids = list(range(300, 600))
     kw = {"num_blocks": 16, **({"quantization": quantization} if quantization else {})}
     runs = {}
     for packed in ("1", "0"):
-        monkeypatch.setenv("PDSERVE_PACKED_PROJECTIONS", packed)
-        llm = LLM(str(tiny_code), **kw)
+        llm = _llm(monkeypatch, packed == "1", str(tiny_code), **kw)
         model = llm.core.runner.model
         attn = model.model.layers[0].self_attn
         runs[packed] = llm.prompt_logits(ids), llm.get_stats().weight_bytes, model, attn
@@ -146,9 +152,8 @@ def test_glm_packs_equal_their_members_gpu(M):
 def test_fp8_engine_packed_equals_unpacked_gpu(tiny_code, monkeypatch):
     ids = list(range(300, 812))
     logits = []
-    for packed in ("1", "0"):
-        monkeypatch.setenv("PDSERVE_PACKED_PROJECTIONS", packed)
-        llm = LLM(str(tiny_code), num_blocks=32, device="cuda", quantization="fp8")
+    for packed in (True, False):
+        llm = _llm(monkeypatch, packed, str(tiny_code), num_blocks=32, device="cuda", quantization="fp8")
         logits.append(llm.prompt_logits(ids).float().cpu())
     top1 = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
     cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1).min().item()

@@ -21,7 +21,8 @@ from engine.parallel.dcp import num_local
 from engine.parallel.pcp import dualchunk_ranges
 from engine.parallel.spawn import RankPool
 from kernels.formats import read_index_rows
-from tests.helpers import ROOT
+from services.transfer import staging as kv_staging_rpc
+from tests.helpers import ROOT, cp_checks, kv_pages
 from tests.helpers.kv_pages import kv_page_map, rank_kv_rows
 
 pytestmark = pytest.mark.xdist_group("cp")  # one process group per process: keep these on one worker
@@ -207,7 +208,7 @@ def test_dcp_merges_match_reference(cp):
     c, llm, _ = cp
     if c["dcp"] == 1:
         pytest.skip("no DCP merge with DCP = 1")
-    for rank, res in enumerate(llm.core.collective_rpc("tests.helpers.cp_checks:check_merges", 5)):
+    for rank, res in enumerate(llm.core.collective_rpc(cp_checks.check_merges, 5)):
         for (dtype, backend), (err, inf_ok, lse_err, shape) in res.items():
             tol = 1e-5 if dtype == "torch.float32" else 3e-2
             assert err <= tol and lse_err <= 1e-5 and inf_ok, (rank, dtype, backend, err, lse_err)
@@ -269,10 +270,10 @@ def test_kv_staged_through_rank0_for_dcp(cp):
         pytest.skip("DCP = 1 ranks hold full replicas (test_kv_written_on_rank0_replicates_to_every_rank)")
     prefix, tail = _ids(3 * 64, seed=93), _ids(29, seed=94)
     mla, index = _whole_blocks(ref.core, prefix, 3)
-    assert core.collective_rpc("services.transfer.staging:ensure", 4) == [4] * c["pcp"]
+    assert core.collective_rpc(kv_staging_rpc.ensure, 4) == [4] * c["pcp"]
     staging = core.runner.kv_staging
     _prefill_held(core, prefix, "kv-held")
-    core.collective_rpc("services.transfer.staging:gather", core.kv.block_ids("kv-held"), 0, 3 * 64)
+    core.collective_rpc(kv_staging_rpc.gather, core.kv.block_ids("kv-held"), 0, 3 * 64)
     core.release_held("kv-held")
     _close(staging.mla[:3], mla, "gathered mla blocks")
     _close(staging.index[:3], index, "gathered index blocks")
@@ -284,7 +285,7 @@ def test_kv_staged_through_rank0_for_dcp(cp):
         staging.mla.zero_()
         staging.index.zero_()
         staging.mla[:3], staging.index[:3] = mla, index
-        core.collective_rpc("services.transfer.staging:scatter", block_ids, 0, 3 * 64)
+        core.collective_rpc(kv_staging_rpc.scatter, block_ids, 0, 3 * 64)
     _decode_imported(core, ref, other + tail, 3 * 64, write)
 
 
@@ -304,10 +305,10 @@ def test_kv_written_on_rank0_replicates_to_every_rank(cp):
     def write(block_ids):
         cache = core.runner.kv_cache  # rank 0 is this process
         cache.mla[block_ids[:3]], cache.index[block_ids[:3]] = mla, index
-        before = core.collective_rpc("tests.helpers.kv_pages:read_kv_rows", block_ids[:3], 3 * 64)
+        before = core.collective_rpc(kv_pages.read_kv_rows, block_ids[:3], 3 * 64)
         assert not torch.equal(before[1]["mla"], before[0]["mla"]), "rank 1 must not hold the prefix before"
         assert core.collective_rpc("replicate_blocks", block_ids[:3]) == [3] * c["pcp"]
-        after = core.collective_rpc("tests.helpers.kv_pages:read_kv_rows", block_ids[:3], 3 * 64)
+        after = core.collective_rpc(kv_pages.read_kv_rows, block_ids[:3], 3 * 64)
         for r in after[1:]:
             assert torch.equal(r["mla"], after[0]["mla"]) and torch.equal(r["index"], after[0]["index"])
     _decode_imported(core, ref, prefix + tail, 3 * 64, write)

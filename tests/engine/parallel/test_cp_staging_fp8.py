@@ -11,6 +11,7 @@ import torch
 from engine import LLM
 from engine.parallel.spawn import RankPool
 from kernels.formats import read_index_rows
+from services.transfer import staging as kv_staging_rpc
 from tests.engine.parallel.test_cp_engine import _ids, _prefill_held
 from tests.helpers.kv_pages import rank_kv_rows
 
@@ -38,9 +39,9 @@ def test_fp8_keys_staged_through_rank0_move_by_token(tiny_ckpt, rank_pool):
         pos = torch.arange(n)
         _prefill_held(core, _ids(n, seed=97), "kv-held")
         blocks = core.kv.block_ids("kv-held")
-        assert core.collective_rpc("services.transfer.staging:ensure", 4) == [4, 4]
+        assert core.collective_rpc(kv_staging_rpc.ensure, 4) == [4, 4]
         staging = core.runner.kv_staging
-        core.collective_rpc("services.transfer.staging:gather", blocks, 0, n)
+        core.collective_rpc(kv_staging_rpc.gather, blocks, 0, n)
         staged_keys = read_index_rows(staging.index, pos // 64, pos % 64)
         staged_mla = staging.mla[pos // 64, :, pos % 64]
         held = rank_kv_rows(core, "kv-held")
@@ -52,7 +53,7 @@ def test_fp8_keys_staged_through_rank0_move_by_token(tiny_ckpt, rank_pool):
         gen = torch.Generator().manual_seed(5)  # other bytes in the staged blocks -> the ranks' slots
         staging.index.copy_(torch.randint(0, 256, staging.index.shape, generator=gen, dtype=torch.uint8))
         staging.mla.copy_(torch.randint(0, 256, staging.mla.shape, generator=gen, dtype=torch.uint8))
-        core.collective_rpc("services.transfer.staging:scatter", blocks, 0, n)
+        core.collective_rpc(kv_staging_rpc.scatter, blocks, 0, n)
         staged_keys = read_index_rows(staging.index, pos // 64, pos % 64)
         staged_mla = staging.mla[pos // 64, :, pos % 64]
         for r in rank_kv_rows(core, "kv-held"):

@@ -11,6 +11,7 @@ from engine import LLM, SamplingParams
 from engine.core.request import Request
 from engine.parallel.spawn import RankPool
 from tests.engine.parallel.test_dp_engine import EXACT, _ids
+from tests.helpers import kv_pages
 
 pytestmark = pytest.mark.xdist_group("cp")
 
@@ -43,7 +44,7 @@ def _import(pre, dp, rid: str, ids: list[int], rank: int) -> int:
     assert dp.core.rank_of[rid] == rank and n_cached == 0
     n = len(src)
     cache = pre.runner.kv_cache
-    wrote = dp.core.collective_rpc("tests.helpers.kv_pages:write_kv_blocks", rank, block_ids[:n],
+    wrote = dp.core.collective_rpc(kv_pages.write_kv_blocks, rank, block_ids[:n],
                                    cache.mla[src].clone(), cache.index[src].clone())
     assert wrote == [r == rank for r in range(2)]
     assert pre.release_held("p" + rid)

@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
+from tests.helpers import kv_pages
 
 pytestmark = pytest.mark.xdist_group("cp")  # one process group per process: keep these on one worker
 
@@ -87,7 +88,7 @@ def test_dp2_rank1_has_its_own_tier(tiny_ckpt):
         d.append_output(want[3][:1])
         block_ids, n_cached = core.reserve_import(d, len(turns[3]), rank=1)
         assert n_cached == 256 and not any(kv.offload.copies for kv in core.kvs)
-        mla, index = core.collective_rpc("tests.helpers.kv_pages:read_kv_blocks", 1, block_ids[:4])[1]
+        mla, index = core.collective_rpc(kv_pages.read_kv_blocks, 1, block_ids[:4])[1]
         assert torch.equal(mla, ref_mla) and torch.equal(index, ref_index)
         core.import_done("dec", ok=False)
         while core.has_unfinished():

@@ -111,7 +111,6 @@ def test_graphs_equal_eager_on_a_real_dimension_stack(tmp_path, weights, monkeyp
     monkeypatch.setattr(kernels.fp8_gemm, "SPLITK_DECODE", weights.startswith("fp8-splitk"))
     sm90_launches = []
     if weights.endswith("sm90-mla"):
-        monkeypatch.setenv("PDSERVE_SPARSE_MLA_SM90", "1")
         launch = sm90.launch
         monkeypatch.setattr(sm90, "launch", lambda *a, **k: (sm90_launches.append(k["rows"]), launch(*a, **k))[1])
 

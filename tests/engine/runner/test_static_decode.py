@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM
+from engine.hisparse.builder import HiSparseMetadataBuilder
 from tests.helpers.decode_runs import run_joining_leaving, source_prompts
 
 SIZES = [1, 2, 4, 8]
@@ -51,7 +52,7 @@ def test_enforce_eager_and_cpu_default(tiny_code):
 def test_start_up_keys_and_padding_only_batches_write_nothing(tiny_code):
     """The keys captured at start-up on CUDA (every bucket of the target and MTP passes, with 1 and 1 + k
     rows per request); a batch of padding requests only runs through both passes and writes no KV."""
-    from engine.runner.static_decode import eager_forward
+    from engine.runner.padded_batch import eager_forward
 
     llm = LLM(str(tiny_code), num_blocks=16, enforce_eager=False, max_num_seqs=4, num_speculative_tokens=3)
     runner = llm.core.runner
@@ -112,7 +113,7 @@ def test_hisparse_static_padded_decode_equals_eager(code16, spec):
     steps = _count_steps(llm)
     assert run_joining_leaving(llm, prompts, late=2, tokens=8) == ref
     st = llm.core.runner.static
-    assert st.hisparse is not None and st.num_captures == 0
+    assert st.pad and isinstance(st.builder, HiSparseMetadataBuilder) and st.num_captures == 0
     assert (st.num_derived > 0) == bool(spec), "the MTP draft passes derive their batch (and its routing) on the device"
     assert any(bp > b for b, bp, _ in st.shapes), f"no forward needed padding: {dict(st.shapes)}"
     assert {b for b, _, _ in st.shapes} >= {1, 2, 3, 4}, "the batch grew and shrank across steps"
@@ -143,7 +144,8 @@ def test_hisparse_padding_only_batches_change_nothing(code16):
     device pool, index cache), no page table, no hot-buffer state and no counter."""
     from engine import SamplingParams
     from engine.core.request import Request
-    from engine.runner.static_decode import eager_forward
+    from engine.hisparse.forward import STATIC_ROUTING
+    from engine.runner.padded_batch import eager_forward
 
     llm = _hisparse_llm(code16, 3, eager=False)
     core, runner = llm.core, llm.core.runner
@@ -159,7 +161,7 @@ def test_hisparse_padding_only_batches_change_nothing(code16):
     hidden = llm.core.cfg.model.hidden_size
     for kind, size, R in st.keys():
         batch = st.dummy(size, R)
-        assert batch.meta.hisparse_routing.paths == ["pad"] * size
+        assert STATIC_ROUTING.get(batch.meta).paths == ["pad"] * size
         eager_forward(runner, kind, batch.input_ids, batch.meta,
                       torch.zeros((size * R, hidden)) if kind == "mtp" else None)
     changed = [i for i, (a, b) in enumerate(zip(before, state)) if not a.view(torch.uint8).equal(b.view(torch.uint8))]

@@ -85,7 +85,7 @@ def test_a_stopped_loop_is_reported():
 
 
 def test_the_hang_timeout_comes_from_the_environment(monkeypatch):
-    from services import settings
+    from engine import settings
     monkeypatch.setenv("PDSERVE_RANK_HANG_TIMEOUT_S", "7.5")
     assert settings.rank_hang_timeout_s() == 7.5
     monkeypatch.setenv("PDSERVE_RANK_HANG_TIMEOUT_S", "soon")

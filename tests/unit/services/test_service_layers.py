@@ -15,9 +15,10 @@ from engine.config.presets import preset
 from engine.kv.cache import KVCacheSpec
 from proto.pdserve.v1 import common_pb2
 from services.cluster.redis_state import InstanceInfo, KVEvent
+from services.rpc import convert
 from services.rpc.grpc_server import FailedPrecondition, NotFound, Overloaded, status_for
 from services.rpc.metrics import ServiceMetrics
-from services.transfer import wire
+from services.transfer import convert as transfer_convert
 from services.transfer.nixl_descs import BlockDescList, BlockTensor, parse_pulled, pulled_notif
 
 
@@ -42,9 +43,9 @@ def test_block_tensor_descriptors():
     assert d.shape == (5, 3) and d[3, 0] == t[3].data_ptr() and (d[:, 1] == 96).all()
     with pytest.raises(ValueError, match="contiguous"):
         BlockTensor.of("x", t.transpose(0, 1))
-    assert wire.block_tensor_from_proto(wire.block_tensor_to_proto(bt)) == bt
+    assert transfer_convert.block_tensor_from_proto(transfer_convert.block_tensor_to_proto(bt)) == bt
     with pytest.raises(ValueError, match="device kind"):
-        wire.block_tensor_from_proto(common_pb2.MemoryDesc(name="x", block_bytes=1, num_blocks=1))
+        transfer_convert.block_tensor_from_proto(common_pb2.MemoryDesc(name="x", block_bytes=1, num_blocks=1))
 
 
 def test_descriptor_indices_are_tensor_major():
@@ -60,28 +61,28 @@ def test_descriptor_indices_are_tensor_major():
 
 def test_kv_layout_check():
     spec = KVCacheSpec.from_model(preset("tiny"))
-    layout = wire.kv_layout_to_proto(spec)
-    wire.check_kv_layout(layout, spec, "peer")
+    layout = transfer_convert.kv_layout_to_proto(spec)
+    transfer_convert.check_kv_layout(layout, spec, "peer")
     layout.kv_cache_dtype = "bfloat16"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        wire.check_kv_layout(layout, spec, "peer")
+        transfer_convert.check_kv_layout(layout, spec, "peer")
     # a peer that stores fp8 indexer keys as 132-byte rows (it sends no layout name): same sizes, refused
-    old = wire.kv_layout_to_proto(spec)
+    old = transfer_convert.kv_layout_to_proto(spec)
     old.ClearField("index_key_layout")
     assert spec.index_key_layout == "block-major" and old.index_block_bytes == spec.index_block_bytes
     with pytest.raises(ValueError, match="index_key_layout"):
-        wire.check_kv_layout(old, spec, "peer")
+        transfer_convert.check_kv_layout(old, spec, "peer")
 
 
 def test_hashes_ttl_and_clocks():
-    assert wire.block_hashes_from_proto([bytes(16)]) == [bytes(16)]
+    assert convert.block_hashes_from_proto([bytes(16)]) == [bytes(16)]
     with pytest.raises(ValueError, match=r"block_hashes\[1\] has 15 bytes"):
-        wire.block_hashes_from_proto([bytes(16), bytes(15)])
-    assert wire.ttl_s(0, 10.0, 60.0) == 10.0 and wire.ttl_s(1500, 10.0, 60.0) == 1.5
+        convert.block_hashes_from_proto([bytes(16), bytes(15)])
+    assert convert.ttl_s(0, 10.0, 60.0) == 10.0 and convert.ttl_s(1500, 10.0, 60.0) == 1.5
     with pytest.raises(ValueError, match="exceeds"):
-        wire.ttl_s(61_000, 10.0, 60.0)
+        convert.ttl_s(61_000, 10.0, 60.0)
     deadline = time.monotonic() + 5
-    assert abs(wire.monotonic_from_unix_ms(wire.unix_ms(deadline)) - deadline) < 0.01
+    assert abs(convert.monotonic_from_unix_ms(convert.unix_ms(deadline)) - deadline) < 0.01
 
 
 def test_metrics_names_and_roles():

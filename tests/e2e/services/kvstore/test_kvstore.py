@@ -16,14 +16,14 @@ import grpc
 import pytest
 import torch
 
-from engine.config.model import ModelConfig
+from engine.config.model_config import ModelConfig
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.parallel.dist import free_port
 from proto.pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.cluster.redis_state import KVEvent, RedisState
-from services.deploy.procs import tie_to_parent
-from services.kvstore.client import KVStoreClient
 from services.rpc.grpc_server import channel, check_health_sync
+from services.rpc.procs import tie_to_parent
+from services.transfer.kvstore_client import KVStoreClient
 from services.transfer.nixl_agent import NixlAgent
 from tests.helpers import ROOT
 

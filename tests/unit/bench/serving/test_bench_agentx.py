@@ -97,7 +97,7 @@ def test_fresh_server_per_level(trace_dir, tmp_path, monkeypatch):
         events.append(("down",))
         handle.running.__exit__(None, None, None)
 
-    monkeypatch.setitem(sys.modules, "services.deploy.launcher", types.SimpleNamespace(up=up, down=down))
+    monkeypatch.setitem(sys.modules, "services.launch.launcher", types.SimpleNamespace(up=up, down=down))
     argv = _argv(["--fresh-server", "topo.yaml"], trace_dir, tmp_path / "f")
     out = agentx.run(agentx.build_parser().parse_args(argv))
     assert events == [("up", "topo.yaml"), ("down",)] * 2
@@ -151,7 +151,7 @@ def test_bench_serve(tmp_path):
 
 
 def test_cli_missing_module_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "services.deploy.launcher", None)  # import of it fails
+    monkeypatch.setitem(sys.modules, "services.launch.launcher", None)  # import of it fails
     with pytest.raises(SystemExit, match="not available"):
         cli.main(["up", "topo.yaml"])
     with pytest.raises(SystemExit):

@@ -19,10 +19,10 @@ from engine.attention.metadata import build_metadata
 from engine.attention.static import StaticMetadataBuilder
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config.presets import preset
-from engine.hisparse.forward import ForwardState
+from engine.hisparse.forward import FORWARD_STATE, ForwardState
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.parallel.cp_backend import CPAttentionBackend
-from engine.parallel.step import CPStep, build_step
+from engine.parallel.step import CP_STEP, CPStep, build_step
 
 BS = 16
 
@@ -98,16 +98,16 @@ def test_hisparse_backend_contract():
     place(mgr, ctx, seq_len)
     table = ctx.table("cpu")
     meta = decode_meta(table, seq_len, [f"r{b}" for b in range(ctx.batch)])
-    assert meta.hisparse is None
+    assert FORWARD_STATE.get(meta) is None
     be.begin_forward(meta)
-    fw = meta.hisparse
+    fw = FORWARD_STATE.get(meta)
     assert isinstance(fw, ForwardState) and len(fw.paths) == ctx.batch
     gen = torch.Generator().manual_seed(1)
     K = cfg.index_topk
     sel = torch.stack([torch.randperm(seq_len - 1, generator=gen)[:K] for _ in range(ctx.batch)]).to(torch.int32)
     q = torch.randn(ctx.batch, cfg.num_attention_heads, spec.latent_dim + spec.rope_dim, generator=gen)
     out, lse = be.sparse_mla(mgr.cache, 0, q, sel, meta, 0.1)
-    assert meta.hisparse is fw, "begin_forward's state is the one the layers use"
+    assert FORWARD_STATE.get(meta) is fw, "begin_forward's state is the one the layers use"
     # the host pool holds every row: the torch reference on it is what the device pool must give
     ref_meta = decode_meta(table, seq_len, [])
     ref_out, ref_lse = TorchAttentionBackend(spec).sparse_mla(mgr.cache, 0, q, sel, ref_meta, 0.1)
@@ -147,7 +147,7 @@ def test_cp_backend_contract():
     rows = [(r, 0, [0] * S) for r, S in zip(reqs, lens)]
     _, meta, step, _ = build_step(runner, rows, [0])
     be.begin_forward(meta)
-    assert isinstance(meta.cp, CPStep) and meta.cp is step
+    assert isinstance(CP_STEP.get(meta), CPStep) and CP_STEP.get(meta) is step
     T = meta.num_tokens
     latent = torch.randn(T, spec.latent_dim, generator=gen)
     rope = torch.randn(T, spec.rope_dim, generator=gen)
@@ -161,11 +161,11 @@ def test_cp_backend_contract():
     assert torch.equal(sel, inner.indexer_topk(caches[1], 0, qi, w, meta, cfg.index_topk))
     out, _ = be.sparse_mla(caches[1], 0, q, sel, meta, 0.1)
     assert torch.equal(out, inner.sparse_mla(caches[1], 0, q, sel, meta, 0.1)[0])
-    meta.cp = None
+    CP_STEP.put(meta, None)
     try:
         be.begin_forward(meta)
     except RuntimeError as e:
-        assert "meta.cp" in str(e)
+        assert "CP_STEP" in str(e)
     else:
         raise AssertionError("a CP forward without its step plan must fail clearly")
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine.config.model import ConfigError, ModelConfig
+from engine.config.model_config import ConfigError, ModelConfig
 from engine.config.presets import preset, preset_dict
 
 BASE = preset_dict("tiny")

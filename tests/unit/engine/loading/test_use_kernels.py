@@ -6,11 +6,10 @@ import functools
 
 import pytest
 
-from engine import envs
 from engine.config.presets import preset
 from engine.loading.loader import build_model, use_kernels
-from engine.model.attention import Indexer, MLAttention
 from engine.model.layers import RMSNorm
+from engine.model.mla import Indexer, MLAttention
 from engine.model.moe import Experts, MoEGate
 from kernels.moe import fused_moe, fused_moe_ref
 
@@ -41,12 +40,3 @@ def test_the_switch_sets_every_module(on, fused):
             assert isinstance(impl, functools.partial) and impl.func is fused_moe
             assert impl.keywords == {"small_routing": False}
 
-
-def test_fused_ops_variable(monkeypatch):
-    monkeypatch.delenv("PDSERVE_FUSED_OPS", raising=False)
-    assert envs.fused_ops()
-    monkeypatch.setenv("PDSERVE_FUSED_OPS", "0")
-    assert not envs.fused_ops()
-    monkeypatch.setenv("PDSERVE_FUSED_OPS", "no")
-    with pytest.raises(ValueError, match="PDSERVE_FUSED_OPS"):
-        envs.fused_ops()

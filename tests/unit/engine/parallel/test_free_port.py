@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from engine import envs
+from engine import settings
 from engine.parallel import dist
 
 
@@ -51,7 +51,7 @@ def test_a_promise_expires(fresh, monkeypatch):
 def test_a_bad_port_range_is_named(monkeypatch, raw):
     monkeypatch.setenv("PDSERVE_PORT_RANGE", raw)
     with pytest.raises(ValueError, match="PDSERVE_PORT_RANGE"):
-        envs.port_range()
+        settings.port_range()
 
 
 def test_a_crowded_range_falls_back_to_the_os(fresh, monkeypatch):

@@ -7,7 +7,7 @@ import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.runner.sampler import RowParams, RowSpec, Sampler, draw_rows, filtered_probs, sampled_order
-from engine.runner.spec import StepRows, SyntheticAcceptance, acceptance_rate_for_length, verify
+from engine.runner.speculative import StepRows, SyntheticAcceptance, acceptance_rate_for_length, verify
 
 
 @pytest.mark.parametrize("kw,match", [

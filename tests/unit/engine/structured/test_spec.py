@@ -6,7 +6,7 @@ import pytest
 
 from engine.core.sampling_params import SamplingParams
 from engine.structured import StructuredOutputSpec as Spec
-from services.transfer.wire import sampling_from_proto, sampling_to_proto
+from services.rpc.convert import sampling_from_proto, sampling_to_proto
 
 
 @pytest.mark.parametrize("spec", [

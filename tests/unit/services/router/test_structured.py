@@ -11,11 +11,13 @@ from fastapi.testclient import TestClient
 
 from engine.frontend.tokenizer import Tokenizer
 from engine.structured import StructuredOutputSpec as Spec
+from proto.pdserve.v1 import common_pb2
 from services.router.chat_request import ChatSettings
 from services.router.chat_template import ChatTemplate
 from services.router.http_api import RouterAPI
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest
-from services.router.requests import BadRequest, Limits, prepare_chat, prepare_completion
+from services.router.prepare import ServedModel, prepare_chat, prepare_completion, prepare_generate
+from services.router.requests import BadRequest, Limits
 from services.router.structured import structured_from_request
 from tests.conftest import TINY_CODE
 
@@ -26,6 +28,10 @@ LIMITS = Limits(max_model_len=2048, vocab_size=4096)
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     return Tokenizer(TINY_CODE)
+
+
+def _served(tok: Tokenizer, limits: Limits = LIMITS) -> ServedModel:
+    return ServedModel(("tiny-code",), tok, limits, ChatSettings(ChatTemplate.load(TINY_CODE)))
 
 
 def _chat(**extra) -> ChatCompletionRequest:
@@ -50,9 +56,9 @@ def _chat(**extra) -> ChatCompletionRequest:
     ({}, None),
 ])
 def test_every_spelling_becomes_one_spec(tok, extra, want):
-    assert prepare_chat(_chat(**extra), tok, LIMITS, "hi").params.structured_outputs == want
+    assert prepare_chat(_chat(**extra), _served(tok), None).params.structured_outputs == want
     body = CompletionRequest(prompt="x", **extra)
-    assert prepare_completion(body, tok, LIMITS).params.structured_outputs == want
+    assert prepare_completion(body, _served(tok), None).params.structured_outputs == want
 
 
 def test_reasoning_gate_unless_the_spec_spells_the_marker():
@@ -64,10 +70,11 @@ def test_reasoning_gate_unless_the_spec_spells_the_marker():
     off = {"guided_regex": "[0-9]+", "chat_template_kwargs": {"enable_thinking": False}}
     assert structured_from_request(off, reasoning_end="</think>").reasoning_end == ""  # no thinking to wait for
     limits = Limits(max_model_len=2048, vocab_size=4096, reasoning_end="</think>")
+    served = _served(Tokenizer(TINY_CODE), limits)
     chat = _chat(guided_regex="[0-9]+")
-    assert prepare_chat(chat, Tokenizer(TINY_CODE), limits, "hi").params.structured_outputs.reasoning_end == "</think>"
+    assert prepare_chat(chat, served, None).params.structured_outputs.reasoning_end == "</think>"
     body = CompletionRequest(prompt="x", guided_regex="[0-9]+")
-    assert prepare_completion(body, Tokenizer(TINY_CODE), limits).params.structured_outputs.reasoning_end == ""
+    assert prepare_completion(body, served, None).params.structured_outputs.reasoning_end == ""
 
 
 BAD = [
@@ -92,7 +99,7 @@ BAD = [
 @pytest.mark.parametrize("extra, param, msg", BAD)
 def test_bad_specs_name_their_param(tok, extra, param, msg):
     with pytest.raises(BadRequest, match=msg) as e:
-        prepare_chat(_chat(**extra), tok, LIMITS, "hi")
+        prepare_chat(_chat(**extra), _served(tok), None)
     assert e.value.param == param
 
 
@@ -117,13 +124,10 @@ def test_http_400_with_param_and_nothing_reaches_an_engine(tok, extra, param, _m
 
 
 def test_grpc_generate_checks_the_spec(tok):
-    from proto.pdserve.v1 import common_pb2
-    from services.router.requests import prepare_generate
-
     g = common_pb2.GenerateRequest(prompt="hi", sampling_params=common_pb2.SamplingParams(
         max_tokens=5, structured_outputs=common_pb2.StructuredOutput(kind="regex", spec="(a")))
     with pytest.raises(BadRequest, match="invalid regex") as e:
-        prepare_generate(g, tok, LIMITS)
+        prepare_generate(g, _served(tok), None)
     assert e.value.param == "sampling_params.structured_outputs"
     g.sampling_params.structured_outputs.spec = "a+"
-    assert prepare_generate(g, tok, LIMITS)[1].structured_outputs == Spec.regex("a+")
+    assert prepare_generate(g, _served(tok), None).params.structured_outputs == Spec.regex("a+")

@@ -21,9 +21,9 @@ from services.decode.server import DecodeServicer
 from services.prefill.server import PrefillServicer
 from services.router.grpc_api import RouterServicer
 from services.rpc.bounds import BOUNDS, FLOAT32_MAX, InvalidArgument, ModelLimits, check_sampling_proto, wire_range
+from services.rpc.convert import sampling_from_proto
 from services.rpc.grpc_server import GrpcServer
 from services.rpc.metrics import ServiceMetrics
-from services.transfer.wire import sampling_from_proto
 from tests.helpers.router_harness import MODEL, make_client
 
 LIMITS = ModelLimits(max_model_len=4096, vocab_size=4096)

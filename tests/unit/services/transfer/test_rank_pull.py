@@ -62,7 +62,7 @@ def test_the_pull_runs_on_its_rank_and_reports_the_bytes():
     engine, agent, moved = _pull(lambda t: f"dppull:{t}:ok:4096".encode())
     assert moved == 4096
     ((method, rank, token, kv_bytes, blocks, cached),) = engine.core.rpcs
-    assert method == "services.transfer.rank_pull:start" and rank == 1 and blocks == [4, 5] and cached == 64
+    assert method is rank_pull.start and rank == 1 and blocks == [4, 5] and cached == 64
     assert prefill_pb2.KVHandle.FromString(kv_bytes).lease_id == "l"
     assert agent.waits == [("worker-agent", f"dppull:{token}:".encode())]
 

@@ -1,4 +1,5 @@
-"""What `pdserve up` runs: the topology file's schema, validation, and the table of service kinds.
+"""What `pdserve up` runs: the topology file read and validated into its records (services/launch/schema.py),
+and the command-line flags of each process.
 
 A topology (YAML or a dict; documented in configs/README.md):
 
@@ -19,7 +20,7 @@ A topology (YAML or a dict; documented in configs/README.md):
       router:  {port: 8000, grpc_port: 50050}
 
 Per service: `replicas`, `port` (replica i listens on port + i; 0 = any free port),
-`metrics_port` (same rule; 0 = any free), `gpus` (prefill and decode: services/deploy/placement.py),
+`metrics_port` (same rule; 0 = any free), `gpus` (prefill and decode: services/launch/placement.py),
 `args` (extra flags: {name: value}, true -> bare flag, a list -> repeated, a dict -> JSON), `env`, and
 `module` (default services.<kind>; tests point it at stand-ins). Prefill also takes the parallel sizes and
 `ranks` (processes per replica, default max(PCP, DCP)); decode takes `data_parallel_size` (a replica is
@@ -30,85 +31,23 @@ Each rank of a multi-rank replica gets --rank/--world-size/--master-addr/--maste
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 
+from services.launch.placement import check_placement
+from services.launch.schema import ANY_ADDRESS, GPU_KINDS, ORDER, ROOT, ServiceSpec, Topology
 from services.rpc.service_args import rank_flags
 
-ROOT = Path(__file__).resolve().parents[2]
-ORDER = ("kvstore", "prefill", "decode", "router")
+__all__ = ["ROOT", "Ports", "ServiceSpec", "Topology", "args_to_flags", "flags", "load"]
+
 _TOP_KEYS = {"model", "host", "advertise_host", "host_gpus", "multi_host", "run_dir", "redis_url", "env", "services"}
 _SERVICE_KEYS = {"replicas", "port", "metrics_port", "args", "env", "module"}
 _KIND_KEYS = {"prefill": {"prefill_context_parallel_size", "decode_context_parallel_size", "ranks"},
               "decode": {"data_parallel_size"}, "router": {"grpc_port"}}
-_GPU_KINDS = ("prefill", "decode")
-ANY_ADDRESS = ("0.0.0.0", "::", "")
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    kind: str
-    replicas: int = 1
-    port: int = 0
-    metrics_port: int = 0
-    args: dict[str, Any] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
-    module: str = ""
-    extra: dict[str, int] = field(default_factory=dict)  # kind-specific keys (_KIND_KEYS)
-    gpus: tuple[int, ...] = ()  # prefill / decode: one GPU per process, or one shared by all
-
-    @property
-    def module_name(self) -> str:
-        return self.module or f"services.{self.kind}"
-
-    @property
-    def ranks(self) -> int:
-        """Processes per replica: the prefill engine's ranks, a decode group's DP ranks, 1 for everything else."""
-        if self.kind == "decode":
-            return self.extra.get("data_parallel_size", 1)
-        if self.kind != "prefill":
-            return 1
-        pcp = self.extra.get("prefill_context_parallel_size", 1)
-        dcp = self.extra.get("decode_context_parallel_size", 1)
-        return self.extra.get("ranks", max(pcp, dcp))
-
-    @property
-    def num_processes(self) -> int:
-        return self.replicas * self.ranks
-
-
-@dataclass(frozen=True)
-class Topology:
-    model: str
-    host: str = "127.0.0.1"
-    run_dir: str = ".run"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    env: dict[str, str] = field(default_factory=dict)
-    services: tuple[ServiceSpec, ...] = ()
-    advertise_host: str = ""
-    host_gpus: int | None = None
-    multi_host: bool = False
-
-    @property
-    def advertised(self) -> str:
-        """The address the processes register in Redis: never a wildcard such as 0.0.0.0."""
-        if self.advertise_host:
-            return self.advertise_host
-        if self.host in ANY_ADDRESS:
-            from services.rpc.net import routable_address
-
-            return routable_address()
-        return self.host
-
-    def service(self, kind: str) -> ServiceSpec | None:
-        return next((s for s in self.services if s.kind == kind), None)
-
-    def path(self, p: str) -> Path:
-        """A topology path, relative to the project root unless absolute."""
-        return Path(p) if Path(p).is_absolute() else ROOT / p
 
 
 def load(source: str | Path | dict) -> Topology:
@@ -135,9 +74,7 @@ def load(source: str | Path | dict) -> Topology:
                     services=tuple(services), advertise_host=str(raw.get("advertise_host") or ""),
                     host_gpus=_host_gpus(raw.get("host_gpus")), multi_host=bool(raw.get("multi_host", False)))
     _check_hosts(topo, raw)
-    if topo.host_gpus is not None:
-        from services.deploy.placement import check_placement
-
+    if topo.host_gpus is not None:  # the host is known: place the GPUs now (else `pdserve up` does, on this host)
         check_placement(topo, topo.host_gpus)
     return topo
 
@@ -157,8 +94,6 @@ def _check_hosts(topo: Topology, raw: dict) -> None:
         return
     if "redis_url" not in raw:
         raise ValueError("a multi_host topology needs `redis_url`: the Redis every host joins")
-    from urllib.parse import urlparse
-
     if urlparse(topo.redis_url).hostname in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"a multi_host topology needs a Redis other hosts can reach, not {topo.redis_url}")
     if topo.host in ("127.0.0.1", "localhost", "::1"):
@@ -170,7 +105,7 @@ def _service(kind: str, body: dict) -> ServiceSpec:
     if not isinstance(body, dict):
         raise ValueError(f"services.{kind} must be a mapping")
     kind_keys = _KIND_KEYS.get(kind, set())
-    _no_unknown(f"services.{kind}", body, _SERVICE_KEYS | kind_keys | ({"gpus"} if kind in _GPU_KINDS else set()))
+    _no_unknown(f"services.{kind}", body, _SERVICE_KEYS | kind_keys | ({"gpus"} if kind in GPU_KINDS else set()))
     ints = {k: body[k] for k in ("replicas", "port", "metrics_port", *kind_keys) if k in body}
     for k, v in ints.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 0 or ("port" not in k and v < 1):
@@ -192,8 +127,8 @@ def _with_gpus(spec: ServiceSpec, gpus) -> ServiceSpec:
     if gpus is None:
         return spec
     where = f"services.{spec.kind}.gpus"
-    if spec.kind not in _GPU_KINDS:
-        raise ValueError(f"{where}: only {' and '.join(_GPU_KINDS)} run on GPUs")
+    if spec.kind not in GPU_KINDS:
+        raise ValueError(f"{where}: only {' and '.join(GPU_KINDS)} run on GPUs")
     if not isinstance(gpus, list) or not gpus or any(not isinstance(g, int) or isinstance(g, bool) or g < 0
                                                      for g in gpus):
         raise ValueError(f"{where} must be a non-empty list of GPU indices (non-negative integers), got {gpus!r}")

@@ -1,4 +1,5 @@
-"""`pdserve up` / `pdserve down`: run a topology (services/deploy/topology.py) as local processes.
+"""What `pdserve up` / `pdserve down` do (their flags: services/launch/commands.py): run a topology
+(services/launch/topology.py) as local processes.
 
     handle = up("configs/topology.cpu.yaml")   # or a dict; returns once every service is healthy
     handle.endpoints()                          # {"kvstore": ["127.0.0.1:50060"], "router": [...]}
@@ -18,7 +19,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -27,13 +27,13 @@ from pathlib import Path
 
 from engine.parallel.dist import free_port
 from services.cluster.redis_server import ensure_redis
-from services.deploy import topology as topo_mod
-from services.deploy.placement import check_placement
-from services.deploy.process_specs import plan_service
-from services.deploy.procs import stop_pid, tie_to_parent
-from services.deploy.topology import ROOT, Ports, ServiceSpec, Topology
+from services.launch import topology as topo_mod
+from services.launch.placement import check_placement
+from services.launch.process_specs import plan_service
+from services.launch.topology import ROOT, Ports, ServiceSpec, Topology
 from services.rpc.grpc_server import check_health_sync
 from services.rpc.net import PORT_IN_USE_EXIT
+from services.rpc.procs import stop_pid, tie_to_parent
 
 STATE_FILE = "state.json"
 _children: dict[int, subprocess.Popen] = {}  # processes this interpreter started (to reap them)
@@ -170,7 +170,7 @@ def _ports(topo: Topology, spec: ServiceSpec, replica: int) -> Ports:
 
 
 def _spawn(cmd: list[str], log: str, extra_env: dict[str, str]) -> int:
-    env = {**os.environ, **extra_env}
+    env = {**os.environ, **extra_env}  # the launcher's environment, passed on to the service it starts
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -285,65 +285,3 @@ def _stop_group(records: list[ProcessRecord], timeout_s: float) -> None:
             break
     for rec in records:
         _children.pop(rec.pid, None)
-
-
-# ---- command line (`pdserve up | down | status`, dispatched by services/cli.py) ---------------------
-def up_main(argv: list[str]) -> int:
-    import argparse
-    import sys
-
-    from services.deploy.topology import ROOT
-
-    p = argparse.ArgumentParser(prog="pdserve up", description="start every service of a topology, wait until healthy")
-    p.add_argument("--config", default=str(ROOT / "configs" / "topology.cpu.yaml"),
-                   help="topology YAML (configs/README.md)")
-    p.add_argument("--run-dir", default=None, help="logs + state (default: the topology's run_dir)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print every process (command line, GPUs, host, ports) and start nothing")
-    a = p.parse_args(argv)
-    if a.dry_run:
-        return _dry_run(a.config)
-    try:
-        dep = up(a.config, run_dir=a.run_dir, timeout_s=a.timeout, echo=print)
-    except (RuntimeError, ValueError, OSError) as e:
-        print(f"pdserve up failed: {e}", file=sys.stderr)
-        return 1
-    for kind, addresses in dep.endpoints().items():
-        print(f"{kind:12s} {'  '.join(addresses)}")
-    print(f"logs in {dep.run_dir}; stop with `pdserve down --run-dir {dep.run_dir}`")
-    return 0
-
-
-def _dry_run(config: str) -> int:
-    from services.deploy.process_specs import describe, plan
-
-    try:
-        topo = topo_mod.load(config)
-        check_placement(topo)
-    except (ValueError, OSError) as e:
-        print(f"pdserve up: {e}", file=sys.stderr)
-        return 1
-    print(describe(topo, topo.redis_url, plan(topo, topo.redis_url)))
-    return 0
-
-
-def _run_dir_arg(prog: str, argv: list[str]) -> str:
-    import argparse
-
-    from services.deploy.topology import ROOT
-
-    p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("--run-dir", default=str(ROOT / ".run"))
-    return p.parse_args(argv).run_dir
-
-
-def down_main(argv: list[str]) -> int:
-    down(_run_dir_arg("pdserve down", argv))
-    return 0
-
-
-def status_main(argv: list[str]) -> int:
-    for name, alive in status(_run_dir_arg("pdserve status", argv)).items():
-        print(f"{name:20s} {'running' if alive else 'stopped'}")
-    return 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from engine import envs
 from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.kv.budget import num_kv_blocks
 from engine.kv.cache import KVCacheSpec
@@ -51,7 +50,9 @@ class CPModelRunner(ModelRunner):
             for m in self.model.modules():
                 if isinstance(m, MoE):
                     m.dispatcher = dispatcher
-        self.kv_prefetch = envs.cp_kv_prefetch()
+        # overlap layer l+1's DCP context all-gather with layer l (always; a plain attribute so that the
+        # benchmarks can time it off beside on: bench.prefill.ranks.set_kv_prefetch)
+        self.kv_prefetch = True
         self.main_layers = list(range(mc.num_hidden_layers))
         self.mtp_layers = [mc.mtp_layer_index]
         self._need_rows: list[int] | None = None

@@ -1,4 +1,5 @@
-"""Engine-side client of a kvstore: store blocks into it and load blocks from it over NIXL.
+"""A prefill's client of one kvstore: store blocks into it and load blocks from it over NIXL (the failure
+policy around these calls is services/transfer/kvstore_link.py; the server is services/kvstore/).
 
     client = KVStoreClient("10.0.0.5:50060", agent, local_descs, spec)
     await client.connect()                                   # Describe, layout check, NIXL peer
@@ -16,9 +17,10 @@ from collections.abc import Sequence
 
 from engine.kv.cache import KVCacheSpec
 from proto.pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.rpc.convert import monotonic_from_unix_ms
 from services.rpc.grpc_server import channel
+from services.transfer.convert import check_kv_layout, nixl_peer_from_proto
 from services.transfer.nixl_agent import BlockDescList, NixlAgent
-from services.transfer.wire import check_kv_layout, monotonic_from_unix_ms, nixl_peer_from_proto
 
 
 class KVStoreClient:

@@ -10,9 +10,9 @@ import pytest
 
 from engine.config.arg_utils import EngineArgs
 from services.decode.main import parse_args as parse_decode_args
-from services.deploy import topology
-from services.deploy.placement import check_placement, placement
-from services.deploy.process_specs import plan
+from services.launch import topology
+from services.launch.placement import check_placement, placement
+from services.launch.process_specs import plan
 from services.rpc import net
 from tests.helpers import ROOT
 

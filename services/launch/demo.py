@@ -11,7 +11,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from services.launch import launcher
+from services.launch.schema import ROOT
+
 TOPOLOGY = ROOT / "configs" / "topology.cpu.yaml"
 
 
@@ -47,16 +49,13 @@ def stream(url: str, prompt: str, max_tokens: int, chat: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.deploy.demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m services.launch.demo", description=__doc__)
     p.add_argument("--config", default=str(TOPOLOGY))
     p.add_argument("--prompt", default='class Stack:\n    """A LIFO stack."""\n\n    def __init__(self):\n')
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat message instead")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--keep", action="store_true", help="leave the services running")
     a = p.parse_args(argv)
-
-    from services.deploy import launcher
-
     print(f"starting the services of {Path(a.config).name} (logs in .run/) ...", flush=True)
     t0 = time.perf_counter()
     dep = launcher.up(a.config, echo=lambda s: print("  " + s, flush=True))

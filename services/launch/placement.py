@@ -22,9 +22,8 @@ import subprocess
 from collections import defaultdict
 from dataclasses import dataclass
 
-from services.deploy.topology import ServiceSpec, Topology
+from services.launch.schema import ServiceSpec, Topology
 
-GPU_KINDS = ("prefill", "decode")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # engine.arg_utils.EngineArgs' default
 
 

@@ -1,12 +1,12 @@
-"""kernels._jit.CompiledKernel's key: what Triton specialises a kernel on (a compiled handle is reused only for
-arguments that would have compiled to the same kernel). The direct launches themselves are checked on the GPU
+"""kernels.triton_support.CompiledKernel's key: what Triton specialises a kernel on (a compiled handle is reused
+only for arguments that would have compiled to the same kernel). The direct launches themselves are checked on the GPU
 by tests/kernels/test_hisparse_gather.py::test_layer_copy_launches_again_by_specialisation."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels._jit import CompiledKernel, _spec
+from kernels.triton_support import CompiledKernel, _spec
 
 
 def test_keys_follow_triton_specialisation():

@@ -4,19 +4,21 @@ Triton decides at import whether `triton.jit` compiles or interprets (TRITON_INT
 library functions (`tl.max`, `tl.cumsum`, ...) are decorated then too. With a CPU-only torch build no
 kernel can be compiled, so the interpreter is switched on before Triton is first imported: CI and CPU
 machines run every kernel through it with no flag to remember. A CUDA build compiles; its tests of the
-interpreter set TRITON_INTERPRET=1 themselves.
+interpreter set TRITON_INTERPRET=1 themselves. This is the one place the choice is made: every kernel module
+is imported through the `kernels` package, whose `__init__` imports this module first.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import torch
 
+from engine import settings
+
 if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    settings.default_to_triton_interpreter()
 
 import triton
 import triton.language as tl
@@ -39,12 +41,6 @@ def check_device(*tensors: torch.Tensor) -> torch.device:
         raise ValueError(f"tensors on {dev} need Triton's interpreter: set TRITON_INTERPRET=1 before importing "
                          "triton, or use the *_ref functions")
     return dev
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """A kernel switch from the environment: unset or empty is `default`, "0", "false" or "no" off, anything else on."""
-    value = os.environ.get(name, "").strip()
-    return default if not value else value not in ("0", "false", "no")
 
 
 def next_pow2(n: int) -> int:

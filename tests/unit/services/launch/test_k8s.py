@@ -8,8 +8,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.deploy import topology
-from services.deploy.topology import Ports
+from services.launch import topology
+from services.launch.topology import Ports
 from tests.helpers import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
@@ -71,7 +71,7 @@ def test_pods_run_the_flags_of_the_two_host_topology(host_file, kind, workload):
     want = _flags(topology.flags(topo, spec, 0, 0, ports, topo.redis_url))
     cmd = _container(workload, kind)["command"]
     if kind in ("prefill", "decode"):  # one engine group of 8 ranks per pod
-        assert cmd[2:6] == ["services.deploy.ranks", "--ranks", "8", f"services.{kind}"]
+        assert cmd[2:6] == ["services.launch.ranks", "--ranks", "8", f"services.{kind}"]
         cmd = cmd[6:]
     else:
         assert cmd[2] == f"services.{kind}"

@@ -1,7 +1,7 @@
 """Run the N rank processes of one multi-process engine (the prefill engine's PCP/DCP/EP ranks).
 
 The launcher starts each rank itself (own log file); a container runs them all through
-`python -m services.deploy.ranks --ranks N services.prefill <flags...>`, which adds
+`python -m services.launch.ranks --ranks N services.prefill <flags...>`, which adds
 `--rank r --world-size N --master-addr 127.0.0.1 --master-port P` to each, forwards SIGTERM/SIGINT,
 and exits when any rank exits (stopping the others): one dead rank means a dead engine.
 """
@@ -19,7 +19,7 @@ from services.rpc.service_args import rank_flags
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.deploy.ranks", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m services.launch.ranks", description=__doc__)
     p.add_argument("--ranks", type=int, required=True)
     p.add_argument("--master-port", type=int, default=0, help="0 = any free port")
     p.add_argument("module")

@@ -14,7 +14,7 @@ import pytest
 from engine.parallel.dist import free_port
 from services.cluster.redis_server import ping
 from services.cluster.redis_state import RedisState
-from services.deploy import launcher
+from services.launch import launcher
 from services.rpc.grpc_server import check_health_sync
 
 pytestmark = pytest.mark.timeout(180)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.deploy import topology
-from services.deploy.topology import Ports, args_to_flags
+from services.launch import topology
+from services.launch.topology import Ports, args_to_flags
 from tests.helpers import ROOT
 
 

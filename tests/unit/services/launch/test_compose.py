@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.deploy import topology
-from services.deploy.topology import Ports
+from services.launch import topology
+from services.launch.topology import Ports
 from tests.helpers import ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
@@ -19,7 +19,7 @@ ENGINE_KINDS = ("kvstore", "prefill", "decode", "router")
 GPU_KINDS = ("prefill", "decode")  # each has a `<kind>-gpu` twin in the `gpu` profile (with router-gpu)
 # Flags the launcher passes that containers derive themselves (their own IP and hostname).
 PER_CONTAINER = {"--advertise-host", "--instance-id"}
-RANK_FLAGS = {"--rank", "--world-size", "--master-addr", "--master-port"}  # added by services.deploy.ranks
+RANK_FLAGS = {"--rank", "--world-size", "--master-addr", "--master-port"}  # added by services.launch.ranks
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def _command(compose: dict, kind: str, service: str | None = None) -> list[str]:
     cmd = compose["services"][service or kind]["command"]
     assert cmd[:2] == ["python", "-m"], f"{kind}: command must be `python -m <module> ...`"
     if kind == "prefill":
-        assert cmd[2:6] == ["services.deploy.ranks", "--ranks", cmd[4], "services.prefill"]
+        assert cmd[2:6] == ["services.launch.ranks", "--ranks", cmd[4], "services.prefill"]
         return cmd[6:]
     assert cmd[2] == f"services.{kind}"
     return cmd[3:]

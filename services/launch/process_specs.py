@@ -12,9 +12,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.deploy import topology as topo_mod
-from services.deploy.placement import Placement, gpu_memory_share, placement
-from services.deploy.topology import Ports, ServiceSpec, Topology
+from services.launch import topology as topo_mod
+from services.launch.placement import Placement, gpu_memory_share, placement
+from services.launch.topology import Ports, ServiceSpec, Topology
 
 PortsOf = Callable[[Topology, ServiceSpec, int], Ports]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config.model import ModelConfig
+from engine.config.model_config import ModelConfig
 from engine.model.context import ForwardContext
 from engine.model.fp8 import Fp8Linear
 from engine.model.layers import RMSNorm, apply_rope
@@ -82,6 +82,14 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.latent, H * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=False)
         self.indexer = Indexer(cfg) if has_indexer else None
+
+    def projection_groups(self) -> list[list[nn.Module | None]]:
+        """The projections of one input each, which `project` runs as one GEMM once packed
+        (engine.model.projections.pack_projections): x's (q_a_proj, the indexer's wk, kv_a_proj_with_mqa) and the
+        query residual's (q_b_proj, the indexer's wq_b)."""
+        idx = self.indexer
+        return [[self.q_a_proj, idx.wk if idx is not None else None, self.kv_a_proj_with_mqa],
+                [self.q_b_proj, idx.wq_b if idx is not None else None]]
 
     def _absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj: W_UK [H, nope, R] and W_UV [H, v, R] (no copies); an FP8 kv_b_proj is

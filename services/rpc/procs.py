@@ -1,4 +1,5 @@
-"""Processes we start: stop them by pid (SIGTERM, then SIGKILL), optionally tie them to our life."""
+"""Processes we start: stop them by pid (SIGTERM, then SIGKILL), optionally tie them to our life. Shared by
+the launcher (services/launch/) and the private redis-server (services/cluster/redis_server.py)."""
 
 from __future__ import annotations
 

@@ -146,6 +146,16 @@ class ModelConfig:
         return _to_hf_config(self)
 
 
+def hf_name(name: str, cfg: ModelConfig) -> str:
+    """Our parameter name -> the checkpoint's (the MTP layer is stored as layer num_hidden_layers)."""
+    mtp_prefix = f"model.layers.{cfg.mtp_layer_index}."
+    if name.startswith("mtp.layer."):
+        return mtp_prefix + name[len("mtp.layer."):]
+    if name.startswith("mtp."):
+        return mtp_prefix + name[len("mtp."):]
+    return name
+
+
 def _indexer_types(d: dict[str, Any], n: int, model_type: str) -> tuple[str, ...]:
     """HF precedence: explicit `indexer_types`, then `index_topk_pattern`, then freq/offset."""
     if d.get("indexer_types") is not None:
