@@ -36,6 +36,7 @@ class EngineHost:
                                            load=lambda r=r: self.load_figures(r))
                           for r, i in enumerate(self.infos)]
         self._tasks: list[asyncio.Task] = []
+        self._stopped = False
         self._prefix_seen = (0, 0)
         self._hisparse_seen = (0, 0, 0)
         self._steps_seen = (0, 0.0)
@@ -57,6 +58,10 @@ class EngineHost:
         self._tasks.append(loop.create_task(self._gauges_loop(), name="engine-gauges"))
 
     async def stop(self) -> None:
+        """Leave the registry (every instance) and stop publishing; idempotent (a drain stops it first)."""
+        if self._stopped:
+            return
+        self._stopped = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -63,11 +63,12 @@ def ping(runner) -> int:
     return runner.comm.rank
 
 
-async def serve_until_stopped(server, engine: AsyncEngine, host, role: str) -> int:
-    """0 on SIGTERM; 1 when the engine died: out of service first (health NOT_SERVING, every instance of
-    `host` (services.engine_host.EngineHost) deregistered, so routers stop choosing them before their TTL
-    would run out), then the caller exits; at once (os._exit) when hung."""
-    stop = asyncio.create_task(server.wait_for_shutdown_signal())
+async def serve_until_stopped(server, drain, engine: AsyncEngine, host, role: str) -> int:
+    """0 on SIGTERM (the first signal of `drain`, services.rpc.drain.Drain: the caller drains next); 1 when the
+    engine died: out of service first (health NOT_SERVING, every instance of `host`
+    (services.engine_host.EngineHost) deregistered, so routers stop choosing them before their TTL would run
+    out), then the caller exits; at once (os._exit) when hung."""
+    stop = asyncio.create_task(drain.wait_for_signal())
     death = asyncio.create_task(wait_for_engine_death(engine))
     done, pending = await asyncio.wait([stop, death], return_when=asyncio.FIRST_COMPLETED)
     for t in pending:

@@ -93,19 +93,28 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None,
-                    **request_kwargs) -> AsyncIterator[RequestOutput]:
-        """Validate now (ValueError on bad input), queue for the loop, return the output stream."""
+                    output_token_ids: list[int] = (), **request_kwargs) -> AsyncIterator[RequestOutput]:
+        """Validate now (ValueError on bad input), queue for the loop, return the output stream.
+        `output_token_ids`: tokens the request already generated elsewhere (a migrated request): the engine
+        computes their KV with the prompt's and continues after them; the stream carries only new tokens."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead!r}")
         req = Request(req_id=req_id or f"req-{next(self._ids)}", prompt_token_ids=list(prompt_token_ids),
                       sampling_params=params, **request_kwargs)
+        if output_token_ids:
+            req.append_output(list(output_token_ids))
         self.core.validate(req)
         if req.req_id in self._streams:
             raise ValueError(f"request id {req.req_id!r} is already running")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.req_id] = queue
         self.processor.add(req)
-        self._submit(lambda core: core.add_request(req))
+        # a request the core turns down between two steps (its checks ran above, but the core's state may
+        # have moved on since) ends its stream with the reason, rather than leaving it waiting forever
+        added = (self._loop or asyncio.get_running_loop()).create_future()
+        added.add_done_callback(lambda f: queue.put_nowait(f.exception())
+                                if not f.cancelled() and f.exception() is not None else None)
+        self._submit(lambda core: core.add_request(req), added)
         return self._stream(req.req_id, queue)
 
     async def add_import_request(self, req: Request, num_import_tokens: int, rank: int | None = None):

@@ -26,6 +26,7 @@ from services.decode.server import SERVICE_NAME, DecodeRank, DecodeServicer
 from services.engine_host import EngineHost
 from services.rank_watch import serve_until_stopped
 from services.rpc.admission import Admission
+from services.rpc.drain import Drain
 from services.rpc.grpc_server import GrpcServer, run
 from services.rpc.metrics import ServiceMetrics
 from services.rpc.net import advertise_host
@@ -99,6 +100,7 @@ async def serve(args: argparse.Namespace) -> int:
     infos = _infos(engine, ranks, f"{host}:{port}", f"{host}:{metrics_port}", agent)
     host_obj = EngineHost(engine, infos, state, metrics, heartbeat_s=args.heartbeat_s,
                           instance_ttl_s=args.instance_ttl_s, block_ttl_s=args.block_ttl_s, publish_blocks=False)
+    drain, grace = Drain(args.shutdown_timeout), 2.0
     try:
         engine.start()
         await server.start()
@@ -107,12 +109,21 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("decode %s serving %s at %s:%d (metrics :%d)", ", ".join(i.instance_id for i in infos),
                  engine.config.model_path, host, port, metrics_port)
         if len(ranks) > 1:  # a DP group: a dead or hung rank takes every rank's instance out of service
-            return await serve_until_stopped(server, engine, host_obj, "decode group")
-        await server.wait_for_shutdown_signal()
+            if await serve_until_stopped(server, drain, engine, host_obj, "decode group"):
+                return 1
+        else:
+            await drain.wait_for_signal()
+        # out of service at once, then the streams in flight run to their end (the group drains as one: every
+        # rank's requests are this process's streams); past the timeout they end UNAVAILABLE and migrate
+        servicer.draining = True
+        await server.set_serving(False)
+        await host_obj.stop()
+        grace = 2.0 if await drain.until_idle(lambda: servicer.num_streams == 0, "decode streams") else 0.0
         return 0
     finally:
+        drain.uninstall()
         await server.set_serving(False)
-        await server.stop(grace=2.0)
+        await server.stop(grace=grace)
         await host_obj.stop()
         await engine.shutdown()
         agent.close()

@@ -7,6 +7,8 @@
          request's KV during the READ; if not (lease expired, pages reused), compute locally instead
       -> the engine continues from the first token (HiSparse + MTP), deltas streamed back
 A client that goes away aborts the request; its blocks are freed (after any transfer into them ended).
+Draining (SIGTERM): new requests are refused UNAVAILABLE, streams in flight run to their end (or, past the
+shutdown timeout, end UNAVAILABLE and the router moves them: services/router/flow.py, "Migration").
 
 A DP group (engine/parallel/dp.py) is served as D instances at one address, one per DP rank, each with
 its own Redis entry, load figures, admission bounds and puller: `instance_id` of the request names the
@@ -30,7 +32,7 @@ from proto.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_p
 from services.rpc.admission import Admission
 from services.rpc.bounds import ModelLimits, check_generate_proto, check_token_ids
 from services.rpc.convert import delta_to_proto, sampling_from_proto
-from services.rpc.grpc_server import Overloaded, channel, grpc_errors
+from services.rpc.grpc_server import Overloaded, Unavailable, channel, grpc_errors
 from services.rpc.metrics import ServiceMetrics
 from services.transfer.convert import check_kv_layout
 from services.transfer.nixl_agent import TransferError, TransferTimeout
@@ -66,11 +68,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.num_local_recomputes = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._last_spec = (0, 0)
+        self.draining = False  # SIGTERM (services/rpc/drain.py): new requests go elsewhere, streams finish
+        self.num_streams = 0  # Generate calls in flight, admission to the last token
 
     @grpc_errors
     async def Generate(self, request, context):
+        if self.draining:
+            raise Unavailable("this decode instance is draining (shutting down): choose another")
         req = self._request(request)
         rank = self._rank(request.instance_id)
+        self.num_streams += 1
+        try:
+            async for reply in self._generate(req, request, rank):
+                yield reply
+        finally:
+            self.num_streams -= 1
+
+    async def _generate(self, req: Request, request, rank: int):
         with self.ranks[rank].admission.inflight():
             # Admission and pull run shielded: a caller that goes away meanwhile must not strand the
             # reserved blocks, nor free them while a READ may still write them (see _give_up).
@@ -148,16 +162,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _request(self, request) -> Request:
         g, kv = request.request, request.kv
         check_generate_proto(g, self.limits)  # before any block is reserved
-        ids = list(g.prompt_token_ids)
+        ids, prior = list(g.prompt_token_ids), list(g.output_token_ids)  # prior: a migrated request's outputs
         if not request.first.token_ids:
             raise ValueError("the first token(s) from prefill are missing")
         check_token_ids(request.first.token_ids, self.limits, "first.token_ids")
-        if kv.num_tokens != len(ids):
-            raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(ids)}")
+        if kv.num_tokens != len(ids) + len(prior):
+            raise ValueError(f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(ids)}"
+                             + (f" and the outputs so far {len(prior)}" if prior else ""))
         check_kv_layout(kv.layout, self.puller.spec, f"prefill {kv.prefill_instance_id}")
         req = Request(g.request_id or uuid.uuid4().hex, ids, sampling_from_proto(g.sampling_params),
                       cache_salt=g.cache_salt or None)
-        req.append_output(list(request.first.token_ids))
+        req.append_output(prior + list(request.first.token_ids))
         if req.num_output_tokens >= req.sampling_params.max_tokens:
             raise ValueError("the request already has max_tokens tokens: nothing left to decode")
         return req

@@ -12,6 +12,7 @@ from engine.kv.cache import KVCacheSpec, num_blocks_for_bytes
 from proto.pdserve.v1 import kvstore_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisState
 from services.kvstore.server import SERVICE_NAME, KVStoreServicer
+from services.rpc.drain import Drain
 from services.rpc.grpc_server import GrpcServer, run
 from services.rpc.metrics import ServiceMetrics
 from services.rpc.net import advertise_host
@@ -60,6 +61,7 @@ async def serve(args: argparse.Namespace) -> None:
     info = InstanceInfo("kvstore", instance_id, f"{host}:{port}", f"{host}:{metrics_port}",
                         capacity={"num_blocks": num_blocks, "block_bytes": spec.block_bytes},
                         extra={"nixl_agent": servicer.agent.name})
+    drain, grace = Drain(args.shutdown_timeout), 2.0
     presence = InstancePresence(state, info, ttl_s=args.instance_ttl_s, heartbeat_s=args.heartbeat_s,
                                 block_ttl_s=args.block_ttl_s, held_blocks=servicer.pool.stored_hashes,
                                 load=servicer.load_figures)
@@ -70,10 +72,17 @@ async def serve(args: argparse.Namespace) -> None:
         await server.set_serving(True)
         log.info("kvstore %s: %d blocks of %d B (%.3f GiB) at %s:%d, metrics at :%d", instance_id, num_blocks,
                  spec.block_bytes, num_blocks * spec.block_bytes / (1 << 30), host, port, metrics_port)
-        await server.wait_for_shutdown_signal()
+        await drain.wait_for_signal()
+        # out of service at once (no new reservation or load), then the open transfers and leases finish
+        servicer.draining = True
+        await server.set_serving(False)
+        await presence.stop(deregister=True)
+        if not await drain.until_idle(lambda: servicer.pool.num_open == 0, "kvstore transfers"):
+            grace = 0.0
         log.info("kvstore %s shutting down", instance_id)
     finally:
-        await server.stop(grace=2.0)
+        drain.uninstall()
+        await server.stop(grace=grace)
         await presence.stop(deregister=True)
         await servicer.stop()
         await state.close()

@@ -23,7 +23,7 @@ from services.cluster.redis_state import RedisState
 from services.kvstore import convert
 from services.kvstore.pool import BlockPool, PoolChanges
 from services.rpc.convert import block_hashes_from_proto, ttl_s
-from services.rpc.grpc_server import Overloaded, grpc_errors
+from services.rpc.grpc_server import Overloaded, Unavailable, grpc_errors
 from services.rpc.metrics import ServiceMetrics
 from services.transfer.convert import kv_layout_to_proto, nixl_peer_to_proto
 from services.transfer.nixl_agent import NixlAgent
@@ -43,6 +43,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.reservation_ttl_s, self.lease_ttl_s, self.max_ttl_s = reservation_ttl_s, lease_ttl_s, max_ttl_s
         self.block_ttl_s = block_ttl_s
         self.max_open_transfers = max_open_transfers
+        self.draining = False
         self.pool = BlockPool(num_blocks, grace_s=grace_s)
         self.cache = PagedKVCache(spec, num_blocks, "cpu", pin_memory=True)
         self.agent = NixlAgent(f"{instance_id}.{os.getpid()}.{secrets.token_hex(3)}")  # unique per process
@@ -94,7 +95,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.ReleaseResponse(released=self.pool.release(convert.release_id(request), time.monotonic()))
 
     def _check_open(self) -> None:
-        """Bound the transfers in flight (each pins blocks until commit/release/expiry)."""
+        """Bound the transfers in flight (each pins blocks until commit/release/expiry); none new while
+        draining (SIGTERM: a prefill then computes the prefix itself, or stores nothing)."""
+        if self.draining:
+            raise Unavailable("this kvstore is draining (shutting down)")
         self.pool.expire(time.monotonic())
         if self.pool.num_open >= self.max_open_transfers:
             raise Overloaded(f"kvstore has {self.pool.num_open} transfers open (limit {self.max_open_transfers})")

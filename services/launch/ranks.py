@@ -2,8 +2,13 @@
 
 The launcher starts each rank itself (own log file); a container runs them all through
 `python -m services.launch.ranks --ranks N services.prefill <flags...>`, which adds
-`--rank r --world-size N --master-addr 127.0.0.1 --master-port P` to each, forwards SIGTERM/SIGINT,
-and exits when any rank exits (stopping the others): one dead rank means a dead engine.
+`--rank r --world-size N --master-addr 127.0.0.1 --master-port P` to each and exits when any rank exits
+(stopping the others): one dead rank means a dead engine.
+
+SIGTERM / SIGINT go to rank 0 alone: it serves the engine's gRPC, so it drains the group (services/rpc/drain.py:
+the requests in flight finish on every rank, a second signal cuts it short), then shuts the engine down,
+and the other ranks leave with it. A worker rank signalled itself would break the group's collectives
+mid-drain. Ranks still running `WORKER_EXIT_S` after rank 0 ended are stopped.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import time
 
 from engine.parallel.dist import free_port
 from services.rpc.service_args import rank_flags
+
+WORKER_EXIT_S = 30.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,12 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(*_) -> None:
         nonlocal signalled
         signalled = True
-        terminate_all()
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGTERM)  # the group drains through rank 0 (a second one: at once)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     while all(proc.poll() is None for proc in procs):
         time.sleep(0.2)
+    if procs[0].poll() is not None:  # rank 0 ended: the others leave once they see the engine shut down
+        end = time.monotonic() + WORKER_EXIT_S
+        while time.monotonic() < end and any(proc.poll() is None for proc in procs):
+            time.sleep(0.2)
     terminate_all()
     deadline = time.monotonic() + 10
     for proc in procs:

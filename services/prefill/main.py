@@ -20,6 +20,7 @@ from services.engine_host import EngineHost
 from services.prefill.server import SERVICE_NAME, PrefillServicer
 from services.rank_watch import serve_until_stopped
 from services.rpc.admission import Admission
+from services.rpc.drain import Drain
 from services.rpc.grpc_server import GrpcServer, run
 from services.rpc.metrics import ServiceMetrics
 from services.rpc.net import advertise_host
@@ -78,6 +79,7 @@ async def serve(args: argparse.Namespace) -> int:
                                "dcp": cfg.parallel.decode_context_parallel_size})
     host_obj = EngineHost(engine, info, state, metrics, heartbeat_s=args.heartbeat_s,
                           instance_ttl_s=args.instance_ttl_s, block_ttl_s=args.block_ttl_s)
+    drain, grace = Drain(args.shutdown_timeout), 2.0
     try:
         engine.start()
         await exporter.start()
@@ -88,10 +90,19 @@ async def serve(args: argparse.Namespace) -> int:
         servicer.start()
         await server.set_serving(True)
         log.info("prefill %s serving %s at %s:%d (metrics :%d)", instance_id, cfg.model_path, host, port, metrics_port)
-        return await serve_until_stopped(server, engine, host_obj, "prefill")
-    finally:
+        if await serve_until_stopped(server, drain, engine, host_obj, "prefill"):
+            return 1
+        # out of service at once; prefills in flight finish, and their KV stays until decode pulled it (or
+        # the lease ran out: decode then computes the prompt itself); a multi-rank engine drains as one
+        servicer.draining = True
         await server.set_serving(False)
-        await server.stop(grace=2.0)
+        await host_obj.stop()
+        grace = 2.0 if await drain.until_idle(lambda: servicer.idle, "prefills and exported KV") else 0.0
+        return 0
+    finally:
+        drain.uninstall()
+        await server.set_serving(False)
+        await server.stop(grace=grace)
         await servicer.stop()
         await host_obj.stop()
         await engine.shutdown()

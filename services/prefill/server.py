@@ -7,7 +7,8 @@
     ReleaseKV (decode confirms its copy against the page generations) / lease expiry
                       -> blocks freed (after the offload read them)
 An engine that died (a worker rank is gone) fails every call with UNAVAILABLE (services/prefill/main.py
-then takes the instance out of service).
+then takes the instance out of service). Draining (SIGTERM): new calls are refused UNAVAILABLE (the router
+tries another prefill), calls in flight finish and their KV stays exported until its decode pulled it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.limits = ModelLimits.of(engine.config)
         self.leases = LeaseTable(self._release, lease_s, max_lease_s,
                                  on_expired=lambda: metrics.kv_lease_expired.inc())
+        self.draining = False  # SIGTERM (services/rpc/drain.py): new prefills go elsewhere, leases run out
+        self.num_calls = 0  # Prefill calls in flight
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no Prefill call, and no exported KV still waiting for its decode (or offload)."""
+        return self.num_calls == 0 and not self.leases.leases
 
     def start(self) -> None:
         self.leases.start()
@@ -58,24 +66,31 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
     @grpc_errors
     async def Prefill(self, request, context):
+        if self.draining:
+            raise Unavailable(f"prefill {self.instance_id} is draining (shutting down): choose another")
         self.admission.check_waiting(self.engine.stats().num_waiting)
+        self.num_calls += 1
         with self.admission.inflight():
             try:
                 return await self._prefill(request)
             except EngineDeadError as exc:
                 raise Unavailable(f"prefill {self.instance_id} is out of service: {exc}") from exc
+            finally:
+                self.num_calls -= 1
 
     async def _prefill(self, request) -> prefill_pb2.PrefillResponse:
         t0 = time.monotonic()
         g = request.request
         check_generate_proto(g, self.limits)  # a caller other than the router is checked just as well
-        ids = list(g.prompt_token_ids)
+        ids, prior = list(g.prompt_token_ids), list(g.output_token_ids)  # prior: a migrated request's outputs
         params = sampling_from_proto(g.sampling_params)
         req_id = g.request_id or uuid.uuid4().hex
-        wants_kv = params.max_tokens > 1
-        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        n = len(prior) + 1  # the outputs once this prefill's one new token is out
+        wants_kv = params.max_tokens > n
+        first_params = dataclasses.replace(params, max_tokens=n, min_tokens=min(params.min_tokens, n))
         req = Request(req_id, ids, first_params, cache_salt=g.cache_salt or None, hold_kv_on_finish=wants_kv)
-        hashes = block_hashes(ids, self.block_size, req.cache_salt)
+        req.append_output(prior)
+        hashes = block_hashes(req.all_token_ids, self.block_size, req.cache_salt)
         stream = await self._admit(req, hashes, request.kvstore)
         last = None
         async for out in stream:
@@ -86,7 +101,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if finish == "abort":
             raise FailedPrecondition(f"request {req_id} was aborted during prefill")
         self.metrics.time_to_first_token_seconds.observe(time.monotonic() - t0)
-        usage = common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(last.token_ids),
+        usage = common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(prior) + len(last.token_ids),
                                  cached_tokens=last.num_cached_tokens)
         first = delta_to_proto(last.token_ids, last.logprobs, finish, last.stop_reason)
         reply = prefill_pb2.PrefillResponse(request_id=req_id, first=first, usage=usage)
@@ -94,7 +109,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await self._release(req_id)
         elif wants_kv:
             try:
-                reply.kv.CopyFrom(await self._export(req_id, ids, hashes, request.lease_ms, last.num_cached_tokens))
+                reply.kv.CopyFrom(await self._export(req_id, req.all_token_ids[: len(ids) + len(prior)], hashes,
+                                                     request.lease_ms, last.num_cached_tokens))
             except BaseException:  # no lease was granted (the client left, or the export failed): free the KV
                 await asyncio.shield(self._release(req_id))
                 raise
@@ -127,14 +143,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _admit(self, req: Request, hashes: list[bytes], hint):
         """Add the request; first load the prefix a kvstore holds beyond our own cache, if any."""
         n_hint = min(hint.num_blocks if hint.grpc_address else 0, len(hashes),
-                     (len(req.prompt_token_ids) - 1) // self.block_size)
+                     (len(req.all_token_ids) - 1) // self.block_size)
         if self.kvstore is None or n_hint == 0 or not self.kvstore.ready:
-            return self.engine.add_request(req.prompt_token_ids, req.sampling_params, req.req_id,
-                                           cache_salt=req.cache_salt, hold_kv_on_finish=req.hold_kv_on_finish)
+            return self._add(req)
         admitted = await self.engine.add_import_request(req, n_hint * self.block_size)
         if admitted is None:  # no room to stage the prefix: compute everything instead
-            return self.engine.add_request(req.prompt_token_ids, req.sampling_params, req.req_id,
-                                           cache_salt=req.cache_salt, hold_kv_on_finish=req.hold_kv_on_finish)
+            return self._add(req)
         stream, block_ids, n_cached = admitted
         first = n_cached // self.block_size
         load = asyncio.ensure_future(self.kvstore.load(hint.grpc_address, hashes, list(block_ids), first, n_hint))
@@ -146,6 +160,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise
         self.engine.import_done(req.req_id, ok=loaded > 0, num_tokens=(first + loaded) * self.block_size)
         return stream
+
+    def _add(self, req: Request):
+        return self.engine.add_request(req.prompt_token_ids, req.sampling_params, req.req_id,
+                                       output_token_ids=req.output_token_ids, cache_salt=req.cache_salt,
+                                       hold_kv_on_finish=req.hold_kv_on_finish)
 
     async def _export(self, req_id: str, ids: list[int], hashes: list[bytes], lease_ms: int,
                       num_cached: int) -> prefill_pb2.KVHandle:

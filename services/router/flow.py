@@ -14,6 +14,15 @@ unhealthy in routing at once; a request that ends without finishing releases its
 Overload: an instance at capacity (RESOURCE_EXHAUSTED, before doing any work) is skipped for another one
 of its role; when every one is full the request fails with `Overloaded` (HTTP 429 / RESOURCE_EXHAUSTED,
 with retry-after).
+
+Migration: a decode that fails under a request (its stream breaks, it ends without finishing, it goes
+silent past the idle timeout, it refuses the request because it is draining) does not end the client's
+stream. The request starts again on another instance as the prompt plus every token already streamed
+(`GenerateRequest.output_token_ids`: outputs, so max_tokens, penalties and a grammar count them as such),
+through prefill, whose prefix cache and the kvstore make that cheap; the client's stream goes on with the
+next token, none repeated or missing (greedy decoding continues token for token as it would have).
+A prefill that fails before its first token is retried on another. At most `max_migrations` per request,
+then an error event. The detokenizer and the usage figures are the request's own, across attempts.
 """
 
 from __future__ import annotations
@@ -44,6 +53,10 @@ class UpstreamError(RuntimeError):
     """An engine failed mid-request; the client gets an error event (never a silent hang)."""
 
 
+class Migrate(UpstreamError):
+    """The decode instance under a request failed or went away: the request can continue elsewhere."""
+
+
 # Codes that say "this instance is gone, stopped or wedged" rather than "this request was refused".
 _TRANSPORT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL)
@@ -57,24 +70,32 @@ class _Busy(Exception):
         self.instance_id, self.retry_after = instance_id, retry_after
 
 
+class _Gone(_Busy):
+    """One instance refused the request UNAVAILABLE before doing any work (draining, stopping): try another;
+    when none is left, the role has no instance (503), not a full one (429)."""
+
+
 async def _on_any(role: str, pick, attempt):
     """Run `attempt(instance)` on instances of `role` until one is not busy; Overloaded when all are.
     `pick(exclude)` returns the next instance; `attempt` raises _Busy to move on."""
     tried: set[str] = set()
+    busy = 0  # of those tried, the ones that were full (the others were gone)
     retry_after = 1.0
     while True:
         try:
             inst = await pick(frozenset(tried))
         except NoInstance:
-            if not tried:
+            if not busy:
                 raise
             raise Overloaded(f"every {role} instance is at capacity ({len(tried)} tried); retry shortly",
                              retry_after) from None
         try:
             return await attempt(inst)
-        except _Busy as busy:
-            tried.add(busy.instance_id)
-            retry_after = min(retry_after, busy.retry_after) if len(tried) > 1 else busy.retry_after
+        except _Busy as refused:
+            tried.add(refused.instance_id)
+            if not isinstance(refused, _Gone):
+                retry_after = min(retry_after, refused.retry_after) if busy else refused.retry_after
+                busy += 1
 
 
 @dataclass
@@ -102,12 +123,13 @@ class RequestStats:
 class Flow:
     def __init__(self, routing: Routing, tokenizer: Tokenizer, metrics: ServiceMetrics, *, block_size: int = 64,
                  prefill_timeout_s: float = 600.0, request_timeout_s: float = 3600.0, idle_timeout_s: float = 120.0,
-                 lease_ms: int = 0):
+                 lease_ms: int = 0, max_migrations: int = 3):
         self.routing, self.tokenizer, self.metrics = routing, tokenizer, metrics
         self.block_size = block_size
         self.prefill_timeout_s, self.request_timeout_s = prefill_timeout_s, request_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.lease_ms = lease_ms
+        self.max_migrations = max_migrations
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.num_running = 0
 
@@ -137,8 +159,36 @@ class Flow:
     async def _phases(self, ids, params, stats, cache_salt, detok) -> AsyncIterator[Chunk]:
         g = common_pb2.GenerateRequest(request_id=stats.req_id, prompt_token_ids=ids,
                                        sampling_params=sampling_to_proto(params), cache_salt=cache_salt or "")
-        hashes = block_hashes(ids, self.block_size, cache_salt)
-        if params.max_tokens > 1:  # it will need a decode: none healthy -> 503 before any prefill work is done
+        emitted: list[int] = []  # every token the client has been sent
+        failed: Migrate | None = None  # why the last attempt ended, while migrating
+        for attempt in range(self.max_migrations + 1):
+            try:
+                async for chunk in self._attempt(g, params, emitted, stats, cache_salt, detok, attempt):
+                    emitted.extend(chunk.token_ids)
+                    yield chunk
+                return
+            except Migrate as exc:
+                if attempt == self.max_migrations:
+                    raise UpstreamError(f"{exc} (gave up after {self.max_migrations} migrations)") from exc
+                failed = exc
+                self.metrics.request_migrations.inc()
+                log.warning("%s: %s; migrating with %d tokens streamed (%d of at most %d)", stats.req_id, exc,
+                            len(emitted), attempt + 1, self.max_migrations)
+            except NoInstance as exc:
+                if failed is None:
+                    raise
+                raise UpstreamError(f"{failed}; no instance to move the request to: {exc}") from exc
+
+    async def _attempt(self, g, params, emitted: list[int], stats, cache_salt, detok,
+                       attempt: int) -> AsyncIterator[Chunk]:
+        """Prefill, then decode, of the request as it stands: its prompt and the tokens already `emitted`.
+        Each attempt has an engine request id of its own: the one before may still hold its id somewhere
+        (a prefill lease not yet released, a decode still aborting it)."""
+        del g.output_token_ids[:]
+        g.output_token_ids.extend(emitted)
+        g.request_id = f"{stats.req_id}.m{attempt}" if attempt else stats.req_id
+        hashes = block_hashes(list(g.prompt_token_ids) + emitted, self.block_size, cache_salt)
+        if params.max_tokens - len(emitted) > 1:  # it will need a decode: none healthy -> 503 before any prefill
             await self.routing.require("decode")
         first = await self._prefill(g, hashes, stats)
         yield self._chunk(first.first, detok, stats)
@@ -148,17 +198,20 @@ class Flow:
             yield chunk
 
     async def _prefill(self, g, hashes: list[bytes], stats: RequestStats) -> prefill_pb2.PrefillResponse:
-        """One retry on another instance when the chosen one is unreachable (nothing was sent yet)."""
-        for attempt in (0, 1):
+        """Retried on another instance when the chosen one is unreachable, draining or dies before its first
+        token (nothing reached the client yet), up to `max_migrations` times."""
+        for attempt in range(self.max_migrations + 1):
             try:
                 reply = await self._prefill_once(g, hashes, stats)
                 break
             except grpc.aio.AioRpcError as exc:
-                if attempt or exc.code() != grpc.StatusCode.UNAVAILABLE or not self.routing.has_live("prefill"):
+                if (attempt == self.max_migrations or exc.code() != grpc.StatusCode.UNAVAILABLE
+                        or not self.routing.has_live("prefill")):
                     raise
                 log.warning("prefill %s unavailable (%s); trying another", stats.prefill_instance, exc.details())
-        stats.cached_tokens = reply.usage.cached_tokens
-        self.metrics.prefix_cache_queries.inc(len(g.prompt_token_ids))
+        if not g.output_token_ids:  # the request's own figures (a migration's re-prefill is not the client's)
+            stats.cached_tokens = reply.usage.cached_tokens
+        self.metrics.prefix_cache_queries.inc(len(g.prompt_token_ids) + len(g.output_token_ids))
         self.metrics.prefix_cache_hits.inc(reply.usage.cached_tokens)
         return reply
 
@@ -206,14 +259,14 @@ class Flow:
                     reply = await self._next(call, inst, stats)
                     received = time.monotonic()
                 if reply is grpc.aio.EOF:
-                    raise UpstreamError(f"decode {inst.instance_id} ended the stream without finishing")
+                    raise Migrate(f"decode {inst.instance_id} ended the stream without finishing")
                 chunk = self._chunk(reply.delta, detok, stats)
                 chunk.received = received
                 reply = None
                 finished = chunk.finish_reason is not None
                 yield chunk
         except grpc.aio.AioRpcError as exc:
-            raise self._decode_failed(inst, exc) from exc
+            raise self._decode_failed(inst, exc, stats) from exc
         finally:
             self.routing.finished(inst.instance_id)
             if not call.done():
@@ -237,13 +290,22 @@ class Flow:
             if isinstance(exc, grpc.aio.AioRpcError):
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise _Busy(inst.instance_id, retry_after_s(exc)) from exc
-                raise self._decode_failed(inst, exc) from exc
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:  # draining or gone: the same KV, another decode
+                    self.routing.mark_unhealthy(inst)
+                    raise _Gone(inst.instance_id, 0.0) from exc
+                raise self._decode_failed(inst, exc, stats) from exc
             raise
 
-    def _decode_failed(self, inst, exc: grpc.aio.AioRpcError) -> UpstreamError:
-        if exc.code() in _TRANSPORT:
+    def _decode_failed(self, inst, exc: grpc.aio.AioRpcError, stats: RequestStats) -> UpstreamError:
+        """A decode failing under a request: gone, stopped, draining or wedged (a transport code) -> Migrate;
+        a refusal of the request itself (INVALID_ARGUMENT, ...), or its own deadline passing, ends it."""
+        message = f"decode {inst.instance_id} failed: {exc.code().name}: {exc.details()}"
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._left(stats) <= 0.001:
+            return UpstreamError(f"request deadline ({self.request_timeout_s:.0f}s) passed")
+        if exc.code() in _TRANSPORT or exc.code() == grpc.StatusCode.CANCELLED:
             self.routing.mark_unhealthy(inst)
-        return UpstreamError(f"decode {inst.instance_id} failed: {exc.code().name}: {exc.details()}")
+            return Migrate(message)
+        return UpstreamError(message)
 
     async def _next(self, call, inst, stats: RequestStats):
         """The next message, or UpstreamError when the decode stays silent past the idle timeout."""
@@ -254,7 +316,7 @@ class Flow:
         except TimeoutError:
             if wait == self.idle_timeout_s:
                 self.routing.mark_unhealthy(inst)  # a stopped or wedged decode
-                raise UpstreamError(f"decode {inst.instance_id} sent nothing for {wait:.1f}s") from None
+                raise Migrate(f"decode {inst.instance_id} sent nothing for {wait:.1f}s") from None
             raise UpstreamError(f"request deadline ({self.request_timeout_s:.0f}s) passed") from None
 
     async def _release_lease(self, kv) -> None:

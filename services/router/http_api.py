@@ -68,6 +68,7 @@ class RouterAPI(ExtraEndpoints):
         self.keys = keys or ApiKeys()
         self.admission = admission or Admission("router", 1024)
         self.max_body_bytes = max_body_bytes
+        self.draining = False
 
     error = staticmethod(exception_response)
 
@@ -109,7 +110,11 @@ class RouterAPI(ExtraEndpoints):
         return req_id
 
     # ---- endpoints -------------------------------------------------------------------------------
-    async def health(self) -> dict:
+    async def health(self):
+        """200 while serving; 503 once draining (SIGTERM), so a load balancer's readiness check stops sending
+        new requests here while the streams in flight finish."""
+        if self.draining:
+            return JSONResponse({"status": "draining", "redis": self.flow.routing.redis_ok}, status_code=503)
         return {"status": "ok", "redis": self.flow.routing.redis_ok}
 
     async def models(self) -> dict:

@@ -28,6 +28,7 @@ from services.router.requests import Limits
 from services.router.routing import Routing
 from services.router.tool_parsers import tool_parser
 from services.rpc.admission import Admission
+from services.rpc.drain import Drain
 from services.rpc.grpc_server import GrpcServer, run
 from services.rpc.metrics import ServiceMetrics
 from services.rpc.net import advertise_host, bind_listener
@@ -68,7 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-idle-timeout-s", type=float, default=120.0,
                    help="longest silence of a decode stream (covers decode's admission wait and KV pull)")
     p.add_argument("--lease-ms", type=int, default=0, help="KV lease asked of prefill (0: its default)")
+    p.add_argument("--max-migrations", type=int, default=3,
+                   help="times a request may move to another instance when its decode fails or drains under it "
+                        "(re-prefilled with the tokens already streamed; services/router/flow.py); then an error")
     args = p.parse_args(argv)
+    if args.max_migrations < 0:
+        p.error(f"--max-migrations must be >= 0, got {args.max_migrations}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         p.error("--enable-auto-tool-choice needs --tool-call-parser")
     return args
@@ -91,7 +97,7 @@ async def serve(args: argparse.Namespace) -> None:
     metrics, state = ServiceMetrics("router", instance_id), RedisState(args.redis_url)
     flow = Flow(Routing(state), tok, metrics, prefill_timeout_s=args.prefill_timeout_s,
                 request_timeout_s=args.request_timeout_s, idle_timeout_s=args.stream_idle_timeout_s,
-                lease_ms=args.lease_ms)
+                lease_ms=args.lease_ms, max_migrations=args.max_migrations)
     api = RouterAPI(flow, limits, names, metrics, keys=keys, admission=admission, max_body_bytes=args.max_body_bytes,
                     chat=chat, generation_defaults=load_generation_defaults(args.model))
     grpc_server = GrpcServer(args.grpc_port, args.host)
@@ -99,6 +105,7 @@ async def serve(args: argparse.Namespace) -> None:
                             RouterServicer(flow, limits, names, keys, admission, chat), SERVICE_NAME)
     http = uvicorn.Server(uvicorn.Config(api.build(), host=args.host, port=args.port, log_level="warning",
                                          loop="none", lifespan="off", timeout_graceful_shutdown=2))
+    drain = Drain(args.shutdown_timeout)
     http_socket = bind_listener(args.host, args.port, "HTTP")  # here, so a taken port exits PORT_IN_USE_EXIT
     http_port = http_socket.getsockname()[1]
     metrics_port = metrics.serve(args.metrics_port, args.host) if args.metrics_port else http_port
@@ -111,9 +118,18 @@ async def serve(args: argparse.Namespace) -> None:
         await presence.start()
         await grpc_server.set_serving(True)
         log.info("router %s: HTTP :%d, gRPC :%d, model %s", instance_id, http_port, grpc_server.port, name)
-        done, _ = await asyncio.wait([http_task, asyncio.create_task(grpc_server.wait_for_shutdown_signal())],
-                                     return_when=asyncio.FIRST_COMPLETED)
+        signal = asyncio.create_task(drain.wait_for_signal())
+        done, _ = await asyncio.wait([http_task, signal], return_when=asyncio.FIRST_COMPLETED)
+        if signal in done:
+            # out of rotation (gRPC NOT_SERVING, /health 503), still serving what arrives meanwhile; the streams
+            # in flight (HTTP and gRPC) run to their end, up to the timeout, then the servers stop
+            api.draining = True
+            await grpc_server.set_serving(False)
+            await drain.until_idle(lambda: flow.num_running == 0, "router streams")
+        else:
+            signal.cancel()
     finally:
+        drain.uninstall()
         http.should_exit = True
         await grpc_server.set_serving(False)
         await grpc_server.stop(grace=2.0)

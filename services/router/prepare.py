@@ -63,6 +63,9 @@ def prepare_generate(request: common_pb2.GenerateRequest, served: ServedModel, t
     renders it; the sampling parameters are the message's own, checked as the engines check them."""
     if request.model and request.model not in served.names:
         raise BadRequest(f"model {request.model!r} does not exist; this server serves {served.names[0]!r}")
+    if request.output_token_ids:
+        raise BadRequest("output_token_ids is set by the router between its services (a migrated request); "
+                         "a client gives a prompt", "output_token_ids")
     salt = tenant_cache_salt(tenant, request.cache_salt or None)
     if not request.HasField("chat"):
         return build_generate(request, served.tok, served.limits, salt)

@@ -207,3 +207,14 @@ def check_generate_proto(g: common_pb2.GenerateRequest, limits: Any, prefix: str
         raise InvalidArgument(f"{prefix}.prompt_token_ids has {len(ids)} tokens; the maximum context length is "
                               f"{limits.max_model_len}", f"{prefix}.prompt_token_ids", "context_length_exceeded")
     check_sampling_proto(g.sampling_params, limits, f"{prefix}.sampling_params")
+    outs = g.output_token_ids
+    if outs:  # a migrated request: its tokens so far, all outputs
+        check_token_ids(outs, limits, f"{prefix}.output_token_ids")
+        if len(ids) + len(outs) >= limits.max_model_len:
+            raise InvalidArgument(f"{prefix} has {len(ids)} prompt and {len(outs)} output tokens; the maximum "
+                                  f"context length is {limits.max_model_len}", f"{prefix}.output_token_ids",
+                                  "context_length_exceeded")
+        if g.sampling_params.HasField("max_tokens") and len(outs) >= g.sampling_params.max_tokens:
+            raise InvalidArgument(f"{prefix}.output_token_ids holds {len(outs)} tokens, max_tokens is "
+                                  f"{g.sampling_params.max_tokens}: nothing is left to generate",
+                                  f"{prefix}.output_token_ids")

@@ -4,8 +4,8 @@
     server.add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer, "pdserve.v1.KVStore")
     port = await server.start()          # health NOT_SERVING until the service is ready
     await server.set_serving(True)
-    await server.wait_for_shutdown_signal()   # SIGTERM/SIGINT
-    await server.stop(grace=5.0)              # health NOT_SERVING, in-flight RPCs get `grace` seconds
+    await drain.wait_for_signal()        # SIGTERM/SIGINT (services/rpc/drain.py: then drain, then stop)
+    await server.stop(grace=5.0)         # health NOT_SERVING, in-flight RPCs get `grace` seconds
 
 Every server registers standard gRPC health checking (grpc.health.v1.Health) and reflection, so
 `grpcurl -plaintext host:port list` and Kubernetes/compose health probes work unchanged.
@@ -18,7 +18,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -143,7 +142,6 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names: list[str] = []
         self._bound = False
-        self._shutdown = asyncio.Event()
 
     def add_service(self, add_to_server: Callable[[Any, Any], None], servicer: Any, name: str) -> None:
         """`add_to_server` is the generated `add_<Svc>Servicer_to_server`; `name` e.g. 'pdserve.v1.KVStore'."""
@@ -175,20 +173,6 @@ class GrpcServer:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in [""] + self.service_names:
             await self.health.set(name, status)
-
-    def request_shutdown(self) -> None:
-        self._shutdown.set()
-
-    async def wait_for_shutdown_signal(self) -> None:
-        """Return on SIGTERM/SIGINT (or request_shutdown())."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._shutdown.set)
-        try:
-            await self._shutdown.wait()
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING first (balancers stop sending), then let in-flight RPCs finish."""

@@ -51,6 +51,8 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("time_per_output_token_seconds", Histogram, "Time per output token after the first.",
               ("router", "decode"), TPOT_BUCKETS),
     MetricDef("e2e_request_latency_seconds", Histogram, "End-to-end request latency.", ("router",), E2E_BUCKETS),
+    MetricDef("request_migrations", Counter, "Requests moved to another instance after theirs failed or drained "
+              "under them (re-prefilled with the tokens already streamed).", ("router",)),
     MetricDef("num_requests_running", Gauge, "Requests being computed.", ("router",) + ENGINES),
     MetricDef("num_requests_waiting", Gauge, "Requests queued.", ("router",) + ENGINES),
     MetricDef("engine_steps", Counter, "Engine steps that ran a forward.", ENGINES),

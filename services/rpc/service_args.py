@@ -2,7 +2,7 @@
 flags of a multi-process engine and what they become (torchrun's environment), and logging set-up.
 
     every service           add_endpoint_args   --host --port --metrics-port --redis-url --instance-id
-                                                --advertise-host
+                                                --advertise-host --shutdown-timeout
     registered in Redis     add_instance_args   + --heartbeat-s --instance-ttl-s --block-ttl-s
     engine-hosting          add_service_args    + --max-inflight-requests --max-queued-requests, the rank flags
     KV block layout         engine.config.arg_utils.add_kv_layout_args (engines and the kvstore must agree)
@@ -14,6 +14,7 @@ import argparse
 import logging
 
 from engine import settings
+from services.rpc.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 def add_endpoint_args(p: argparse.ArgumentParser, default_port: int, *, host: str = "127.0.0.1",
@@ -29,6 +30,10 @@ def add_endpoint_args(p: argparse.ArgumentParser, default_port: int, *, host: st
     g.add_argument("--redis-url", default=settings.redis_url())
     g.add_argument("--instance-id", default=None, help="default: <role>-<advertised host>-<port>")
     g.add_argument("--advertise-host", default=None, help="address others dial (default: this host's IP)")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM: stop taking work and finish what is in flight for up to this many seconds, "
+                        "then hand the rest to other instances and exit (a second SIGTERM: at once; "
+                        "services/rpc/drain.py)")
     return g
 
 

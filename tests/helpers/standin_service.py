@@ -11,6 +11,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
+from services.rpc.drain import Drain
 from services.rpc.grpc_server import GrpcServer, run
 
 
@@ -27,7 +28,7 @@ async def serve(a: argparse.Namespace) -> None:
     server = GrpcServer(a.grpc_port or a.port, a.host)
     await server.start()
     await server.set_serving(True)
-    await server.wait_for_shutdown_signal()
+    await Drain(0.0).wait_for_signal()
     await server.stop(grace=0.5)
 
 

@@ -104,3 +104,15 @@ def test_gpus_shared_memory_probes_and_nccl():
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert env["PDSERVE_REDIS_URL"] == "redis://redis:6379/0" and "tcp" in env["UCX_TLS"]
     assert {p["port"] for p in _by("Service", "router")["spec"]["ports"]} == {8000, 50050}
+
+
+@pytest.mark.parametrize("workload, name", [("Deployment", "router"), ("StatefulSet", "kvstore"),
+                                            ("StatefulSet", "prefill"), ("StatefulSet", "decode")])
+def test_the_grace_period_covers_the_drain(workload, name):
+    """SIGTERM drains for up to --shutdown-timeout (services/rpc/drain.py); the kubelet's SIGKILL comes
+    terminationGracePeriodSeconds after the preStop hook started, so the period must hold both."""
+    pod = _by(workload, name)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    drain_s = float(_flags(c["command"])["--shutdown-timeout"])
+    pause_s = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] >= drain_s + pause_s + 10, (name, pod["terminationGracePeriodSeconds"])

@@ -1,0 +1,132 @@
+"""No request lost when a service stops (docs/failures.md, "Drain and migration"): on one deployment of two
+prefills, two decodes, the kvstore and the router, 16 streaming greedy completions run while, phase after
+phase, a decode gets SIGTERM (it drains: every stream finishes there), a decode gets SIGTERM twice (the drain
+is cut: its streams move to the other decode), a decode is killed (its streams move), a prefill and the
+kvstore get SIGTERM. Every client stream completes with exactly the tokens of an undisturbed run, each
+stopped service exits 0, and no KV block, lease or HiSparse row stays held anywhere."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from services.launch import launcher
+from tests.helpers import chaos, system
+from tests.helpers.chaos import CLIENT_TIMEOUT_S
+
+pytestmark = [pytest.mark.xdist_group("drain"), pytest.mark.slow]
+
+STREAMS = 16
+MAX_TOKENS = 120
+SHUTDOWN_TIMEOUT_S = 90  # services' --shutdown-timeout here: far above what the streams need
+ENGINES = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+
+
+def _terminate(dep, name: str, times: int = 1) -> None:
+    rec = chaos.record(dep, name)
+    assert launcher._is_ours(rec), f"{name} is not running"
+    for i in range(times):
+        if i:
+            time.sleep(0.3)  # the second signal while the first one's drain runs
+        chaos._signal(dep, name, signal.SIGTERM)
+
+
+def _exits_zero(dep, name: str, within_s: float) -> None:
+    code = system.wait_for(lambda: chaos.exit_code(dep, name) is not None, timeout=within_s, period=0.1)
+    assert code, f"{name} still runs {within_s:.0f}s after SIGTERM\n" + chaos.log_tail(dep, name)
+    assert chaos.exit_code(dep, name) == 0, chaos.log_tail(dep, name)
+
+
+def _restart(dep, name: str, addr: dict) -> None:
+    chaos.restart(dep, name)
+    ok = system.wait_for(lambda: name in chaos.instances(dep), timeout=240, period=0.5)
+    assert ok, f"{name} did not come back\n" + chaos.log_tail(dep, name)
+
+
+def _no_state_held(addr: dict, names) -> None:
+    """No KV block (prefill leases included) and no HiSparse page or hot row held by any engine left."""
+    chaos.assert_blocks_freed([addr[n] for n in names], timeout=30)
+    for n in names:
+        if n.startswith("decode"):
+            placed = lambda n=n: system.metric(addr[n], "pdserve:hisparse_requests_placed") == 0
+            assert system.wait_for(placed, timeout=30), f"{n} still holds HiSparse rows"
+
+
+def _streams(addr: dict, bodies: list[dict], want: list[str], during) -> list:
+    """Run the streams, apply `during()` once every stream has text (mid-stream), check every one is
+    complete and token-exact."""
+    load = chaos.Load(addr["url"], bodies, CLIENT_TIMEOUT_S * 3).start()
+    assert load.wait_started(120), "streams did not start"
+    during()
+    results = load.join()
+    for r, text in zip(results, want):
+        assert r.ok, r
+        assert r.text == text, (r.text, text)
+    return results
+
+
+def _migrations(addr: dict) -> float:
+    return system.metric(addr["router"], "pdserve:request_migrations_total")
+
+
+def _phase_decode_drains(dep, addr, bodies, want):
+    """SIGTERM: the decode leaves the registry at once and finishes its own streams (a request reaching it
+    after the signal is refused before any work and taken by the other decode)."""
+    _streams(addr, bodies, want, lambda: _terminate(dep, "decode-0"))
+    _exits_zero(dep, "decode-0", SHUTDOWN_TIMEOUT_S)
+    _restart(dep, "decode-0", addr)
+
+
+def _phase_decode_drain_cut_short_migrates(dep, addr, bodies, want):
+    """SIGTERM twice: the drain ends at once, the streams still there move to the other decode."""
+    before = _migrations(addr)
+    _streams(addr, bodies, want, lambda: _terminate(dep, "decode-1", times=2))
+    _exits_zero(dep, "decode-1", 30)
+    assert _migrations(addr) > before, "the cut streams must have been migrated"
+    _restart(dep, "decode-1", addr)
+
+
+def _phase_decode_killed_migrates(dep, addr, bodies, want):
+    before = _migrations(addr)
+    _streams(addr, bodies, want, lambda: chaos.kill(dep, "decode-0"))
+    assert _migrations(addr) > before
+    _restart(dep, "decode-0", addr)
+
+
+def _phase_prefill_drains(dep, addr, bodies, want):
+    """SIGTERM to a prefill: its exported KV stays until every decode pulled it, then it exits 0."""
+    _streams(addr, bodies, want, lambda: _terminate(dep, "prefill-0"))
+    _exits_zero(dep, "prefill-0", SHUTDOWN_TIMEOUT_S)
+    _restart(dep, "prefill-0", addr)
+
+
+def _phase_kvstore_drains(dep, addr, bodies, want):
+    _streams(addr, bodies, want, lambda: _terminate(dep, "kvstore-0"))
+    _exits_zero(dep, "kvstore-0", SHUTDOWN_TIMEOUT_S)
+    _restart(dep, "kvstore-0", addr)
+
+
+def test_no_request_lost_when_a_service_stops(tmp_path_factory, offline, corpus):
+    shutdown = {"shutdown-timeout": SHUTDOWN_TIMEOUT_S}
+    topo = system.topology(tmp_path_factory.mktemp("drain"), router={"stream-idle-timeout-s": 20},
+                           prefill=shutdown, decode=shutdown, kvstore=shutdown)
+    for kind in ("prefill", "decode"):
+        topo["services"][kind]["replicas"] = 2
+    dep = launcher.up(topo, timeout_s=300, die_with_parent=True)
+    try:
+        addr = {i.instance_id: i.metrics_address for i in chaos.instances(dep).values()}
+        addr["url"] = dep.url
+        addr["router"] = next(a for n, a in addr.items() if n.startswith("router"))
+        phases = (_phase_decode_drains, _phase_decode_drain_cut_short_migrates, _phase_decode_killed_migrates,
+                  _phase_prefill_drains, _phase_kvstore_drains)
+        for i, phase in enumerate(phases):
+            bodies = chaos.bodies(corpus, STREAMS, MAX_TOKENS, start=2000 * i)
+            want = chaos.expected(offline, bodies)
+            t0 = time.monotonic()
+            phase(dep, addr, bodies, want)
+            _no_state_held(addr, ENGINES)
+            print(f"{phase.__name__}: {time.monotonic() - t0:.1f}s")
+    finally:
+        launcher.down(dep)
