@@ -62,7 +62,7 @@ class DeviceDecode:
             if not (c.sample and c.start > 0 and len(c.token_ids) == 1 + c.num_draft_tokens <= st.rows_per_req
                     and not p.needs_penalties and p.logprobs is None and len(s.output_token_ids) >= p.min_tokens
                     and s.grammar is None and not s.return_prompt_logits and len(s.block_ids) <= st.max_blocks
-                    and (p.greedy or not c.num_draft_tokens
+                    and (p.greedy or p.seed is not None or not c.num_draft_tokens
                          or (s.draft_probs is not None and s.draft_probs.shape[0] >= c.num_draft_tokens))):
                 return False
         return True
@@ -90,8 +90,8 @@ class DeviceDecode:
         syn = [r.synthetic.num_accepted(d) if r.synthetic is not None and d else 0 for d in nd]
         row_start = list(accumulate([1 + d for d in nd], initial=0))[:-1]
         last_row = [last.row_of[c.req_id] if c.placeholder else 0 for c in chunks]
-        params, gens = [s.sampling_params for s in states], [s.generator for s in states]
-        order = sampled_order(params, gens)
+        params = [s.sampling_params for s in states]
+        order = sampled_order(params)
         dists, q_off = draft_dists([s.draft_probs for s in states], order, nd)
         extras = (starts, ph, last_row, nd, row_start, syn, *RowParams.encode(params), q_off, order)
         batch = self.static.prepare([(s, p, c.token_ids) for s, p, c in zip(states, starts, chunks)], extras)
@@ -113,7 +113,7 @@ class DeviceDecode:
             batch.place(start, starts_t)
         hidden = self.static.run("target", batch)
         step_rows = StepRows(ids=ids, row_start=row_start_t, nd=nd_t, nd_host=nd, k=k,
-                             params=RowParams.decode(params, ext[6:10]), gens=gens, order=order, order_t=order_t,
+                             params=RowParams.decode(params, ext[6:10]), order=order, order_t=order_t, pos0=start + 1,
                              q=dists, q_off=q_off_t, syn=syn_t if r.synthetic is not None else None)
         n_acc, emitted = verify(r.sampler, r.model.compute_logits(hidden), step_rows)
         drafts = torch.zeros((len(chunks), k), dtype=torch.int64, device=dev)
@@ -151,7 +151,7 @@ class DeviceDecode:
         for j in range(self.k):
             act_states = [states[b] for b in act]
             tok, probs, order = draw_rows(r.sampler, r.model.compute_logits(prev), params.select(act, act_t),
-                                          [s.draft_generator for s in act_states])
+                                          pos0 + j + 1)  # draft j + 1: the token after position pos0 + j
             dists.add(j, act_states, order, probs)
             drafts[act_t, j] = tok
             keep = [i for i, b in enumerate(act) if q[b] > j + 1]

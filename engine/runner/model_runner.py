@@ -239,7 +239,8 @@ class ModelRunner:
                    for (c, _), d in zip(todo, nd)]
         with torch.inference_mode():
             x = self.sampler.penalise(logits, specs)
-            n_acc, tokens = verify(self.sampler, x, self._step_rows(states, nd, ids, syn, logits.shape[-1]))
+            pos0 = [c.start + len(c.token_ids) - c.num_draft_tokens for c, _ in todo]  # the first token drawn
+            n_acc, tokens = verify(self.sampler, x, self._step_rows(states, nd, ids, syn, logits.shape[-1], pos0))
             rows = torch.cat([n_acc[:, None], tokens], dim=1).tolist()  # the step's read of its sampled tokens
         r = 0
         for (c, _), st, n, row in zip(todo, states, nd, rows):
@@ -254,12 +255,12 @@ class ModelRunner:
             st.output_token_ids.extend(res.token_ids)
 
     def _step_rows(self, states: list[RunnerRequest], nd: list[int], ids: list[int],
-                   syn: list[int] | None, V: int) -> StepRows:
+                   syn: list[int] | None, V: int, pos0: list[int]) -> StepRows:
         """The host lists of `verify`'s rows -> its device tensors (drafts without their distribution, e.g.
-        proposed before a restart of the request's state, count as drawn from a point mass)."""
+        proposed before a restart of the request's state, count as drawn from a point mass). `pos0`: per
+        request, the sequence position of the token its first row draws."""
         params = [st.sampling_params for st in states]
-        gens = [st.generator for st in states]
-        order = sampled_order(params, gens)
+        order = sampled_order(params)
         dists, at = [], 0
         for st, n in zip(states, nd):
             d = st.draft_probs
@@ -270,11 +271,11 @@ class ModelRunner:
             at += n + 1
         q, q_off = draft_dists(dists, order, nd)
         row_start = list(accumulate([1 + n for n in nd], initial=0))[:-1]
-        cols = torch.tensor([*RowParams.encode(params), row_start, nd, q_off, syn or [0] * len(nd)],
+        cols = torch.tensor([*RowParams.encode(params), row_start, nd, q_off, syn or [0] * len(nd), pos0],
                             dtype=torch.int64).to(self.device)
         return StepRows(ids=torch.tensor(ids, dtype=torch.int64).to(self.device), row_start=cols[4], nd=cols[5],
                         nd_host=nd, k=self.cfg.num_spec_tokens if self.mtp is not None else 0,
-                        params=RowParams.decode(params, cols[:4]), gens=gens, order=order,
-                        order_t=device_index(order, self.device), q=q, q_off=cols[6],
+                        params=RowParams.decode(params, cols[:4]), order=order,
+                        order_t=device_index(order, self.device), pos0=cols[8], q=q, q_off=cols[6],
                         syn=cols[7] if syn is not None else None)
 

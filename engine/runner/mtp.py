@@ -83,7 +83,9 @@ class MTPProposer:
         rp = RowParams.of([st.sampling_params for st in states], logits.device)
         with torch.inference_mode():
             x = r.sampler.penalise(logits, specs)
-            tokens, probs, order = draw_rows(r.sampler, x, rp, [st.draft_generator for st in states])
+            # active: (chunk, position of the row drafted from): the draft is the token one position on
+            positions = torch.tensor([pos + 1 for _, pos in active], dtype=torch.int64).to(x.device)
+            tokens, probs, order = draw_rows(r.sampler, x, rp, positions)
         dists.add(step, states, order, probs)
         return tokens
 

@@ -8,9 +8,13 @@ step (engine/runner/device_step.py), so the two give the same tokens:
     filters      temperature, top-k, softmax, top-p, min-p, one tensor op each over the rows; what a filter
                  keeps is renormalised by a second softmax (a row's own sum, never one over the batch)
     drawing      an exponential race per row, argmax(p / E) with E ~ Exp(1) — an exact draw from p, also
-                 from weights that do not sum to 1 — from the request's own generator when it has a seed (one
-                 call per seeded row, so a seeded request samples the same tokens whatever else is in the
-                 batch), for the other rows from one call of the engine's generator
+                 from weights that do not sum to 1. Rows without a seed take E from one call of the engine's
+                 generator. A seeded request's E is a function of (seed, the position of the token drawn,
+                 token id) alone (`keyed_exponentials`, a counter-based hash): its token at a position
+                 depends on nothing but its seed and the distribution there — not on the batch, on which
+                 engine draws it (prefill, then decode, then another decode after a migration), on how
+                 many draws came before, nor on MTP's drafts (a seeded request verifies drafts against its
+                 keyed draw, as a greedy one against its argmax: engine/runner/speculative.py)
     greedy rows  the argmax of their logits; they draw nothing
 """
 
@@ -109,11 +113,41 @@ def filtered_probs(x: torch.Tensor, rp: RowParams) -> torch.Tensor:
     return torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
 
 
-def sampled_order(params: list[SamplingParams], gens: list[torch.Generator | None]) -> list[int]:
-    """The non-greedy rows in the order they draw: those on the engine's generator first (one call), then
-    the seeded ones (a call each)."""
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    return [i for i in rows if gens[i] is None] + [i for i in rows if gens[i] is not None]
+def sampled_order(params: list[SamplingParams]) -> list[int]:
+    """The rows that draw from the engine's generator (one call for all of them): non-greedy, no seed."""
+    return [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
+
+
+def seeded_rows(params: list[SamplingParams]) -> list[int]:
+    """The rows that draw keyed noise (`keyed_exponentials`): non-greedy with a seed."""
+    return [i for i, p in enumerate(params) if not p.greedy and p.seed is not None]
+
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # below 2^31: a 32-bit value times it stays inside int64 on every device
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * _MIX) & _MASK32
+    return x ^ (x >> 16)
+
+
+def keyed_exponentials(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
+    """[n, V] Exp(1) noise where row i is a function of (seeds[i], positions[i]) and the token id alone
+    (int64 [n] each): the same numbers on any device, in any batch, at any step. Two independent 32-bit hashes
+    per entry make a 64-bit uniform; E = -log(u)."""
+    seeds, positions = seeds.long(), positions.long()
+    key = _mix32(_mix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
+    key = _mix32(key ^ (positions & _MASK32))[:, None]
+    v = torch.arange(V, dtype=torch.int64, device=seeds.device)[None, :]
+    hi = _mix32(key ^ _mix32(v))
+    lo = _mix32(hi ^ _mix32((v + 0x9E3779B9) & _MASK32) ^ 0x5BD1E995)
+    u = ((hi.double() * 2.0 ** 32 + lo.double() + 0.5) * 2.0 ** -64).clamp_(max=1.0 - 2.0 ** -53)  # in (0, 1)
+    return (-torch.log(u)).float()
 
 
 class Sampler:
@@ -147,42 +181,48 @@ class Sampler:
             x[i] -= p.frequency_penalty * out_counts.float() + p.presence_penalty * (out_counts > 0).float()
         return x
 
-    # ---- random numbers -------------------------------------------------------------------------
-    def exponentials(self, n_engine: int, gens: list[torch.Generator], V: int) -> torch.Tensor:
-        """[n_engine + len(gens), V] Exp(1): the first n_engine rows in one call of the engine's generator,
-        then one row from each generator."""
-        e = torch.empty((n_engine + len(gens), V), device=self.device)
-        if n_engine:
-            e[:n_engine].exponential_(generator=self.generator)
-        for i, g in enumerate(gens):
-            e[n_engine + i].exponential_(generator=g)
-        return e
+    # ---- random numbers (the rows without a seed: one call of the engine's generator) ---------------
+    def exponentials(self, n: int, V: int) -> torch.Tensor:
+        """[n, V] Exp(1)."""
+        return torch.empty((n, V), device=self.device).exponential_(generator=self.generator)
 
-    def uniforms(self, n_engine: int, gens: list[torch.Generator], counts: list[int], k: int) -> torch.Tensor:
-        """[n_engine + len(gens), k] U(0, 1): the first n_engine rows in one call of the engine's generator,
-        then counts[i] values from gens[i] (the rest of its row is unused)."""
-        u = torch.zeros((n_engine + len(gens), k), device=self.device)
-        if n_engine and k:
-            u[:n_engine].uniform_(generator=self.generator)
-        for i, (g, n) in enumerate(zip(gens, counts)):
-            if n:
-                u[n_engine + i, :n].uniform_(generator=g)
+    def uniforms(self, n: int, k: int) -> torch.Tensor:
+        """[n, k] U(0, 1)."""
+        u = torch.zeros((n, k), device=self.device)
+        if n and k:
+            u.uniform_(generator=self.generator)
         return u
 
 
+def keyed_draws(x: torch.Tensor, rp: RowParams, rows: list[int], positions: torch.Tensor) -> torch.Tensor:
+    """The seeded rows' tokens: row rows[i] of x drawn from its distribution with the keyed noise of its
+    request's seed at positions[i] (the sequence position of the token drawn), one per row."""
+    idx = device_index(rows, x.device)
+    seeds = torch.tensor([rp.params[i].seed for i in rows], dtype=torch.int64).to(x.device)
+    probs = filtered_probs(x[idx], rp.select(rows, idx))
+    return (probs / keyed_exponentials(seeds, positions, x.shape[-1])).argmax(dim=-1)
+
+
 def draw_rows(sampler: Sampler, x: torch.Tensor, rp: RowParams,
-              gens: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-    """One token per row of x [n, V] (rows of different requests: the MTP draft steps). -> (tokens [n], the
-    distributions the non-greedy rows drew from [S, V], which rows those are, in `sampled_order`)."""
+              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """One token per row of x [n, V] (rows of different requests: the MTP draft steps); `positions` [n]: the
+    sequence position of each row's token (what a seeded row's draw is keyed on). -> (tokens [n], the
+    distributions the unseeded non-greedy rows drew from [S, V], which rows those are, in `sampled_order`). A
+    seeded row's draw is coupled to the target's keyed draw at the same position, so its drafts are accepted
+    as often as the two distributions agree; it keeps no distribution."""
     tokens = x.argmax(dim=-1)
-    order = sampled_order(rp.params, gens)
+    seeded = seeded_rows(rp.params)
+    if seeded:
+        if positions is None:
+            raise ValueError("seeded rows need the positions of the tokens they draw")
+        idx = device_index(seeded, x.device)
+        tokens.index_copy_(0, idx, keyed_draws(x, rp, seeded, positions[idx]))
+    order = sampled_order(rp.params)
     if not order:
         return tokens, None, []
     idx = device_index(order, x.device)
     probs = filtered_probs(x[idx], rp.select(order, idx))
-    n_engine = sum(gens[i] is None for i in order)
-    e = sampler.exponentials(n_engine, [gens[i] for i in order[n_engine:]], x.shape[-1])
-    tokens.index_copy_(0, idx, (probs / e).argmax(dim=-1))
+    tokens.index_copy_(0, idx, (probs / sampler.exponentials(len(order), x.shape[-1])).argmax(dim=-1))
     return tokens, probs, order
 
 

@@ -6,28 +6,36 @@ draft distributions q_1..q_k they were drawn from:
   sampled:   accept d_i with probability min(1, p_{i-1}(d_i) / q_i(d_i)); at the first rejection emit a
              token from norm(max(0, p_{i-1} - q_i)); if all pass, a bonus token from p_k. This leaves the
              output distribution exactly p (standard speculative sampling).
+  seeded:    row i's token is the keyed draw t_i from p_i (engine/runner/sampler.py: a function of the seed
+             and the position alone); accept d_i while d_i == t_{i-1}, emit the accepted drafts + t at the
+             first mismatch, as greedy does with argmax. Each emitted token is the keyed draw at its position,
+             an exact draw from p there, whatever the drafts were: the same tokens with or without MTP, in
+             any batch, on any engine the request moves to.
 
 `verify` does this for every request of a step at once, on the device and without reading anything back
-(the device decode step and the host path run the same code). A sampled request draws its k uniforms up
-front, then one Exp(1) row for whichever token it emits (the residual's or the bonus one): the same numbers
-from its generator whatever the drafts' fate, so nothing on the host has to know where it stopped.
+(the device decode step and the host path run the same code). The unseeded sampled requests draw their k
+uniforms up front, then one Exp(1) row for whichever token they emit (the residual's or the bonus one), in
+one call of the engine's generator whatever the drafts' fate, so nothing on the host has to know where
+they stopped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from engine.runner.inputs import device_index
-from engine.runner.sampler import RowParams, Sampler, filtered_probs
+from engine.runner.sampler import RowParams, Sampler, filtered_probs, keyed_draws, seeded_rows
 
 
 @dataclass
 class StepRows:
     """A step's sampling rows: request b has rows row_start[b] .. row_start[b] + nd[b] (the row of its last
     known token, then one per draft), and row r's input token is ids[r] (its drafts at rows row_start[b] + 1..).
-    `order` (host, `sampled_order`) lists the non-greedy requests, `order_t` the same on the device."""
+    `order` (host, `sampled_order`) lists the non-greedy requests without a seed, `order_t` the same on the
+    device; the seeded ones (`seeded_rows`) draw keyed at `pos0` + row offset."""
 
     ids: torch.Tensor  # [N]
     row_start: torch.Tensor  # [B]
@@ -35,9 +43,9 @@ class StepRows:
     nd_host: list[int]
     k: int  # width of the emitted tokens - 1 (the engine's speculative tokens)
     params: RowParams  # per request
-    gens: list[torch.Generator | None]  # per request: its generator, None: the engine's
-    order: list[int]
+    order: list[int]  # the unseeded sampled requests (`sampled_order`): rejection sampling
     order_t: torch.Tensor
+    pos0: torch.Tensor | None = None  # [B] sequence position of the token row 0 of each request draws
     q: torch.Tensor | None = None  # [D, V] the drafts' distributions of the sampled requests with drafts
     q_off: torch.Tensor | None = None  # [B] request b's first row of q
     syn: torch.Tensor | None = None  # [B] synthetic acceptance: accepted drafts per request
@@ -59,7 +67,17 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: StepRows) -> tuple[torc
     """logits [N, V] of every row -> (accepted drafts [B], emitted tokens [B, 1 + k]: valid up to accepted + 1)."""
     k, dev = rows.k, logits.device
     rs, nd = rows.row_start, rows.nd
-    best = logits.argmax(dim=-1)
+    best = logits.argmax(dim=-1)  # per row: the greedy token, or a seeded request's keyed draw
+    seeded = seeded_rows(rows.params.params) if rows.params is not None else []  # (greedy step graphs: none)
+    if seeded:  # every row of a seeded request: its keyed draw at that row's position
+        starts = list(accumulate([1 + n for n in rows.nd_host], initial=0))
+        req_of = [b for b in seeded for _ in range(1 + rows.nd_host[b])]
+        off = [i for b in seeded for i in range(1 + rows.nd_host[b])]
+        idx = device_index([starts[b] + i for b, i in zip(req_of, off)], dev)
+        req_t = device_index(req_of, dev)
+        pos = rows.pos0[req_t] + device_index(off, dev)
+        best.index_copy_(0, idx, keyed_draws(logits[idx], rows.params.select(req_of, req_t),
+                                             list(range(len(req_of))), pos))
     j = torch.arange(k + 1, device=dev)[None, :]
     valid = j[:, :k] < nd[:, None]
     cur = torch.where(valid, rs[:, None] + j[:, :k], 0)  # row i verifies draft i + 1
@@ -75,8 +93,6 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: StepRows) -> tuple[torc
         return n_acc, emitted
     order, s = rows.order, rows.order_t
     nd_s_host = [rows.nd_host[b] for b in order]
-    n_engine = sum(rows.gens[b] is None for b in order)
-    gens = [rows.gens[b] for b in order[n_engine:]]
     # the sampled requests' rows, in their order: request order[i]'s at pstart[i] .. pstart[i] + nd
     req_of_row = [b for b in order for _ in range(1 + rows.nd_host[b])]
     nd_s = nd[s]
@@ -88,7 +104,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: StepRows) -> tuple[torc
     drafts_s, valid_s = drafts[s], valid[s]
     rejecting = rows.syn is None and max(nd_s_host) > 0
     if rejecting:
-        u = sampler.uniforms(n_engine, gens, nd_s_host[n_engine:], k)
+        u = sampler.uniforms(len(order), k)
         p_d = probs[pstart[:, None] + torch.where(valid_s, j[:, :k], 0), drafts_s[:, :k]]
         q_d = rows.q[torch.where(valid_s, rows.q_off[s][:, None] + j[:, :k], 0), drafts_s[:, :k]]
         ratio = p_d.double() / q_d.double().clamp_min(1e-30)
@@ -101,7 +117,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: StepRows) -> tuple[torc
         rej = n_s < nd_s
         resid = (final - rows.q[torch.where(rej, rows.q_off[s] + n_s, 0)]).clamp_min(0.0)
         final = torch.where((rej & (resid > 0).any(dim=-1))[:, None], resid, final)
-    tok = (final / sampler.exponentials(n_engine, gens, logits.shape[-1])).argmax(dim=-1)
+    tok = (final / sampler.exponentials(len(order), logits.shape[-1])).argmax(dim=-1)
     emitted[s] = torch.where(j < n_s[:, None], drafts_s, tok[:, None])
     return n_acc, emitted
 

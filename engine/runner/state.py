@@ -18,25 +18,17 @@ class RunnerRequest:
     sampling_params: SamplingParams
     block_ids: list[int]
     return_prompt_logits: bool
-    generator: torch.Generator | None  # seeded requests: reproducible, independent of the batch
-    draft_generator: torch.Generator | None
     draft_probs: torch.Tensor | None = None  # [k, vocab] distribution each pending draft was drawn from
     grammar: object | None = None  # engine.structured.RequestGrammar when the output is constrained
     extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_new(cls, d: NewRequestData, device: torch.device) -> RunnerRequest:
-        seed = d.sampling_params.seed
-        gen = dgen = None
-        if seed is not None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed)
-            dgen = torch.Generator(device=device)
-            dgen.manual_seed(seed ^ 0x5EED)
+        """(A seeded request needs no state of its own to sample reproducibly: its draws are keyed on the
+        seed and the position, engine/runner/sampler.py.)"""
         return cls(req_id=d.req_id, prompt_token_ids=list(d.prompt_token_ids),
                    output_token_ids=list(d.output_token_ids), sampling_params=d.sampling_params,
-                   block_ids=list(d.block_ids), return_prompt_logits=d.return_prompt_logits,
-                   generator=gen, draft_generator=dgen)
+                   block_ids=list(d.block_ids), return_prompt_logits=d.return_prompt_logits)
 
     @property
     def all_token_ids(self) -> list[int]:

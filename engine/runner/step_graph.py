@@ -137,7 +137,7 @@ class StepGraphs:
         batch.place(start, starts)
         hidden = eager_forward(r, "target", batch.input_ids, batch.meta, None)
         step_rows = StepRows(ids=ids, row_start=row_start, nd=torch.full_like(starts, k), nd_host=[k] * B_pad, k=k,
-                             params=None, gens=[None] * B_pad, order=[], order_t=starts[:0],
+                             params=None, order=[], order_t=starts[:0],
                              syn=syn if r.synthetic is not None else None)
         n_acc, emitted = verify(r.sampler, r.model.compute_logits(hidden), step_rows)
         batch.input_ids.copy_(emitted[row_req, row_off])  # the catch-up's inputs

@@ -2,7 +2,8 @@
 prefills, two decodes, the kvstore and the router, 16 streaming greedy completions run while, phase after
 phase, a decode gets SIGTERM (it drains: every stream finishes there), a decode gets SIGTERM twice (the drain
 is cut: its streams move to the other decode), a decode is killed (its streams move), a prefill and the
-kvstore get SIGTERM. Every client stream completes with exactly the tokens of an undisturbed run, each
+kvstore get SIGTERM. Every client stream completes with exactly the tokens of an undisturbed run (greedy, and
+seeded sampling when a decode is killed), each
 stopped service exits 0, and no KV block, lease or HiSparse row stays held anywhere."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 
 import pytest
 
+from engine import SamplingParams
 from services.launch import launcher
 from tests.helpers import chaos, system
 from tests.helpers.chaos import CLIENT_TIMEOUT_S
@@ -89,10 +91,22 @@ def _phase_decode_drain_cut_short_migrates(dep, addr, bodies, want):
 
 
 def _phase_decode_killed_migrates(dep, addr, bodies, want):
+    """SIGKILL: the streams move. Half of them sample with a seed: their tokens after the move are those of
+    an undisturbed seeded run too (a seeded draw is keyed on the seed and the position alone)."""
     before = _migrations(addr)
     _streams(addr, bodies, want, lambda: chaos.kill(dep, "decode-0"))
     assert _migrations(addr) > before
     _restart(dep, "decode-0", addr)
+
+
+def _seeded_half(bodies: list[dict], offline) -> list[str]:
+    """Every other body sampled with a seed of its own (temperature 1); the undisturbed texts of all."""
+    for i, b in enumerate(bodies):
+        if i % 2:
+            b.update(temperature=1.0, seed=1000 + i)
+    params = [SamplingParams(max_tokens=b["max_tokens"], temperature=b["temperature"], seed=b.get("seed"),
+                             ignore_eos=True) for b in bodies]
+    return [o.text for o in offline.generate([b["prompt"] for b in bodies], params)]
 
 
 def _phase_prefill_drains(dep, addr, bodies, want):
@@ -123,7 +137,10 @@ def test_no_request_lost_when_a_service_stops(tmp_path_factory, offline, corpus)
                   _phase_prefill_drains, _phase_kvstore_drains)
         for i, phase in enumerate(phases):
             bodies = chaos.bodies(corpus, STREAMS, MAX_TOKENS, start=2000 * i)
-            want = chaos.expected(offline, bodies)
+            if phase is _phase_decode_killed_migrates:
+                want = _seeded_half(bodies, offline)
+            else:
+                want = chaos.expected(offline, bodies)
             t0 = time.monotonic()
             phase(dep, addr, bodies, want)
             _no_state_held(addr, ENGINES)

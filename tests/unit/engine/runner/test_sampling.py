@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from engine.core.sampling_params import SamplingParams
-from engine.runner.sampler import RowParams, RowSpec, Sampler, draw_rows, filtered_probs, sampled_order
+from engine.runner.sampler import (
+    RowParams,
+    RowSpec,
+    Sampler,
+    draw_rows,
+    filtered_probs,
+    keyed_exponentials,
+    sampled_order,
+)
 from engine.runner.speculative import StepRows, SyntheticAcceptance, acceptance_rate_for_length, verify
 
 
@@ -25,14 +33,16 @@ def _probs(logits, **kw):
     return filtered_probs(logits, RowParams.of([SamplingParams(**kw)] * logits.shape[0], logits.device))
 
 
-def _rows(ids, nd, params, gens, k, q=None, q_off=None):
-    """StepRows of B requests with nd[b] drafts each (rows laid out back to back)."""
-    order = sampled_order(params, gens)
+def _rows(ids, nd, params, k, q=None, q_off=None, pos0=None):
+    """StepRows of B requests with nd[b] drafts each (rows laid out back to back); pos0[b]: the position of the
+    token request b's first row draws (default 100)."""
+    order = sampled_order(params)
     row_start = [sum(1 + n for n in nd[:b]) for b in range(len(nd))]
     return StepRows(ids=torch.tensor(ids), row_start=torch.tensor(row_start), nd=torch.tensor(nd), nd_host=nd, k=k,
-                    params=RowParams.of(params, torch.device("cpu")), gens=gens, order=order,
+                    params=RowParams.of(params, torch.device("cpu")), order=order,
                     order_t=torch.tensor(order, dtype=torch.int64), q=q,
-                    q_off=torch.tensor(q_off if q_off is not None else [0] * len(nd)))
+                    q_off=torch.tensor(q_off if q_off is not None else [0] * len(nd)),
+                    pos0=torch.tensor(pos0 if pos0 is not None else [100] * len(nd)))
 
 
 def test_filters_top_k_top_p_min_p():
@@ -69,16 +79,26 @@ def test_penalties_follow_vllm_semantics():
 def test_seeded_draw_independent_of_batch():
     s = Sampler(torch.device("cpu"), 0)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-
-    def gen():
-        return torch.Generator().manual_seed(1234)
-
-    sp = SamplingParams()
-    alone, _, _ = draw_rows(s, logits[1:2], RowParams.of([sp], logits.device), [gen()])
-    greedy = SamplingParams(temperature=0.0)
-    batch, _, order = draw_rows(s, logits, RowParams.of([sp, sp, greedy], logits.device), [None, gen(), None])
-    assert alone[0] == batch[1] and order == [0, 1]
+    sp, seeded, greedy = SamplingParams(), SamplingParams(seed=1234), SamplingParams(temperature=0.0)
+    alone, _, _ = draw_rows(s, logits[1:2], RowParams.of([seeded], logits.device), torch.tensor([7]))
+    batch, _, order = draw_rows(s, logits, RowParams.of([sp, seeded, greedy], logits.device), torch.tensor([3, 7, 5]))
+    assert alone[0] == batch[1] and order == [0]  # only the unseeded row draws from the engine's generator
     assert batch[2] == logits[2].argmax()  # greedy rows stay greedy and draw nothing
+
+
+def test_keyed_noise_is_a_function_of_seed_position_and_token():
+    e = keyed_exponentials(torch.tensor([5, 5, 6, -3]), torch.tensor([10, 11, 10, 10]), 4000)
+    again = keyed_exponentials(torch.tensor([6, 5]), torch.tensor([10, 10]), 4000)
+    assert torch.equal(e[2], again[0]) and torch.equal(e[0], again[1])
+    assert not torch.equal(e[0], e[1]) and not torch.equal(e[0], e[2]) and not torch.equal(e[0], e[3])
+    assert (e > 0).all() and torch.isfinite(e).all()
+    # Exp(1): mean and variance 1, and the race picks token v with probability p_v
+    assert abs(e.mean().item() - 1.0) < 0.02 and abs(e.var().item() - 1.0) < 0.05
+    p = torch.softmax(torch.randn(8, generator=torch.Generator().manual_seed(2)), -1)
+    n = 20000
+    picks = (p / keyed_exponentials(torch.full((n,), 9), torch.arange(n), 8)).argmax(-1)
+    tv = 0.5 * (torch.bincount(picks, minlength=8).float() / n - p).abs().sum().item()
+    assert tv <= 0.02, tv
 
 
 def test_rejection_sampling_preserves_target_distribution():
@@ -90,7 +110,7 @@ def test_rejection_sampling_preserves_target_distribution():
     d = torch.multinomial(q, trials, replacement=True, generator=g)
     logits = torch.stack([p.log().expand(trials, V), torch.randn(trials, V, generator=g)], dim=1).reshape(-1, V)
     ids = torch.stack([torch.zeros_like(d), d], dim=1).reshape(-1).tolist()
-    rows = _rows(ids, [1] * trials, [SamplingParams()] * trials, [None] * trials, k=1,
+    rows = _rows(ids, [1] * trials, [SamplingParams()] * trials, k=1,
                  q=q.expand(trials, V).contiguous(), q_off=list(range(trials)))
     n_acc, emitted = verify(Sampler(torch.device("cpu"), 0), logits, rows)
     counts = torch.bincount(emitted[:, 0], minlength=V).float()
@@ -100,23 +120,35 @@ def test_rejection_sampling_preserves_target_distribution():
 
 
 def test_seeded_verification_independent_of_batch():
-    """A seeded request's verification draws the same numbers whatever the drafts' fate and its batch."""
+    """A seeded request's verification gives the same tokens whatever its batch."""
     V = 40
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(7, V, generator=g)
     q = torch.softmax(torch.randn(3, V, generator=g), -1)
-    sp = SamplingParams(temperature=0.9, top_p=0.95)
-
-    def seeded():
-        return torch.Generator().manual_seed(11)
-
-    alone = verify(Sampler(torch.device("cpu"), 0), logits[3:7], _rows([0, 5, 6, 7], [3], [sp], [seeded()], 3, q=q))
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    alone = verify(Sampler(torch.device("cpu"), 0), logits[3:7], _rows([0, 5, 6, 7], [3], [sp], 3, q=q))
     mates = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
     batch = verify(Sampler(torch.device("cpu"), 1), logits,
-                   _rows([0, 1, 2, 0, 5, 6, 7], [1, 0, 3], [mates[0], mates[1], sp], [None, None, seeded()], 3,
-                         q=q, q_off=[0, 0, 0]))
+                   _rows([0, 1, 2, 0, 5, 6, 7], [1, 0, 3], [mates[0], mates[1], sp], 3, q=q, q_off=[0, 0, 0]))
     assert batch[0][2] == alone[0][0] and torch.equal(batch[1][2, : int(alone[0][0]) + 1],
                                                       alone[1][0, : int(alone[0][0]) + 1])
+
+
+def test_seeded_tokens_do_not_depend_on_drafts_or_where_the_step_starts():
+    """A seeded request's token at a position is its keyed draw there: the same whether it comes as a draft
+    accepted in a verify step, as the bonus token, or as the only row of a step (a prefill after a migration
+    draws position p alone, the undisturbed decode drew it inside a verify step)."""
+    V = 30
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, V, generator=g)  # rows predicting positions 50, 51, 52, 53
+    sp = SamplingParams(temperature=1.0, seed=77)
+    s = Sampler(torch.device("cpu"), 0)
+    one_by_one = [int(verify(s, logits[i:i + 1], _rows([0], [0], [sp], 3, pos0=[50 + i]))[1][0, 0]) for i in range(4)]
+    for drafts in ([9, 9, 9], one_by_one[:3], one_by_one[:1] + [9, 9]):  # none, all, one agreeing
+        n, tokens = verify(s, logits, _rows([0, *drafts], [3], [sp], 3, pos0=[50]))
+        n = int(n[0])
+        assert tokens[0, : n + 1].tolist() == one_by_one[: n + 1]
+        assert n == next((i for i, (d, t) in enumerate(zip(drafts, one_by_one)) if d != t), 3)
 
 
 def test_greedy_verification_accepts_longest_agreeing_prefix():
@@ -124,7 +156,7 @@ def test_greedy_verification_accepts_longest_agreeing_prefix():
     rows = torch.eye(V)[[2, 3, 1, 4]]  # target argmax per row: 2, 3, 1, 4
     greedy = [SamplingParams(temperature=0.0)] * 2
     n, tokens = verify(Sampler(torch.device("cpu"), 0), torch.cat([rows, rows]),
-                       _rows([9, 2, 3, 0, 9, 2, 3, 1], [3, 3], greedy, [None, None], 3))
+                       _rows([9, 2, 3, 0, 9, 2, 3, 1], [3, 3], greedy, 3))
     assert n.tolist() == [2, 3]
     assert tokens[0, :3].tolist() == [2, 3, 1] and tokens[1].tolist() == [2, 3, 1, 4]
 
