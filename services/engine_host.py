@@ -21,6 +21,14 @@ from services.rpc.metrics import ServiceMetrics
 log = logging.getLogger(__name__)
 
 
+def model_info(engine: AsyncEngine) -> tuple[str, dict[str, object]]:
+    """(the model's name, the KV cache's configuration) as vLLM's metrics label them (`vllm:cache_config_info`)."""
+    cfg, st = engine.config, engine.stats()
+    return cfg.model_path.name, {"block_size": cfg.cache.block_size, "cache_dtype": cfg.cache.kv_cache_dtype,
+                                 "num_gpu_blocks": st.num_blocks,
+                                 "enable_prefix_caching": cfg.cache.enable_prefix_caching}
+
+
 class EngineHost:
     def __init__(self, engine: AsyncEngine, info: InstanceInfo | list[InstanceInfo], state: RedisState,
                  metrics: ServiceMetrics, *, heartbeat_s: float = 1.0, instance_ttl_s: float = 5.0,

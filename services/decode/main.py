@@ -23,7 +23,7 @@ from proto.pdserve.v1 import decode_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, RedisState
 from services.decode.faults import with_faults
 from services.decode.server import SERVICE_NAME, DecodeRank, DecodeServicer
-from services.engine_host import EngineHost
+from services.engine_host import EngineHost, model_info
 from services.rank_watch import serve_until_stopped
 from services.rpc.admission import Admission
 from services.rpc.drain import Drain
@@ -93,6 +93,7 @@ async def serve(args: argparse.Namespace) -> int:
     metrics, state = ServiceMetrics("decode", instance_id), RedisState(args.redis_url)
     metrics_port = metrics.serve(args.metrics_port, args.host)
     engine = AsyncEngine(EngineArgs.from_cli_args(args), text=False, cumulative=False)  # token-id deltas
+    metrics.describe_model(*model_info(engine))  # the vllm: names too
     agent = NixlAgent(f"{instance_id}.{os.getpid()}.{secrets.token_hex(3)}", metrics=metrics)
     ranks = _ranks(args, engine, agent, instance_id)
     servicer = DecodeServicer(engine, None, metrics, admit_timeout_s=args.admit_timeout_s, ranks=ranks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from engine.config.arg_utils import add_kv_layout_args
 from engine.config.model_config import ModelConfig
@@ -57,6 +58,9 @@ async def serve(args: argparse.Namespace) -> None:
                                max_ttl_s=args.max_ttl_ms / 1000, grace_s=args.reservation_grace_ms / 1000,
                                block_ttl_s=args.block_ttl_s, max_open_transfers=args.max_open_transfers)
     server.add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer, SERVICE_NAME)
+    metrics.describe_model(Path(args.model.rstrip("/")).name,
+                           {"block_size": args.block_size, "cache_dtype": args.kv_cache_dtype, "num_gpu_blocks": 0,
+                            "num_cpu_blocks": num_blocks})
     metrics_port = metrics.serve(args.metrics_port, args.host)
     info = InstanceInfo("kvstore", instance_id, f"{host}:{port}", f"{host}:{metrics_port}",
                         capacity={"num_blocks": num_blocks, "block_bytes": spec.block_bytes},

@@ -16,7 +16,7 @@ from engine.frontend.async_engine import AsyncEngine
 from engine.parallel.worker import exit_now, worker_main
 from proto.pdserve.v1 import prefill_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, RedisState
-from services.engine_host import EngineHost
+from services.engine_host import EngineHost, model_info
 from services.prefill.server import SERVICE_NAME, PrefillServicer
 from services.rank_watch import serve_until_stopped
 from services.rpc.admission import Admission
@@ -60,6 +60,7 @@ async def serve(args: argparse.Namespace) -> int:
     metrics, state = ServiceMetrics("prefill", instance_id), RedisState(args.redis_url)
     metrics_port = metrics.serve(args.metrics_port, args.host)
     engine = AsyncEngine(engine_args, text=False, cumulative=False)  # deltas of token ids on the wire
+    metrics.describe_model(*model_info(engine))  # the vllm: names too
     exporter = KVExporter(instance_id, engine, metrics)
     link = None
     if args.kvstore != "off":

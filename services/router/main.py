@@ -108,6 +108,7 @@ async def serve(args: argparse.Namespace) -> None:
     drain = Drain(args.shutdown_timeout)
     http_socket = bind_listener(args.host, args.port, "HTTP")  # here, so a taken port exits PORT_IN_USE_EXIT
     http_port = http_socket.getsockname()[1]
+    metrics.describe_model(name)  # the vllm: names too (their model_name label is the served name)
     metrics_port = metrics.serve(args.metrics_port, args.host) if args.metrics_port else http_port
     info = InstanceInfo("router", instance_id, f"{host}:{grpc_server.bind()}", f"{host}:{metrics_port}",
                         extra={"http": f"{host}:{http_port}", "model": name})

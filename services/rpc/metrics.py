@@ -1,8 +1,11 @@
 """Prometheus metrics of one service process: vLLM's names with a `pdserve:` prefix (docs/metrics.md, "Prometheus
-metrics").
+metrics"), and the same figures again under vLLM's own names (`vllm:...{model_name=...}`) once the service
+says which model it serves, so that vLLM's Grafana dashboards, llm-d's model-server scrapers and KEDA / HPA
+rules written for vLLM read a pdserve instance unchanged.
 
     m = ServiceMetrics("kvstore", instance_id="kvstore-0")
     m.kv_cache_usage_perc.set(0.25)
+    m.describe_model("glm-5.3", {"block_size": "64", "cache_dtype": "fp8_ds_mla"})  # the vllm: names
     port = m.serve(port=9100)          # GET http://host:9100/metrics
 
 Each service owns one CollectorRegistry (never the process-global default) so tests can run
@@ -11,9 +14,11 @@ several services in one process, and a role gets only the metrics it can move.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from services.rpc.net import raise_if_port_in_use
 
@@ -109,6 +114,43 @@ METRICS: tuple[MetricDef, ...] = (
 )
 
 
+# Our metrics that vLLM exports under the same meaning: re-exported as `vllm:<name>` with a model_name label
+VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+              "prefix_cache_hits", "time_to_first_token_seconds", "time_per_output_token_seconds",
+              "e2e_request_latency_seconds", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+VLLM_PREFIX = "vllm:"
+
+
+class VllmNames:
+    """A collector that re-exports the service's vLLM-named figures as `vllm:<name>{model_name=...}`, plus
+    the two info gauges llm-d's scrapers read: `vllm:cache_config_info` (the KV cache's configuration as
+    labels) and `vllm:lora_requests_info` (no LoRA adapters here: empty adapter lists, max_lora 0)."""
+
+    def __init__(self, metrics: ServiceMetrics, model_name: str, cache: dict[str, str]):
+        self.metrics, self.model_name, self.cache = metrics, model_name, dict(cache)
+        self.started = time.time()
+
+    def collect(self):
+        for name in VLLM_NAMES:
+            metric = getattr(self.metrics, name, None)
+            if metric is None:
+                continue
+            for family in metric.collect():
+                family.name = VLLM_PREFIX + family.name.removeprefix(PREFIX)
+                family.samples = [s._replace(name=VLLM_PREFIX + s.name.removeprefix(PREFIX),
+                                             labels={**s.labels, "model_name": self.model_name})
+                                  for s in family.samples]
+                yield family
+        info = GaugeMetricFamily(VLLM_PREFIX + "cache_config_info", "Information of the KV cache configuration.",
+                                 labels=sorted(self.cache))
+        info.add_metric([self.cache[k] for k in sorted(self.cache)], 1.0)
+        yield info
+        lora = GaugeMetricFamily(VLLM_PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric(["0", "", ""], self.started)
+        yield lora
+
+
 class ServiceMetrics:
     """The metrics of one service role, registered on a private registry."""
 
@@ -126,6 +168,11 @@ class ServiceMetrics:
                 if m.labels:
                     kwargs["labelnames"] = m.labels
                 setattr(self, m.attr, m.kind(m.name, m.doc, registry=self.registry, **kwargs))
+
+    def describe_model(self, model_name: str, cache: dict[str, str] | None = None) -> None:
+        """Export the vLLM-named figures too (`VllmNames`), labelled with the served model's name; `cache`: the
+        labels of `vllm:cache_config_info` (block_size, cache_dtype, num_gpu_blocks, ...). Once per service."""
+        self.registry.register(VllmNames(self, model_name, {k: str(v) for k, v in (cache or {}).items()}))
 
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Serve /metrics over HTTP from a daemon thread; returns the bound port (0 = any free)."""
