@@ -2,7 +2,8 @@
 
     pdserve up [--config T] | down | status     services.launch.commands   (up_main / down_main / status_main)
     pdserve make-checkpoint ...                engine.loading.checkpoint   (main)
-    pdserve bench agentx | serve | load | compare   bench.serving.agentx / .serve / .loadtest / .compare (main)
+    pdserve bench agentx | serve | load | restart | compare
+                                               bench.serving.agentx / .serve / .loadtest / .restart / .compare (main)
     pdserve plan ...                           planner.cli          (main)
 
 Every tool is `fn(argv: list[str]) -> int` and owns its own argparse (so `--help` is its help). The table
@@ -26,6 +27,11 @@ Tool = Callable[[list[str]], int]
 def _up() -> Tool:
     from services.launch.commands import up_main  # lazy: above
     return up_main
+
+
+def _serve() -> Tool:
+    from services.launch.serve import serve_main  # lazy: above
+    return serve_main
 
 
 def _down() -> Tool:
@@ -58,6 +64,11 @@ def _bench_load() -> Tool:
     return main
 
 
+def _bench_restart() -> Tool:
+    from bench.serving.restart import main  # lazy: above
+    return main
+
+
 def _bench_compare() -> Tool:
     from bench.serving.compare import main  # lazy: above
     return main
@@ -76,12 +87,14 @@ class Command:
 
 COMMANDS: dict[tuple[str, ...], Command] = {
     ("up",): Command(_up, "start a topology (router, prefill, decode, kvstore, redis)"),
+    ("serve",): Command(_serve, "serve MODEL on this host from vLLM-style flags (a derived topology)"),
     ("down",): Command(_down, "stop a topology started by `pdserve up`"),
     ("status",): Command(_status, "which processes of a topology are alive"),
     ("make-checkpoint",): Command(_make_checkpoint, "write a checkpoint (random or converted)"),
     ("bench", "agentx"): Command(_bench_agentx, "replay agentic-coding traces at several concurrencies"),
     ("bench", "serve"): Command(_bench_serve, "random/fixed-length prompts, vllm-bench-serve metrics"),
     ("bench", "load"): Command(_bench_load, "N concurrent greedy streams: tokens = offline, no leaks, flat RSS"),
+    ("bench", "restart"): Command(_bench_restart, "engines restarted one by one under load: no errors, no lost tokens"),
     ("bench", "compare"): Command(_bench_compare, "plot several agentx results with ratios"),
     ("plan",): Command(_plan, "KV, capacity and roofline planner for a model and deployment"),
 }

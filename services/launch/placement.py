@@ -45,6 +45,11 @@ def host_gpu_count(topo: Topology) -> int:
     """The topology's `host_gpus` if it says; else what nvidia-smi lists on this host (0 without one)."""
     if topo.host_gpus is not None:
         return topo.host_gpus
+    return visible_gpu_count()
+
+
+def visible_gpu_count() -> int:
+    """The GPUs nvidia-smi lists on this host (0 without it)."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 0
