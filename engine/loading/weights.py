@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +107,7 @@ def load_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> LoadRe
     device = next(iter(params.values())).device
     staging = max((index[it.name].nbytes(it.rows) for it in plan), default=0) if device.type == "cuda" else 0
     reader = ShardReader(device, staging_bytes=staging)
+    progress = LoadProgress(sum(index[it.name].nbytes(it.rows) for it in plan), len(plan))
     for file in sorted({index[it.name].file for it in plan}):
         with safe_open(str(file), framework="pt") as h:
             for it in (it for it in plan if index[it.name].file == file):
@@ -113,6 +115,8 @@ def load_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> LoadRe
                 scale = _read_scale(reader, index, it, src) if src.dtype == torch.float8_e4m3fn else None
                 _place(params, it, src, scale, reader, cfg, covered)
                 report.loaded += 1
+                progress.update(reader.bytes_read, report.loaded)
+    progress.done(reader.bytes_read, report.loaded)
     _check_coverage(params, covered)
     report.bytes_read, report.names_read = reader.bytes_read, reader.names_read
     report.peak_tensor_bytes, report.staging_bytes = reader.peak_tensor_bytes, staging
@@ -120,6 +124,35 @@ def load_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> LoadRe
         log.warning("ignored %d checkpoint tensors the model has no place for, e.g. %s",
                     len(report.ignored), report.ignored[:3])
     return report
+
+
+PROGRESS_S = 10.0  # a load logs how far it is at most this often
+
+
+class LoadProgress:
+    """Log lines while a checkpoint loads (a 700 GB FP8 checkpoint takes minutes): bytes read of the planned
+    total, the rate and the time left, at most every PROGRESS_S; then the total and the mean rate."""
+
+    def __init__(self, total_bytes: int, total_tensors: int):
+        self.total, self.tensors = max(total_bytes, 1), total_tensors
+        self.t0 = self.last = time.monotonic()
+        log.info("loading %d tensors, %.2f GiB", total_tensors, total_bytes / 2**30)
+
+    def update(self, bytes_read: int, tensors: int) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_S:
+            return
+        self.last = now
+        rate = bytes_read / max(now - self.t0, 1e-9)
+        left = max(self.total - bytes_read, 0) / max(rate, 1.0)
+        log.info("loading weights: %.2f of %.2f GiB (%.0f%%, %d of %d tensors), %.2f GiB/s, about %.0fs left",
+                 bytes_read / 2**30, self.total / 2**30, 100 * min(bytes_read / self.total, 1.0), tensors,
+                 self.tensors, rate / 2**30, left)
+
+    def done(self, bytes_read: int, tensors: int) -> None:
+        took = time.monotonic() - self.t0
+        log.info("loaded %d tensors, %.2f GiB in %.1fs (%.2f GiB/s)", tensors, bytes_read / 2**30, took,
+                 bytes_read / 2**30 / max(took, 1e-9))
 
 
 def _check_fp8_claim(cfg: ModelConfig, index: dict[str, TensorInfo]) -> None:
