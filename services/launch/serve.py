@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from engine.config.engine import ParallelConfig
 from services.launch import topology as topo_mod
 from services.launch.launcher import down, status, up
 from services.launch.placement import DEFAULT_GPU_MEMORY_UTILIZATION, check_placement, visible_gpu_count
@@ -76,6 +77,15 @@ def derive(a: argparse.Namespace, extra: list[str], num_gpus: int) -> dict:
     pcp, dcp, dp = a.prefill_context_parallel_size, a.decode_context_parallel_size, a.data_parallel_size
     if min(pcp, dcp, dp) < 1:
         raise ValueError("parallel sizes must be >= 1")
+    for role, sizes in (("prefill", {"prefill_context_parallel_size": pcp, "decode_context_parallel_size": dcp}),
+                        ("decode", {"data_parallel_size": dp})):
+        try:  # the engines' own rules, checked before anything starts
+            ParallelConfig(enable_expert_parallel=a.enable_expert_parallel, **sizes)
+        except ValueError as exc:
+            flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in sizes.items())
+            raise ValueError(f"{role} engine ({flags}): {exc}") from None
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     device = a.device or ("cuda" if num_gpus else "cpu")
     prefill_args, decode_args = _engine_args(a, extra)
     prefill = {"replicas": 1, "port": 0, "metrics_port": 0, "prefill_context_parallel_size": pcp,

@@ -122,7 +122,8 @@ VLLM_PREFIX = "vllm:"
 
 
 class VllmNames:
-    """A collector that re-exports the service's vLLM-named figures as `vllm:<name>{model_name=...}`, plus
+    """A collector that re-exports the service's vLLM-named figures as `vllm:<name>{model_name=..., engine="0"}`
+    (vLLM's label set; one engine per process here), plus
     the two info gauges llm-d's scrapers read: `vllm:cache_config_info` (the KV cache's configuration as
     labels) and `vllm:lora_requests_info` (no LoRA adapters here: empty adapter lists, max_lora 0)."""
 
@@ -138,7 +139,7 @@ class VllmNames:
             for family in metric.collect():
                 family.name = VLLM_PREFIX + family.name.removeprefix(PREFIX)
                 family.samples = [s._replace(name=VLLM_PREFIX + s.name.removeprefix(PREFIX),
-                                             labels={**s.labels, "model_name": self.model_name})
+                                             labels={**s.labels, "model_name": self.model_name, "engine": "0"})
                                   for s in family.samples]
                 yield family
         info = GaugeMetricFamily(VLLM_PREFIX + "cache_config_info", "Information of the KV cache configuration.",

@@ -59,6 +59,8 @@ def test_one_gpu_is_shared_and_no_gpu_is_cpu():
     (["ckpt", "--speculative-config", "[1]"], 0, "JSON object"),
     (["ckpt", "-pcp", "0"], 0, ">= 1"),
     (["ckpt", "stray"], 0, "unexpected argument"),
+    (["ckpt", "-pcp", "4", "-dcp", "2"], 0, r"parallel-size 2\): decode_context_parallel_size must be"),
+    (["ckpt", "--enable-auto-tool-choice"], 0, "needs --tool-call-parser"),
 ])
 def test_what_cannot_run_is_refused_with_the_reason(argv, gpus, match):
     a, extra = parse_args(argv)

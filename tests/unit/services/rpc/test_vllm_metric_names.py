@@ -25,11 +25,11 @@ def test_vllm_names_carry_the_same_figures_with_the_model_name():
     m.prefix_cache_hits.inc(640)
     m.time_per_output_token_seconds.observe(0.02)
     s = _samples(m)
-    assert s['vllm:num_requests_waiting{model_name="GLM-5.3"}'] == 3 == s["pdserve:num_requests_waiting"]
-    assert s['vllm:num_requests_running{model_name="GLM-5.3"}'] == 7
-    assert s['vllm:kv_cache_usage_perc{model_name="GLM-5.3"}'] == 0.25
-    assert s['vllm:prefix_cache_hits_total{model_name="GLM-5.3"}'] == 640
-    assert s['vllm:time_per_output_token_seconds_count{model_name="GLM-5.3"}'] == 1
+    assert s['vllm:num_requests_waiting{engine="0",model_name="GLM-5.3"}'] == 3 == s["pdserve:num_requests_waiting"]
+    assert s['vllm:num_requests_running{engine="0",model_name="GLM-5.3"}'] == 7
+    assert s['vllm:kv_cache_usage_perc{engine="0",model_name="GLM-5.3"}'] == 0.25
+    assert s['vllm:prefix_cache_hits_total{engine="0",model_name="GLM-5.3"}'] == 640
+    assert s['vllm:time_per_output_token_seconds_count{engine="0",model_name="GLM-5.3"}'] == 1
     assert s['vllm:cache_config_info{block_size="64",cache_dtype="fp8_ds_mla",num_gpu_blocks="4096"}'] == 1
     lora = [k for k in s if k.startswith("vllm:lora_requests_info")]
     assert lora == ['vllm:lora_requests_info{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""}']
