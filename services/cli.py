@@ -1,6 +1,8 @@
 """`pdserve`: one console script, one subcommand per tool.
 
     pdserve up [--config T] | down | status     services.launch.commands   (up_main / down_main / status_main)
+    pdserve serve MODEL [flags]                services.launch.serve       (serve_main)
+    pdserve scale SERVICE N                    services.launch.scale       (scale_main)
     pdserve make-checkpoint ...                engine.loading.checkpoint   (main)
     pdserve bench agentx | serve | load | restart | compare
                                                bench.serving.agentx / .serve / .loadtest / .restart / .compare (main)
@@ -32,6 +34,11 @@ def _up() -> Tool:
 def _serve() -> Tool:
     from services.launch.serve import serve_main  # lazy: above
     return serve_main
+
+
+def _scale() -> Tool:
+    from services.launch.scale import scale_main  # lazy: above
+    return scale_main
 
 
 def _down() -> Tool:
@@ -88,6 +95,7 @@ class Command:
 COMMANDS: dict[tuple[str, ...], Command] = {
     ("up",): Command(_up, "start a topology (router, prefill, decode, kvstore, redis)"),
     ("serve",): Command(_serve, "serve MODEL on this host from vLLM-style flags (a derived topology)"),
+    ("scale",): Command(_scale, "add or remove replicas of a service of a running topology (removed ones drain)"),
     ("down",): Command(_down, "stop a topology started by `pdserve up`"),
     ("status",): Command(_status, "which processes of a topology are alive"),
     ("make-checkpoint",): Command(_make_checkpoint, "write a checkpoint (random or converted)"),

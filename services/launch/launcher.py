@@ -59,6 +59,7 @@ class Deployment:
     redis_pid: int = 0  # non-zero when `up` started Redis (and `down` must stop it)
     redis_workdir: str = ""
     processes: list[ProcessRecord] = field(default_factory=list)
+    topology: dict = field(default_factory=dict)  # what `up` started (`pdserve scale` plans new replicas from it)
 
     def endpoints(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {"redis": [self.redis_url]}
@@ -96,7 +97,7 @@ def up(topology: str | Path | dict, *, run_dir: str | Path | None = None, timeou
     run = Path(run_dir) if run_dir else topo.path(topo.run_dir)
     run.mkdir(parents=True, exist_ok=True)
     _refuse_if_running(run)
-    dep = Deployment(run_dir=str(run))
+    dep = Deployment(run_dir=str(run), topology=topo_mod.raw(topology))
     deadline = time.monotonic() + timeout_s
     try:
         dep.redis_url, server = ensure_redis(topo.redis_url, workdir=str(run / "redis"),

@@ -50,6 +50,17 @@ _KIND_KEYS = {"prefill": {"prefill_context_parallel_size", "decode_context_paral
               "decode": {"data_parallel_size"}, "router": {"grpc_port"}}
 
 
+def raw(source: str | Path | dict) -> dict:
+    """The topology as its file holds it (a dict), paths made absolute so it loads the same from anywhere."""
+    data = source if isinstance(source, dict) else yaml.safe_load(Path(source).read_text())
+    data = json.loads(json.dumps(data))
+    topo = load(data)
+    data["model"] = str(topo.path(data["model"])) if "model" in data else data.get("model")
+    if "run_dir" in data:
+        data["run_dir"] = str(topo.path(data["run_dir"]))
+    return data
+
+
 def load(source: str | Path | dict) -> Topology:
     """Parse and validate a topology file (or an already-loaded dict); ValueError names the problem."""
     try:
