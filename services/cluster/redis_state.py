@@ -8,8 +8,11 @@ Key schema (all under `pdserve:`; hashes appear as 32 hex chars):
     pdserve:instances       zset   id -> last heartbeat (unix s); an index only, pruned lazily
     pdserve:block:<hash>    set    ids of the instances holding that block       TTL block_ttl_s
     pdserve:kv_events       pub/sub channel of KVEvent JSON
+    pdserve:response:<id>   string a response the router stored for the Responses API (JSON)  TTL
+                                   (services/router/responses_api/store.py)
 
-Redis holds nothing that the instances cannot rebuild: `InstancePresence` heartbeats an instance
+Apart from those stored responses (lost with Redis, by design: the client is told 404), Redis holds
+nothing that the instances cannot rebuild: `InstancePresence` heartbeats an instance
 (`EXPIRE` of its key) and, when the key is gone (Redis restarted, flushed, or the instance stalled
 past its TTL), re-registers it and re-adds every block it holds. Readers treat an instance as alive
 only while its key exists, so a crashed instance's block entries are ignored and then expire.

@@ -7,6 +7,8 @@ Fields declared on the request models are implemented. Any other field is looked
     UNSUPPORTED  fields that would change the output and that we do not implement: accepted only with
                  a value that changes nothing (e.g. `logit_bias: {}`, `best_of: 1`), else 400 naming it
     anything else: a field neither API defines, 400 naming it (OpenAI answers unknown arguments so too)
+
+The Responses API (services/router/responses_api/models.py) passes its own two tables to the same check.
 """
 
 from __future__ import annotations
@@ -43,15 +45,16 @@ UNSUPPORTED = {
 }
 
 
-def check_extra_fields(body) -> None:
-    """BadRequest for the first field of `body` (a pydantic model with extra="allow") that would be dropped."""
+def check_extra_fields(body, ignored=IGNORED, unsupported=UNSUPPORTED,
+                       unknown: str = "neither the OpenAI nor the vLLM API defines it") -> None:
+    """BadRequest for the first field of `body` (a pydantic model with extra="allow") that would be dropped;
+    `unknown` says, in the message, why a field in neither table is refused."""
     for name, value in (body.model_extra or {}).items():
-        if name in IGNORED:
+        if name in ignored:
             continue
-        harmless = UNSUPPORTED.get(name)
+        harmless = unsupported.get(name)
         if harmless is None:
-            raise BadRequest(f"unknown field {name!r}: neither the OpenAI nor the vLLM API defines it", name,
-                             code="unknown_parameter")
+            raise BadRequest(f"unknown field {name!r}: {unknown}", name, code="unknown_parameter")
         if not harmless(value):
             raise BadRequest(f"{name} is not supported by this server (only its default value is accepted)", name,
                              code="unsupported_parameter")

@@ -4,8 +4,9 @@ tool calls and reasoning: chat_request.py, chat_output.py), /v1/models, /tokeniz
 
 A request is a body parsed as strict JSON (strict_json.py), made into engine work by prepare.py (validate,
 render the chat template, build SamplingParams), then run here: n choices per prompt through the flow
-(flow.py), collected into one response or streamed as SSE. The Anthropic Messages API (/v1/messages) is
-mounted beside them from services/router/anthropic/ and runs its prepared requests through `respond`."""
+(flow.py), collected into one response or streamed as SSE. The Anthropic Messages API (/v1/messages) and
+OpenAI's Responses API (/v1/responses) are mounted beside them from services/router/anthropic/ and
+services/router/responses_api/, and run their prepared requests through `respond`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from services.router.openai_models import ChatCompletionRequest, CompletionReque
 from services.router.prepare import ServedModel, check_model, prepare_chat, prepare_completion
 from services.router.requests import Limits, Prepared
 from services.router.responses import Formatter, sse, usage
+from services.router.responses_api.endpoint import mount as mount_responses
+from services.router.responses_api.store import DEFAULT_TTL_S
 from services.router.strict_json import StrictJSONRoute
 from services.rpc.admission import Admission
 from services.rpc.bounds import seed_for_sample
@@ -59,8 +62,10 @@ class _AdmittedStream(StreamingResponse):
 class RouterAPI(ExtraEndpoints):
     def __init__(self, flow: Flow, limits: Limits, model_name: str | list[str], metrics, *,
                  keys: ApiKeys | None = None, admission: Admission | None = None, max_body_bytes: int = 32 << 20,
-                 chat: ChatSettings | None = None, generation_defaults: dict | None = None):
-        """`model_name`: the served name, or several (the first is the one responses carry)."""
+                 chat: ChatSettings | None = None, generation_defaults: dict | None = None,
+                 responses_ttl_s: float = DEFAULT_TTL_S):
+        """`model_name`: the served name, or several (the first is the one responses carry);
+        `responses_ttl_s`: how long /v1/responses keeps a stored response."""
         names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         self.served = ServedModel(names, flow.tokenizer, limits, chat or ChatSettings(None),
                                   dict(generation_defaults or {}))
@@ -68,6 +73,7 @@ class RouterAPI(ExtraEndpoints):
         self.keys = keys or ApiKeys()
         self.admission = admission or Admission("router", 1024)
         self.max_body_bytes = max_body_bytes
+        self.responses_ttl_s = responses_ttl_s
         self.draining = False
 
     error = staticmethod(exception_response)
@@ -90,6 +96,7 @@ class RouterAPI(ExtraEndpoints):
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         mount_anthropic(app, self)
+        mount_responses(app, self)
         return app
 
     async def _validation_error(self, request: Request, exc: RequestValidationError) -> JSONResponse:

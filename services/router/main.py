@@ -25,6 +25,7 @@ from services.router.guard import ApiKeys
 from services.router.http_api import RouterAPI
 from services.router.reasoning import reasoning_parser
 from services.router.requests import Limits
+from services.router.responses_api.store import DEFAULT_TTL_S as RESPONSES_TTL_S
 from services.router.routing import Routing
 from services.router.tool_parsers import tool_parser
 from services.rpc.admission import Admission
@@ -69,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-idle-timeout-s", type=float, default=120.0,
                    help="longest silence of a decode stream (covers decode's admission wait and KV pull)")
     p.add_argument("--lease-ms", type=int, default=0, help="KV lease asked of prefill (0: its default)")
+    p.add_argument("--responses-ttl-s", type=float, default=RESPONSES_TTL_S,
+                   help="how long /v1/responses keeps a stored response in Redis (previous_response_id, GET)")
     p.add_argument("--max-migrations", type=int, default=3,
                    help="times a request may move to another instance when its decode fails or drains under it "
                         "(re-prefilled with the tokens already streamed; services/router/flow.py); then an error")
@@ -99,7 +102,8 @@ async def serve(args: argparse.Namespace) -> None:
                 request_timeout_s=args.request_timeout_s, idle_timeout_s=args.stream_idle_timeout_s,
                 lease_ms=args.lease_ms, max_migrations=args.max_migrations)
     api = RouterAPI(flow, limits, names, metrics, keys=keys, admission=admission, max_body_bytes=args.max_body_bytes,
-                    chat=chat, generation_defaults=load_generation_defaults(args.model))
+                    chat=chat, generation_defaults=load_generation_defaults(args.model),
+                    responses_ttl_s=args.responses_ttl_s)
     grpc_server = GrpcServer(args.grpc_port, args.host)
     grpc_server.add_service(router_pb2_grpc.add_RouterServicer_to_server,
                             RouterServicer(flow, limits, names, keys, admission, chat), SERVICE_NAME)

@@ -17,6 +17,17 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def parse_sse(text: str) -> list[dict | None]:
+    """The chunks in a piece of a chat SSE body (`data: <json>` lines; `[DONE]` is None): what the
+    Anthropic and Responses layers read back from the chat stream."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            payload = line[6:].strip()
+            out.append(None if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
 class Formatter:
     """One response's shared fields (id, created, model) and its token-level formatting."""
 

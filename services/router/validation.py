@@ -18,6 +18,7 @@ _SAMPLING = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "
 FIELDS: dict[str, dict[str, str]] = {
     "completions": {**_SAMPLING, "logprobs": "logprobs"},
     "chat": {**_SAMPLING, "max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"},
+    "responses": {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_tokens"},
 }
 
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from services.router.anthropic.models import CountTokensRequest, MessagesRequest
 from services.router.extra_api import DetokenizeRequest, TokenizeRequest
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest
+from services.router.responses_api.models import ResponsesRequest
 from services.router.validation import FIELDS
 from services.rpc.bounds import BOUNDS, InvalidArgument, check_value
 
@@ -71,6 +72,9 @@ ENDPOINTS: dict[str, Endpoint] = {
                              {"max_tokens": 8}),
     "/v1/messages/count_tokens": Endpoint("/v1/messages/count_tokens", {"model": "tiny-code", "messages": _USER},
                                           {}, _others(CountTokensRequest, {}), ()),
+    # store: false, so fuzzing leaves no records behind in Redis
+    "/v1/responses": Endpoint("/v1/responses", {"input": "hi", "max_output_tokens": 2, "store": False},
+                              FIELDS["responses"], _others(ResponsesRequest, FIELDS["responses"])),
     "/tokenize": Endpoint("/tokenize", {"prompt": "hello"}, {}, _others(TokenizeRequest, {}), ()),
     "/detokenize": Endpoint("/detokenize", {"tokens": [1, 2, 3]}, {}, _others(DetokenizeRequest, {}), ()),
 }

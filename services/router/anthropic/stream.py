@@ -22,6 +22,7 @@ import json
 
 from services.router.anthropic import response
 from services.router.anthropic.errors import from_openai
+from services.router.responses import parse_sse
 
 PING_INTERVAL_S = 10.0
 
@@ -119,16 +120,6 @@ class MessageStream:
         return self._close() + [event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                                         "usage": response.usage(self.usage)}),
                                 event("message_stop", {})]
-
-
-def parse_sse(text: str) -> list[dict | None]:
-    """The chat chunks in a piece of the chat SSE body (`data: <json>` lines); `[DONE]` is None."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("data: "):
-            payload = line[6:].strip()
-            out.append(None if payload == "[DONE]" else json.loads(payload))
-    return out
 
 
 async def events(chat_sse, state: MessageStream):
