@@ -1,2 +1,2 @@
-"""Benchmarks against a running server: agentx trace replay, bench serve, the load/soak test, metrics, plots,
-results."""
+"""Benchmarks against a running server: agentx trace replay, bench serve, the load/soak test, rolling restarts
+under load (bench restart), metrics, plots, results."""
