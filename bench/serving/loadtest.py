@@ -8,9 +8,15 @@ held after the load drains, and no service's memory keeps growing after warm-up.
 Workload: a fixed seeded set of agent-like sessions (a system prompt all share, then turns that each
 extend the previous turn's prompt, so later turns hit the prefix cache); each of the N workers sends
 one request after another (prompt and max_tokens drawn from a seeded stream per worker, temperature 0,
-ignore_eos, `return_token_ids`) until the duration ends, then the in-flight ones finish. Started
-deployments use a private run directory, free ports and a private Redis; `--attach` reads the run
-directory's state.json for the URL, the Redis URL and the pids to sample.
+ignore_eos, `return_token_ids`) until the duration ends and the steady state has been seen (below), then
+the in-flight ones finish. Started deployments use a private run directory, free ports and a private
+Redis; `--attach` reads the run directory's state.json for the URL, the Redis URL and the pids to sample.
+
+Memory is compared across windows decided by completed requests, not seconds
+(`loadcheck.SteadyState`): warm-up ends once every worker completed its first request(s); the
+completions after that, split in halves by count, are the two windows, and the load goes on past the
+duration until each half holds `window_requests` (one per stream by default), up to `max_duration_s`.
+A slow machine makes the run longer instead of making it measure warm-up.
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ from bench.serving.target import wait_ready
 @dataclass(frozen=True)
 class LoadConfig:
     concurrency: int = 200
-    duration_s: float = 60.0
+    duration_s: float = 60.0  # at least this long; longer until the steady state's windows are full
+    max_duration_s: float = 0.0  # never start a request after this (0: 5 x duration_s)
+    warmup_per_worker: int = 1  # requests every worker completes before the steady state opens
+    window_requests: int = 0  # completions in each memory window (0: one per stream)
     min_tokens: int = 8  # max_tokens of each request is uniform in [min_tokens, max_tokens]
     max_tokens: int = 32
     sessions: int = 8
@@ -47,6 +56,16 @@ class LoadConfig:
     def __post_init__(self):
         if self.concurrency < 1 or self.duration_s <= 0 or not 1 <= self.min_tokens <= self.max_tokens:
             raise ValueError("need concurrency >= 1, duration > 0 and 1 <= min_tokens <= max_tokens")
+        if self.max_duration_s and self.max_duration_s < self.duration_s:
+            raise ValueError("max_duration_s must be 0 (5 x duration) or at least duration_s")
+
+    @property
+    def stop_by_s(self) -> float:
+        return self.max_duration_s or 5 * self.duration_s
+
+    def steady_state(self) -> loadcheck.SteadyState:
+        return loadcheck.SteadyState(self.concurrency, self.warmup_per_worker,
+                                     self.window_requests or self.concurrency)
 
 
 def make_prompts(cfg: LoadConfig, vocab_size: int, min_token_id: int = 16) -> list[list[int]]:
@@ -78,34 +97,48 @@ class Driven:
     t0: float
     t_stop: float  # no request starts after this
     in_flight: list[int]  # sampled every 0.5 s while requests were still being started
+    steady: loadcheck.SteadyState  # the completions that decide warm-up and the memory windows
 
 
 async def drive(url: str, model: str, prompts: list[list[int]], cfg: LoadConfig) -> Driven:
+    """Every worker sends one request after another until the duration has passed and the steady state
+    is `ready`, or `max_duration_s` has passed (checked at each completion and every 0.5 s)."""
     sent: list[tuple[int, RequestRecord]] = []
     in_flight: list[int] = []
+    steady = cfg.steady_state()
     busy = 0
     async with make_session() as http:
         t0 = time.perf_counter()
-        t_stop = t0 + cfg.duration_s
+        t_stop = 0.0
+
+        def going() -> bool:
+            nonlocal t_stop
+            if not t_stop:
+                now = time.perf_counter() - t0
+                if now >= cfg.stop_by_s or (now >= cfg.duration_s and steady.ready):
+                    t_stop = t0 + now
+            return not t_stop
 
         async def worker(w: int) -> None:
             nonlocal busy
             k = 0
-            while time.perf_counter() < t_stop:
+            while going():
                 idx, max_tokens = pick(cfg, w, k, len(prompts))
                 k += 1
                 busy += 1
                 rec = await stream_completion(http, url, model, prompts[idx], max_tokens, token_ids=True)
                 busy -= 1
                 sent.append((idx, rec))
+                if rec.ok:
+                    steady.completed(w, rec.t_end)
 
         async def sample() -> None:
-            while time.perf_counter() < t_stop:
+            while going():
                 in_flight.append(busy)
                 await asyncio.sleep(0.5)
 
         await asyncio.gather(sample(), *(worker(w) for w in range(cfg.concurrency)))
-    return Driven(sent, t0, t_stop, in_flight)
+    return Driven(sent, t0, t_stop, in_flight, steady)
 
 
 def _engine_flags(dep) -> tuple[str, str]:
@@ -119,16 +152,14 @@ def _engine_flags(dep) -> tuple[str, str]:
 
 
 def memory_report(sampler: loadcheck.RssSampler, driven: Driven) -> dict:
-    """Peak RSS per process, and its growth after warm-up: the median RSS over the last third of the
-    load against the median over the middle third (the first third is warm-up). Medians of ~20
-    samples, not single samples or peaks: a batch's activations move RSS by ~100 MiB for a second."""
-    third = (driven.t_stop - driven.t0) / 3
-    middle = sampler.median(driven.t0 + third, driven.t0 + 2 * third)
-    last = sampler.median(driven.t0 + 2 * third, driven.t_stop)
-    return {name: {"peak_mib": round(peak, 1), "middle_third_median_mib": round(middle[name], 1),
-                   "last_third_median_mib": round(last[name], 1), "growth_mib": round(last[name] - middle[name], 1),
-                   "growth_frac": round((last[name] - middle[name]) / middle[name], 4) if middle[name] else None}
-            for name, peak in sampler.peak().items()}
+    """Peak RSS per process, and its growth in the steady state: the median RSS over the second half of
+    the steady completions against the first half (loadcheck.SteadyState; warm-up is before both)."""
+    steady = driven.steady.describe(driven.t0, driven.t_stop)
+    windows = driven.steady.windows(driven.t_stop)
+    growth = loadcheck.memory_growth(sampler.samples, windows) if windows else {}
+    return {"steady": steady,
+            "processes": {name: {"peak_mib": round(peak, 1), **growth.get(name, {})}
+                          for name, peak in sampler.peak().items()}}
 
 
 def run_load(dep, cfg: LoadConfig, echo=lambda s: None) -> dict:
@@ -145,7 +176,8 @@ def run_load(dep, cfg: LoadConfig, echo=lambda s: None) -> dict:
         pids["redis"] = dep.redis_pid
     sampler = loadcheck.RssSampler(pids).start()
     try:
-        echo(f"{cfg.concurrency} concurrent streams for {cfg.duration_s:.0f} s against {dep.url}")
+        echo(f"{cfg.concurrency} concurrent streams for {cfg.duration_s:.0f} s (up to {cfg.stop_by_s:.0f} s until "
+             f"the steady state is seen) against {dep.url}")
         driven = asyncio.run(drive(dep.url, info["model"], prompts, cfg))
         t_drained = time.perf_counter()
         blocks = loadcheck.wait_blocks_freed(dep.redis_url)
@@ -183,7 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="topology to start (private run dir, free ports, private Redis)")
     p.add_argument("--attach", metavar="RUN_DIR", help="use the deployment `pdserve up` runs from RUN_DIR instead")
     p.add_argument("--concurrency", type=int, default=200)
-    p.add_argument("--duration", type=float, default=60.0, help="seconds during which new requests start")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="seconds during which new requests start, at least (longer until the steady state is seen)")
+    p.add_argument("--max-duration", type=float, default=0.0,
+                   help="never start a request after this many seconds (default: 5 x --duration)")
+    p.add_argument("--window-requests", type=int, default=0,
+                   help="completed requests in each steady-state memory window (default: --concurrency)")
     p.add_argument("--min-tokens", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--sessions", type=int, default=8)
@@ -213,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     from services.launch import launcher
 
     a = build_parser().parse_args(argv)
-    cfg = LoadConfig(concurrency=a.concurrency, duration_s=a.duration, min_tokens=a.min_tokens,
-                     max_tokens=a.max_tokens, sessions=a.sessions, turns=a.turns, seed=a.seed, check=not a.no_check)
+    cfg = LoadConfig(concurrency=a.concurrency, duration_s=a.duration, max_duration_s=a.max_duration,
+                     window_requests=a.window_requests, min_tokens=a.min_tokens, max_tokens=a.max_tokens,
+                     sessions=a.sessions, turns=a.turns, seed=a.seed, check=not a.no_check)
     if a.attach:
         dep, started = launcher.Deployment.load(a.attach), False
     else:
@@ -243,8 +281,15 @@ def format_summary(out: dict) -> str:
         t = out["tokens"]
         lines.append(f"tokens vs offline    {t['streams_checked']} streams, {t['mismatched_streams']} differ, "
                      f"{t['lost_tokens']} lost, {t['duplicated_tokens']} duplicated")
-    for name, m in out["memory"].items():
-        lines.append(f"RSS {name:16s} peak {m['peak_mib']:.0f} MiB, growth after warm-up {m['growth_mib']:+.1f} MiB")
+    steady = out["memory"]["steady"]
+    if steady["measured"]:
+        lines.append(f"steady state         from {steady['opened_s']} s; windows {steady['first_s']} s and "
+                     f"{steady['second_s']} s, {steady['requests'][0]} + {steady['requests'][1]} requests")
+    else:
+        lines.append(f"steady state         not reached: {steady['why']}")
+    for name, m in out["memory"]["processes"].items():
+        growth = f"growth after warm-up {m['growth_mib']:+.1f} MiB" if "growth_mib" in m else "growth not measured"
+        lines.append(f"RSS {name:16s} peak {m['peak_mib']:.0f} MiB, {growth}")
     return "\n".join(lines)
 
 

@@ -198,7 +198,7 @@ def keyed_draws(x: torch.Tensor, rp: RowParams, rows: list[int], positions: torc
     """The seeded rows' tokens: row rows[i] of x drawn from its distribution with the keyed noise of its
     request's seed at positions[i] (the sequence position of the token drawn), one per row."""
     idx = device_index(rows, x.device)
-    seeds = torch.tensor([rp.params[i].seed for i in rows], dtype=torch.int64).to(x.device)
+    seeds = device_index([rp.params[i].seed for i in rows], x.device)  # pinned, non-blocking: no sync
     probs = filtered_probs(x[idx], rp.select(rows, idx))
     return (probs / keyed_exponentials(seeds, positions, x.shape[-1])).argmax(dim=-1)
 

@@ -9,11 +9,13 @@ import pytest
 from services.cluster.redis_server import RedisServer
 from tests.helpers.chaos import corpus_ids
 from tests.helpers.hardened import HARDENED_KEYS, HARDENED_LIMITS, instances
+from tests.helpers.pace import pinned
 
 
 @pytest.fixture(scope="session")
 def redis_server():
-    server = RedisServer.start(die_with_parent=True)
+    with pinned():
+        server = RedisServer.start(die_with_parent=True)
     yield server
     server.stop()
 

@@ -60,15 +60,17 @@ def _bounded(case) -> None:
     endpoint that serves every size (ENDPOINTS[...].cap), any size."""
     if isinstance(case.body, dict):
         capped = ENDPOINTS[case.path].cap if case.path in ENDPOINTS else {}
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = case.body.get(key)
             top = math.inf if key in capped else 4096
             if isinstance(value, (int, float)) and not isinstance(value, bool) and MAX_FUZZ_TOKENS < value <= top:
                 case.body[key] = MAX_FUZZ_TOKENS
         # no max_tokens means "the rest of the context" for chat, and so does an explicit null for completions:
         # thousands of tokens on a CPU engine, past the client's timeout
-        unset = case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None
-        if unset and ("messages" in case.body or "max_tokens" in case.body):
+        unset = all(case.body.get(k) is None for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"))
+        if unset and "input" in case.body:  # /v1/responses: no max_output_tokens means the rest of the context
+            case.body["max_output_tokens"] = MAX_FUZZ_TOKENS
+        elif unset and ("messages" in case.body or "max_tokens" in case.body):
             case.body["max_tokens"] = MAX_FUZZ_TOKENS
 
 
@@ -349,13 +351,13 @@ def _assert_nothing_leaked(dep) -> None:
     insts = h.instances(dep)
     addresses = _addresses(dep)
     for name, address in addresses.items():
-        assert asyncio.run(check_health(address, timeout=5)), f"{name} stopped answering"
-    assert h.engines_idle(insts, timeout=30), "an engine kept blocks after the fuzzing"
+        assert asyncio.run(check_health(address, timeout=30)), f"{name} stopped answering"
+    assert h.engines_idle(insts), "an engine kept blocks after the fuzzing"
 
     async def pool_adds_up() -> bool:  # reserved-but-never-committed blocks come back after their TTL
         async with grpc.aio.insecure_channel(addresses["KVStore"]) as ch:
             d = await kvstore_pb2_grpc.KVStoreStub(ch).Describe(kvstore_pb2.DescribeRequest())
         stored = system.metric(insts["kvstore"].metrics_address, "pdserve:kvstore_num_stored_blocks")
         return d.num_free_blocks + stored == d.num_blocks
-    assert system.wait_for(lambda: asyncio.run(pool_adds_up()), timeout=30), "kvstore blocks leaked"
+    assert system.wait_for(lambda: asyncio.run(pool_adds_up())), "kvstore blocks leaked"
     assert router_pb2  # the Router messages are exercised through raw bytes above

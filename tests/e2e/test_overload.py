@@ -23,7 +23,7 @@ from services.cluster.redis_state import InstanceInfo, InstancePresence, RedisSt
 from services.rpc.convert import sampling_to_proto
 from services.rpc.grpc_server import RETRY_AFTER_KEY, GrpcServer, Overloaded, grpc_errors
 from tests.helpers import hardened as h
-from tests.helpers import system
+from tests.helpers import pace, system
 from tests.helpers.hardened import HARDENED_LIMITS as LIM
 
 pytestmark = pytest.mark.xdist_group("hardened")
@@ -61,6 +61,8 @@ def _reject_burst(url: str, count: int) -> None:
 
 
 def test_router_and_decode_bounds_answer_429_and_give_everything_back(hardened, url, insts):
+    expired = lambda: system.metric(insts["prefill"].metrics_address, "pdserve:kv_lease_expired_total")
+    expired_before = expired()
     streams = [_open_stream(url, list(range(200 + i, 330 + i))) for i in range(LIM["decode_inflight"])]
     try:
         # router bound: 2 choices in flight + 2 more > 3
@@ -73,8 +75,9 @@ def test_router_and_decode_bounds_answer_429_and_give_everything_back(hardened, 
                                          h.auth("beta"))
         assert status == 429, err
         assert "decode" in err["error"]["message"] and int(headers["Retry-After"]) >= 1
-        # the rejected request's prefill KV was released at once, not left to its 30 s lease
-        assert system.wait_for(lambda: h.blocks_in_use(insts["prefill"]) == 0, timeout=5)
+        # the rejected request's prefill KV was released, not left to its 30 s lease: freed, and no lease expired
+        assert system.wait_for(lambda: h.blocks_in_use(insts["prefill"]) == 0)
+        assert expired() == expired_before, "the rejected request's lease expired instead of being released"
         # rejected requests leave nothing behind: the router's memory is flat over a burst of them
         router_pid = next(p.pid for p in hardened.processes if p.kind == "router")
         _reject_burst(url, 100)
@@ -88,7 +91,7 @@ def test_router_and_decode_bounds_answer_429_and_give_everything_back(hardened, 
             s.close()
     assert h.engines_idle(insts), "blocks still in use after the streams closed"
     router_metrics = insts["router"].metrics_address
-    assert system.wait_for(lambda: system.metric(router_metrics, "pdserve:num_requests_running") == 0, timeout=10)
+    assert system.wait_for(lambda: system.metric(router_metrics, "pdserve:num_requests_running") == 0)
     # every admission slot came back: a request needing all of them at once is served
     status, body, _ = h.request(url, "/v1/completions", {"prompt": "y = 2", "max_tokens": 1,
                                                          "n": LIM["router_inflight"]}, h.auth())
@@ -168,10 +171,16 @@ class _Full(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
         yield  # a server stream, like the real one
 
 
+ROUTER_REFRESH_S = 0.5  # how often the router re-reads the registry
+
+
 @contextlib.contextmanager
 def _registered_full_instances(redis_url: str):
-    """Serve `_Full` on loopback and register it in Redis as one more prefill and one more decode."""
-    servicer, started, stop = _Full(), threading.Event(), threading.Event()
+    """Serve `_Full` on loopback and register it in Redis as one more prefill and one more decode. On the way
+    out they deregister first and keep answering "at capacity" until the router has re-read the registry a few
+    times at this machine's pace: a request it still sends them meanwhile moves on to the real instances,
+    where one sent to a stopped server would fail."""
+    servicer, started, deregister, stop = _Full(), threading.Event(), threading.Event(), threading.Event()
 
     async def serve():
         server = GrpcServer(0)
@@ -184,36 +193,39 @@ def _registered_full_instances(redis_url: str):
         for p in presences:
             await p.start()
         started.set()
-        while not stop.is_set():
+        while not deregister.is_set():
             await asyncio.sleep(0.05)
         for p in presences:
             await p.stop(deregister=True)
         await state.close()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
         await server.stop(0)
 
     thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
     thread.start()
-    assert started.wait(15), "the stand-in did not start"
+    assert started.wait(60), "the stand-in did not start"
     try:
         yield servicer
     finally:
+        deregister.set()
+        time.sleep(pace.scaled(3 * ROUTER_REFRESH_S))
         stop.set()
-        thread.join(15)
-        time.sleep(1.0)  # the router forgets the deregistered stand-ins at its next registry read (0.5 s)
+        thread.join(60)
 
 
 def test_router_skips_a_full_instance_for_another_one(hardened, url, insts):
     """With a full prefill and a full decode registered beside the real ones, every request is
     still served: the router takes RESOURCE_EXHAUSTED as "try the next instance of that role"."""
     with _registered_full_instances(hardened.redis_url) as full:
-        time.sleep(1.0)  # the router re-reads the registry every 0.5 s
-        statuses = []
-        for i in range(30):
+        # until the router has found the stand-ins (its next registry read) and picked each twice; every
+        # request meanwhile is served
+        statuses, deadline = [], time.monotonic() + 120
+        while min(full.calls.values()) < 2 and time.monotonic() < deadline:
+            i = len(statuses)
             status, body, _ = h.request(url, "/v1/completions", {"prompt": f"v{i} = {i}", "max_tokens": 3},
                                         h.auth())
             statuses.append(status)
             assert status == 200, body
-            if min(full.calls.values()) >= 2:
-                break
     assert full.calls["Prefill"] >= 2 and full.calls["Generate"] >= 2, (full.calls, statuses)
     assert h.engines_idle(insts), "a request retried elsewhere left blocks behind"

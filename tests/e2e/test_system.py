@@ -188,12 +188,16 @@ def test_abandoned_and_aborted_requests_free_their_blocks(url, instances, offlin
             g = common_pb2.GenerateRequest(request_id="abandoned", prompt_token_ids=list(range(100, 400)),
                                            sampling_params=sampling_to_proto(SamplingParams(max_tokens=50)))
             reply = await prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(request=g, lease_ms=800))
-            return reply.kv.lease_id
+            return reply.kv
 
-    assert asyncio.run(prefill_without_decode())
-    assert system.wait_for(lambda: _blocks_in_use(instances, "prefill") > 0, timeout=3)
-    assert system.wait_for(lambda: _blocks_in_use(instances, "prefill") == 0, timeout=10), "lease expiry leaked"
-    assert system.metric(instances["prefill"].metrics_address, "pdserve:kv_lease_expired_total") >= 1
+    # The handle names the pages the lease holds (the gauge, read after the reply, may already see them freed
+    # on a slow machine); then the expiry is the event to wait for: the counter moves and the pages come back.
+    expired = lambda: system.metric(instances["prefill"].metrics_address, "pdserve:kv_lease_expired_total")
+    expired_before = expired()
+    kv = asyncio.run(prefill_without_decode())
+    assert kv.lease_id and len(kv.ranks[0].block_ids) >= 300 // 64
+    assert system.wait_for(lambda: expired() > expired_before), "the abandoned lease never expired"
+    assert system.wait_for(lambda: _blocks_in_use(instances, "prefill") == 0), "lease expiry leaked"
 
     import json
     import urllib.request
@@ -203,7 +207,7 @@ def test_abandoned_and_aborted_requests_free_their_blocks(url, instances, offlin
                                                   "ignore_eos": True, "stream": True}).encode())
     resp = urllib.request.urlopen(req, timeout=60)
     resp.readline()
-    assert system.wait_for(lambda: _blocks_in_use(instances, "decode") > 0, timeout=10)
+    assert system.wait_for(lambda: _blocks_in_use(instances, "decode") > 0)  # 2,000 tokens: held for a while
     resp.close()  # the client goes away mid-stream
-    assert system.wait_for(lambda: _blocks_in_use(instances, "decode") == 0, timeout=15), "decode kept the blocks"
-    assert system.wait_for(lambda: _blocks_in_use(instances, "prefill") == 0, timeout=15)
+    assert system.wait_for(lambda: _blocks_in_use(instances, "decode") == 0), "decode kept the blocks"
+    assert system.wait_for(lambda: _blocks_in_use(instances, "prefill") == 0)

@@ -50,7 +50,7 @@ def _two_prefills(tmp_path_factory, pcp: int, dcp: int) -> launcher.Deployment:
     topo["services"]["prefill"]["replicas"] = 2
     if pcp > 1:
         topo["services"]["prefill"].update(prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp)
-    return launcher.up(topo, timeout_s=300, die_with_parent=True)
+    return system.launch(topo)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_prefix_routing_and_kvstore_after_eviction(request, tmp_path_factory, of
 
         before = hits()
         # the prefill publishes its blocks to the index a moment after answering: route turn 2 once it has
-        assert system.wait_for(lambda: _indexed(dep, session) >= 10, timeout=10), "the prefix never reached the index"
+        assert system.wait_for(lambda: _indexed(dep, session) >= 10), "the prefix never reached the index"
         turn2 = session + _text(offline.tokenizer, 5000, 40)
         status, warm = system.post(url, "/v1/completions", {**body, "prompt": turn2})
         assert status == 200 and warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 10 * 64
@@ -103,7 +103,7 @@ def test_prefix_routing_and_kvstore_after_eviction(request, tmp_path_factory, of
             while sent < 24 * dcp and not evicted():
                 assert list(pool.map(send, (sent, sent + 1))) == [200, 200]
                 sent += 2
-        assert system.wait_for(evicted, timeout=10), f"{sent} fillers left the session on a prefill instance"
+        assert system.wait_for(evicted), f"{sent} fillers left the session on a prefill instance"
         store = _instances(dep)["kvstore"][0].metrics_address
         served = system.metric(store, "pdserve:prefix_cache_hits_total")
         turn3 = session + _text(offline.tokenizer, 9000, 30)

@@ -15,6 +15,7 @@ from services.decode.server import DecodeServicer
 from services.rpc.convert import sampling_to_proto
 from services.rpc.metrics import ServiceMetrics
 from services.transfer.convert import kv_layout_to_proto
+from tests.helpers.pace import until
 
 
 class _SlowPuller:
@@ -28,6 +29,10 @@ class _SlowPuller:
         self.started.set()
         await self.release.wait()
         return 0
+
+
+async def _freed(free, free0: int, engine) -> bool:
+    return await free() == free0 and "leaves" not in engine._streams
 
 
 @pytest.mark.timeout(120)
@@ -54,8 +59,8 @@ def test_client_leaving_mid_pull_frees_blocks_only_after_the_read(tiny_code):
             await asyncio.gather(call, return_exceptions=True)
             await asyncio.sleep(0.1)
             still_held = free0 - await free()
-            puller.release.set()  # the READ ends
-            await asyncio.sleep(0.1)
+            puller.release.set()  # the READ ends: its blocks and its stream go (the event waited for)
+            await until(lambda: _freed(free, free0, engine), "the blocks after the READ ended", period=0.05)
             return held, still_held, free0 - await free(), "leaves" in engine._streams, servicer.admission
         finally:
             await engine.shutdown()

@@ -23,6 +23,7 @@ from services.launch import launcher
 from services.launch.topology import ROOT
 from services.rpc.procs import tie_to_parent
 from tests.helpers import system
+from tests.helpers.pace import pinned
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -43,7 +44,7 @@ def _signal(dep: launcher.Deployment, name: str, sig: int) -> launcher.ProcessRe
 def kill(dep: launcher.Deployment, name: str) -> None:
     """SIGKILL: the process gets no chance to deregister or say goodbye."""
     rec = _signal(dep, name, signal.SIGKILL)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while launcher._is_ours(rec) and time.monotonic() < deadline:
         time.sleep(0.05)
 
@@ -57,13 +58,14 @@ def resume(dep: launcher.Deployment, name: str) -> None:
 
 
 def restart(dep: launcher.Deployment, name: str, env: dict[str, str] | None = None) -> launcher.ProcessRecord:
-    """Start the recorded command again (same ports and instance id), tied to this process's life."""
+    """Start the recorded command again (same ports and instance id), tied to this process's life (and pinned
+    where the launcher's services are)."""
     rec = record(dep, name)
     assert not launcher._is_ours(rec), f"{name} still runs: kill it first"
     full_env = {**os.environ, **(env or {})}
     path = [str(ROOT)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])
     full_env["PYTHONPATH"] = os.pathsep.join(path)
-    with open(rec.log, "ab") as out:
+    with open(rec.log, "ab") as out, pinned():
         proc = subprocess.Popen(tie_to_parent(rec.cmd), cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     launcher._children[proc.pid] = proc  # reaped and stopped by launcher.down
@@ -96,7 +98,7 @@ def kill_redis(dep: launcher.Deployment) -> None:
                 return f.read().rsplit(")", 1)[1].split()[0] == "Z"
         except OSError:
             return True
-    assert system.wait_for(gone, timeout=5)
+    assert system.wait_for(gone, timeout=60)
 
 
 def exit_code(dep: launcher.Deployment, name: str) -> int | None:
@@ -227,12 +229,12 @@ def _usage(address: str) -> float:
     return system.metric(address, "pdserve:kv_cache_usage_perc")
 
 
-def assert_blocks_freed(addresses: list[str], timeout: float = 15.0) -> None:
+def assert_blocks_freed(addresses: list[str], timeout: float = 60.0) -> None:
     for a in addresses:
         assert system.wait_for(lambda: _usage(a) == 0, timeout=timeout), f"KV blocks still in use at {a}"
 
 
-def complete_when_served(url: str, body: dict, timeout_s: float = CLIENT_TIMEOUT_S, wait_s: float = 30.0):
+def complete_when_served(url: str, body: dict, timeout_s: float = CLIENT_TIMEOUT_S, wait_s: float = 120.0):
     """POST /v1/completions as a client told to "retry shortly" would: a 503 (no healthy instance of a role
     yet: e.g. a decode that a fault left busy past the stream-idle timeout, until its health check passes
     again) is retried for up to `wait_s`; any other answer is returned as it is."""

@@ -40,7 +40,7 @@ def blocks_in_use(inst) -> float:
     return system.metric(inst.metrics_address, "pdserve:kv_cache_usage_perc")
 
 
-def engines_idle(insts: dict, timeout: float = 20.0) -> bool:
+def engines_idle(insts: dict, timeout: float = 60.0) -> bool:
     """Every engine's KV blocks back to zero (nothing leaked, nothing pinned) within `timeout`."""
     return bool(system.wait_for(lambda: all(blocks_in_use(insts[r]) == 0 for r in ("prefill", "decode")),
                                 timeout=timeout))

@@ -15,8 +15,10 @@ from engine.parallel.dist import free_port
 from services.cluster.redis_state import RedisState
 from services.launch import launcher
 from tests.helpers import ROOT
+from tests.helpers.pace import pinned
 
 TOPOLOGY = ROOT / "configs" / "topology.cpu.yaml"
+START_S = 300.0  # a deployment's start on a loaded machine: ~12 s when idle, each kind in turn
 
 
 def topology(run_dir: Path, **overrides) -> dict:
@@ -34,7 +36,13 @@ def topology(run_dir: Path, **overrides) -> dict:
 
 
 def up(run_dir: Path, **overrides):
-    return launcher.up(topology(run_dir, **overrides), timeout_s=240, die_with_parent=True)
+    return launch(topology(run_dir, **overrides))
+
+
+def launch(topo: dict, timeout_s: float = START_S) -> launcher.Deployment:
+    """`pdserve up` of a topology, tied to this process, its services on PDSERVE_TEST_PIN_CPU's CPUs if set."""
+    with pinned():
+        return launcher.up(topo, timeout_s=timeout_s, die_with_parent=True)
 
 
 def post(url: str, path: str, body: dict | bytes, timeout: float = 120, headers: dict | None = None):
@@ -63,7 +71,10 @@ def admitted_per_rank(address: str, num_ranks: int) -> list[float]:
     return out
 
 
-def wait_for(fn, timeout: float = 15.0, period: float = 0.2):
+def wait_for(fn, timeout: float = 60.0, period: float = 0.2):
+    """Poll `fn` until it returns something true, or `timeout` passed; returns its last value. The deadline is
+    generous (a loaded machine is slow): it bounds how long a failure takes to report, not how fast the system
+    must be; a latency the product promises is asserted apart, scaled (tests/helpers/pace.py)."""
     deadline = time.monotonic() + timeout
     while True:
         value = fn()

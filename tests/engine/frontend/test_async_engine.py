@@ -15,6 +15,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config.arg_utils import EngineArgs
 from engine.frontend.async_engine import AsyncEngine
+from tests.helpers.pace import until
 
 KW = dict(num_blocks=96, max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8], enforce_eager=False,
           num_speculative_tokens=3, device="cpu")
@@ -46,10 +47,11 @@ def test_streams_equal_offline_and_processing_overlaps_steps(tiny_code):
         def slow_process(outputs):  # a slow front end: the engine must keep stepping meanwhile
             threads.add(threading.current_thread().name)
             n0 = engine.core.num_steps
-            # busy until the engine has stepped (bounded): a fixed short delay can pass without a step when a
-            # loaded machine makes one step longer than the delay
-            deadline = time.monotonic() + 0.5
-            while engine.core.num_steps == n0 and time.monotonic() < deadline:
+            # busy until the engine has stepped, or has nothing left to step (a fixed delay can pass without a
+            # step when a loaded machine makes one step longer than the delay); the bound only stops a hang
+            deadline = time.monotonic() + 60
+            while (engine.core.num_steps == n0 and engine.core.has_unfinished()
+                   and time.monotonic() < deadline):
                 time.sleep(0.005)
             overlap.append(engine.core.num_steps - n0)
             return process(outputs)
@@ -59,8 +61,7 @@ def test_streams_equal_offline_and_processing_overlaps_steps(tiny_code):
         try:
             outs = await asyncio.gather(*[_last(engine.generate(p, sp)) for p, sp in zip(prompts[:4], params[:4])])
             left = await _leave_after(engine.generate(prompts[4], dataclasses.replace(greedy, max_tokens=2000)), 6)
-            await asyncio.sleep(0.2)
-            stats = await engine.call(lambda core: core.stats())
+            stats = await until(lambda: _idle_stats(engine), "the aborted stream's blocks", period=0.05)
             return outs, left, overlap, threads, stats
         finally:
             await engine.shutdown()
@@ -74,6 +75,12 @@ def test_streams_equal_offline_and_processing_overlaps_steps(tiny_code):
     assert threads == {"MainThread"}, "outputs are processed on the event loop"
     assert max(overlap) > 0, "the engine stepped while the front end was busy with outputs"
     assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0, "the stream that left was aborted"
+
+
+async def _idle_stats(engine):
+    """The engine's stats once nothing runs and every block is free; None before."""
+    st = await engine.call(lambda core: core.stats())
+    return st if st.num_running == 0 and st.num_free_blocks == st.num_blocks else None
 
 
 async def _last(stream):

@@ -11,6 +11,7 @@ import pytest
 from engine import SamplingParams
 from engine.config.arg_utils import EngineArgs
 from engine.frontend.async_engine import AsyncEngine
+from tests.helpers.pace import until
 
 
 @pytest.mark.timeout(120)
@@ -25,8 +26,8 @@ def test_idle_async_engine_holds_no_hisparse_pages(tiny_code, async_scheduling):
             params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
             outs = await asyncio.gather(*[_collect(engine.generate(list(range(20 + i, 150 + 7 * i)), params))
                                           for i in range(3)])
-            await asyncio.sleep(0.2)  # the loop is idle now
-            return outs, await engine.call(lambda core: core.stats().hisparse)
+            # no request comes after: whatever frees the pages is the idle loop's own last step
+            return outs, await until(lambda: _placed_nothing(engine), "the idle engine to drop its pages", period=0.05)
         finally:
             await engine.shutdown()
 
@@ -34,6 +35,14 @@ def test_idle_async_engine_holds_no_hisparse_pages(tiny_code, async_scheduling):
     assert all(len(ids) == 6 for ids in outs)
     assert (hs.num_resident, hs.num_mixed, hs.num_host) == (0, 0, 0)
     assert hs.num_free_device_blocks == hs.num_device_blocks
+
+
+async def _placed_nothing(engine):
+    """The engine's HiSparse figures once no request holds pages or rows; None before."""
+    hs = await engine.call(lambda core: core.stats().hisparse)
+    idle = (hs.num_resident, hs.num_mixed, hs.num_host) == (0, 0, 0) \
+        and hs.num_free_device_blocks == hs.num_device_blocks
+    return hs if idle else None
 
 
 async def _collect(stream) -> list[int]:

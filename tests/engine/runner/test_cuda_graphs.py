@@ -12,6 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
+from engine.hisparse.builder import HiSparseMetadataBuilder
 from tests.helpers.decode_runs import run_joining_leaving, source_prompts, steps_without_syncs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -161,7 +162,7 @@ def test_hisparse_graph_replay_equals_eager_static(code16, spec):
     ref = run_joining_leaving(eager, prompts, late=2)
     llm = _graph_llm(code16, **kw)
     st = llm.core.runner.static
-    assert llm.core.runner.backend.graph_safe and st.hisparse is not None
+    assert llm.core.runner.backend.graph_safe and st.pad and isinstance(st.builder, HiSparseMetadataBuilder)
     assert st.graphs.failed is None, st.graphs.failed
     assert st.num_captures == len(st.keys()) == len(SIZES) * (4 if spec else 1), "every key captured at start-up"
     mgr = llm.core.runner.hisparse

@@ -10,6 +10,7 @@ from engine.core.core import EngineStats
 from services.cluster.redis_state import InstanceInfo
 from services.engine_host import EngineHost
 from services.rpc.metrics import ServiceMetrics
+from tests.helpers.pace import until
 
 _ZERO = EngineStats(num_running=0, num_waiting=0, num_held=0, kv_usage=0.0, num_free_blocks=8, num_blocks=8,
                     prefix_queries=0, prefix_hits=0, spec_drafts=0, spec_accepted=0, spec_steps=0, spec_emitted=0,
@@ -20,7 +21,7 @@ class _Engine:
     is_running = True
 
     def __init__(self, events):
-        self.events = events
+        self.events, self.num_drains = events, 0  # a pass of the events loop drains once, then publishes
         self.ranks = (replace(_ZERO, num_running=2, num_free_blocks=5), replace(_ZERO, num_waiting=1, kv_usage=0.5))
 
     def stats(self):
@@ -30,6 +31,7 @@ class _Engine:
         return fn(self)
 
     def drain_rank_kv_events(self):
+        self.num_drains += 1
         out, self.events = self.events, [[], []]
         return out
 
@@ -57,7 +59,8 @@ def test_each_rank_is_its_own_instance_with_its_own_load_and_blocks():
 
     async def one_round():
         task = asyncio.create_task(host._events_loop(period_s=0.0))
-        await asyncio.sleep(0.05)
+        await until(lambda: engine.num_drains >= 2 or task.done(), "a pass of the events loop")
+        assert not task.done(), task.exception()
         task.cancel()
     asyncio.run(one_round())
     assert host.cached == [{a}, {b}]

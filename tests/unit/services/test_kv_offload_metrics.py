@@ -12,13 +12,16 @@ from engine.core.core import EngineStats
 from engine.kv.offload import OffloadTier
 from services.engine_host import EngineHost
 from services.rpc.metrics import ServiceMetrics
+from tests.helpers.pace import until
 
 
 class _Engine:
     def __init__(self, tier: OffloadTier):
         self.tier = tier
+        self.num_stats = 0  # a gauges pass reads the stats once, then sets every gauge without awaiting
 
     def stats(self) -> EngineStats:
+        self.num_stats += 1
         return EngineStats(num_running=0, num_waiting=0, num_held=0, kv_usage=0.0, num_free_blocks=8, num_blocks=8,
                            prefix_queries=640, prefix_hits=256, spec_drafts=0, spec_accepted=0, spec_steps=0,
                            spec_emitted=0, num_preemptions=0, kv_offload=self.tier.stats())
@@ -26,8 +29,9 @@ class _Engine:
 
 def _pass(host: EngineHost) -> None:
     async def one_pass():
+        seen = host.engine.num_stats
         task = asyncio.create_task(host._gauges_loop(period_s=0.0))
-        await asyncio.sleep(0.05)
+        await until(lambda: host.engine.num_stats >= seen + 2 or task.done(), "a pass of the gauges loop")
         assert not task.done(), task.exception()
         task.cancel()
 

@@ -9,10 +9,14 @@ from prometheus_client import generate_latest
 from engine.core.core import EngineStats
 from services.engine_host import EngineHost
 from services.rpc.metrics import ServiceMetrics
+from tests.helpers.pace import until
 
 
 class _Engine:
+    num_stats = 0  # a gauges pass reads the stats once, then sets every gauge without awaiting
+
     def stats(self) -> EngineStats:
+        self.num_stats += 1
         return EngineStats(num_running=0, num_waiting=0, num_held=0, kv_usage=0.0, num_free_blocks=8, num_blocks=8,
                            prefix_queries=0, prefix_hits=0, spec_drafts=0, spec_accepted=0, spec_steps=0,
                            spec_emitted=0, num_preemptions=0,
@@ -27,7 +31,7 @@ def test_weight_bytes_gauges_per_rank_and_dtype():
 
     async def one_pass():
         task = asyncio.create_task(host._gauges_loop(period_s=0.0))
-        await asyncio.sleep(0.05)
+        await until(lambda: host.engine.num_stats >= 2 or task.done(), "a pass of the gauges loop")
         assert not task.done(), task.exception()  # the loop keeps running: no error in a pass
         task.cancel()
 

@@ -9,9 +9,10 @@ import time
 import pytest
 
 from services.cluster.redis_server import RedisServer
-from services.cluster.redis_state import INSTANCES, InstanceInfo, InstancePresence, KVEvent, RedisState
+from services.cluster.redis_state import INSTANCES, KV_EVENTS, InstanceInfo, InstancePresence, KVEvent, RedisState
+from tests.helpers.pace import pinned
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _hashes(n: int, tag: int = 0) -> list[bytes]:
@@ -19,6 +20,7 @@ def _hashes(n: int, tag: int = 0) -> list[bytes]:
 
 
 async def _until(cond, timeout: float, what: str):
+    """Poll `await cond()` until true; the deadline is generous, it only bounds how long a failure takes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if await cond():
@@ -43,7 +45,7 @@ def test_registry_heartbeats_and_ttl_expiry(redis_url):
         assert len(await state.instances()) == 2
         assert (await state.loads(["prefill-0"]))["prefill-0"] == {"num_requests_running": 3.0}
         await pb.stop(deregister=False)  # a crash: no deregistration, the TTL must clean up
-        await _until(lambda: _ids(state, {"prefill-0"}), 3.0, "decode-0 to expire")
+        await _until(lambda: _ids(state, {"prefill-0"}), 30.0, "decode-0 to expire")
         assert await state.redis.zrange(INSTANCES, 0, -1) == ["prefill-0"]  # index pruned
         await pa.stop()
         assert await state.instances() == []
@@ -91,15 +93,16 @@ def test_kv_events(redis_url):
             async for ev in state.events():
                 events.append(ev)
 
+        listening = await _subscribers(state)
         task = asyncio.create_task(listen())
-        await asyncio.sleep(0.3)  # subscribed
+        await _until(lambda: _is(_subscribers(state), listening + 1), 30.0, "the listener's subscription")
         info = InstanceInfo("kvstore", "kv1", "x:1")
         await state.register(info, ttl_s=10)
         h = _hashes(3)
         await state.add_blocks("kv1", h, ttl_s=10)
         await state.remove_blocks("kv1", h[2:])
         await state.deregister("kv1", h[:2])
-        await _until(lambda: _async(len(events) >= 3), 3.0, "three events")
+        await _until(lambda: _async(len(events) >= 3), 30.0, "three events")
         assert events == [KVEvent("kv1", "stored", tuple(h)), KVEvent("kv1", "removed", (h[2],)),
                           KVEvent("kv1", "cleared")]
         assert await state.holders(h[0]) == set()  # deregistration emptied the index
@@ -114,8 +117,18 @@ async def _async(value):
     return value
 
 
+async def _is(coro, expected) -> bool:
+    return await coro == expected
+
+
+async def _subscribers(state: RedisState) -> int:
+    """Clients subscribed to the KV event channel (a listener's subscription is live once this counts it)."""
+    return dict(await state.redis.pubsub_numsub(KV_EVENTS)).get(KV_EVENTS, 0)
+
+
 def test_republish_after_redis_restart():
-    server = RedisServer.start(die_with_parent=True)
+    with pinned():
+        server = RedisServer.start(die_with_parent=True)
     port = int(server.url.rsplit(":", 1)[1].split("/")[0])
     try:
         async def main():
@@ -135,13 +148,14 @@ def test_republish_after_redis_restart():
             assert await state.lookup_prefix(held) == {"kv-r": 4}
             server.stop()  # everything in Redis is lost (no snapshot, no AOF)
             await asyncio.sleep(0.5)  # heartbeats fail meanwhile and are retried
-            server = RedisServer.start(port, die_with_parent=True)
-            await _until(lambda: _lookup_is(state, held, {"kv-r": 4}), 10.0, "re-publication")
+            with pinned():
+                server = RedisServer.start(port, die_with_parent=True)
+            await _until(lambda: _lookup_is(state, held, {"kv-r": 4}), 60.0, "re-publication")
             # the lookup can see the re-added blocks before the heartbeat task resumes to count its re-publication
-            await _until(lambda: _async(presence.num_republished >= 1), 2.0, "the re-publication counted")
+            await _until(lambda: _async(presence.num_republished >= 1), 30.0, "the re-publication counted")
             assert presence.num_republished >= 1
             assert [i.instance_id for i in await state.instances()] == ["kv-r"]
-            await _until(lambda: _async(any(e.kind == "resync" for e in events)), 10.0, "event resync")
+            await _until(lambda: _async(any(e.kind == "resync" for e in events)), 60.0, "event resync")
             listener.cancel()
             await asyncio.gather(listener, return_exceptions=True)
             await presence.stop()

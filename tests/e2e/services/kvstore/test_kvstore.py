@@ -20,14 +20,15 @@ from engine.config.model_config import ModelConfig
 from engine.kv.cache import KVCacheSpec, PagedKVCache
 from engine.parallel.dist import free_port
 from proto.pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
-from services.cluster.redis_state import KVEvent, RedisState
+from services.cluster.redis_state import KV_EVENTS, KVEvent, RedisState
 from services.rpc.grpc_server import channel, check_health_sync
 from services.rpc.procs import tie_to_parent
 from services.transfer.kvstore_client import KVStoreClient
 from services.transfer.nixl_agent import NixlAgent
 from tests.helpers import ROOT
+from tests.helpers.pace import pinned
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # the fixture's kvstore start counts against the first test
 
 MODEL = ROOT / "checkpoints" / "tiny-code"
 POOL_BLOCKS = 8
@@ -47,10 +48,10 @@ def kvstore(redis_server, tmp_path_factory):
            "--port", str(port), "--host", "127.0.0.1", "--advertise-host", "127.0.0.1",
            "--redis-url", redis_server.url, "--instance-id", "kv-test", "--reservation-grace-ms", "200",
            "--heartbeat-s", "0.2", "--instance-ttl-s", "2"]
-    with open(log, "w") as out:
+    with open(log, "w") as out, pinned():
         proc = subprocess.Popen(tie_to_parent(cmd), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240
     while not check_health_sync(address, "pdserve.v1.KVStore", timeout=0.5):
         assert proc.poll() is None and time.monotonic() < deadline, f"kvstore did not start:\n{log.read_text()}"
         time.sleep(0.1)
@@ -97,8 +98,9 @@ def test_store_lookup_load_roundtrip_and_eviction(kvstore):
 
         # LRU eviction: 8 blocks; chain 1 (3 blocks) was used, then 6 new blocks evict its oldest one
         events: list[KVEvent] = []
+        listening = await _subscribers(state)
         listener = asyncio.create_task(_collect(state, events))
-        await asyncio.sleep(0.3)
+        await _until(lambda: _subscribers(state), listening + 1, "the listener's subscription")
         assert await writer.store([H(2, i) for i in range(6)], [0, 1, 2, 3, 4, 5]) == 6
         assert await reader.lookup(chain) == 0  # H(1, 0) was the least recently used
         assert await reader.lookup(chain[1:]) == 2
@@ -131,8 +133,8 @@ def test_reservation_timeout_frees_blocks(kvstore):
             described = (await stub.Describe(kvstore_pb2.DescribeRequest())).num_free_blocks
             if time.monotonic() - t0 < 0.45:  # answered before the sweep could run (expiry 0.3 s + 0.2 s grace)
                 assert described == free  # grace: not yet (a loaded machine may only get here past it)
-            await asyncio.sleep(0.5)  # past the 200 ms grace: the sweeper returned both to the free list
-            assert (await stub.Describe(kvstore_pb2.DescribeRequest())).num_free_blocks == free + 2
+            # past the 200 ms grace the sweeper returns both to the free list
+            await _until(lambda: _free_blocks(stub), free + 2, "the expired reservation's blocks")
             again = await stub.Reserve(kvstore_pb2.ReserveRequest(block_hashes=[H(3, 0), H(3, 1)]))
             assert list(again.block_hashes) == [H(3, 0), H(3, 1)]  # the hashes are writable again
             assert (await stub.Release(kvstore_pb2.ReleaseRequest(id=again.reservation_id))).released
@@ -168,7 +170,7 @@ def test_bad_input_and_metrics(kvstore):
 def test_sigterm_deregisters(kvstore):
     _, proc, redis_url = kvstore
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=20) == 0
+    assert proc.wait(timeout=60) == 0
 
     async def main():
         state = RedisState(redis_url)
@@ -187,7 +189,17 @@ async def _value(v):
     return v
 
 
-async def _until(fn, expected, what: str, timeout: float = 5.0):
+async def _subscribers(state: RedisState) -> int:
+    """Clients subscribed to the KV event channel (a listener's subscription is live once this counts it)."""
+    return dict(await state.redis.pubsub_numsub(KV_EVENTS)).get(KV_EVENTS, 0)
+
+
+async def _free_blocks(stub) -> int:
+    return (await stub.Describe(kvstore_pb2.DescribeRequest())).num_free_blocks
+
+
+async def _until(fn, expected, what: str, timeout: float = 60.0):
+    """Poll `await fn()` until it equals `expected`; the deadline only bounds how long a failure takes."""
     deadline = time.monotonic() + timeout
     while (got := await fn()) != expected:
         assert time.monotonic() < deadline, f"{what}: got {got!r}, expected {expected!r}"

@@ -16,8 +16,9 @@ from services.cluster.redis_server import ping
 from services.cluster.redis_state import RedisState
 from services.launch import launcher
 from services.rpc.grpc_server import check_health_sync
+from tests.helpers.pace import pinned
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 STANDIN = "tests.helpers.standin_service"
 
@@ -35,7 +36,8 @@ def test_up_health_and_down(tmp_path, monkeypatch):
                      prefill={"module": STANDIN, "prefill_context_parallel_size": 2,
                               "decode_context_parallel_size": 2, "args": {"enable-expert-parallel": True}},
                      router={"module": STANDIN})
-    dep = launcher.up(topo, timeout_s=120, die_with_parent=True)
+    with pinned():
+        dep = launcher.up(topo, timeout_s=240, die_with_parent=True)
     try:
         assert dep.redis_pid and ping(dep.redis_url)  # none answered there: it started one
         names = [p.name for p in dep.processes]
@@ -69,8 +71,8 @@ def test_up_health_and_down(tmp_path, monkeypatch):
 def test_up_fails_cleanly_when_a_service_crashes(tmp_path, redis_server):
     topo = _topology(tmp_path / "run", 0, prefill={"module": STANDIN, "args": {"crash": True}})
     topo["redis_url"] = redis_server.url  # answers: used as is, not stopped by down
-    with pytest.raises(RuntimeError, match="stand-in told to crash"):
-        launcher.up(topo, timeout_s=60, die_with_parent=True)
+    with pytest.raises(RuntimeError, match="stand-in told to crash"), pinned():
+        launcher.up(topo, timeout_s=240, die_with_parent=True)
     assert ping(redis_server.url)
     assert not Path(tmp_path, "run", "state.json").exists()
 
@@ -91,7 +93,8 @@ def test_a_picked_port_taken_before_the_service_binds_it_gets_new_ports(tmp_path
         topo = _topology(tmp_path / "run", 0, kvstore={"args": {"pool-gib": 0.01}})
         topo["redis_url"] = redis_server.url
         said: list[str] = []
-        dep = launcher.up(topo, timeout_s=120, die_with_parent=True, echo=said.append)
+        with pinned():
+            dep = launcher.up(topo, timeout_s=240, die_with_parent=True, echo=said.append)
     try:
         (rec,) = dep.processes
         assert not rec.address.endswith(f":{port}") and check_health_sync(rec.address)
@@ -110,6 +113,6 @@ def test_a_taken_port_the_topology_names_is_an_error(tmp_path, redis_server):
         topo = _topology(tmp_path / "run", 0, kvstore={"port": port, "metrics_port": free_port(),
                                                        "args": {"pool-gib": 0.01}})
         topo["redis_url"] = redis_server.url
-        with pytest.raises(RuntimeError, match=f"could not bind gRPC port 127.0.0.1:{port}: in use"):
-            launcher.up(topo, timeout_s=60, die_with_parent=True)
+        with pytest.raises(RuntimeError, match=f"could not bind gRPC port 127.0.0.1:{port}: in use"), pinned():
+            launcher.up(topo, timeout_s=240, die_with_parent=True)
     assert not Path(tmp_path, "run", "state.json").exists()

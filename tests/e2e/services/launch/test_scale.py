@@ -27,7 +27,7 @@ def _run(addr_url: str, bodies: list[dict], want: list[str], during) -> None:
 
 def test_scale_decode_up_and_down_under_load(tmp_path_factory, offline, corpus):
     run = tmp_path_factory.mktemp("scale")
-    dep = launcher.up(system.topology(run, decode={"shutdown-timeout": 120}), timeout_s=300, die_with_parent=True)
+    dep = system.launch(system.topology(run, decode={"shutdown-timeout": 120}))
     try:
         bodies = chaos.bodies(corpus, 8, 80)
         want = chaos.expected(offline, bodies)

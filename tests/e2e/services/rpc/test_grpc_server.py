@@ -17,6 +17,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class FakeKVStore(kvstore_pb2_grpc.KVStoreServicer):
+    def __init__(self):
+        self.describing = asyncio.Event()  # set once a Describe is in its handler
+
     @grpc_errors
     async def Lookup(self, request, context):
         raise ValueError("block_hashes[0] has 3 bytes; expected 16")
@@ -31,6 +34,7 @@ class FakeKVStore(kvstore_pb2_grpc.KVStoreServicer):
 
     @grpc_errors
     async def Describe(self, request, context):
+        self.describing.set()
         await asyncio.sleep(0.5)  # in flight while the server stops
         return kvstore_pb2.DescribeResponse(instance_id="slow")
 
@@ -52,8 +56,8 @@ async def _code(call) -> grpc.StatusCode:
 
 def test_health_reflection_errors_and_graceful_stop():
     async def main():
-        server = GrpcServer(0, "127.0.0.1")
-        server.add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, FakeKVStore(), "pdserve.v1.KVStore")
+        server, kvstore = GrpcServer(0, "127.0.0.1"), FakeKVStore()
+        server.add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, kvstore, "pdserve.v1.KVStore")
         server.add_service(router_pb2_grpc.add_RouterServicer_to_server, FakeRouter(), "pdserve.v1.Router")
         port = await server.start()
         address = f"127.0.0.1:{port}"
@@ -85,7 +89,7 @@ def test_health_reflection_errors_and_graceful_stop():
             assert len(files) >= 1  # kvstore.proto (+ its import pdserve/v1/common.proto) resolved
 
             slow = asyncio.ensure_future(kv.Describe(kvstore_pb2.DescribeRequest()))
-            await asyncio.sleep(0.1)
+            await asyncio.wait_for(kvstore.describing.wait(), 60)  # in its handler: the stop finds it in flight
             health = health_pb2_grpc.HealthStub(ch)
             stopping = asyncio.ensure_future(server.stop(grace=3.0))
             await asyncio.sleep(0.05)

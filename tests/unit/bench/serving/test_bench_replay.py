@@ -53,7 +53,8 @@ def test_think_time_is_waited_after_the_previous_turn_completes():
     # a distinct prompt length per turn identifies it in the log
     trace = Trace("a", Session((_turn(0, 100), _turn(1, 101, think=5.0), _turn(2, 102, think=2.0))))
     send = FakeSend(latency_s=0.02)
-    _run([trace], send, concurrency=1, duration_s=0.5, think_time_scale=0.01)
+    # a copy takes ~0.13 s (three turns and two scaled think times): 1 s leaves room for a second on a slow machine
+    _run([trace], send, concurrency=1, duration_s=1.0, think_time_scale=0.01)
     first = [e for e in send.log if e[0] == send.log[0][0]]
     assert [e[1] for e in first] == [100, 101, 102]
     assert first[1][2] - first[0][3] >= 0.05 - 1e-4 and first[2][2] - first[1][3] >= 0.02 - 1e-4

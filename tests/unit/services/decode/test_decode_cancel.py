@@ -11,6 +11,7 @@ from engine.core.sampling_params import SamplingParams
 from proto.pdserve.v1 import decode_pb2, prefill_pb2
 from services.decode.server import DecodeServicer
 from services.rpc.metrics import ServiceMetrics
+from tests.helpers.pace import until
 
 
 class _Engine:
@@ -73,10 +74,8 @@ def test_caller_gone_mid_pull_frees_blocks_only_after_the_pull_ended():
         await asyncio.sleep(0.01)
         assert engine.calls == [("reserve", "r1")], "blocks must stay reserved while the READ may write them"
         puller.release.set()
-        for _ in range(10):
-            await asyncio.sleep(0.01)
+        await until(lambda: len(engine.calls) >= 3 and engine.stream_closed, "the cleanup after the pull ended")
         assert engine.calls[1:] == [("abort", "r1"), ("import_done", "r1", False)]
-        assert engine.stream_closed, "the engine stream must be drained so it is unregistered"
     asyncio.run(run())
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from services.prefill.leases import LeaseTable
+from tests.helpers.pace import until
 
 
 class _Engine:
@@ -42,7 +43,7 @@ def test_expired_lease_whose_pages_were_reused_is_not_intact():
         t = _table(engine, default_s=0.05)
         t.start(period_s=0.01)
         old = t.grant("r1", block_ids=[7, 8])
-        await asyncio.sleep(0.2)  # the lease expires: the blocks go back to the engine
+        await until(lambda: engine.released, "the lease to expire")  # the blocks go back to the engine
         assert engine.released == ["r1"] and not t.leases
         new = t.grant("r2", block_ids=[8, 9])  # block 8 reused by another request
         assert new.generations == (1, 0)
@@ -74,11 +75,12 @@ def test_expiry_waits_for_readers_and_confirm_after_expiry_fails():
         gate = asyncio.Event()
         reader = asyncio.get_running_loop().create_task(gate.wait())  # e.g. the kvstore offload
         t.add_reader(lease, reader)
-        await asyncio.sleep(0.15)
-        assert lease.expired and engine.released == []  # still read by the offload: not freed yet
+        # the sweep that marks it expired decides its release in the same step: seen expired, it was decided
+        await until(lambda: lease.expired, "the lease to expire")
+        assert engine.released == []  # still read by the offload: not freed yet
         assert not await t.confirm(lease.lease_id, lease.generations)
         gate.set()
-        await asyncio.sleep(0.05)
+        await until(lambda: engine.released, "the release once the reader finished")
         assert engine.released == ["r1"]
         await t.stop()
     asyncio.run(run())

@@ -56,17 +56,18 @@ def test_a_cancelled_stream_read_stays_cancelled_when_a_message_arrives_at_once(
     end in CancelledError (a nested asyncio.wait_for returns the message instead under Python 3.11, and the
     abandoned stream would run on)."""
     async def go():
-        arriving = asyncio.get_running_loop().create_future()
+        arriving, reading = asyncio.get_running_loop().create_future(), asyncio.Event()
 
         class _Slow(_Call):
             async def read(self):
+                reading.set()
                 return await arriving
 
         routing = SimpleNamespace(started=lambda i: None, finished=lambda i: None, mark_unhealthy=lambda i: None)
         flow = Flow(routing, tokenizer=None, metrics=ServiceMetrics("router"))
         inst = InstanceInfo("decode", "decode-0", "127.0.0.1:1")
         reader = asyncio.create_task(flow._next(_Slow(), inst, RequestStats("r", 2)))
-        await asyncio.sleep(0.01)
+        await reading.wait()  # the read is waiting for its message
         arriving.set_result("message")  # queued before the cancellation
         reader.cancel()
         done, _ = await asyncio.wait([reader], timeout=2.0)

@@ -10,6 +10,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from engine.parallel.dist import free_port
 from services.cluster.redis_state import InstanceInfo
+from services.router import routing as routing_mod
 from services.router.routing import NoInstance, Routing
 from services.rpc.grpc_server import GrpcServer
 
@@ -37,7 +38,8 @@ async def _serving() -> tuple[GrpcServer, str]:
     return server, f"127.0.0.1:{port}"
 
 
-async def _until(cond, timeout: float = 3.0) -> bool:
+async def _until(cond, timeout: float = 60.0) -> bool:
+    """Poll `cond` until true; the deadline is generous (it bounds how long a failure takes to report)."""
     for _ in range(int(timeout / 0.02)):
         if cond():
             return True
@@ -45,7 +47,22 @@ async def _until(cond, timeout: float = 3.0) -> bool:
     return cond()
 
 
-def test_failed_instance_is_skipped_until_its_health_passes():
+def _count_health_checks(monkeypatch) -> list[tuple[str, bool]]:
+    """(address, answer) of every health check the routing makes, as they complete."""
+    checks: list[tuple[str, bool]] = []
+    real = routing_mod.check_health
+
+    async def counted(address, *args, **kwargs):
+        ok = await real(address, *args, **kwargs)
+        checks.append((address, ok))
+        return ok
+    monkeypatch.setattr(routing_mod, "check_health", counted)
+    return checks
+
+
+def test_failed_instance_is_skipped_until_its_health_passes(monkeypatch):
+    checks = _count_health_checks(monkeypatch)
+
     async def run():
         server, address = await _serving()
         await server.set_serving(False)  # e.g. restarting
@@ -59,7 +76,8 @@ def test_failed_instance_is_skipped_until_its_health_passes():
                 await routing.pick_decode()
             with pytest.raises(NoInstance, match="unhealthy"):  # what the flow checks before any prefill work
                 await routing.require("decode")
-            await asyncio.sleep(0.3)
+            # three health checks answered NOT_SERVING (not a length of time: a slow machine makes fewer)
+            assert await _until(lambda: sum(a == address and not ok for a, ok in checks) >= 3)
             assert "decode-0" in routing.unhealthy, "re-admitted while its health says NOT_SERVING"
             await server.set_serving(True)
             assert await _until(lambda: "decode-0" not in routing.unhealthy)
