@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from services.launch import topology
-from services.launch.launcher import down, status, up
+from services.launch.launcher import Deployment, down, status, up
 from services.launch.placement import check_placement
 from services.launch.process_specs import describe, plan
 from services.launch.schema import ROOT
@@ -24,15 +24,23 @@ def up_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.dry_run:
         return _dry_run(a.config)
-    try:
-        dep = up(a.config, run_dir=a.run_dir, timeout_s=a.timeout, echo=print)
-    except (RuntimeError, ValueError, OSError) as e:
-        print(f"pdserve up failed: {e}", file=sys.stderr)
+    dep = start(a.config, a.run_dir, a.timeout, "pdserve up")
+    if dep is None:
         return 1
-    for kind, addresses in dep.endpoints().items():
-        print(f"{kind:12s} {'  '.join(addresses)}")
     print(f"logs in {dep.run_dir}; stop with `pdserve down --run-dir {dep.run_dir}`")
     return 0
+
+
+def start(topology, run_dir: str | None, timeout_s: float, prog: str) -> Deployment | None:
+    """`up`, then every endpoint printed; None (the reason printed) when it failed."""
+    try:
+        dep = up(topology, run_dir=run_dir, timeout_s=timeout_s, echo=print)
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"{prog} failed: {e}", file=sys.stderr)
+        return None
+    for kind, addresses in dep.endpoints().items():
+        print(f"{kind:12s} {'  '.join(addresses)}")
+    return dep
 
 
 def _dry_run(config: str) -> int:

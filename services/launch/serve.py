@@ -31,7 +31,8 @@ import yaml
 
 from engine.config.engine import ParallelConfig
 from services.launch import topology as topo_mod
-from services.launch.launcher import down, status, up
+from services.launch.commands import start
+from services.launch.launcher import down, status
 from services.launch.placement import DEFAULT_GPU_MEMORY_UTILIZATION, check_placement, visible_gpu_count
 from services.launch.process_specs import describe, plan
 from services.launch.schema import ROOT
@@ -209,13 +210,9 @@ def serve_main(argv: list[str]) -> int:
         print(yaml.safe_dump(raw, sort_keys=False))
         print(describe(topo, topo.redis_url, plan(topo, topo.redis_url)))
         return 0
-    try:
-        dep = up(raw, run_dir=a.run_dir, timeout_s=a.timeout, echo=print)
-    except (RuntimeError, ValueError, OSError) as exc:
-        print(f"pdserve serve failed: {exc}", file=sys.stderr)
+    dep = start(raw, a.run_dir, a.timeout, "pdserve serve")
+    if dep is None:
         return 1
-    for kind, addresses in dep.endpoints().items():
-        print(f"{kind:12s} {'  '.join(addresses)}")
     print(f"serving {a.model} at {dep.url} (logs in {dep.run_dir}); Ctrl-C stops it")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

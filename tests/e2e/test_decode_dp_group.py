@@ -122,7 +122,7 @@ def _rank_killed_mid_stream(dep, offline, dec, pre) -> None:
         "streams did not end promptly"
     for r in results:  # every client of either rank: its text so far, then an error event, never a finish
         assert r.status == 200 and r.text and r.done and r.finish_reason is None, r
-        assert r.error is not None and r.error["type"] == "upstream_error", r
+        assert r.error is not None and r.error["type"] in ("upstream_error", "service_unavailable"), r
     assert system.wait_for(lambda: not any(i in chaos.instances(dep) for i in RANKS)), \
         "the group's instances are still registered"
     assert system.wait_for(lambda: chaos.exit_code(dep, "decode-0.rank0") is not None)

@@ -71,7 +71,8 @@ def _decode_killed_mid_stream(dep, addr, offline, corpus):
     assert time.monotonic() - t_kill < pace.scaled(10, slow), "streams did not end promptly after decode died"
     for r in results:
         assert r.status == 200 and r.text, r
-        assert r.error is not None and r.error["type"] == "upstream_error" and r.done, r
+        # in decode: the failure, with nowhere to move; between its first token and decode: no decode left
+        assert r.error is not None and r.error["type"] in ("upstream_error", "service_unavailable") and r.done, r
         assert "sent nothing" not in r.error["message"], "ended by the idle timeout, not by the lost connection"
         assert r.finish_reason is None
     # the router stopped choosing it at once (its Redis entry is still live): 503 fast, no hang

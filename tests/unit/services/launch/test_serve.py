@@ -8,6 +8,7 @@ import yaml
 
 from services.launch import topology
 from services.launch.placement import check_placement
+from services.launch.process_specs import describe, plan
 from services.launch.serve import derive, parse_args, serve_main, to_topology
 
 REFERENCE = ["/models/GLM-5.3-FP8", "-pcp", "8", "-dcp", "8", "-dp", "8", "--enable-expert-parallel",
@@ -43,6 +44,16 @@ def test_the_reference_node_pair_on_one_16_gpu_host():
     assert router["port"] == 8001 and router["args"]["tool-call-parser"] == "glm47"
     assert router["args"]["served-model-name"] == ["glm-5.3"] and router["args"]["enable-auto-tool-choice"] is True
     assert raw["env"]["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_the_16_gpu_dry_run_plans_the_reference_processes():
+    raw = _topo(REFERENCE, 16)
+    topo = topology.load(raw)
+    text = describe(topo, topo.redis_url, plan(topo, topo.redis_url))
+    for name in [f"prefill-0.rank{r}" for r in range(8)] + [f"decode-0.rank{r}" for r in range(8)]:
+        assert f"\n{name}\n" in text, name
+    assert "kvstore-0" in text and "router-0" in text and text.rstrip().endswith("18 processes")
+    assert "CUDA_VISIBLE_DEVICES=8,9,10,11,12,13,14,15 LOCAL_RANK=7" in text  # decode rank 7 on GPU 15
 
 
 def test_one_gpu_is_shared_and_no_gpu_is_cpu():
