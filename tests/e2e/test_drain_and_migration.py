@@ -74,11 +74,15 @@ def _migrations(addr: dict) -> float:
 
 
 def _busier_decode(addr: dict) -> str:
-    """The decode holding more of the streams right now (the one whose stop moves something)."""
-    running = {n: system.metric(addr[n], "pdserve:num_requests_running") for n in ("decode-0", "decode-1")}
-    name = max(running, key=running.get)
-    assert running[name] > 0, f"no decode holds a stream: {running}"
-    return name
+    """The decode holding more of the streams once most of them are decoding (a stream's first token comes
+    from prefill, so text alone does not say it reached a decode): the one whose stop moves something."""
+    def running() -> dict[str, float]:
+        return {n: system.metric(addr[n], "pdserve:num_requests_running") for n in ("decode-0", "decode-1")}
+
+    assert system.wait_for(lambda: sum(running().values()) >= STREAMS // 2, timeout=60, period=0.05), \
+        f"the streams did not reach the decodes: {running()}"
+    now = running()
+    return max(now, key=now.get)
 
 
 def _phase_decode_drains(dep, addr, bodies, want):
