@@ -35,6 +35,7 @@ from pathlib import Path
 
 from bench.serving import restart_control as control
 from bench.serving import restart_report as report
+from bench.serving.loadtest import started_topology
 from bench.serving.restart_figures import Schedule, figures
 from bench.serving.restart_workload import Load, OfflineEngine, Workload, build_sessions, replay
 
@@ -62,17 +63,10 @@ class RestartConfig:
 
 
 def topology(config: str, run_dir: Path, cfg: RestartConfig) -> dict:
-    """The topology file with `replicas` prefills and decodes, its own run dir, free ports and a private Redis."""
-    import yaml
-
-    from engine.parallel.dist import free_port
-
-    topo = yaml.safe_load(Path(config).read_text())
-    topo["run_dir"], topo["redis_url"] = str(run_dir), f"redis://127.0.0.1:{free_port()}/0"
+    """The soak test's topology (its own run dir, free ports, a private Redis) with `replicas` prefills and
+    decodes."""
+    topo = started_topology(config, run_dir)
     for kind, spec in topo["services"].items():
-        spec["port"] = spec["metrics_port"] = 0
-        if kind == "router":
-            spec["grpc_port"] = 0
         if kind in ENGINE_KINDS:
             spec["replicas"] = cfg.replicas
         if cfg.shutdown_timeout_s is not None and kind != "router":
