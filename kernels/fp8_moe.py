@@ -156,9 +156,13 @@ def _launches(config: tuple) -> tuple[int, tuple[int, int], tuple[int, int, int]
 
 def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                   w2_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int = 0,
-                  config: tuple | None = None, small_routing: bool = True, impl: str | None = None) -> torch.Tensor:
+                  config: tuple | None = None, small_routing: bool = True, impl: str | None = None,
+                  assignments: int | None = None) -> torch.Tensor:
     """Triton `fused_moe_fp8_ref` (same arguments); no host synchronisation. Returns x's dtype [T, H].
 
+    assignments: how many of ids' assignments are this rank's, as far as the caller knows (the tiles are
+    picked by it; default all of them): the static EP dispatch hands every rank all the group's rows, of
+    which about one in D has an expert here.
     small_routing: sort and combine the assignments with kernels.moe_routing's one-launch kernels (the
     sort at decode sizes; False: the eager sort, zeroed rows and a torch sum, for comparison).
     On Hopper, prefill batches (kernels.fp8_cublas.use_moe: >= 1,024 tokens and 2,048 assignments per
@@ -180,7 +184,8 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     # `impl` is checked whatever the config; a config runs the Triton kernel it names
     if fp8_cublas.chosen(impl, auto, can, f"this MoE (H {H}, I {inner}, {x.dtype}) on {x.device}") and config is None:
         return fp8_cublas.fused_moe_fp8_cublas(x, w13, w13_scale, w2, w2_scale, weights, ids, expert_offset)
-    block_m, (up_warps, up_stages), (block_n, warps, stages) = _launches(config or _config(ids.numel(), E))
+    config = config or _config(assignments or ids.numel(), E)
+    block_m, (up_warps, up_stages), (block_n, warps, stages) = _launches(config)
     rows, block_expert = sort_by_expert(ids, E, expert_offset, block_m, small_routing)
     xq, xs = quant_act(x)
     ib, hb = triton.cdiv(inner, BLOCK), triton.cdiv(H, BLOCK)
@@ -216,9 +221,10 @@ def dequantize_w13_ref(w13: torch.Tensor, w13_scale: torch.Tensor) -> torch.Tens
 
 def fused_moe_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                      expert_offset: int = 0) -> torch.Tensor:
+                      expert_offset: int = 0, assignments: int | None = None) -> torch.Tensor:
     """fp32 semantics of `fused_moe_fp8`: x and h quantized per token per 128 channels, weights dequantized,
-    fp32 matmuls. Vectorised over experts (padded [E, max_count, H] batches), as `fused_moe_ref`."""
+    fp32 matmuls. Vectorised over experts (padded [E, max_count, H] batches), as `fused_moe_ref`.
+    `assignments` (the kernel's tile hint) changes nothing here."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     inner = two_i // 2

@@ -88,10 +88,10 @@ def _moe_config(num_assign: int, num_experts: int) -> tuple[int, int, int, int, 
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              expert_offset: int = 0, small_routing: bool = True) -> torch.Tensor:
+              expert_offset: int = 0, small_routing: bool = True, assignments: int | None = None) -> torch.Tensor:
     """Triton `fused_moe_ref` (same arguments): a grouped GEMM over expert-sorted assignments, with
     SiLU-and-mul fused into the first GEMM and the routing weight into the second; no host syncs.
-    small_routing: as `kernels.fp8_moe.fused_moe_fp8`'s."""
+    small_routing, assignments: as `kernels.fp8_moe.fused_moe_fp8`'s."""
     T, H = x.shape
     E, two_i, H_w = w13.shape
     inner = two_i // 2
@@ -107,7 +107,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     x = x if x.stride(1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
-    block_m, block_n, block_k, warps, stages = _moe_config(ids.numel(), E)
+    block_m, block_n, block_k, warps, stages = _moe_config(assignments or ids.numel(), E)
     rows, block_expert = sort_by_expert(ids, E, expert_offset, block_m, small_routing)
     h = torch.empty((rows.shape[0], inner), dtype=x.dtype, device=x.device)
     y = assignment_rows(T * top_k, H, small_routing, x.device)
@@ -150,8 +150,9 @@ def sort_assignments(ids: torch.Tensor, weights: torch.Tensor, num_local: int, e
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
+                  ids: torch.Tensor, expert_offset: int = 0, assignments: int | None = None) -> torch.Tensor:
     """x [T, H]; ids [T, k] global expert ids (ids outside [offset, offset + E_local) are skipped, for EP).
+    `assignments`: the kernel's tile hint (`fused_moe`), unused here.
 
     Vectorised over experts: assignments are sorted by expert into a padded [E, max_count, H] batch and
     run as two batched matmuls (no Python loop over tokens or experts).

@@ -9,6 +9,11 @@
   the decode sizes (at most 8,192 assignments). One bitonic sort of (expert, assignment) keys gives the
   stable order; a row's place is its sorted position plus the padding of the experts before its own. The
   eager form is a radix argsort plus about ten small kernels (30 us of sort alone at 2,048 assignments).
+- `align_by_expert_many`: the same blocks for more assignments than one program sorts quickly (the static
+  EP dispatch hands an expert rank every row of the group: D times a rank's own assignments, most of them
+  another rank's): a counting sort in three launches over many programs. An atomic counter per expert gives
+  each local assignment its place inside its expert's rows, so the order within an expert is arrival order,
+  not assignment order; every row of a grouped GEMM is computed on its own, so the outputs are the same.
 - `moe_combine`: y [T * k, H] fp32 per-assignment rows -> [T, H] in the output dtype, summing each token's
   local assignments in order j = 0..k-1 and skipping the others, so y's rows of other ranks' experts are never
   read (y need not be zeroed: under EP most of it is never written).
@@ -25,6 +30,9 @@ import triton.language as tl
 from kernels.triton_support import check_device, interpreting, jit, next_pow2, to_bf16
 
 MAX_SMALL_ASSIGNMENTS = 8192
+# above this many assignments the counting sort over many programs beats the one-program sort (H100 timing,
+# bench/kernels/moe_align.py)
+MANY_MIN_ASSIGNMENTS = 1024
 
 
 @jit
@@ -138,6 +146,72 @@ def align_by_expert_small(ids: torch.Tensor, num_experts: int, expert_offset: in
 
 
 @jit
+def _count_kernel(ids_ptr, counts_ptr, slot_ptr, A, num_experts, offset, BLOCK: tl.constexpr):
+    a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    am = a < A
+    e = tl.load(ids_ptr + a, mask=am, other=0).to(tl.int32) - offset
+    ok = am & (e >= 0) & (e < num_experts)
+    pos = tl.atomic_add(counts_ptr + tl.where(ok, e, 0), tl.full([BLOCK], 1, tl.int32), mask=ok)
+    tl.store(slot_ptr + a, tl.where(ok, pos, -1), mask=am)
+
+
+@jit
+def _offsets_kernel(counts_ptr, start_ptr, block_expert_ptr, num_experts, num_blocks,
+                    BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    em = e < num_experts
+    counts = tl.load(counts_ptr + e, mask=em, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    tl.store(start_ptr + e, pad_end - padded, mask=em)
+    b = tl.arange(0, BLOCK_B)
+    before = (pad_end[None, :] <= (b * BLOCK_M)[:, None]) & em[None, :]  # experts ending at or before block b
+    tl.store(block_expert_ptr + b, tl.sum(before.to(tl.int32), axis=1), mask=b < num_blocks)
+
+
+@jit
+def _place_kernel(ids_ptr, slot_ptr, start_ptr, rows_ptr, A, num_experts, offset, BLOCK: tl.constexpr):
+    a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    am = a < A
+    e = tl.load(ids_ptr + a, mask=am, other=0).to(tl.int32) - offset
+    ok = am & (e >= 0) & (e < num_experts)
+    pos = tl.load(slot_ptr + a, mask=ok, other=0)
+    start = tl.load(start_ptr + tl.where(ok, e, 0), mask=ok, other=0)
+    tl.store(rows_ptr + start + pos, a.to(tl.int32), mask=ok)
+
+
+MAX_MANY_BLOCKS = 2048  # padded blocks `align_by_expert_many` maps to experts in its one-program step
+
+
+def align_by_expert_many(ids: torch.Tensor, num_experts: int, expert_offset: int,
+                         block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s blocks by a counting sort over many programs (module docstring): the same
+    block -> expert table, each expert's rows the same set, in arrival order. No host synchronisation."""
+    A = ids.numel()
+    max_rows = triton.cdiv(A + min(num_experts, A) * (block_m - 1), block_m) * block_m
+    num_blocks = max_rows // block_m
+    if num_experts >= 1024 or block_m & (block_m - 1) or num_blocks > MAX_MANY_BLOCKS:
+        raise ValueError(f"{A} assignments over {num_experts} experts (block {block_m}): use align_by_expert")
+    check_device(ids)
+    rows = torch.full((max_rows,), -1, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty((num_blocks,), dtype=torch.int32, device=ids.device)
+    counts = torch.zeros((num_experts,), dtype=torch.int32, device=ids.device)
+    start = torch.empty((num_experts,), dtype=torch.int32, device=ids.device)
+    slot = torch.empty((A,), dtype=torch.int32, device=ids.device)
+    flat = ids.reshape(-1)
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    block = 1024
+    grid = (triton.cdiv(A, block),)
+    if A:
+        _count_kernel[grid](flat, counts, slot, A, num_experts, expert_offset, BLOCK=block, num_warps=4)
+    _offsets_kernel[(1,)](counts, start, block_expert, num_experts, num_blocks, BLOCK_E=next_pow2(num_experts),
+                          BLOCK_B=max(16, next_pow2(num_blocks)), BLOCK_M=block_m, num_warps=8)
+    if A:
+        _place_kernel[grid](flat, slot, start, rows, A, num_experts, expert_offset, BLOCK=block, num_warps=4)
+    return rows, block_expert
+
+
+@jit
 def _combine_kernel(y_ptr, ids_ptr, out_ptr, H, top_k, num_experts, offset, sy_a, so_t,
                     BLOCK_H: tl.constexpr, ROUND_FIRST: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -237,9 +311,15 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, expert_offset: int,
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int, expert_offset: int, block_m: int,
                    small: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align_by_expert`'s result: from the one-launch sort when `small` and the assignments fit it."""
-    fits = small and ids.numel() <= MAX_SMALL_ASSIGNMENTS
-    return (align_by_expert_small if fits else align_by_expert)(ids, num_experts, expert_offset, block_m)
+    """`align_by_expert`'s blocks: when `small`, from the one-program sort up to MANY_MIN_ASSIGNMENTS, the
+    counting sort above (while its block table fits one program); else the eager sort."""
+    A = ids.numel()
+    if small and A <= MANY_MIN_ASSIGNMENTS:
+        return align_by_expert_small(ids, num_experts, expert_offset, block_m)
+    blocks = triton.cdiv(A + min(num_experts, A) * (block_m - 1), block_m)
+    if small and blocks <= MAX_MANY_BLOCKS and num_experts < 1024 and not block_m & (block_m - 1):
+        return align_by_expert_many(ids, num_experts, expert_offset, block_m)
+    return align_by_expert(ids, num_experts, expert_offset, block_m)
 
 
 def assignment_rows(num_assign: int, H: int, small: bool, device: torch.device) -> torch.Tensor:

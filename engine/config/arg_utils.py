@@ -62,6 +62,7 @@ class EngineArgs:
     dcp_comm_backend: str = "ag_rs"
     cp_kv_cache_interleave_size: int = 1
     data_parallel_size: int = 1
+    ep_decode_dispatch: str = "static"
     attention_backend: str | None = None
     load_format: str = "auto"
     quantization: str | None = None  # "fp8": quantize a bf16 checkpoint's projections at load (block FP8)
@@ -100,7 +101,8 @@ class EngineArgs:
                                     enable_expert_parallel=self.enable_expert_parallel,
                                     dcp_comm_backend=self.dcp_comm_backend,
                                     cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
-                                    data_parallel_size=self.data_parallel_size),
+                                    data_parallel_size=self.data_parallel_size,
+                                    ep_decode_dispatch=self.ep_decode_dispatch),
             speculative=self._speculative(),
             hisparse=HiSparseConfig.from_dict(hisparse) if hisparse is not None else None,
             device=device, dtype=dtype, seed=self.seed, attention_backend=self.attention_backend,
@@ -157,6 +159,9 @@ class EngineArgs:
         g.add_argument("--dcp-comm-backend", default="ag_rs", choices=["ag_rs", "a2a"])
         g.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
         g.add_argument("--data-parallel-size", type=int, default=1)
+        g.add_argument("--ep-decode-dispatch", default="static", choices=["static", "dynamic"],
+                       help="DP x EP decode steps: static (planned fixed-shape passes, captured on CUDA) or dynamic "
+                            "(all-to-alls sized by exchanged counts, eager; every prompt step is dynamic)")
         g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
         g.add_argument("--quantization", default=None, choices=["fp8"],
                        help="fp8: quantize a bf16 checkpoint to FP8 block-scaled weights at load (an FP8 checkpoint "

@@ -114,8 +114,11 @@ class ParallelConfig:
     dcp_comm_backend: str = "ag_rs"
     cp_kv_cache_interleave_size: int = 1
     data_parallel_size: int = 1
+    ep_decode_dispatch: str = "static"  # DP x EP decode steps: "static" (planned, capturable) or "dynamic"
 
     def __post_init__(self) -> None:
+        if self.ep_decode_dispatch not in ("static", "dynamic"):
+            raise ValueError(f"ep_decode_dispatch must be 'static' or 'dynamic', got {self.ep_decode_dispatch!r}")
         pcp, dcp = self.prefill_context_parallel_size, self.decode_context_parallel_size
         if pcp < 1 or dcp < 1:
             raise ValueError("context parallel sizes must be >= 1")

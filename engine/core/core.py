@@ -50,6 +50,7 @@ class EngineStats:
     step_phase_seconds: dict = field(default_factory=dict)
     dp_ranks: tuple = ()  # a DP group (engine/parallel/dp.py): each rank's own EngineStats; the fields above
     # are then the group's (counts summed, kv_usage the mean)
+    dp_steps: dict = field(default_factory=dict)  # a DP x EP group's steps by kind: planned / dynamic
 
     @property
     def prefix_hit_rate(self) -> float:

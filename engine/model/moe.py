@@ -63,10 +63,14 @@ class Experts(nn.Module):
             self.w2_scale_inv = nn.Parameter(torch.empty(n, hb, ib), requires_grad=False)
         self.impl = fused_moe_fp8_ref if fp8 else fused_moe_ref  # the Triton grouped GEMM on CUDA
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                assignments: int | None = None) -> torch.Tensor:
+        """assignments: how many of ids' entries are this rank's, as far as the caller knows (the kernels'
+        tile choice; default: all of them)."""
         if self.fp8:
-            return self.impl(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, weights, ids, self.offset)
-        return self.impl(x, self.w13, self.w2, weights, ids, self.offset)
+            return self.impl(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, weights, ids, self.offset,
+                             assignments=assignments)
+        return self.impl(x, self.w13, self.w2, weights, ids, self.offset, assignments=assignments)
 
 
 class MoE(nn.Module):

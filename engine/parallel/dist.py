@@ -230,6 +230,13 @@ class RankComm:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
 
+    def control_max(self, values: list[int], tag: str) -> list[int]:
+        """Element-wise max of a few ints over the ranks, on the control group (a host round trip)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        self._count(tag, t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return t.tolist()
+
     # ---- objects (control group) ---------------------------------------------------------------
     def broadcast_object(self, obj=None):
         box = [obj]

@@ -6,8 +6,9 @@ one per rank: pure Python) and its own runner process with its own KV pages, HiS
 state (engine/parallel/dp_runner.py). A new request goes to the rank the caller names (the decode service:
 the DP rank whose instance the router chose), else to the least-loaded one. One step:
 
-    driver:  schedule every rank ─scatter─▶ every rank executes its own SchedulerOutput ─gather─▶ update
-                                             ╰── lock-step rounds + MoE all-to-alls ──╯
+    driver:  schedule every rank, plan the step ─scatter─▶ every rank executes its own SchedulerOutput ─gather─▶ update
+                                                          ╰── the planned passes' static dispatch (decode), or
+                                                              lock-step rounds + dynamic all-to-alls ──╯
          (the gather also brings each rank's HiSparse figures: the group's stats need no extra round)
 
 Imported KV (the decode service's pulls) goes into the pages of the rank that admitted the request:
@@ -30,7 +31,7 @@ from engine.core.request import Request
 from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.kv.manager import KVCacheManager
 from engine.kv.offload import sum_stats
-from engine.parallel.dp_runner import DPModelRunner
+from engine.parallel.dp_runner import DPModelRunner, StepPlan, plan_step
 from engine.parallel.executor import MultiRankEngineCore
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class DPEngineCore(MultiRankEngineCore):
             self.kvs.append(kv)
             self.schedulers.append(Scheduler(cfg.scheduler, kv, cfg.num_spec_tokens))
         self.rank_of: dict[str, int] = {}  # request -> its DP rank
+        self.dp_steps = {"planned": 0, "dynamic": 0}  # steps that ran passes, by kind (dp_runner.py)
         # each rank's HiSparse figures as of its last step (rank 0's are read in place)
         self.rank_hisparse = self.collective_rpc("hisparse_stats") if cfg.hisparse is not None else []
 
@@ -135,8 +137,11 @@ class DPEngineCore(MultiRankEngineCore):
         scheds = [s.schedule() for s in self.schedulers]
         if all(s.is_empty and not s.finished_req_ids for s in scheds):
             return []
+        plan = self.plan(scheds)
+        if plan is None or plan.passes:
+            self.dp_steps["dynamic" if plan is None else "planned"] += 1
         self._send(("dpstep",))
-        mine = self.comm.scatter_objects(scheds)
+        mine = self.comm.scatter_objects([(s, plan) for s in scheds])
         results = self.comm.gather_objects(self.runner.run_step(mine))
         if self.rank_hisparse:
             self.rank_hisparse = [r.hisparse for r in results]
@@ -149,6 +154,14 @@ class DPEngineCore(MultiRankEngineCore):
         self.num_steps += 1
         self.step_seconds += time.perf_counter() - t0
         return outputs
+
+    def plan(self, scheds) -> StepPlan | None:
+        """The group's plan of this step (engine/parallel/dp_runner.py): None runs it dynamically."""
+        if not self.runner.planned:
+            return None
+        cfg = self.cfg
+        return plan_step([[len(c.token_ids) for c in s.chunks] for s in scheds],
+                         cfg.graphs.capture_sizes(cfg.scheduler.max_num_seqs), cfg.num_spec_tokens, cfg.with_mtp)
 
     def stats(self) -> EngineStats:
         """The group's figures (counts summed over the ranks, kv_usage the mean), each rank's in `dp_ranks`."""
@@ -167,6 +180,7 @@ class DPEngineCore(MultiRankEngineCore):
         total.weight_bytes = tuple(r["weight_bytes"] for r in self.weight_reports())
         total.num_steps, total.step_seconds = self.num_steps, self.step_seconds
         total.dp_ranks = tuple(per_rank)
+        total.dp_steps = dict(self.dp_steps)
         return total
 
 

@@ -15,6 +15,19 @@ a token with several experts on one rank travels once, not once per expert.
 Exactness: with top-2 routing (or both of a token's experts on one rank) the sum is a + b in either
 order, the same bits as one rank holding every expert; with a larger top-k the partials are summed in
 rank order, which equals the single-rank order up to fp32 rounding.
+
+`StaticDispatcher` is decode's form (docs/dp_ep.md, "The static dispatch"): every rank passes the same
+number of rows T (the group's padded pass), so every buffer has a fixed shape, nothing is counted on the
+host and the layer can be captured in a CUDA graph:
+
+    home rank:    ids of rows that are not real (padding) -> a sentinel no rank holds; x, ids and weights
+                  packed into one [T, W] byte row each -> all-gather -> [D * T, W] on every rank
+    expert rank:  its experts over all D * T rows (rows with none of its experts come out zero: the grouped
+                  GEMM reads per-expert counts on the device)
+    home rank:    all-to-all of equal splits -> [D, T, H] partials of its own rows -> summed in rank order
+
+It moves every row to every rank (D - 1 copies of T rows out, as many partials back) where the dynamic
+dispatcher moves one per (token, destination rank); its outputs are the dynamic dispatcher's, bit for bit.
 """
 
 from __future__ import annotations
@@ -41,6 +54,12 @@ def dispatch_pairs(ids: torch.Tensor, num_local: int, world_size: int) -> tuple[
     return rank, tok
 
 
+def static_dispatch_bytes(rows: int, hidden: int, top_k: int, world_size: int, elem: int = 2) -> dict[str, int]:
+    """Bytes one rank sends per MoE layer with the static dispatch of `rows` rows (to the other ranks)."""
+    other = world_size - 1
+    return {"dispatch": other * rows * (hidden * elem + 8 * top_k), "combine": other * rows * hidden * elem}
+
+
 class AllToAllDispatcher:
     """`MoE.dispatcher`: (x [T, H], weights [T, k], ids [T, k], local experts) -> routed output [T, H]."""
 
@@ -49,8 +68,10 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.offset, self.num_local = expert_shard(num_experts, comm.rank, comm.world_size)
 
-    def _run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
-        """Each received row through its experts on this rank, weighted -> [rows, H]."""
+    def _run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
+                     assignments: int | None = None) -> torch.Tensor:
+        """Each received row through its experts on this rank, weighted -> [rows, H] (`assignments`: the
+        experts' tile hint, see `Experts.forward`)."""
         n = x.shape[0]
         if x.device.type == "cpu":
             # MKL picks its GEMM kernel, and so the last bit, by the row count of the padded expert batch
@@ -68,7 +89,9 @@ class AllToAllDispatcher:
                 x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
                 ids = torch.cat([ids, pad_ids])
                 weights = torch.cat([weights, weights.new_zeros((pad, weights.shape[1]))])
-        return experts(x, weights, ids)[:n]
+        if assignments is None:
+            return experts(x, weights, ids)[:n]
+        return experts(x, weights, ids, assignments=assignments)[:n]
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
         T, k = ids.shape
@@ -86,3 +109,57 @@ class AllToAllDispatcher:
         out = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
         out.index_add_(0, tok, y.float())
         return out.to(x.dtype)
+
+
+class StaticDispatcher(AllToAllDispatcher):
+    """The fixed-shape dispatch of decode passes (module docstring): no host sync, capturable.
+
+    `rows`: the group's row count for the pass when this rank's x may be shorter (an eager pass of a planned
+    step: padded here); None inside a static pass (x already has the group's rows). `row_valid` [T] bool
+    (device): which rows are real, set per forward by the runner (padding rows of a static batch write no KV
+    and their outputs are dropped: they claim no expert)."""
+
+    def __init__(self, comm: RankComm, num_experts: int):
+        super().__init__(comm, num_experts)
+        self.rows: int | None = None
+        self.row_valid: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+        n, k = ids.shape
+        H, D = x.shape[1], self.comm.world_size
+        T = n if self.rows is None else self.rows
+        if n > T:
+            raise ValueError(f"a pass of {n} rows on DP rank {self.comm.rank} exceeds the {T} rows the group "
+                             f"planned for it (the static dispatch buffers hold {T})")
+        valid = self.row_valid
+        if valid is not None and valid.shape[0] == n:  # padding rows -> an id past every rank's experts
+            ids = torch.where(valid[:, None], ids, torch.full_like(ids, self.num_experts))
+        if T > n:
+            x = torch.cat([x, x.new_zeros((T - n, H))])
+            ids = torch.cat([ids, ids.new_full((T - n, k), self.num_experts)])
+            weights = torch.cat([weights, weights.new_zeros((T - n, k))])
+        meta = torch.cat([ids.to(torch.int32), weights.float().view(torch.int32)], dim=1)
+        nx = H * x.element_size()
+        payload = torch.cat([x.contiguous().view(torch.uint8), meta.view(torch.uint8)], dim=1)
+        recv = self.comm.all_gather(payload, "ep_dispatch")  # [D * T, W]
+        x_recv, meta_recv = _columns(recv, nx, x.dtype), _columns(recv[:, nx:], None, torch.int32)
+        ids_recv = meta_recv[:, :k].long()
+        ghost = getattr(self.comm, "ghost_expert_ids", None)  # the one-GPU emulation's transport only
+        if ghost is not None:
+            ids_recv = ghost(ids_recv, T, self.num_local, self.num_experts)
+        w_recv = meta_recv[:, k:].view(torch.float32)
+        # about T * k of the D * T * k entries are this rank's (balanced routing): the experts' tiles fit those
+        hint = T * k if x.is_cuda else None
+        y = self._run_experts(x_recv, w_recv, ids_recv, experts, hint)  # [D * T, H]
+        back = self.comm.all_to_all(y, [T] * D, [T] * D, "ep_combine").view(D, T, H)
+        out = back.sum(dim=0, dtype=torch.float32)  # rank order on the CPU: the dynamic dispatcher's bits
+        return out[:n].to(x.dtype)
+
+
+def _columns(buf: torch.Tensor, width: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes buf[:, :width] (all: None) as `dtype` rows, a view where the row stride allows it."""
+    cols = buf if width is None else buf[:, :width]
+    try:
+        return cols.view(dtype)
+    except RuntimeError:
+        return cols.contiguous().view(dtype)

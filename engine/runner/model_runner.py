@@ -97,6 +97,10 @@ class ModelRunner:
             backend = self.hisparse.wrap(backend)
         return backend
 
+    def begin_pass(self, kind: str, rows: int | None) -> None:
+        """Called before every forward pass: kind "target" or "mtp", its rows (None: an unpadded eager pass), or
+        "step" once for a whole-step graph. A DP × EP rank checks it against the group's plan."""
+
     def write_slot_fn(self):
         """(block ids, positions, block size) -> write slots; context parallelism maps to rank-local ones."""
         return slots_for
@@ -112,6 +116,7 @@ class ModelRunner:
         if batch is not None:
             return self.static.run("target", batch), rows_layout(rows), None
         input_ids, meta, layout = build_batch(rows, self.block_size, self.device, self.slot_fn)
+        self.begin_pass("target", None)
         ctx = self.make_context(meta)
         with torch.inference_mode():
             hidden = self.model(input_ids, ctx)
@@ -129,6 +134,7 @@ class ModelRunner:
             out = self.static.run("mtp", batch, prev_hidden)
         else:
             ids, meta, _ = build_batch(rows, self.block_size, self.device, self.slot_fn)
+            self.begin_pass("mtp", None)
             ctx = self.make_context(meta)
             with torch.inference_mode():
                 out = self.model.mtp_forward(ids if input_ids is None else input_ids.to(ids.dtype), prev_hidden, ctx)

@@ -55,13 +55,24 @@ class StaticDecode:
         self.num_reruns = 0  # forwards run again on a built batch (the device step's MTP catch-up)
         self.shapes: Counter = Counter()  # (real requests, padded requests, rows per request) of each forward
         self.capture_seconds: dict[tuple, float] = {}  # (kind, size, rows) -> its capture_all time (warm-up included)
+        self.forced: tuple[int, int] | None = None  # (requests, rows per request) a DP group's plan pads every batch to
 
     @property
     def num_captures(self) -> int:
         return self.graphs.num_captures if self.graphs is not None else 0
 
     def bucket(self, n: int) -> int | None:
+        if self.forced is not None:
+            return self.forced[0] if n <= self.forced[0] else None
         return next((s for s in self.sizes if s >= n), None)
+
+    def force(self, bucket: int | None, rows_per_req: int | None = None) -> None:
+        """Pad every batch to `bucket` requests of `rows_per_req` rows (a DP × EP group's planned step: every rank
+        runs the same shapes) until `force(None)`."""
+        if bucket is not None and (bucket not in self.sizes or rows_per_req not in (1, self.rows_per_req)):
+            raise ValueError(f"a planned step of {bucket} requests x {rows_per_req} rows is not among this rank's "
+                             f"capture sizes {self.sizes} x rows (1, {self.rows_per_req})")
+        self.forced = None if bucket is None else (bucket, rows_per_req)
 
     def prepare(self, rows, extras: tuple[list[int], ...] = ()) -> PaddedBatch | None:
         """rows: (request state, start, token ids) -> the padded static batch, or None (run eagerly);
@@ -69,6 +80,8 @@ class StaticDecode:
         if not rows or any(start == 0 or not tokens for _, start, tokens in rows):
             return None
         R = 1 if all(len(t) == 1 for _, _, t in rows) else self.rows_per_req
+        if self.forced is not None:
+            R = self.forced[1]
         B = len(rows)
         B_pad = self.bucket(B) if self.pad else B
         if B_pad is None or B_pad > self.sizes[-1] or any(len(t) > R for _, _, t in rows) \
@@ -179,6 +192,7 @@ class StaticDecode:
     def run(self, kind: str, batch: PaddedBatch, prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The model (kind "target") or its MTP layer ("mtp") over the padded batch -> the real rows' outputs."""
         prev = None if prev_hidden is None else prev_hidden[batch.src_idx]
+        self.runner.begin_pass(kind, batch.key[0] * batch.key[1] if self.pad else None)  # unpadded: an eager pass
         self.num_reruns += batch.runs > 0
         batch.runs += 1
         if self.graphs is not None:

@@ -106,6 +106,7 @@ class StepGraphs:
         for s in states:
             s.draft_probs = None  # greedy drafts carry no distributions
         host_starts = cols[0]
+        r.begin_pass("step", None)
         entry = self.graphs.get(B_pad)  # captured at start-up only: the body changes its inputs as it runs
         if entry is not None:
             graph, outs = entry
@@ -119,6 +120,21 @@ class StepGraphs:
         handle = StepHandle(packed=packed[:B], finish=lambda rows: self.dd._finish(chunks, states, q, rows))
         return handle, LastStep([c.req_id for c in chunks], handle, lambda b: self.dd._host_next(handle, q, b),
                                 next_start[:B], next_ids[:B])
+
+    def run_padding(self, B_pad: int) -> None:
+        """The step of B_pad padding requests (what start-up captured): a DP rank's side of a planned step
+        it has no requests in. Writes no KV and leaves the last step's device outputs to later replays' rules
+        (read before any replay: the DP group steps synchronously)."""
+        st = self.runner.static
+        batch = st.dummy(B_pad, 1 + self.k)
+        self.cols[:, :B_pad].zero_()
+        entry = self.graphs.get(B_pad)
+        if entry is not None:
+            entry[0].replay()
+            self.num_replays += 1
+        else:
+            with torch.inference_mode():
+                self.body(batch, B_pad, [0] * B_pad)
 
     def body(self, batch, B_pad: int, host_starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step over B_pad requests of 1 + k rows each, from the static inputs: device work only (the host

@@ -111,6 +111,9 @@ METRICS: tuple[MetricDef, ...] = (
               ("decode",)),
     MetricDef("dp_rank_requests", Counter, "Requests admitted, by DP rank of the decode engine (0 for one rank).",
               ("decode",), labels=("dp_rank",)),
+    MetricDef("dp_steps", Counter, "Steps of a DP x EP decode group by kind: planned (fixed shapes, static dispatch, "
+              "captured) or dynamic (a prompt chunk or a batch past the capture sizes).", ("decode",),
+              labels=("kind",)),
 )
 
 

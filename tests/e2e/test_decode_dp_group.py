@@ -73,6 +73,8 @@ def _serves_equal_to_offline(dep, offline, address: str, chats: list[dict]) -> N
         assert r.token_ids == ids, "streamed chat differs from the offline engine"
     gained = [a - b for a, b in zip(system.admitted_per_rank(address, len(RANKS)), before)]
     assert sum(gained) == len(chats) and min(gained) >= 1, f"the router did not use both DP ranks: {gained}"
+    steps = system.dp_steps(address)  # the group's decode steps ran planned (the static dispatch)
+    assert steps["planned"] >= chats[0]["max_tokens"] // 4, steps
 
 
 def _nothing_held(address: str) -> None:

@@ -58,6 +58,9 @@ def test_dp_group_on_two_gpus_streams_the_offline_tokens(deployment, offline):
         assert usage["completion_tokens"] == 48
     admitted = system.admitted_per_rank(dec.metrics_address, 2)
     assert sum(admitted) == len(CHATS) and min(admitted) >= 1, admitted
+    # decode steps ran planned: fixed shapes, the static dispatch inside the captured step (docs/dp_ep.md)
+    steps = system.dp_steps(dec.metrics_address)
+    assert steps["planned"] >= 40 and steps["planned"] > steps["dynamic"], steps
     chaos.assert_blocks_freed([dec.metrics_address, infos["prefill-0"].metrics_address], timeout=30)
     for gauge in ("pdserve:hisparse_requests_placed", "pdserve:hisparse_device_blocks_in_use"):
         assert system.wait_for(lambda g=gauge: system.metric(dec.metrics_address, g) == 0, timeout=30), gauge

@@ -30,7 +30,8 @@ def routed_pairs(llm, world_size: int):
 def _stats(runner) -> dict:
     hs = getattr(runner, "hisparse", None)
     return {"rank": runner.rank, "comm_bytes": dict(runner.comm.bytes), "comm_calls": dict(runner.comm.calls),
-            "dummy_passes": getattr(runner, "dummy_passes", 0), "hisparse": hs.stats() if hs is not None else None}
+            "dummy_passes": getattr(runner, "dummy_passes", 0), "hisparse": hs.stats() if hs is not None else None,
+            "planned_steps": getattr(runner, "planned_steps", 0), "dynamic_steps": getattr(runner, "dynamic_steps", 0)}
 
 
 def _reset(runner) -> None:

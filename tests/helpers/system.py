@@ -71,6 +71,13 @@ def admitted_per_rank(address: str, num_ranks: int) -> list[float]:
     return out
 
 
+def dp_steps(address: str) -> dict[str, float]:
+    """A DP x EP decode group's steps by kind (pdserve:dp_steps_total{kind}: planned, dynamic)."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return {kind: float(m.group(1)) if (m := re.search(rf'^pdserve:dp_steps_total{{kind="{kind}"}} (\S+)$', text, re.M))
+            else 0.0 for kind in ("planned", "dynamic")}
+
+
 def wait_for(fn, timeout: float = 60.0, period: float = 0.2):
     """Poll `fn` until it returns something true, or `timeout` passed; returns its last value. The deadline is
     generous (a loaded machine is slow): it bounds how long a failure takes to report, not how fast the system

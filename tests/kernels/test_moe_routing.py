@@ -1,11 +1,20 @@
-"""route, align_by_expert_small and moe_combine against route_ref, align_by_expert and moe_combine_ref."""
+"""route, align_by_expert_small, align_by_expert_many and moe_combine against route_ref, align_by_expert and
+moe_combine_ref."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.moe_routing import align_by_expert, align_by_expert_small, moe_combine, moe_combine_ref, route, route_ref
+from kernels.moe_routing import (
+    align_by_expert,
+    align_by_expert_many,
+    align_by_expert_small,
+    moe_combine,
+    moe_combine_ref,
+    route,
+    route_ref,
+)
 from tests.helpers.kernel_inputs import gpu, interp, randn
 
 
@@ -61,6 +70,31 @@ def test_align_small_with_no_local_assignment_interp():
         align_by_expert_small(torch.zeros(8193, 1, dtype=torch.long), 4, 0, 4)
 
 
+def check_align_many(T: int, k: int, E_total: int, E: int, offset: int, block_m: int, device, seed: int = 0):
+    """The counting sort: the same block table, each expert's rows the same set (arrival order within it)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, E_total, (T, k), generator=gen).to(device)
+    rows, block_expert = align_by_expert_many(ids, E, offset, block_m)
+    want_rows, want_blocks = align_by_expert(ids, E, offset, block_m)
+    assert rows.dtype == want_rows.dtype and torch.equal(block_expert, want_blocks)
+    assert rows.shape == want_rows.shape
+    for b in range(0, rows.shape[0], block_m):  # block by block: within an expert's rows the order may differ
+        e = int(want_blocks[b // block_m])
+        if e >= E:
+            assert (rows[b:] == -1).all() and (want_rows[b:] == -1).all()
+            break
+        ends = (want_blocks == e).nonzero().flatten()
+        lo, hi = int(ends[0]) * block_m, (int(ends[-1]) + 1) * block_m
+        assert sorted(rows[lo:hi].tolist()) == sorted(want_rows[lo:hi].tolist())
+
+
+@interp
+@pytest.mark.parametrize("T,k,E_total,E,offset,block_m", [(13, 2, 8, 8, 0, 4), (29, 4, 16, 4, 4, 8),
+                                                          (300, 8, 32, 4, 8, 16), (0, 8, 32, 4, 0, 16)])
+def test_align_many_equals_align_interp(T, k, E_total, E, offset, block_m):
+    check_align_many(T, k, E_total, E, offset, block_m, "cpu", seed=T)
+
+
 def check_combine(T: int, k: int, H: int, E: int, offset: int, dtype, device):
     gen = torch.Generator().manual_seed(T + H)
     ids = torch.randint(0, 3 * E, (T, k), generator=gen).to(device)
@@ -85,4 +119,7 @@ def test_moe_routing_gpu(mark):
         check_route(T, 256, 8, "cuda")
         check_align(T, 8, 256, 32, 64, 32, "cuda", seed=T)  # one EP8 rank's 32 experts
         check_align(T, 8, 256, 256, 0, 16, "cuda", seed=T)
+        check_align_many(T, 8, 256, 32, 64, 32, "cuda", seed=T)
+    for T in (2048, 8192):  # the static EP dispatch's sizes: D x T rows, one in eight assignments local
+        check_align_many(T, 8, 256, 32, 64, 64, "cuda", seed=T)
         check_combine(T, 8, 6144, 32, 64, torch.bfloat16, "cuda")

@@ -1,6 +1,7 @@
 """DP x EP decode group over real ranks (gloo, one process per rank) against the single-rank engine: greedy
 tokens equal for a batch spread over the ranks, one request (the other rank idle throughout), uneven
-prompts; with MTP3; the dispatcher's rows = one copy per (token, destination rank)."""
+prompts; with MTP3; the dynamic dispatcher's rows = one copy per (token, destination rank); the static
+dispatch of planned decode steps on the padded static path (eager on the CPU), idle rank included."""
 
 from __future__ import annotations
 
@@ -46,12 +47,17 @@ def rank_pool():
     pool.close()
 
 
-@pytest.fixture(scope="module", params=[0, 3], ids=["plain", "mtp3"])
+@pytest.fixture(scope="module", params=[(0, "dynamic"), (0, "static"), (3, "static")],
+                ids=["plain-dynamic", "plain-static", "mtp3-static"])
 def engines(request, tiny_ckpt, rank_pool):
-    kw = dict(EXACT, num_speculative_tokens=request.param) if request.param else EXACT
+    spec, dispatch = request.param
+    kw = dict(EXACT, num_speculative_tokens=spec) if spec else EXACT
     ref = LLM(str(tiny_ckpt), **kw)
-    dp = LLM(str(tiny_ckpt), rank_pool=rank_pool, data_parallel_size=2, enable_expert_parallel=True, **kw)
-    yield ref, dp, request.param
+    # static: decode steps planned, on the padded static path (the CUDA-graph path, run eagerly on the CPU)
+    static = {"enforce_eager": False} if dispatch == "static" else {}
+    dp = LLM(str(tiny_ckpt), rank_pool=rank_pool, data_parallel_size=2, enable_expert_parallel=True,
+             ep_decode_dispatch=dispatch, **kw, **static)
+    yield ref, dp, spec
     dp.core.shutdown()  # its ranks go back to rank_pool
 
 
@@ -74,10 +80,18 @@ def test_single_request_other_rank_idle(engines):
         want = _run(ref.core, [prompt])[0]
     got, ranks = _run(dp.core, [prompt])
     assert got == want and ranks == [0]
-    after = [s["dummy_passes"] for s in rank_stats(dp.core)]
-    assert after[0] == before[0] and after[1] > before[1]  # rank 1 joined every MoE layer with no rows
-    # decode DP2 x EP2: one copy per (token, destination rank), every step
-    assert pairs[0] > 0 and dispatched_rows(dp.core, dp.config.model.hidden_size) == pairs[0]
+    stats = rank_stats(dp.core)
+    after = [s["dummy_passes"] for s in stats]
+    assert after[1] > before[1]  # rank 1 joined every MoE layer with no rows
+    if dp.config.parallel.ep_decode_dispatch == "dynamic":
+        assert after[0] == before[0]
+        # decode DP2 x EP2: one copy per (token, destination rank), every step
+        assert pairs[0] > 0 and dispatched_rows(dp.core, dp.config.model.hidden_size) == pairs[0]
+        assert all(s["planned_steps"] == 0 for s in stats)
+    else:  # the prompt's step dynamic, every decode step planned on both ranks; idle rank 1 ran padding (rank 0
+        # too, for draft passes its last steps did not need)
+        assert stats[0]["planned_steps"] == stats[1]["planned_steps"] >= len(want) - 1
+        assert stats[0]["dynamic_steps"] == stats[1]["dynamic_steps"] >= 1
 
 
 def test_stats_and_abort(engines):

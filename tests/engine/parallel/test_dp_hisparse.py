@@ -36,8 +36,10 @@ def test_hisparse_misses_every_step_on_every_rank(code16, prompts, spec):
     kw = dict(EXACT, num_speculative_tokens=spec) if spec else dict(EXACT)
     want = _run(LLM(str(code16), num_blocks=64, **kw).core, prompts, GREEDY)[0]
     hot_blocks = 1 if spec == 0 else 2  # a device pool of hot buffers only: every request decodes from host
+    # MTP3: decode on the padded static path (the GPU's, run eagerly here) with planned steps
+    static = {"enforce_eager": False} if spec else {}
     dp = LLM(str(code16), num_blocks=2 * hot_blocks + 1, hisparse={"host_pool_blocks": 48},
-             data_parallel_size=2, enable_expert_parallel=True, **kw)
+             data_parallel_size=2, enable_expert_parallel=True, **kw, **static)
     try:
         misses, busy = [], []  # per step: each rank's misses so far, whether both its requests decoded
         core = dp.core
@@ -58,6 +60,7 @@ def test_hisparse_misses_every_step_on_every_rank(code16, prompts, spec):
         assert all(misses[i][r] > misses[i - 1][r] for i, r in decode_steps), f"a decode step without misses: {misses}"
         stats = rank_stats(dp.core)
         assert all(s["hisparse"].num_host_blocks == 48 for s in stats)
+        assert all(s["planned_steps"] >= len(decode_steps) // 2 for s in stats)  # decode steps: static dispatch
         # a host pool too small for one request: refused when it arrives, nothing taken
         with pytest.raises(ValueError, match="needs more KV blocks than the engine has"):
             core.add_request(Request("big", prompts[0] * 24, GREEDY))

@@ -20,7 +20,7 @@ class _Experts:
     def __init__(self, w13, w2, offset):
         self.w13, self.w2, self.offset = w13, w2, offset
 
-    def __call__(self, x, weights, ids):
+    def __call__(self, x, weights, ids, assignments=None):
         return fused_moe_ref(x, self.w13, self.w2, weights, ids, self.offset)
 
 
@@ -103,3 +103,72 @@ def test_one_copy_per_token_and_rank(world, k):
 def pairs_to_me(rank: int, world: int, k: int) -> int:
     n = E // world
     return sum(int((dispatch_pairs(_inputs(r, k)[2], n, world)[0] == rank).sum()) for r in range(world))
+
+
+# ---- the static dispatch (decode's planned passes) against the dynamic one --------------------------------
+SE, SK = 32, 8  # top-8 of 32 experts: 16 local on 2 ranks, 8 on 4
+
+
+def _static_inputs(rank: int, world: int):
+    """Rank 0: 6 tokens; rank 1: none (idle); rank 2: 4 tokens whose experts all live at home; rank 3: 3."""
+    n_local = SE // world
+    T = {0: 6, 1: 0, 2: 4, 3: 3}[rank]
+    g = torch.Generator().manual_seed(300 + rank)
+    x = torch.randn(T, H, generator=g)
+    if rank == 2:
+        ids = torch.stack([rank * n_local + torch.randperm(n_local, generator=g)[:SK] for _ in range(T)])
+    else:
+        ids = torch.stack([torch.randperm(SE, generator=g)[:SK] for _ in range(T)]) if T else torch.zeros(0, SK).long()
+    return x, torch.rand(T, SK, generator=g), ids
+
+
+def _static_rank(rank: int, world: int, port: int, out_q) -> None:
+    from engine.parallel.ep import StaticDispatcher
+
+    comm = RankComm(DistEnv(rank, world, 0, "127.0.0.1", port), torch.device("cpu"))
+    try:
+        g = torch.Generator().manual_seed(11)
+        w13, w2 = torch.randn(SE, 2 * INNER, H, generator=g) * 0.2, torch.randn(SE, H, INNER, generator=g) * 0.2
+        off, n = expert_shard(SE, rank, world)
+        experts = _Experts(w13[off:off + n], w2[off:off + n], off)
+        x, w, ids = _static_inputs(rank, world)
+        dynamic = AllToAllDispatcher(comm, SE)(x, w, ids, experts)
+        comm.reset_counters()
+        # the planned pass: 8 rows per rank; this rank's static batch has its real rows, then one padding row
+        # (invalid: slot -1) with garbage ids, then the dispatcher pads to 8
+        static = StaticDispatcher(comm, SE)
+        static.rows = 8
+        xp = torch.cat([x, torch.randn(1, H)])
+        idp = torch.cat([ids, torch.arange(SK)[None]])
+        wp = torch.cat([w, torch.ones(1, SK)])
+        static.row_valid = torch.arange(len(xp)) < len(x)
+        got = static(xp, wp, idp, experts)
+        out_q.put((rank, dynamic.tolist(), got[:len(x)].tolist(), got.shape[0], dict(comm.bytes)))
+    finally:
+        comm.shutdown()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_static_dispatch_equals_the_dynamic_one_row_for_row(world):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_static_rank, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = {}
+    for _ in range(world):
+        rank, dyn, got, rows, counters = q.get(timeout=120)
+        res[rank] = (dyn, got, rows, counters)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    W = H * 4 + 2 * SK * 4  # one packed row: x (fp32), then k ids and k weights (32 bits each)
+    for r in range(world):
+        dyn, got, rows, counters = res[r]
+        T = len(_static_inputs(r, world)[0])
+        assert rows == T + 1 and len(got) == T
+        assert got == dyn  # bit for bit, padding, idle ranks and stay-at-home ranks included
+        assert counters["ep_dispatch"] == world * 8 * W  # every rank's 8 rows, fixed: no counts exchanged
+        assert counters["ep_combine"] == world * 8 * H * 4
+        assert "ep_counts" not in counters

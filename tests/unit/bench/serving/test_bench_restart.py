@@ -169,7 +169,8 @@ def test_the_result_splits_a_run_by_mode_and_quotes_the_logs_around_an_incident(
     streams = [_stream("s0t0n1", [5, 6, 7, 8], start=t0 + 1, chunks=[(t0 + 1.5, 4)]),
                _stream("s0t0n2", [5, 6, 7, 8], start=t0 + 12),
                _stream("s0t0n3", [5, 6, 9, 8], start=t0 + 40, chunks=chunks)]
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0 + 40.5 + wall)) + ",000"
+    # a log stamp has whole seconds: one second after the kill's signal, it falls between the signal and 41 s
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0 + 41.0 + wall)) + ",000"
     logs = {"router": f"{stamp} WARNING flow: cmpl-s0t0n3-0123abcd-0: decode gone; migrating with 2 tokens streamed\n"
                       f"{stamp} WARNING flow: prefill prefill-1 unavailable (Socket closed); trying another\n",
             "decode-0": f"{stamp} INFO decode: started\n"}

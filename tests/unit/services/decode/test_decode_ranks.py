@@ -24,6 +24,7 @@ class _Engine:
     def __init__(self, running: tuple[int, int] = (0, 0)):
         self.reserved: list[tuple[str, int | None]] = []
         self.running = running
+        self.planned = 7
 
     async def add_import_request(self, req, num_tokens, rank=None):
         self.reserved.append((req.req_id, rank))
@@ -41,7 +42,8 @@ class _Engine:
 
     def stats(self):
         ranks = tuple(SimpleNamespace(num_running=n, num_waiting=0, num_free_blocks=8) for n in self.running)
-        return SimpleNamespace(spec_drafts=0, spec_accepted=0, dp_ranks=ranks)
+        return SimpleNamespace(spec_drafts=0, spec_accepted=0, dp_ranks=ranks,
+                               dp_steps={"planned": self.planned, "dynamic": 1})
 
 
 class _Puller:
@@ -79,6 +81,12 @@ def test_the_instance_id_picks_the_rank_and_its_puller():
     assert [rank for _, rank in engine.reserved] == [1, 0, 1]
     assert [r.puller.pulls for r in s.ranks] == [1, 2]
     assert s.metrics.dp_rank_requests.labels(dp_rank="1")._value.get() == 2
+    # the group's steps by kind as the engine counts them (pdserve:dp_steps_total), not once per request
+    assert s.metrics.dp_steps.labels(kind="planned")._value.get() == 7
+    assert s.metrics.dp_steps.labels(kind="dynamic")._value.get() == 1
+    engine.planned = 12
+    _call(s, "g-dp0")
+    assert s.metrics.dp_steps.labels(kind="planned")._value.get() == 12
 
 
 def test_an_empty_id_takes_the_least_loaded_rank_and_a_foreign_id_is_refused():
