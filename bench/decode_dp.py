@@ -11,7 +11,8 @@ length 2.99, whole-step CUDA graphs, async scheduling. They differ in what a MoE
     stand-in    every assignment folded onto the 32 local experts (global id mod 32): the load balanced EP8
                 gives a rank, with no dispatch at all
     emulated    the group's own step code (engine/parallel/dp_runner.py, engine/parallel/ep.py): every step
-                planned, the static dispatch in every MoE layer of every pass, inside the captured step,
+                planned, the static dispatch in every MoE layer of every pass (rows sent in FP8: the experts are FP8),
+                inside the captured step,
                 over the loopback transport (engine/parallel/loopback.py): the [8 · T, W] gather buffer and
                 the [8 · T, H] partials are written and read at their real sizes, the experts run over all
                 8 · T rows with the ghost ranks' assignments moved onto the local experts (T · 8 assignments
@@ -62,15 +63,15 @@ def moe_layers(model) -> tuple[int, int]:
 
 
 def step_comm(batch: int, sizes: list[int], k: int, hidden: int, top_k: int, layers: tuple[int, int],
-              alpha_us: float, nvlink_gbs: float) -> dict:
-    """One planned step's collectives and bytes per rank (static), the dynamic dispatcher's bytes for the same
-    real rows, and the modelled wire time."""
+              alpha_us: float, nvlink_gbs: float, fp8: bool = False) -> dict:
+    """One planned step's collectives and bytes per rank (static; `fp8`: rows dispatched as FP8 codes and
+    scales), the dynamic dispatcher's bytes (bf16 rows) for the same real rows, and the modelled wire time."""
     bucket = next(s for s in sizes if s >= batch)
     main, mtp = layers
     R = 1 + k
     passes = [(bucket * R, main), (bucket * R, mtp)] + [(bucket, mtp)] * (k - 1)  # (rows, MoE layers)
     real = [(batch * R, main), (batch * R, mtp)] + [(batch, mtp)] * (k - 1)
-    static = sum(sum(static_dispatch_bytes(rows, hidden, top_k, WORLD).values()) * n for rows, n in passes)
+    static = sum(sum(static_dispatch_bytes(rows, hidden, top_k, WORLD, fp8=fp8).values()) * n for rows, n in passes)
     collectives = sum(2 * n for _, n in passes)
     remote = (WORLD - 1) * (1 - (1 - 1 / WORLD) ** top_k)  # expected remote ranks a token visits
     row_out, row_back = hidden * 2 + 8 * top_k, hidden * 2
@@ -137,6 +138,7 @@ def main(argv=None) -> dict:
         info["emulated_dp_stats"] = core.runner.dp_stats()
         layers = moe_layers(model)
         mc = cfg.model
+        fp8 = next(m for m in model.modules() if isinstance(m, MoE)).experts.takes_fp8_rows  # FP8 dispatch
     k = cfg.num_spec_tokens
     sizes = cfg.graphs.capture_sizes(cfg.scheduler.max_num_seqs)
     summary = []
@@ -148,7 +150,7 @@ def main(argv=None) -> dict:
                 e = next(r for r in rows if r["engine"] == "emulated" and r["mode"] == mode and r["batch"] == b
                          and r["prompt_len"] == n)
                 comm = step_comm(b, sizes, k, mc.hidden_size, mc.num_experts_per_tok, layers, a.alpha_us,
-                                 a.nvlink_gbs)
+                                 a.nvlink_gbs, fp8=fp8)
                 row = {"prompt_len": n, "mode": mode, "batch": b, "standin_ms": s["wall_ms"],
                        "emulated_ms": e["wall_ms"], "emulated_over_standin": e["wall_ms"] / s["wall_ms"],
                        "standin_busy_ms": s.get("busy_ms"), "emulated_busy_ms": e.get("busy_ms"),
@@ -164,6 +166,7 @@ def main(argv=None) -> dict:
                       f"{comm['dynamic_bytes_sent'] / 2**20:.1f} MiB",
                       flush=True)
     result = {"ceilings": ceil, "info": info, "layers": a.layers or mc.num_hidden_layers, "moe_layers": layers,
+              "fp8_dispatch": fp8,
               "wire_model": {"alpha_us": a.alpha_us, "nvlink_gbs": a.nvlink_gbs}, "summary": summary, "rows": rows,
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     dump(**result)

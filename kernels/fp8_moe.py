@@ -157,9 +157,14 @@ def _launches(config: tuple) -> tuple[int, tuple[int, int], tuple[int, int, int]
 def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                   w2_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int = 0,
                   config: tuple | None = None, small_routing: bool = True, impl: str | None = None,
-                  assignments: int | None = None) -> torch.Tensor:
+                  assignments: int | None = None,
+                  x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Triton `fused_moe_fp8_ref` (same arguments); no host synchronisation. Returns x's dtype [T, H].
 
+    x_quantized: x's FP8 codes [T, H] and per-128 scales [T, H / 128] as `quant_act` gives them, any row
+    strides, made where x was (the static EP dispatch quantizes a rank's rows at home and sends them in FP8);
+    x is then read for its shape, dtype and device only (a stride-0 view will do). The result is the same as
+    quantizing x here. Always the Triton kernels.
     assignments: how many of ids' assignments are this rank's, as far as the caller knows (the tiles are
     picked by it; default all of them): the static EP dispatch hands every rank all the group's rows, of
     which about one in D has an expert here.
@@ -178,6 +183,14 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     w13_scale = w13_scale if w13_scale.stride(2) == 1 else w13_scale.contiguous()
     w2_scale = w2_scale if w2_scale.stride(2) == 1 else w2_scale.contiguous()
+    if x_quantized is not None:
+        xq, xs = x_quantized
+        if tuple(xq.shape) != (T, H) or tuple(xs.shape) != (T, triton.cdiv(H, BLOCK)) or xs.dtype != torch.float32 \
+                or xq.stride(1) != 1 or xs.stride(1) != 1 or impl == "cublas":
+            raise ValueError(f"x_quantized must be codes [{T}, {H}] and fp32 scales [{T}, {triton.cdiv(H, BLOCK)}] "
+                             f"with unit column stride (Triton only), got {tuple(xq.shape)}, {tuple(xs.shape)} "
+                             f"{xs.dtype}")
+        impl = "triton"
     auto = config is None and impl is None and fp8_cublas.use_moe(T, ids.numel(), E, H, inner, x.dtype, x.device)
     can = impl == "cublas" and x.dtype == torch.bfloat16 and fp8_cublas.moe_fits(H, inner) and \
         fp8_cublas.available(x.device) and not fp8_cublas.capturing(x.device)
@@ -187,7 +200,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     config = config or _config(assignments or ids.numel(), E)
     block_m, (up_warps, up_stages), (block_n, warps, stages) = _launches(config)
     rows, block_expert = sort_by_expert(ids, E, expert_offset, block_m, small_routing)
-    xq, xs = quant_act(x)
+    xq, xs = x_quantized if x_quantized is not None else quant_act(x)
     ib, hb = triton.cdiv(inner, BLOCK), triton.cdiv(H, BLOCK)
     h = torch.empty((rows.shape[0], inner), dtype=torch.uint8, device=x.device)
     hs = torch.empty((rows.shape[0], ib), dtype=torch.float32, device=x.device)

@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.config.model_config import ModelConfig
 from engine.model.layers import GatedMLP
-from kernels.fp8_moe import fused_moe_fp8_ref
+from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref
 from kernels.moe import fused_moe_ref
 from kernels.moe_routing import route, route_ref
 
@@ -63,13 +63,20 @@ class Experts(nn.Module):
             self.w2_scale_inv = nn.Parameter(torch.empty(n, hb, ib), requires_grad=False)
         self.impl = fused_moe_fp8_ref if fp8 else fused_moe_ref  # the Triton grouped GEMM on CUDA
 
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether `forward` takes rows quantized elsewhere (`x_quantized`): FP8 experts on the Triton kernel."""
+        return self.fp8 and getattr(self.impl, "func", self.impl) is fused_moe_fp8
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                assignments: int | None = None) -> torch.Tensor:
+                assignments: int | None = None, x_quantized: tuple | None = None) -> torch.Tensor:
         """assignments: how many of ids' entries are this rank's, as far as the caller knows (the kernels'
-        tile choice; default: all of them)."""
+        tile choice; default: all of them). x_quantized: x's FP8 codes and scales, made by the caller (only
+        where `takes_fp8_rows`; kernels.fp8_moe.fused_moe_fp8)."""
         if self.fp8:
+            kw = {"x_quantized": x_quantized} if x_quantized is not None else {}
             return self.impl(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, weights, ids, self.offset,
-                             assignments=assignments)
+                             assignments=assignments, **kw)
         return self.impl(x, self.w13, self.w2, weights, ids, self.offset, assignments=assignments)
 
 

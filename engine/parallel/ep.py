@@ -26,7 +26,8 @@ host and the layer can be captured in a CUDA graph:
                   GEMM reads per-expert counts on the device)
     home rank:    all-to-all of equal splits -> [D, T, H] partials of its own rows -> summed in rank order
 
-It moves every row to every rank (D - 1 copies of T rows out, as many partials back) where the dynamic
+It moves every row to every rank (D - 1 copies of T rows out, as many partials back; FP8 experts on the GPU get
+their rows as FP8 codes and per-128 scales, quantized once at home) where the dynamic
 dispatcher moves one per (token, destination rank); its outputs are the dynamic dispatcher's, bit for bit.
 """
 
@@ -35,6 +36,8 @@ from __future__ import annotations
 import torch
 
 from engine.parallel.dist import RankComm
+from kernels.fp8_quant import BLOCK as FP8_BLOCK
+from kernels.fp8_quant import quant_act
 
 
 def expert_shard(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -54,10 +57,13 @@ def dispatch_pairs(ids: torch.Tensor, num_local: int, world_size: int) -> tuple[
     return rank, tok
 
 
-def static_dispatch_bytes(rows: int, hidden: int, top_k: int, world_size: int, elem: int = 2) -> dict[str, int]:
-    """Bytes one rank sends per MoE layer with the static dispatch of `rows` rows (to the other ranks)."""
+def static_dispatch_bytes(rows: int, hidden: int, top_k: int, world_size: int, elem: int = 2,
+                          fp8: bool = False) -> dict[str, int]:
+    """Bytes one rank sends per MoE layer with the static dispatch of `rows` rows (to the other ranks); `fp8`:
+    rows sent as FP8 codes and per-128 scales (FP8 experts on the GPU)."""
     other = world_size - 1
-    return {"dispatch": other * rows * (hidden * elem + 8 * top_k), "combine": other * rows * hidden * elem}
+    row = hidden + 4 * -(-hidden // FP8_BLOCK) if fp8 else hidden * elem
+    return {"dispatch": other * rows * (row + 8 * top_k), "combine": other * rows * hidden * elem}
 
 
 class AllToAllDispatcher:
@@ -69,7 +75,7 @@ class AllToAllDispatcher:
         self.offset, self.num_local = expert_shard(num_experts, comm.rank, comm.world_size)
 
     def _run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
-                     assignments: int | None = None) -> torch.Tensor:
+                     assignments: int | None = None, **quantized) -> torch.Tensor:
         """Each received row through its experts on this rank, weighted -> [rows, H] (`assignments`: the
         experts' tile hint, see `Experts.forward`)."""
         n = x.shape[0]
@@ -91,7 +97,7 @@ class AllToAllDispatcher:
                 weights = torch.cat([weights, weights.new_zeros((pad, weights.shape[1]))])
         if assignments is None:
             return experts(x, weights, ids)[:n]
-        return experts(x, weights, ids, assignments=assignments)[:n]
+        return experts(x, weights, ids, assignments=assignments, **quantized)[:n]
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
         T, k = ids.shape
@@ -139,10 +145,23 @@ class StaticDispatcher(AllToAllDispatcher):
             ids = torch.cat([ids, ids.new_full((T - n, k), self.num_experts)])
             weights = torch.cat([weights, weights.new_zeros((T - n, k))])
         meta = torch.cat([ids.to(torch.int32), weights.float().view(torch.int32)], dim=1)
-        nx = H * x.element_size()
-        payload = torch.cat([x.contiguous().view(torch.uint8), meta.view(torch.uint8)], dim=1)
+        fp8 = x.is_cuda and getattr(experts, "takes_fp8_rows", False)
+        if fp8:  # quantized once at home, as the experts would: half the bytes, the same codes
+            xq, xs = quant_act(x)
+            rows = [xq.view(torch.uint8), xs.view(torch.uint8)]
+        else:
+            rows = [x.contiguous().view(torch.uint8)]
+        payload = torch.cat([*rows, meta.view(torch.uint8)], dim=1)
         recv = self.comm.all_gather(payload, "ep_dispatch")  # [D * T, W]
-        x_recv, meta_recv = _columns(recv, nx, x.dtype), _columns(recv[:, nx:], None, torch.int32)
+        nx = rows[0].shape[1] + (rows[1].shape[1] if fp8 else 0)
+        meta_recv = _columns(recv[:, nx:], None, torch.int32)
+        quantized = {}
+        if fp8:
+            nq = rows[0].shape[1]
+            quantized["x_quantized"] = (_columns(recv, nq, xq.dtype), _columns(recv[:, nq:nx], None, torch.float32))
+            x_recv = x.new_zeros(()).expand(D * T, H)  # shape and dtype only
+        else:
+            x_recv = _columns(recv, nx, x.dtype)
         ids_recv = meta_recv[:, :k].long()
         ghost = getattr(self.comm, "ghost_expert_ids", None)  # the one-GPU emulation's transport only
         if ghost is not None:
@@ -150,7 +169,7 @@ class StaticDispatcher(AllToAllDispatcher):
         w_recv = meta_recv[:, k:].view(torch.float32)
         # about T * k of the D * T * k entries are this rank's (balanced routing): the experts' tiles fit those
         hint = T * k if x.is_cuda else None
-        y = self._run_experts(x_recv, w_recv, ids_recv, experts, hint)  # [D * T, H]
+        y = self._run_experts(x_recv, w_recv, ids_recv, experts, hint, **quantized)  # [D * T, H]
         back = self.comm.all_to_all(y, [T] * D, [T] * D, "ep_combine").view(D, T, H)
         out = back.sum(dim=0, dtype=torch.float32)  # rank order on the CPU: the dynamic dispatcher's bits
         return out[:n].to(x.dtype)

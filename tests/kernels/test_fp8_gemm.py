@@ -223,6 +223,29 @@ def test_fused_moe_fp8_interp(T, H, inner, offset, num_local):
     check_fp8_moe(T, H, inner, E=8, k=2, device="cpu", offset=offset, num_local=num_local)
 
 
+def check_prequantized_rows(device):
+    """Rows quantized elsewhere (the static EP dispatch quantizes at home, strided inside its gathered buffer) give
+    the bits of quantizing here; a mis-shaped pair is refused."""
+    from kernels.fp8_quant import quant_act
+
+    x, (w13, s13, w2, s2), _, weights, ids = make_fp8_moe(11, 256, 128, 8, 2, device)
+    x = x.to(torch.bfloat16)
+    xq, xs = quant_act(x)
+    pad = torch.zeros(11, 8, dtype=torch.uint8, device=device)
+    buf = torch.cat([xq.view(torch.uint8), xs.view(torch.uint8), pad], 1)
+    q, s = buf[:, :256].view(xq.dtype), buf[:, 256:264].view(torch.float32)
+    want = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
+    got = fused_moe_fp8(x.new_zeros(()).expand(11, 256), w13, s13, w2, s2, weights, ids, x_quantized=(q, s))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="x_quantized"):
+        fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, x_quantized=(q[:5], s[:5]))
+
+
+@interp
+def test_fused_moe_fp8_takes_rows_quantized_elsewhere_interp():
+    check_prequantized_rows("cpu")
+
+
 @interp
 def test_fused_moe_fp8_nothing_local_interp():
     x, (w13, s13, w2, s2), _, weights, ids = make_fp8_moe(5, 64, 32, 8, 2, "cpu")
@@ -316,6 +339,7 @@ def test_splitk_gemm_cuda_graph_gpu(mark, monkeypatch):
 @pytest.mark.parametrize("T", [7, 64, 2048])
 @pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
 def test_fused_moe_fp8_gpu(T, mark):
+    check_prequantized_rows("cuda")
     check_fp8_moe(T, H=2048, inner=256, E=32, k=8, device="cuda", dtype=torch.bfloat16, tol=2e-2, cos_min=0.999)
     check_fp8_moe(T, H=200, inner=160, E=16, k=4, device="cuda", offset=4, num_local=8, tol=2e-2, cos_min=0.999)
 

@@ -72,14 +72,18 @@ def test_emulated_rank_plans_every_decode_step_on_the_cpu(tiny_code):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_captured_dp_step_equals_its_eager_padded_step_without_host_syncs(tiny_code):
-    captured = _core(tiny_code, "cuda")
+@pytest.mark.parametrize("quantization", [None, "fp8"])  # fp8: FP8 experts, rows dispatched as FP8 codes
+def test_captured_dp_step_equals_its_eager_padded_step_without_host_syncs(tiny_code, quantization):
+    kw = {"quantization": quantization} if quantization else {}
+    captured = _core(tiny_code, "cuda", **kw)
     sg = captured.runner.device_decode.step_graphs
     assert sg.num_captures == len(SIZES) and captured.runner.static.num_captures > 0
     prompts = _prompts(5, captured.cfg.model.vocab_size)
     got = _run(captured, prompts, check=_no_sync)  # a synchronising call inside a planned step raises
     assert sg.num_replays > 0 and captured.runner.dp_stats()["planned_steps"] > 10
-    eager = _core(tiny_code, "cuda")
+    experts = next(m.experts for m in captured.runner.main_moe)
+    assert experts.takes_fp8_rows == (quantization == "fp8")
+    eager = _core(tiny_code, "cuda", **kw)
     eager.runner.static.graphs = None  # the same padded passes, run eagerly: no per-forward graph ...
     eager.runner.device_decode.step_graphs.graphs.clear()  # ... and no whole-step graph
     want = _run(eager, prompts)

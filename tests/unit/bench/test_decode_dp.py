@@ -23,3 +23,11 @@ def test_step_comm_counts_every_planned_pass():
     assert 0 < c["dynamic_bytes_sent"] < c["static_bytes_sent"]
     full = step_comm(8, [1, 8, 16], 3, H, k, layers, 10.0, 400.0)  # no padding: the static layout's own overhead
     assert full["static_bytes_sent"] / full["dynamic_bytes_sent"] == pytest.approx(1.5, abs=0.05)
+
+
+def test_fp8_rows_halve_the_dispatch_but_not_the_combine():
+    bf16 = static_dispatch_bytes(32, 6144, 8, WORLD)
+    fp8 = static_dispatch_bytes(32, 6144, 8, WORLD, fp8=True)
+    assert fp8["dispatch"] == 7 * 32 * (6144 + 4 * 48 + 64) and fp8["combine"] == bf16["combine"]
+    assert step_comm(8, [8], 3, 6144, 8, (75, 1), 10.0, 400.0, fp8=True)["wire_ms"] < \
+        step_comm(8, [8], 3, 6144, 8, (75, 1), 10.0, 400.0)["wire_ms"]
