@@ -6,7 +6,9 @@
     pdserve make-checkpoint ...                engine.loading.checkpoint   (main)
     pdserve bench agentx | serve | load | restart | compare
                                                bench.serving.agentx / .serve / .loadtest / .restart / .compare (main)
+    pdserve bench calibrate ...                bench.simulate.calibrate (main)
     pdserve plan ...                           planner.cli          (main)
+    pdserve simulate ...                       bench.simulate.cli   (main)
 
 Every tool is `fn(argv: list[str]) -> int` and owns its own argparse (so `--help` is its help). The table
 holds, per command, a loader: a small function that imports the tool's module when its command runs and
@@ -81,6 +83,16 @@ def _bench_compare() -> Tool:
     return main
 
 
+def _bench_calibrate() -> Tool:
+    from bench.simulate.calibrate import main  # lazy: above
+    return main
+
+
+def _simulate() -> Tool:
+    from bench.simulate.cli import main  # lazy: above
+    return main
+
+
 def _plan() -> Tool:
     from planner.cli import main  # lazy: above
     return main
@@ -104,7 +116,9 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("bench", "load"): Command(_bench_load, "N concurrent greedy streams: tokens = offline, no leaks, flat RSS"),
     ("bench", "restart"): Command(_bench_restart, "engines restarted one by one under load: no errors, no lost tokens"),
     ("bench", "compare"): Command(_bench_compare, "plot several agentx results with ratios"),
+    ("bench", "calibrate"): Command(_bench_calibrate, "measure a topology's engine steps: a simulation profile"),
     ("plan",): Command(_plan, "KV, capacity and roofline planner for a model and deployment"),
+    ("simulate",): Command(_simulate, "bench agentx against a simulated topology (virtual clock, calibrated)"),
 }
 GROUP_HELP = {"bench": "benchmarks against a running server"}
 

@@ -29,6 +29,13 @@ def model_info(engine: AsyncEngine) -> tuple[str, dict[str, object]]:
                                  "enable_prefix_caching": cfg.cache.enable_prefix_caching}
 
 
+
+def load_figures(st) -> dict[str, float]:
+    """What an engine instance publishes for the router's placement (services/router/routing.py), from its
+    EngineStats (one rank's)."""
+    return {"running": st.num_running, "waiting": st.num_waiting, "kv_usage": st.kv_usage,
+            "free_blocks": st.num_free_blocks, "queued_tokens": st.num_queued_tokens}
+
 class EngineHost:
     def __init__(self, engine: AsyncEngine, info: InstanceInfo | list[InstanceInfo], state: RedisState,
                  metrics: ServiceMetrics, *, heartbeat_s: float = 1.0, instance_ttl_s: float = 5.0,
@@ -55,8 +62,7 @@ class EngineHost:
         st = self.engine.stats()  # a snapshot the engine loop took between two steps
         if len(self.infos) > 1:
             st = st.dp_ranks[rank]
-        return {"running": st.num_running, "waiting": st.num_waiting, "kv_usage": st.kv_usage,
-                "free_blocks": st.num_free_blocks, "queued_tokens": st.num_queued_tokens}
+        return load_figures(st)
 
     async def start(self) -> None:
         for presence in self.presences:

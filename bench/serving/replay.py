@@ -89,9 +89,14 @@ class _Copy:
 
 
 class Replayer:
-    def __init__(self, traces: list[Trace], send: SendFn, cfg: ReplayConfig):
+    """`clock`: the time the level runs on (perf_counter; the simulator's virtual loop time, bench/simulate/)."""
+
+    def __init__(self, traces: list[Trace], send: SendFn, cfg: ReplayConfig,
+                 clock: Callable[[], float] = time.perf_counter, big_prompt: float = BIG_PROMPT):
         if not traces:
             raise ValueError("no traces to replay")
+        self.clock = clock
+        self.big_prompt = big_prompt  # prompts above it are synthesised in a thread (never, on a virtual clock)
         self.traces = traces
         self.send = send
         self.cfg = cfg
@@ -104,17 +109,17 @@ class Replayer:
         self.t_begin = self.t_measure = self.t_stop = 0.0
 
     def phase(self, now: float | None = None) -> str:
-        now = time.perf_counter() if now is None else now
+        now = self.clock() if now is None else now
         return "warmup" if now < self.t_measure else "measure" if now < self.t_stop else "drain"
 
     async def run(self) -> ReplayResult:
         cfg = self.cfg
-        self.t_begin = time.perf_counter()
+        self.t_begin = self.clock()
         self.t_measure = self.t_begin + cfg.warmup_s
         self.t_stop = self.t_measure + cfg.duration_s
         slots = [asyncio.create_task(self._slot(i)) for i in range(cfg.concurrency)]
         try:
-            await asyncio.wait(slots, timeout=self.t_stop + cfg.drain_timeout_s - time.perf_counter())
+            await asyncio.wait(slots, timeout=self.t_stop + cfg.drain_timeout_s - self.clock())
         finally:
             for task in slots:
                 task.cancel()
@@ -122,12 +127,12 @@ class Replayer:
         for r in results:  # a bug in a slot must not pass as a quiet benchmark
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 raise r
-        return ReplayResult(self.records, self.t_begin, self.t_measure, self.t_stop, time.perf_counter(),
+        return ReplayResult(self.records, self.t_begin, self.t_measure, self.t_stop, self.clock(),
                             self.sessions)
 
     async def _slot(self, slot: int) -> None:
         await asyncio.sleep(self.cfg.ramp_up_s * slot / self.cfg.concurrency)
-        while time.perf_counter() < self.t_stop:
+        while self.clock() < self.t_stop:
             idx = self._next_copy
             self._next_copy += 1
             trace = self.traces[self._order[idx % len(self.traces)]]
@@ -139,7 +144,7 @@ class Replayer:
             self.stats.sessions_started += 1
             await self._run_session(trace.session, copy, depth=0)
             if copy.aborted:  # a failing server: do not spin through traces
-                await asyncio.sleep(min(1.0, max(self.t_stop - time.perf_counter(), 0.0)))
+                await asyncio.sleep(min(1.0, max(self.t_stop - self.clock(), 0.0)))
 
     async def _run_session(self, session: Session, copy: _Copy, depth: int) -> None:
         for step in session.steps:
@@ -155,7 +160,7 @@ class Replayer:
         wait = think_s * self.cfg.think_time_scale
         if self.cfg.max_think_s is not None:
             wait = min(wait, self.cfg.max_think_s)
-        if time.perf_counter() + wait >= self.t_stop:
+        if self.clock() + wait >= self.t_stop:
             return False
         if wait > 0:
             await asyncio.sleep(wait)
@@ -163,14 +168,14 @@ class Replayer:
 
     async def _send_turn(self, turn: Turn, copy: _Copy, depth: int) -> None:
         rec = RequestRecord(prompt_len=turn.input_len, max_tokens=turn.output_len, session=copy.key, depth=depth)
-        now = time.perf_counter()
+        now = self.clock()
         rec.measured = now >= self.t_measure
         if self.cfg.max_context is not None and turn.input_len + turn.output_len > self.cfg.max_context:
             rec.overflow, rec.t_start, rec.t_end = True, now, now
             self.stats.overflows += 1
             self.records.append(rec)
             return
-        if turn.input_len > BIG_PROMPT:
+        if turn.input_len > self.big_prompt:
             prompt = await asyncio.to_thread(copy.synth.prompt, turn)
         else:
             prompt = copy.synth.prompt(turn)
@@ -178,7 +183,7 @@ class Replayer:
         try:
             rec = await self.send(prompt, turn.output_len, rec)
         except asyncio.CancelledError:
-            rec.cancelled, rec.t_end = True, time.perf_counter()
+            rec.cancelled, rec.t_end = True, self.clock()
             raise
         finally:
             self.stats.in_flight -= 1

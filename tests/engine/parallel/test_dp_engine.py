@@ -47,8 +47,7 @@ def rank_pool():
     pool.close()
 
 
-@pytest.fixture(scope="module", params=[(0, "dynamic"), (0, "static"), (3, "static")],
-                ids=["plain-dynamic", "plain-static", "mtp3-static"])
+@pytest.fixture(scope="module", params=[(0, "dynamic"), (3, "static")], ids=["plain-dynamic", "mtp3-static"])
 def engines(request, tiny_ckpt, rank_pool):
     spec, dispatch = request.param
     kw = dict(EXACT, num_speculative_tokens=spec) if spec else EXACT

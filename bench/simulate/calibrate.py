@@ -1,0 +1,207 @@
+r"""`pdserve bench calibrate`: measure a topology's engine steps on this machine and write a simulation profile.
+
+    pdserve bench calibrate --config configs/topology.cpu.yaml --out configs/profiles/cpu-tiny-code.json \
+        --transfer-gbs 2.0 --transfer-latency-s 0.002 --request-overhead-s 0.003 --source "how those were had"
+
+For the topology's prefill and decode engines (one rank each: the layouts this machine can run), the real
+engine (`EngineCore` on the topology's engine flags, on this machine's device) steps through a grid of
+batches — prompts of several lengths, alone and after a cached prefix (prefill); 1 to 16 requests decoding at
+two contexts, with the topology's MTP (decode) — and every step's wall time is recorded with the chunks it ran.
+The four terms of bench/simulate/profile.py's step cost are the non-negative least-squares fit of those steps;
+each entry keeps its measurements, residual and the machine, commit and date. The transfer and per-request
+service costs are not measured here: they are flags, each recorded with `--source`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.simulate.profile import TERMS, Profile, StepCost
+from bench.simulate.system import _engine_cfg, model_dir
+from engine.core.core import EngineCore
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.frontend.core_factory import make_engine_core
+from services.launch import topology as topology_mod
+
+
+def _features(chunks) -> list[float]:
+    n = sum(len(c.token_ids) for c in chunks)
+    ctx = sum(len(c.token_ids) * (c.start + len(c.token_ids) / 2) for c in chunks)
+    return [1.0, float(n), ctx, float(len(chunks))]
+
+
+def _timed_steps(core: EngineCore, device: str) -> list[tuple[list[float], float]]:
+    """Step the core until it is idle; every step that ran chunks: (features, seconds)."""
+    seen = []
+    schedule = core.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        seen.append(out)
+        return out
+
+    core.scheduler.schedule = spy
+    rows = []
+    try:
+        while core.has_unfinished():
+            seen.clear()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            core.step()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            chunks = [c for s in seen for c in s.chunks]
+            if chunks:
+                rows.append((_features(chunks), dt))
+    finally:
+        core.scheduler.schedule = schedule
+    return rows
+
+
+def _ids(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(16, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def measure_prefill(core: EngineCore, device: str, lengths: list[int]) -> list[tuple[list[float], float]]:
+    vocab = core.cfg.model.vocab_size
+    rows = []
+    for i, n in enumerate(lengths):
+        prompt = _ids(n, 100 + i, vocab)
+        for turn, p in enumerate((prompt, prompt + _ids(max(n // 4, 8), 200 + i, vocab))):  # fresh, then cached
+            core.add_request(Request(f"p{i}-{turn}", p, SamplingParams(max_tokens=1, ignore_eos=True)))
+            rows += _timed_steps(core, device)
+        for j in range(3):  # three fresh prompts in one step: the per-request term
+            core.add_request(Request(f"p{i}-b{j}", _ids(n // 2 + 8, 300 + 10 * i + j, vocab),
+                                     SamplingParams(max_tokens=1, ignore_eos=True)))
+        rows += _timed_steps(core, device)
+    return rows
+
+
+def measure_decode(core: EngineCore, device: str, batches: list[int], contexts: list[int],
+                   tokens: int) -> list[tuple[list[float], float]]:
+    vocab = core.cfg.model.vocab_size
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            for j in range(b):
+                core.add_request(Request(f"d{ctx}-{b}-{j}", _ids(ctx, 1000 * b + j + ctx, vocab),
+                                         SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)))
+            steps = _timed_steps(core, device)
+            rows += [r for r in steps if r[0][1] <= b * (1 + core.cfg.num_spec_tokens)]  # decode steps only
+    return rows
+
+
+def nnls_fit(rows: list[tuple[list[float], float]]) -> tuple[list[float], float]:
+    """Non-negative least squares of seconds over the features (drop a term fitted negative, refit)."""
+    X = torch.tensor([f for f, _ in rows], dtype=torch.float64)
+    y = torch.tensor([t for _, t in rows], dtype=torch.float64)
+    keep = list(range(X.shape[1]))
+    while True:
+        cols = X[:, keep]
+        scale = cols.abs().amax(dim=0).clamp(min=1e-12)
+        sol = torch.linalg.lstsq(cols / scale, y[:, None]).solution[:, 0] / scale
+        if (sol >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(torch.argmin(sol)))
+    coef = [0.0] * X.shape[1]
+    for k, v in zip(keep, sol.tolist()):
+        coef[k] = max(v, 0.0)
+    pred = X @ torch.tensor(coef, dtype=torch.float64)
+    rel = ((pred - y).abs() / y).median().item()
+    return coef, rel
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, metavar="TOPOLOGY")
+    p.add_argument("--model", help="model instead of the topology's (preset or checkpoint folder)")
+    p.add_argument("--device", default=None, help="default: cuda when there is one, else cpu")
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompt-lens", default="64,256,1024,2048")
+    p.add_argument("--batches", default="1,2,4,8,16")
+    p.add_argument("--contexts", default="256,1024")
+    p.add_argument("--decode-tokens", type=int, default=24)
+    p.add_argument("--transfer-gbs", type=float, required=True)
+    p.add_argument("--transfer-latency-s", type=float, required=True)
+    p.add_argument("--request-overhead-s", type=float, required=True)
+    p.add_argument("--source", required=True, help="where the transfer and overhead figures come from")
+    return p
+
+
+def run(a: argparse.Namespace) -> dict:
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    topo = topology_mod.load(a.config)
+    hardware = torch.cuda.get_device_name() if device.startswith("cuda") else \
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    prof = {"version": 1, "hardware": hardware, "hbm_gib": (torch.cuda.get_device_properties(0).total_memory / 2**30
+                                                            if device.startswith("cuda") else None),
+            "commit": _commit(), "date": time.strftime("%Y-%m-%d"), "model": "", "engines": {},
+            "transfer": {"latency_s": a.transfer_latency_s, "gbs": a.transfer_gbs, "source": a.source},
+            "request_overhead_s": {"value": a.request_overhead_s, "source": a.source}}
+    with tempfile.TemporaryDirectory() as tmp:
+        mdir = model_dir(a.model or topo.model, Path(a.config), Path(tmp))
+        prof["model"] = str(a.model or topo.model)
+        for kind in ("prefill", "decode"):
+            spec = topo.service(kind)
+            core = make_engine_core(_engine_cfg(spec, mdir, device=device))
+            cfg = core.cfg
+            core.add_request(Request("warmup", _ids(300, 7, cfg.model.vocab_size),
+                                     SamplingParams(max_tokens=8, ignore_eos=True)))
+            _timed_steps(core, device)  # first-call costs (allocations, kernel builds) stay out of the fit
+            if kind == "prefill":
+                rows = measure_prefill(core, device, [int(x) for x in a.prompt_lens.split(",")])
+                key = "prefill/pcp1-dcp1"
+            else:
+                rows = measure_decode(core, device, [int(x) for x in a.batches.split(",")],
+                                      [int(x) for x in a.contexts.split(",")], a.decode_tokens)
+                key = "decode/dp1"
+                if cfg.speculative is not None:
+                    st = core.stats()
+                    prof["mtp_acceptance_length"] = st.spec_emitted / st.spec_steps if st.spec_steps else None
+            coef, rel = nnls_fit(rows)
+            prof["engines"][key] = {**dict(zip(TERMS, coef)), "median_relative_error": rel, "steps": len(rows),
+                                    "median_step_s": statistics.median(t for _, t in rows),
+                                    "source": f"pdserve bench calibrate on {hardware} ({device}), {len(rows)} steps"}
+            print(f"{key}: {StepCost(*coef)} median |error| {rel:.1%} over {len(rows)} steps", file=sys.stderr)
+            del core
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(prof, indent=1) + "\n")
+    Profile.load(a.out)  # what it wrote reads back
+    return prof
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(a)
+    except ValueError as e:
+        print(f"pdserve bench calibrate: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

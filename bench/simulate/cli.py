@@ -1,0 +1,148 @@
+r"""`pdserve simulate`: `pdserve bench agentx` against a simulated deployment instead of a running one.
+
+    pdserve simulate --config configs/topology.cpu.yaml --profile configs/profiles/cpu-tiny-code.json \
+        --traces ../traces --concurrency 2,4 --duration 120 --warmup 20 --token-scale 0.01
+
+The same traces, client (bench/serving/replay.py: sessions, turns, subagents, think times) and flags as
+`bench agentx --fresh-server TOPOLOGY`, and the same outputs (result.json with the same per-level keys,
+levels.csv, interactivity_vs_throughput.png, ttft_cdf.png) — each level on a fresh simulated system
+(bench/simulate/system.py) on a virtual clock (bench/simulate/clock.py), so an hour of traffic takes what its
+Python work takes and the same inputs and seed give the same result. Each level also gets `sim`: the engines'
+busy fractions, KV use, transfer time, decode admission waits, and the part of the system that limits it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.serving import results
+from bench.serving.agentx import COPIES_PER_LEVEL, float_list, int_list, select_traces, write_outputs
+from bench.serving.metrics import measured_window, summarize
+from bench.serving.replay import ReplayConfig, Replayer
+from bench.serving.traces import load_traces
+from bench.simulate import clock
+from bench.simulate.profile import Profile, ProfileError
+from bench.simulate.system import SimSystem, engine_specs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, metavar="TOPOLOGY", help="the topology file to simulate")
+    p.add_argument("--profile", required=True, help="calibration profile (JSON, bench/simulate/profile.py)")
+    p.add_argument("--model", help="model instead of the topology's: a preset name or a checkpoint folder")
+    p.add_argument("--traces", help="trace folder, glob, or comma-separated files (recorded agent sessions)")
+    p.add_argument("--max-traces", type=int, help="use only the first N trace files")
+    p.add_argument("--concurrency", type=int_list, default=[8, 16, 32, 64], help="concurrent sessions per level")
+    p.add_argument("--duration", type=float, default=600.0, help="measured seconds per level (simulated)")
+    p.add_argument("--warmup", type=float, default=120.0, help="seconds per level before measuring")
+    p.add_argument("--ramp-up", type=float, default=0.0, help="stagger session starts over this many seconds")
+    p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to let in-flight requests finish")
+    p.add_argument("--think-time-scale", type=float, default=1.0, help="multiply every recorded think time")
+    p.add_argument("--max-think-time", type=float, help="cap one think time (seconds, after scaling)")
+    p.add_argument("--token-scale", type=float, default=1.0, help="scale every token length")
+    p.add_argument("--max-context", type=int, help="prompt + output above this counts as overflow "
+                   "(default: the decode engine's max_model_len)")
+    p.add_argument("--fit-traces", action="store_true", help="drop traces with any request above --max-context")
+    p.add_argument("--min-token-id", type=int, default=16, help="prompt ids start here (skip special tokens)")
+    p.add_argument("--label", help="configuration name on plots (default: the topology's name)")
+    p.add_argument("--output-dir", help="default: results/simulate-<label>-<time>")
+    p.add_argument("--seed", type=int, default=0, help="trace order, prompt salt, acceptance draws, placement ties")
+    p.add_argument("--percentiles", type=float_list, default=[50, 90, 99], help="latency percentiles")
+    return p
+
+
+def _bottleneck(sim: dict) -> str:
+    """What limits a level: decode admission (KV capacity), the busiest engine role, or nothing (clients)."""
+    if sim["decode_admission_waits"]:
+        return "decode KV capacity (requests waited for blocks)"
+    role, busy = max(sim["busy_fraction"].items(), key=lambda kv: kv[1])
+    if busy >= 0.85:
+        return f"{role} steps ({busy:.0%} busy)"
+    return f"none: the engines are {busy:.0%} busy at most (think time and the sessions' pace)"
+
+
+async def _level(args, level_idx: int, concurrency: int, traces, specs, profile: Profile) -> dict:
+    random.seed(args.seed * 1000 + level_idx)  # the router breaks placement ties with random()
+    system = SimSystem(specs, profile, args.seed)
+    dec = next(s for s in specs if s.role == "decode")
+    cfg = ReplayConfig(concurrency=concurrency, duration_s=args.duration, warmup_s=args.warmup,
+                       think_time_scale=args.think_time_scale, max_think_s=args.max_think_time,
+                       max_context=args.max_context or dec.cfg.scheduler.max_model_len, ramp_up_s=args.ramp_up,
+                       drain_timeout_s=args.drain_timeout, seed=args.seed,
+                       copy_offset=(args.seed << 32) | ((level_idx + 1) * COPIES_PER_LEVEL),
+                       vocab_size=dec.cfg.model.vocab_size, min_token_id=args.min_token_id)
+    used = select_traces(traces, cfg, args.fit_traces)
+    try:
+        result = await Replayer(used, system.send, cfg, clock=system.loop.time, big_prompt=float("inf")).run()
+    finally:
+        await system.close()
+    span = max(result.t_end - result.t_begin, 1e-9)
+    by_role: dict[str, list[float]] = {}
+    for iid, e in system.engines.items():
+        by_role.setdefault(system.specs[iid].role, []).append(e.busy_s / span)
+    sim = {"busy_fraction": {r: sum(v) / len(v) for r, v in by_role.items()},
+           "steps": {iid: e.num_steps for iid, e in system.engines.items()},
+           "kv_usage_end": {iid: e.kv.usage() for iid, e in system.engines.items()},
+           "prefix_hit_rate": {iid: e.kv.prefix_hits / e.kv.prefix_queries if e.kv.prefix_queries else None
+                               for iid, e in system.engines.items() if system.specs[iid].role == "prefill"},
+           "transfer_s": system.transfer_s, "decode_admission_waits": system.admission_waits,
+           "simulated_s": span}
+    sim["bottleneck"] = _bottleneck(sim)
+    window = measured_window(result.records, result.t_measure, result.t_stop)
+    level = {"concurrency": concurrency, **summarize(result.records, window, num_gpus=system.num_gpus,
+                                                    percentiles=args.percentiles)}
+    level.update(sessions_started=len(result.sessions), num_traces=len(used), model=str(dec.cfg.model_path),
+                 max_context=cfg.max_context, vocab_size=cfg.vocab_size,
+                 ttft_s=sorted(r.ttft_s for r in result.records if r.measured and r.ok), sim=sim)
+    return level
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.token_scale <= 0 or args.duration <= 0:
+        raise ValueError("--token-scale and --duration must be > 0")
+    args.label = args.label or Path(args.config).stem
+    args.output_dir = args.output_dir or f"results/simulate-{args.label}-{time.strftime('%Y%m%d-%H%M%S')}"
+    profile = Profile.load(args.profile)
+    traces = load_traces(args.traces, token_scale=args.token_scale, max_traces=args.max_traces)
+    config = {k: v for k, v in vars(args).items() if k != "command"}
+    out = {"benchmark": "agentx", "simulated": True, "version": 1, "label": args.label,
+           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": getattr(args, "command", None),
+           "config": config, "profile": {k: profile.raw.get(k) for k in ("hardware", "commit", "date", "model")},
+           "traces": [t.trace_id for t in traces], "valid": False, "levels": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = engine_specs(args.config, profile, args.model, Path(tmp))
+        for i, c in enumerate(args.concurrency):
+            t0 = time.perf_counter()
+            level = clock.run(_level(args, i, c, traces, specs, profile))
+            level["sim"]["wall_s"] = time.perf_counter() - t0
+            out["levels"].append(level)
+            out["valid"] = all(lv["valid"] for lv in out["levels"])
+            write_outputs(out, Path(args.output_dir))
+            print(results.format_table(out["levels"][-1:]) + f"\n  limited by: {level['sim']['bottleneck']} "
+                  f"(simulated {level['sim']['simulated_s']:.0f} s in {level['sim']['wall_s']:.1f} s)",
+                  file=sys.stderr)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.command = ["pdserve", "simulate", *argv]
+    try:
+        out = run(args)
+    except (ValueError, ProfileError, RuntimeError) as e:
+        print(f"pdserve simulate: error: {e}", file=sys.stderr)
+        return 2
+    print(results.format_table(out["levels"]))
+    print(f"results in {args.output_dir}/ (result.json, levels.csv, interactivity_vs_throughput.png, ttft_cdf.png)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

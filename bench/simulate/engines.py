@@ -1,0 +1,113 @@
+"""One simulated engine instance: the production Scheduler and KV manager (engine/core/scheduler.py,
+engine/kv/manager.py) driven step by step on the virtual clock, with the device work costed instead of run.
+
+A step is what the real engine loop does: `schedule()`, the forward (here: a timer of the profile's cost of
+that SchedulerOutput), `update()` with the runner's output. The runner's output is made up where only its
+shape matters: every sampling chunk emits its accepted drafts and one token (a fixed id, never EOS: the
+replayed requests ignore EOS, as `bench agentx`'s do), drafts are proposed as the real MTP proposer proposes
+them (min(max_drafts, k)) and accepted by the production synthetic-acceptance draw. So batching, chunked
+prefill, prefix-cache hits and evictions, preemption, KV import admission and MTP's tokens per step are the
+real system's; only the time each step takes comes from the profile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from engine.core.core import scheduler_stats
+from engine.core.request import Request
+from engine.core.scheduler import EngineCoreOutput, Scheduler
+from engine.core.scheduler_output import RunnerOutput, SampledOutput, SchedulerOutput
+from engine.kv.manager import KVCacheManager
+from engine.runner.speculative import SyntheticAcceptance
+from services.engine_host import load_figures
+
+TOKEN = 7  # the id every simulated token carries (not an EOS id of any model here; requests ignore EOS anyway)
+
+
+class SimEngine:
+    def __init__(self, instance_id: str, cfg, num_blocks: int, cost: Callable, loop: asyncio.AbstractEventLoop,
+                 seed: int, acceptance_length: float | None = None):
+        self.instance_id = instance_id
+        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, 1, cfg.cache.enable_prefix_caching)
+        self.k = cfg.num_spec_tokens if cfg.with_mtp else 0
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.k)
+        self.cost = cost
+        self.loop = loop
+        self.synthetic = SyntheticAcceptance(acceptance_length, self.k, seed) if self.k and acceptance_length else None
+        self.listeners: dict[str, Callable[[EngineCoreOutput], None]] = {}
+        self.busy = False
+        self.num_steps = 0
+        self.busy_s = 0.0  # virtual seconds spent in steps
+        self.tokens = 0  # tokens computed (prompt rows and verified drafts)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add(self, req: Request, listener: Callable[[EngineCoreOutput], None]) -> None:
+        self.scheduler.add_request(req)
+        self.listeners[req.req_id] = listener
+        self.kick()
+
+    def reserve_import(self, req: Request, num_tokens: int, listener) -> tuple[list[int], int] | None:
+        got = self.scheduler.reserve_import(req, num_tokens)
+        if got is not None:
+            self.listeners[req.req_id] = listener
+        return got
+
+    def import_done(self, req_id: str) -> None:
+        self.scheduler.import_done(req_id, True)
+        self.kick()
+
+    def release_held(self, req_id: str) -> None:
+        self.scheduler.release_held(req_id)
+
+    def load(self) -> dict[str, float]:
+        return load_figures(scheduler_stats(self.scheduler))
+
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        """Leading blocks of `hashes` this instance's pool holds (what the router's KV-event index says)."""
+        n = 0
+        for h in hashes:
+            if self.kv.pool.lookup(h) is None:
+                break
+            n += 1
+        return n
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def kick(self) -> None:
+        if self.busy:
+            return
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if sched.finished_req_ids or sched.preempted_req_ids:
+                self.scheduler.update(sched, RunnerOutput())
+            return
+        seconds = self.cost(sched.chunks)
+        self.busy = True
+        self.busy_s += seconds
+        self.num_steps += 1
+        self.loop.call_later(seconds, self._done, sched)
+
+    def _done(self, sched: SchedulerOutput) -> None:
+        outs = self.scheduler.update(sched, self._result(sched))
+        self.busy = False
+        for o in outs:
+            listener = self.listeners.get(o.req_id)
+            if o.finish_reason is not None:
+                self.listeners.pop(o.req_id, None)
+            if listener is not None:
+                listener(o)
+        self.kick()
+
+    def _result(self, sched: SchedulerOutput) -> RunnerOutput:
+        out = RunnerOutput()
+        for c in sched.chunks:
+            self.tokens += len(c.token_ids)
+            if not c.sample:
+                continue
+            d = c.num_draft_tokens
+            acc = self.synthetic.num_accepted(d) if d and self.synthetic is not None else 0
+            out.sampled[c.req_id] = SampledOutput(token_ids=[TOKEN] * (acc + 1), num_drafts=d, num_accepted=acc)
+            if self.k and c.max_drafts:
+                out.drafts[c.req_id] = [TOKEN] * min(c.max_drafts, self.k)
+        return out

@@ -1,0 +1,102 @@
+"""A calibration profile: what one step of each engine layout costs, what a KV transfer costs, what the
+services add per request — measured (`pdserve bench calibrate`) or taken from a named source, never fitted to a
+figure the simulator is meant to predict.
+
+    {"version": 1, "hardware": "...", "commit": "...", "date": "...", "model": "...",
+     "engines": {"prefill/pcp1-dcp1": {"step_s": ..., "token_s": ..., "token_ctx_s": ..., "request_s": ...,
+                                       "source": "..."},
+                 "decode/dp1": {...}},
+     "transfer": {"latency_s": ..., "gbs": ..., "source": "..."},
+     "request_overhead_s": {"value": ..., "source": "..."}}
+
+One engine step of a scheduled batch costs
+
+    step_s + token_s · N + token_ctx_s · Σ n_i · (start_i + n_i / 2) + request_s · B
+
+with N the tokens computed (all rows, drafts included), B the requests, and the middle sum each chunk's rows
+times the mean context they attend over (the attention and indexer work that grows with the context). A
+decode engine's layout key is its DP size; a prefill engine's its PCP and DCP sizes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+TERMS = ("step_s", "token_s", "token_ctx_s", "request_s")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot drive the simulation asked of it: says which entry is missing or wrong."""
+
+
+@dataclass(frozen=True)
+class StepCost:
+    step_s: float
+    token_s: float
+    token_ctx_s: float
+    request_s: float
+    source: str = ""
+
+    def __call__(self, chunks) -> float:
+        """Seconds of one step over `chunks` (ScheduledChunk: start, token_ids)."""
+        n = sum(len(c.token_ids) for c in chunks)
+        ctx = sum(len(c.token_ids) * (c.start + len(c.token_ids) / 2) for c in chunks)
+        return self.step_s + self.token_s * n + self.token_ctx_s * ctx + self.request_s * len(chunks)
+
+
+@dataclass(frozen=True)
+class Profile:
+    raw: dict
+    path: str = ""
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProfileError(f"profile {path}: cannot read it ({e})") from None
+        if not isinstance(raw, dict) or raw.get("version") != 1 or not isinstance(raw.get("engines"), dict):
+            raise ProfileError(f"profile {path}: not a version-1 profile (needs \"version\": 1 and \"engines\")")
+        return cls(raw, str(path))
+
+    def engine(self, key: str) -> StepCost:
+        """The step cost of an engine layout ("prefill/pcp8-dcp8", "decode/dp8")."""
+        entry = self.raw["engines"].get(key)
+        if entry is None:
+            have = ", ".join(sorted(self.raw["engines"])) or "none"
+            raise ProfileError(f"profile {self.path} has no step costs for {key} (the topology needs them); "
+                               f"it has: {have}")
+        missing = [t for t in TERMS if not isinstance(entry.get(t), (int, float)) or entry[t] < 0]
+        if missing:
+            raise ProfileError(f"profile {self.path}: {key} lacks non-negative {', '.join(missing)}")
+        return StepCost(*(float(entry[t]) for t in TERMS), source=str(entry.get("source", "")))
+
+    def transfer_s(self, nbytes: float) -> float:
+        t = self._entry("transfer", ("latency_s", "gbs"))
+        return t["latency_s"] + nbytes / (t["gbs"] * 1e9)
+
+    @property
+    def request_overhead_s(self) -> float:
+        return self._entry("request_overhead_s", ("value",))["value"]
+
+    @property
+    def hbm_gib(self) -> float | None:
+        return self.raw.get("hbm_gib")
+
+    def _entry(self, name: str, fields: tuple[str, ...]) -> dict:
+        entry = self.raw.get(name)
+        if not isinstance(entry, dict) or any(not isinstance(entry.get(f), (int, float)) for f in fields):
+            raise ProfileError(f"profile {self.path} has no {name} entry with {', '.join(fields)}")
+        if name == "transfer" and entry["gbs"] <= 0:
+            raise ProfileError(f"profile {self.path}: transfer.gbs must be > 0")
+        return entry
+
+
+def prefill_key(pcp: int, dcp: int) -> str:
+    return f"prefill/pcp{pcp}-dcp{dcp}"
+
+
+def decode_key(dp: int) -> str:
+    return f"decode/dp{dp}"

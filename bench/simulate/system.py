@@ -1,0 +1,241 @@
+"""A topology file as a simulated system: its prefill and decode engine instances (bench/simulate/engines.py),
+the production router's placement (services/router/routing.py over an in-memory registry), and the KV
+transfer between them, on the virtual clock.
+
+One request, as the router serves it (services/router/flow.py):
+
+    router       placement: the prefill instance with the least work ahead of this prompt given its cached
+                 prefix and queue, the least-loaded decode instance (the same `Routing` code, its load figures
+                 refreshed every 0.5 s from the engines' schedulers, its prefix lookups from their block pools)
+    prefill      the prompt through the prefill engine (chunked, prefix-cached), KV held on finish; its first
+                 token reaches the client when that step ends: TTFT
+    transfer     the decode reserves blocks for the prompt (production admission: it waits while the pool is
+                 short), the KV not already cached there moves at the profile's transfer cost, the prefill's
+                 blocks are released
+    decode       the request joins the decode engine's batch; every step's tokens reach the client when that
+                 step ends
+    + the profile's per-request service overhead before the prefill (HTTP, tokenisation, gRPC).
+
+What it does not model (yet): the kvstore tier and the engines' host KV offload, HiSparse's host-pool
+admission, PCP/DCP and DP×EP inside an engine beyond their step costs (a DP group is one instance per rank),
+migrations and failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+from bench.serving.client import RequestRecord
+from bench.simulate.engines import TOKEN, SimEngine
+from bench.simulate.profile import Profile, decode_key, prefill_key
+from engine.config.arg_utils import EngineArgs
+from engine.config.presets import PRESETS, preset
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.kv.budget import num_blocks_for_bytes, num_kv_blocks
+from engine.kv.cache import KVCacheSpec
+from engine.kv.hashing import block_hashes
+from planner.capacity import weight_bytes
+from services.cluster.redis_state import InstanceInfo
+from services.launch import topology as topology_mod
+from services.router.routing import Routing
+
+_GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    role: str
+    instance_id: str
+    cfg: object  # EngineConfig
+    key: str  # its step-cost entry in the profile
+    num_blocks: int
+    gpus: int  # GPUs it occupies (throughput per GPU)
+    acceptance_length: float | None
+
+
+def model_dir(model: str, topo_path: Path, tmp: Path) -> Path:
+    """A checkpoint directory with the model's config.json: the topology's own, or a preset's written to `tmp`."""
+    if model in PRESETS:
+        (tmp / "config.json").write_text(json.dumps(preset(model).to_hf_dict()))
+        return tmp
+    path = Path(model)
+    if not path.is_absolute():
+        path = (topo_path.parent / path) if (topo_path.parent / path).exists() else path
+    if not (path / "config.json").exists() and not (path.is_file() and path.name == "config.json"):
+        raise ValueError(f"model {model!r}: no config.json there and not a preset ({', '.join(sorted(PRESETS))})")
+    return path if path.is_dir() else path.parent
+
+
+def _engine_cfg(spec, model_path: Path, pcp: int = 1, dcp: int = 1, device: str = "cpu"):
+    """The EngineConfig a topology's service builds from its flags (on `device`: the simulator only reads it)."""
+    p = EngineArgs.add_cli_args(argparse.ArgumentParser(add_help=False))
+    flags = ["--model", str(model_path), "--device", device,
+             "--prefill-context-parallel-size", str(pcp), "--decode-context-parallel-size", str(dcp)]
+    ns, _ = p.parse_known_args(flags + topology_mod.args_to_flags(spec.args))
+    return EngineArgs.from_cli_args(ns).create_engine_config()
+
+
+def _num_blocks(cfg, profile: Profile, ranks: int, ep: bool, what: str) -> int:
+    """The KV pool of one instance: the engine's own rule on the CPU; on the profile's GPU, HBM at
+    gpu_memory_utilization less the rank's weights (ranks of one instance split its routed experts with EP)."""
+    spec = KVCacheSpec.from_model(cfg.model, block_size=cfg.cache.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
+                                  indexer_precision=cfg.cache.indexer_precision, with_mtp=cfg.with_mtp)
+    if profile.hbm_gib is None:
+        return num_kv_blocks(cfg, spec)
+    dtype = "fp8" if cfg.model.quantization == "fp8" else "bf16"
+    weights = weight_bytes(cfg.model, cfg.with_mtp, dtype).per_gpu(tp=1, ep=ranks if ep else 1)
+    budget = profile.hbm_gib * _GIB * cfg.cache.gpu_memory_utilization - weights
+    n = num_blocks_for_bytes(spec, int(budget)) if budget > 0 else 0
+    if n < 1:
+        raise ValueError(f"{what}: {weights / _GIB:.1f} GiB of weights per GPU leave no KV block in "
+                         f"{profile.hbm_gib} GiB x {cfg.cache.gpu_memory_utilization} of HBM ({profile.path})")
+    return n * ranks if cfg.parallel.decode_context_parallel_size > 1 else n
+
+
+def engine_specs(topo_path: str, profile: Profile, model: str | None, tmp: Path) -> list[EngineSpec]:
+    topo = topology_mod.load(topo_path)
+    mdir = model_dir(model or topo.model, Path(topo_path), tmp)
+    out = []
+    for kind in ("prefill", "decode"):
+        spec = topo.service(kind)
+        if spec is None:
+            raise ValueError(f"topology {topo_path} has no {kind} service")
+        acceptance = None
+        if kind == "prefill":
+            pcp = spec.extra.get("prefill_context_parallel_size", 1)
+            dcp = spec.extra.get("decode_context_parallel_size", 1)
+            cfg = _engine_cfg(spec, mdir, pcp, dcp)
+            key, per, ranks = prefill_key(pcp, dcp), 1, pcp
+        else:
+            cfg = _engine_cfg(spec, mdir)
+            dp = spec.extra.get("data_parallel_size", 1)
+            key, per, ranks = decode_key(dp), dp, 1  # a DP group: one instance per rank, one GPU each
+            if cfg.speculative is not None:
+                acceptance = cfg.speculative.synthetic_acceptance_length or profile.raw.get("mtp_acceptance_length")
+        profile.engine(key)  # a missing entry is an error before anything runs
+        profile.transfer_s(0)
+        _ = profile.request_overhead_s
+        ep = bool(spec.args.get("enable-expert-parallel")) or kind == "prefill"
+        blocks = _num_blocks(cfg, profile, max(ranks, per), ep, f"{kind} of {topo_path}")
+        for r in range(spec.replicas):
+            for rank in range(per):
+                iid = f"{kind}-{r}" + (f"-dp{rank}" if per > 1 else "")
+                out.append(EngineSpec(kind, iid, cfg, key, blocks, ranks if kind == "prefill" else 1, acceptance))
+    return out
+
+
+class _Registry:
+    """What the router reads from Redis, from the simulated instances (RedisState's calls `Routing` makes)."""
+
+    def __init__(self, engines: dict[str, SimEngine], roles: dict[str, str]):
+        self.engines, self.roles = engines, roles
+
+    async def instances(self, role: str | None = None) -> list[InstanceInfo]:
+        return [InstanceInfo(self.roles[i], i, f"sim://{i}") for i in self.engines
+                if role is None or self.roles[i] == role]
+
+    async def loads(self, ids) -> dict[str, dict[str, float]]:
+        return {i: self.engines[i].load() for i in ids}
+
+    async def lookup_prefix(self, hashes, *, role=None, instance_ids=None) -> dict[str, int]:
+        ids = instance_ids if instance_ids is not None else list(self.engines)
+        runs = {i: self.engines[i].cached_prefix(hashes) for i in ids if i in self.engines}
+        return {i: n for i, n in runs.items() if n}
+
+
+class SimSystem:
+    def __init__(self, specs: list[EngineSpec], profile: Profile, seed: int):
+        self.loop = asyncio.get_running_loop()
+        self.profile = profile
+        self.specs = {s.instance_id: s for s in specs}
+        self.engines = {s.instance_id: SimEngine(s.instance_id, s.cfg, s.num_blocks, profile.engine(s.key),
+                                                 self.loop, seed + n, s.acceptance_length)
+                        for n, s in enumerate(specs)}
+        self.routing = Routing(_Registry(self.engines, {s.instance_id: s.role for s in specs}),
+                               block_size=specs[0].cfg.cache.block_size)
+        dec = next(s for s in specs if s.role == "decode")
+        self.kv_bytes_per_token = KVCacheSpec.from_model(
+            dec.cfg.model, block_size=dec.cfg.cache.block_size, kv_cache_dtype=dec.cfg.cache.kv_cache_dtype,
+            indexer_precision=dec.cfg.cache.indexer_precision, with_mtp=dec.cfg.with_mtp).block_bytes / \
+            dec.cfg.cache.block_size
+        self.block_size = specs[0].cfg.cache.block_size
+        self._ids = itertools.count()
+        self.transfer_s = 0.0  # virtual seconds of KV transfers, summed
+        self.admission_waits = 0  # decode reservations that waited for room
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(s.gpus for s in self.specs.values())
+
+    async def close(self) -> None:
+        await self.routing.close()
+
+    async def send(self, prompt: list[int], max_tokens: int, rec: RequestRecord) -> RequestRecord:
+        loop = self.loop
+        rec.t_start = loop.time()
+        rid = f"sim-{next(self._ids)}"
+        await asyncio.sleep(self.profile.request_overhead_s)
+        hashes = block_hashes(prompt, self.block_size)
+        choice = await self.routing.pick_prefill(hashes, len(prompt))
+        pid = choice.instance.instance_id
+        prefill = self.engines[pid]
+        first: asyncio.Future = loop.create_future()
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self.routing.started(pid)
+        try:
+            prefill.add(Request(rid, list(prompt), sp, hold_kv_on_finish=True),
+                        lambda o: first.done() or first.set_result(o))
+            await first
+        finally:
+            self.routing.finished(pid)
+        rec.t_first = loop.time()
+        rec.output_tokens = 1
+        rec.prompt_tokens = len(prompt)
+        rec.cached_tokens = prefill.scheduler.held[rid].num_cached_tokens if rid in prefill.scheduler.held else None
+        if max_tokens <= 1:
+            prefill.release_held(rid)
+            rec.t_end = rec.t_first
+            return rec
+        await self._decode(rid, prompt, max_tokens, rec, prefill)
+        return rec
+
+    async def _decode(self, rid: str, prompt: list[int], max_tokens: int, rec: RequestRecord, prefill: SimEngine):
+        loop = self.loop
+        dinfo = await self.routing.pick_decode()
+        did = dinfo.instance_id
+        decode = self.engines[did]
+        done: asyncio.Future = loop.create_future()
+        last = [rec.t_first]
+
+        def on_output(o) -> None:
+            now = loop.time()
+            rec.itl_s.append(now - last[0])
+            last[0] = now
+            rec.output_tokens += len(o.new_token_ids)
+            if o.finish_reason is not None and not done.done():
+                done.set_result(o)
+
+        req = Request(rid, list(prompt) + [TOKEN], SamplingParams(max_tokens=max_tokens - 1, temperature=0.0,
+                                                                    ignore_eos=True), remote_kv=True)
+        self.routing.started(did)
+        try:
+            while (got := decode.reserve_import(req, len(prompt), on_output)) is None:
+                self.admission_waits += 1
+                await asyncio.sleep(max(decode.cost([]), 1e-3))  # the pool frees as its steps end
+            _, n_local = got
+            seconds = self.profile.transfer_s((len(prompt) - n_local) * self.kv_bytes_per_token)
+            self.transfer_s += seconds
+            await asyncio.sleep(seconds)
+            prefill.release_held(rid)
+            decode.import_done(rid)
+            await done
+        finally:
+            self.routing.finished(did)
+        rec.t_end = loop.time()
+

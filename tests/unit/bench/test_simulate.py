@@ -1,0 +1,106 @@
+"""`pdserve simulate` (bench/simulate/): the virtual clock, the same result files as `bench agentx`, determinism,
+the production scheduler's behaviour showing through (prefix hits, MTP tokens per step, KV admission), and the
+refusals: a profile without an entry the topology needs, a trace over the context limit, weights over HBM."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+
+import pytest
+
+from bench.simulate import cli, clock
+from bench.simulate.profile import Profile, ProfileError
+from services import cli as pdserve
+from tests.helpers import ROOT
+
+CPU_TOPOLOGY = str(ROOT / "configs" / "topology.cpu.yaml")
+PROFILE = {"version": 1, "hardware": "test", "commit": "", "date": "", "model": "tiny-code",
+           "engines": {"prefill/pcp1-dcp1": {"step_s": 0.01, "token_s": 2e-5, "token_ctx_s": 1e-9, "request_s": 5e-4},
+                       "decode/dp1": {"step_s": 0.02, "token_s": 1e-4, "token_ctx_s": 1e-9, "request_s": 5e-4}},
+           "transfer": {"latency_s": 0.002, "gbs": 1.0}, "request_overhead_s": {"value": 0.003},
+           "mtp_acceptance_length": 2.5}
+
+
+def _req(t, n_in, n_out, first, think):
+    return {"t": t, "type": "n", "in": n_in, "out": n_out, "api_time": 0.5, "think_time": think,
+            "hash_ids": list(range(first, first + n_in // 64))}
+
+
+@pytest.fixture
+def traces(tmp_path):
+    """Two sessions of growing prompts (shared prefixes); the second with a subagent."""
+    sub = {"type": "subagent", "t": 3.0, "duration_ms": 2000,
+           "requests": [_req(0.0, 300, 20, 500, 0.0), _req(1.0, 420, 12, 500, 1.0)]}
+    sessions = {"trace_a": [_req(0.0, 700, 30, 1, 0.0), _req(2.0, 900, 25, 1, 2.0), _req(4.0, 1000, 40, 1, 1.0)],
+                "trace_b": [_req(0.0, 500, 24, 1, 0.0), sub, _req(5.0, 650, 16, 1, 2.0)]}
+    d = tmp_path / "traces"
+    d.mkdir()
+    for name, reqs in sessions.items():
+        with gzip.open(d / f"{name}.json.gz", "wt") as f:
+            json.dump({"id": name, "block_size": 64, "requests": reqs}, f)
+    return d
+
+
+def _profile(tmp_path, **changes):
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps({**PROFILE, **changes}))
+    return p
+
+
+def _argv(traces, profile, out, *extra):
+    return ["--config", CPU_TOPOLOGY, "--profile", str(profile), "--traces", str(traces), "--concurrency", "2,6",
+            "--duration", "150", "--warmup", "20", "--think-time-scale", "0.5", "--seed", "3", "--output-dir",
+            str(out), *extra]
+
+
+def test_the_virtual_clock_jumps_to_the_next_timer():
+    async def main():
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3600.0)
+        return loop.time()
+
+    assert clock.run(main()) == pytest.approx(3600.0)
+
+
+def test_simulate_writes_agentx_results_and_is_deterministic(traces, tmp_path):
+    prof = _profile(tmp_path)
+    assert pdserve.main(["simulate", *_argv(traces, prof, tmp_path / "a")]) == 0
+    assert cli.main(_argv(traces, prof, tmp_path / "b")) == 0
+    a = json.loads((tmp_path / "a" / "result.json").read_text())
+    b = json.loads((tmp_path / "b" / "result.json").read_text())
+    for f in ("result.json", "levels.csv", "interactivity_vs_throughput.png", "ttft_cdf.png"):
+        assert (tmp_path / "a" / f).stat().st_size > 0
+    assert a["simulated"] and [lv["concurrency"] for lv in a["levels"]] == [2, 6]
+    strip = [{k: v for k, v in lv.items() if k != "sim"} for lv in a["levels"]]
+    assert strip == [{k: v for k, v in lv.items() if k != "sim"} for lv in b["levels"]]  # same inputs, same run
+    for lv in a["levels"]:
+        assert lv["valid"] and lv["completed"] > 10
+        sim = lv["sim"]
+        assert sim["simulated_s"] >= 170 and sim["wall_s"] < 60  # 3 simulated minutes, faster than real time
+        assert 0 < sim["busy_fraction"]["decode"] < 1 and sim["bottleneck"]
+        assert max(v for v in sim["prefix_hit_rate"].values() if v is not None) > 0.3  # growing prompts hit
+    # MTP with acceptance length 2.5: well over one token per decode step (a step costs at least 20 ms here)
+    assert a["levels"][0]["p50_tpot_ms"] < 20.0 / 1.5
+
+
+def test_refusals_name_what_is_missing(traces, tmp_path):
+    no_decode = _profile(tmp_path, engines={"prefill/pcp1-dcp1": PROFILE["engines"]["prefill/pcp1-dcp1"]})
+    with pytest.raises(ProfileError, match=r"no step costs for decode/dp1.*it has: prefill/pcp1-dcp1"):
+        cli.run(cli.build_parser().parse_args(_argv(traces, no_decode, tmp_path / "x")))
+    assert cli.main(_argv(traces, no_decode, tmp_path / "x")) == 2
+    no_transfer = {k: v for k, v in PROFILE.items() if k != "transfer"}
+    (tmp_path / "nt.json").write_text(json.dumps(no_transfer))
+    with pytest.raises(ProfileError, match="no transfer entry"):
+        cli.run(cli.build_parser().parse_args(_argv(traces, tmp_path / "nt.json", tmp_path / "x")))
+    with pytest.raises(ProfileError, match="not a version-1 profile"):
+        Profile.load(_profile(tmp_path, version=2))
+    # every trace needs more than the context limit: refused, with the limit named
+    with pytest.raises(ValueError, match="no trace fits in 200 tokens"):
+        cli.run(cli.build_parser().parse_args(_argv(traces, _profile(tmp_path), tmp_path / "x", "--max-context",
+                                                    "200", "--fit-traces")))
+    # the profile's GPU cannot hold the model's weights: GLM-5.3 on a 16 GiB card
+    small = _profile(tmp_path, hbm_gib=16)
+    with pytest.raises(ValueError, match=r"GiB of weights per GPU leave no KV block in 16 GiB"):
+        cli.run(cli.build_parser().parse_args(_argv(traces, small, tmp_path / "x", "--model", "glm-5.3")))
