@@ -15,6 +15,7 @@ service costs are not measured here: they are flags, each recorded with `--sourc
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from bench.serving.client import make_session, server_info, stream_completion
+from bench.serving.target import FreshServer, wait_ready
 from bench.simulate.profile import TERMS, Profile, StepCost
 from bench.simulate.system import _engine_cfg, model_dir
 from engine.core.core import EngineCore
@@ -105,6 +108,33 @@ def measure_decode(core: EngineCore, device: str, batches: list[int], contexts: 
     return rows
 
 
+async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vocab: int) -> dict:
+    """Through the running services: per batch B, B concurrent streams of `tokens` tokens after `prompt_len`-token
+    prompts -> the median TPOT; and the median TTFT of single requests."""
+    async with make_session() as http:
+        model = (await server_info(http, url))["model"]
+
+        async def one(seed: int, n_out: int):
+            rec = await stream_completion(http, url, model, _ids(prompt_len, seed, vocab), n_out)
+            if rec.error:
+                raise RuntimeError(f"calibration request failed: {rec.error}")
+            return rec
+
+        await one(1, 4)  # warm-up
+        ttft = [(await one(10 + i, 2)).ttft_s for i in range(5)]
+        tpot = {}
+        for b in batches:
+            recs = await asyncio.gather(*(one(100 * b + j, tokens) for j in range(b)))
+            tpot[b] = statistics.median((r.t_end - r.t_first) / max(r.output_tokens - 1, 1) for r in recs)
+    return {"ttft_s": statistics.median(ttft), "tpot_s": tpot}
+
+
+def served_decode_rows(tpot: dict[int, float], k: int, acceptance: float, context: int) -> list:
+    """A served decode step of B requests, from its TPOT: step = TPOT x tokens per step per request."""
+    R = 1 + k
+    return [([1.0, float(b * R), b * R * (context + R / 2), float(b)], t * acceptance) for b, t in tpot.items()]
+
+
 def nnls_fit(rows: list[tuple[list[float], float]]) -> tuple[list[float], float]:
     """Non-negative least squares of seconds over the features (drop a term fitted negative, refit)."""
     X = torch.tensor([f for f, _ in rows], dtype=torch.float64)
@@ -148,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-latency-s", type=float, required=True)
     p.add_argument("--request-overhead-s", type=float, required=True)
     p.add_argument("--source", required=True, help="where the transfer and overhead figures come from")
+    p.add_argument("--through-services", action="store_true",
+                   help="also start the topology (`pdserve up`) and time decode steps as the services run them (B "
+                        "concurrent streams: TPOT x tokens per step) and the per-request overhead (TTFT of one short "
+                        "request less its prefill step): the decode entry is then the served one")
     return p
 
 
@@ -187,10 +221,39 @@ def run(a: argparse.Namespace) -> dict:
                                     "source": f"pdserve bench calibrate on {hardware} ({device}), {len(rows)} steps"}
             print(f"{key}: {StepCost(*coef)} median |error| {rel:.1%} over {len(rows)} steps", file=sys.stderr)
             del core
+    if a.through_services:
+        _calibrate_served(a, prof)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(prof, indent=1) + "\n")
     Profile.load(a.out)  # what it wrote reads back
     return prof
+
+
+def _calibrate_served(a, prof: dict) -> None:
+    prompt_len, tokens = 128, 48
+    batches = [int(x) for x in a.batches.split(",")]
+    with FreshServer(a.config) as ep:
+        info = asyncio.run(wait_ready(ep.url))
+        got = asyncio.run(_served(ep.url, batches, prompt_len, tokens, info.get("vocab_size") or 4096))
+    topo = topology_mod.load(a.config)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _engine_cfg(topo.service("decode"), model_dir(a.model or topo.model, Path(a.config), Path(tmp)))
+    k = cfg.num_spec_tokens if cfg.with_mtp else 0
+    acceptance = (cfg.speculative.synthetic_acceptance_length if cfg.speculative else None) or \
+        prof.get("mtp_acceptance_length") or 1.0
+    rows = served_decode_rows(got["tpot_s"], k, acceptance, prompt_len + tokens // 2)
+    coef, rel = nnls_fit(rows)
+    prof["engines"]["decode/dp1"] = {**dict(zip(TERMS, coef)), "median_relative_error": rel, "steps": len(rows),
+                                     "engine_only": prof["engines"].get("decode/dp1"),
+                                     "source": f"pdserve bench calibrate --through-services: TPOT of 1-{max(batches)} "
+                                               f"concurrent streams x {acceptance:.2f} tokens per step"}
+    pre = Profile({"version": 1, "engines": prof["engines"]}).engine("prefill/pcp1-dcp1")
+    chunk = type("Chunk", (), {"start": 0, "token_ids": [0] * prompt_len})
+    overhead = max(got["ttft_s"] - pre([chunk]), 0.0)
+    prof["request_overhead_s"] = {"value": overhead, "source": f"median TTFT of 5 single {prompt_len}-token requests "
+                                  f"through the services ({got['ttft_s'] * 1e3:.1f} ms) less the prefill engine's step"}
+    print(f"served decode: {StepCost(*coef)} median |error| {rel:.1%}; request overhead {overhead * 1e3:.1f} ms",
+          file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,3 +104,19 @@ def test_refusals_name_what_is_missing(traces, tmp_path):
     small = _profile(tmp_path, hbm_gib=16)
     with pytest.raises(ValueError, match=r"GiB of weights per GPU leave no KV block in 16 GiB"):
         cli.run(cli.build_parser().parse_args(_argv(traces, small, tmp_path / "x", "--model", "glm-5.3")))
+
+
+def test_calibration_fit_recovers_its_terms_and_keeps_them_non_negative():
+    from bench.simulate.calibrate import nnls_fit, served_decode_rows
+
+    true = [0.01, 2e-4, 3e-8, 1e-3]
+    rows = [([1.0, n, n * c, b], sum(t * f for t, f in zip(true, [1.0, n, n * c, b])))
+            for n, c, b in [(4, 100, 1), (64, 300, 8), (256, 2000, 16), (16, 50, 4), (128, 900, 2)]]
+    coef, err = nnls_fit(rows)
+    assert coef == pytest.approx(true, rel=1e-6) and err < 1e-9
+    # a term the data would make negative is dropped (set to 0) and the rest refitted
+    coef, _ = nnls_fit([([1.0, n, 0.0, 0.0], 0.05 - 1e-4 * n) for n in (1, 10, 100)])
+    assert min(coef) >= 0.0
+    # a served step of B requests at k = 3: B x 4 rows, TPOT x tokens per step seconds
+    (feat, t), = served_decode_rows({8: 0.02}, 3, 2.0, 100)
+    assert feat == [1.0, 32.0, 32 * 102.0, 8.0] and t == pytest.approx(0.04)
