@@ -16,9 +16,11 @@ One request, as the router serves it (services/router/flow.py):
                  step ends
     + the profile's per-request service overhead before the prefill (HTTP, tokenisation, gRPC).
 
-What it does not model (yet): the kvstore tier and the engines' host KV offload, HiSparse's host-pool
-admission, PCP/DCP and DP×EP inside an engine beyond their step costs (a DP group is one instance per rank),
-migrations and failures.
+A HiSparse decode admits as its engine does: its KV manager holds the host pool's blocks, and the scheduler's
+device-room check is the production `DeviceFootprint` over the device blocks and one hot buffer per request.
+
+What it does not model (yet): the kvstore tier and the engines' host KV offload, PCP/DCP and DP×EP inside an
+engine beyond their step costs (a DP group is one instance per rank), migrations and failures.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from engine.config.arg_utils import EngineArgs
 from engine.config.presets import PRESETS, preset
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
+from engine.hisparse.host_pool import host_blocks_for
+from engine.hisparse.layout import HotLayout
+from engine.hisparse.residency import DeviceFootprint
 from engine.kv.budget import num_blocks_for_bytes, num_kv_blocks
 from engine.kv.cache import KVCacheSpec
 from engine.kv.hashing import block_hashes
@@ -57,6 +62,7 @@ class EngineSpec:
     num_blocks: int
     gpus: int  # GPUs it occupies (throughput per GPU)
     acceptance_length: float | None
+    device_room: tuple[int, int] | None = None  # HiSparse: (device blocks, blocks of one hot buffer)
 
 
 def model_dir(model: str, topo_path: Path, tmp: Path) -> Path:
@@ -81,11 +87,27 @@ def _engine_cfg(spec, model_path: Path, pcp: int = 1, dcp: int = 1, device: str 
     return EngineArgs.from_cli_args(ns).create_engine_config()
 
 
+def _spec(cfg) -> KVCacheSpec:
+    return KVCacheSpec.from_model(cfg.model, block_size=cfg.cache.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
+                                  indexer_precision=cfg.cache.indexer_precision, with_mtp=cfg.with_mtp)
+
+
+def _hisparse_pools(cfg, device_blocks: int) -> tuple[int, tuple[int, int]]:
+    """A HiSparse decode's admission, as its engine sizes it (engine/hisparse/manager.py): blocks of the host pool,
+    and (device blocks, blocks of one hot buffer) for the scheduler's device-room check."""
+    hs, spec = cfg.hisparse, _spec(cfg)
+    layout = HotLayout.create(cfg.model.index_topk, hs.device_buffer_size, cfg.num_spec_tokens, spec.block_size)
+    num_host = host_blocks_for(spec, hs.host_pool_gib, hs.host_pool_blocks)
+    if cfg.cache.num_blocks is None:
+        device_blocks = max((device_blocks * spec.block_bytes - num_host * spec.index_block_bytes)
+                            // spec.mla_block_bytes, 1)
+    return num_host, (device_blocks, layout.num_blocks)
+
+
 def _num_blocks(cfg, profile: Profile, ranks: int, ep: bool, what: str) -> int:
     """The KV pool of one instance: the engine's own rule on the CPU; on the profile's GPU, HBM at
     gpu_memory_utilization less the rank's weights (ranks of one instance split its routed experts with EP)."""
-    spec = KVCacheSpec.from_model(cfg.model, block_size=cfg.cache.block_size, kv_cache_dtype=cfg.cache.kv_cache_dtype,
-                                  indexer_precision=cfg.cache.indexer_precision, with_mtp=cfg.with_mtp)
+    spec = _spec(cfg)
     if profile.hbm_gib is None:
         return num_kv_blocks(cfg, spec)
     dtype = "fp8" if cfg.model.quantization == "fp8" else "bf16"
@@ -123,10 +145,14 @@ def engine_specs(topo_path: str, profile: Profile, model: str | None, tmp: Path)
         _ = profile.request_overhead_s
         ep = bool(spec.args.get("enable-expert-parallel")) or kind == "prefill"
         blocks = _num_blocks(cfg, profile, max(ranks, per), ep, f"{kind} of {topo_path}")
+        room = None
+        if kind == "decode" and cfg.hisparse is not None and not cfg.hisparse.offload_only:
+            blocks, room = _hisparse_pools(cfg, blocks)
         for r in range(spec.replicas):
             for rank in range(per):
                 iid = f"{kind}-{r}" + (f"-dp{rank}" if per > 1 else "")
-                out.append(EngineSpec(kind, iid, cfg, key, blocks, ranks if kind == "prefill" else 1, acceptance))
+                out.append(EngineSpec(kind, iid, cfg, key, blocks, ranks if kind == "prefill" else 1, acceptance,
+                                      room))
     return out
 
 
@@ -157,13 +183,13 @@ class SimSystem:
         self.engines = {s.instance_id: SimEngine(s.instance_id, s.cfg, s.num_blocks, profile.engine(s.key),
                                                  self.loop, seed + n, s.acceptance_length)
                         for n, s in enumerate(specs)}
+        for s in specs:
+            if s.device_room is not None:  # HiSparse: admission by device room too (production DeviceFootprint)
+                self.engines[s.instance_id].kv.device_footprint = DeviceFootprint(*s.device_room)
         self.routing = Routing(_Registry(self.engines, {s.instance_id: s.role for s in specs}),
                                block_size=specs[0].cfg.cache.block_size)
         dec = next(s for s in specs if s.role == "decode")
-        self.kv_bytes_per_token = KVCacheSpec.from_model(
-            dec.cfg.model, block_size=dec.cfg.cache.block_size, kv_cache_dtype=dec.cfg.cache.kv_cache_dtype,
-            indexer_precision=dec.cfg.cache.indexer_precision, with_mtp=dec.cfg.with_mtp).block_bytes / \
-            dec.cfg.cache.block_size
+        self.kv_bytes_per_token = _spec(dec.cfg).block_bytes / dec.cfg.cache.block_size
         self.block_size = specs[0].cfg.cache.block_size
         self._ids = itertools.count()
         self.transfer_s = 0.0  # virtual seconds of KV transfers, summed
