@@ -41,13 +41,18 @@ def test_scale_decode_up_and_down_under_load(tmp_path_factory, offline, corpus):
         want = chaos.expected(offline, bodies)
         taken = {}
 
-        def scale_in():  # the CLI, as an operator runs it: the two new replicas drain their streams, then leave
+        def admitted() -> float:
             taken.update({n: system.metric(a, "pdserve:dp_rank_requests_total") for n, a in new.items()})
+            return sum(v for v in taken.values() if v == v)  # nan (no admission yet): 0
+
+        def scale_in():  # the CLI, as an operator runs it: the two new replicas drain their streams, then leave
+            # a stream's first token comes from the prefill: wait until the new replicas admitted some (an event)
+            system.wait_for(admitted, timeout=120)
             cli = [sys.executable, "-m", "services.cli", "scale", "decode", "1", "--run-dir", str(run)]
             subprocess.run(cli, cwd=ROOT, check=True, timeout=600)
 
         _run(dep.url, bodies, want, scale_in)
-        assert sum(v for v in taken.values() if v == v) > 0, f"the new replicas took no request: {taken}"  # nan: 0
+        assert sum(v for v in taken.values() if v == v) > 0, f"the new replicas took no request: {taken}"
         dep = launcher.Deployment.load(run)
         assert sorted(replicas_of(dep, "decode")) == [0]
         assert system.wait_for(lambda: not {"decode-1", "decode-2"} & set(chaos.instances(dep)), timeout=10)
