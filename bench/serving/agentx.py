@@ -55,6 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--fresh-server", metavar="TOPOLOGY",
                         help="`pdserve up TOPOLOGY` before each level, down after")
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    add_replay_args(p, context_from="max_model_len from /v1/models")
+    p.add_argument("--vocab-size", type=int, help="prompt ids stay below it (default: /v1/models, else 4096)")
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs of the deployment (throughput per GPU)")
+    p.add_argument("--label", help="configuration name on plots (default: topology name or 'run')")
+    p.add_argument("--output-dir", help="default: results/agentx-<label>-<time>")
+    p.add_argument("--seed", type=int, help="trace order and prompt salt (default: random, recorded)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    return p
+
+
+def add_replay_args(p: argparse.ArgumentParser, context_from: str) -> None:
+    """The traces, levels and client flags `bench agentx` and `simulate` share (their meaning is the replayer's)."""
     p.add_argument("--traces", help="trace folder, glob, or comma-separated files (recorded agent sessions)")
     p.add_argument("--max-traces", type=int, help="use only the first N trace files")
     p.add_argument("--concurrency", type=int_list, default=[8, 16, 32, 64], help="concurrent sessions per level")
@@ -65,18 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--think-time-scale", type=float, default=1.0, help="multiply every recorded think time")
     p.add_argument("--max-think-time", type=float, help="cap one think time (seconds, after scaling)")
     p.add_argument("--token-scale", type=float, default=1.0, help="scale every token length (small models, CPU)")
-    p.add_argument("--max-context", type=int, help="prompt + output above this counts as overflow "
-                   "(default: max_model_len from /v1/models)")
+    p.add_argument("--max-context", type=int, help=f"prompt + output above this counts as overflow (default: "
+                   f"{context_from})")
     p.add_argument("--fit-traces", action="store_true", help="drop traces with any request above --max-context")
-    p.add_argument("--vocab-size", type=int, help="prompt ids stay below it (default: /v1/models, else 4096)")
     p.add_argument("--min-token-id", type=int, default=16, help="prompt ids start here (skip special tokens)")
-    p.add_argument("--num-gpus", type=int, default=1, help="GPUs of the deployment (throughput per GPU)")
-    p.add_argument("--label", help="configuration name on plots (default: topology name or 'run')")
-    p.add_argument("--output-dir", help="default: results/agentx-<label>-<time>")
-    p.add_argument("--seed", type=int, help="trace order and prompt salt (default: random, recorded)")
     p.add_argument("--percentiles", type=float_list, default=[50, 90, 99], help="latency percentiles")
-    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
-    return p
 
 
 def _prepare(args: argparse.Namespace) -> None:

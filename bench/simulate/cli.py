@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from bench.serving import results
-from bench.serving.agentx import COPIES_PER_LEVEL, float_list, int_list, select_traces, write_outputs
+from bench.serving.agentx import COPIES_PER_LEVEL, add_replay_args, select_traces, write_outputs
 from bench.serving.metrics import measured_window, summarize
 from bench.serving.replay import ReplayConfig, Replayer
 from bench.serving.traces import load_traces
@@ -36,24 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, metavar="TOPOLOGY", help="the topology file to simulate")
     p.add_argument("--profile", required=True, help="calibration profile (JSON, bench/simulate/profile.py)")
     p.add_argument("--model", help="model instead of the topology's: a preset name or a checkpoint folder")
-    p.add_argument("--traces", help="trace folder, glob, or comma-separated files (recorded agent sessions)")
-    p.add_argument("--max-traces", type=int, help="use only the first N trace files")
-    p.add_argument("--concurrency", type=int_list, default=[8, 16, 32, 64], help="concurrent sessions per level")
-    p.add_argument("--duration", type=float, default=600.0, help="measured seconds per level (simulated)")
-    p.add_argument("--warmup", type=float, default=120.0, help="seconds per level before measuring")
-    p.add_argument("--ramp-up", type=float, default=0.0, help="stagger session starts over this many seconds")
-    p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to let in-flight requests finish")
-    p.add_argument("--think-time-scale", type=float, default=1.0, help="multiply every recorded think time")
-    p.add_argument("--max-think-time", type=float, help="cap one think time (seconds, after scaling)")
-    p.add_argument("--token-scale", type=float, default=1.0, help="scale every token length")
-    p.add_argument("--max-context", type=int, help="prompt + output above this counts as overflow "
-                   "(default: the decode engine's max_model_len)")
-    p.add_argument("--fit-traces", action="store_true", help="drop traces with any request above --max-context")
-    p.add_argument("--min-token-id", type=int, default=16, help="prompt ids start here (skip special tokens)")
+    add_replay_args(p, context_from="the decode engine's max_model_len")  # bench agentx's, same meaning
     p.add_argument("--label", help="configuration name on plots (default: the topology's name)")
     p.add_argument("--output-dir", help="default: results/simulate-<label>-<time>")
     p.add_argument("--seed", type=int, default=0, help="trace order, prompt salt, acceptance draws, placement ties")
-    p.add_argument("--percentiles", type=float_list, default=[50, 90, 99], help="latency percentiles")
     return p
 
 

@@ -6,6 +6,8 @@ import dataclasses
 import inspect
 import itertools
 
+import torch
+
 from engine import LLM, SamplingParams
 from engine.core.request import Request
 
@@ -58,22 +60,23 @@ def run_joining_leaving(llm: LLM, prompts, late: int = 0, tokens: int = 12,
     return [toks[r] for r in rids]
 
 
-def steps_without_syncs(llm: LLM, n: int) -> None:
-    """`n` engine steps whose launches run under torch.cuda.set_sync_debug_mode("error"): a synchronising CUDA
-    call inside a step's launch raises (what the device step and the HiSparse graphs promise)."""
-    import torch
-
-    runner = llm.core.runner
-    launch = runner.execute_async
-
-    def no_sync_launch(sched):
+def no_sync(launch):
+    """`launch` (a runner's execute_async) run under torch.cuda.set_sync_debug_mode("error")."""
+    def wrapped(sched):
         torch.cuda.set_sync_debug_mode("error")
         try:
             return launch(sched)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    return wrapped
 
-    runner.execute_async = no_sync_launch
+
+def steps_without_syncs(llm: LLM, n: int) -> None:
+    """`n` engine steps whose launches run under torch.cuda.set_sync_debug_mode("error"): a synchronising CUDA
+    call inside a step's launch raises (what the device step and the HiSparse graphs promise)."""
+    runner = llm.core.runner
+    launch = runner.execute_async
+    runner.execute_async = no_sync(launch)
     try:
         for _ in range(n):
             llm.core.step()

@@ -11,6 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.request import Request
 from engine.parallel.loopback import emulated_rank_core
+from tests.helpers.decode_runs import no_sync
 
 SIZES = [1, 2, 4, 8]
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -48,16 +49,6 @@ def _run(core, prompts, tokens: int = 16, check=None) -> list[list[int]]:
     return [out[r] for r in rids]
 
 
-def _no_sync(launch):
-    def wrapped(sched):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(sched)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return wrapped
-
-
 def test_emulated_rank_plans_every_decode_step_on_the_cpu(tiny_code):
     core = _core(tiny_code, "cpu", world=2)
     prompts = _prompts(3, core.cfg.model.vocab_size)
@@ -79,7 +70,7 @@ def test_captured_dp_step_equals_its_eager_padded_step_without_host_syncs(tiny_c
     sg = captured.runner.device_decode.step_graphs
     assert sg.num_captures == len(SIZES) and captured.runner.static.num_captures > 0
     prompts = _prompts(5, captured.cfg.model.vocab_size)
-    got = _run(captured, prompts, check=_no_sync)  # a synchronising call inside a planned step raises
+    got = _run(captured, prompts, check=no_sync)  # a synchronising call inside a planned step raises
     assert sg.num_replays > 0 and captured.runner.dp_stats()["planned_steps"] > 10
     experts = next(m.experts for m in captured.runner.main_moe)
     assert experts.takes_fp8_rows == (quantization == "fp8")

@@ -5,7 +5,6 @@ refusals: a profile without an entry the topology needs, a trace over the contex
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 
 import pytest
@@ -14,6 +13,7 @@ from bench.simulate import cli, clock
 from bench.simulate.profile import Profile, ProfileError
 from services import cli as pdserve
 from tests.helpers import ROOT
+from tests.helpers.agent_traces import write_traces
 
 CPU_TOPOLOGY = str(ROOT / "configs" / "topology.cpu.yaml")
 PROFILE = {"version": 1, "hardware": "test", "commit": "", "date": "", "model": "tiny-code",
@@ -23,24 +23,10 @@ PROFILE = {"version": 1, "hardware": "test", "commit": "", "date": "", "model": 
            "mtp_acceptance_length": 2.5}
 
 
-def _req(t, n_in, n_out, first, think):
-    return {"t": t, "type": "n", "in": n_in, "out": n_out, "api_time": 0.5, "think_time": think,
-            "hash_ids": list(range(first, first + n_in // 64))}
-
-
 @pytest.fixture
 def traces(tmp_path):
-    """Two sessions of growing prompts (shared prefixes); the second with a subagent."""
-    sub = {"type": "subagent", "t": 3.0, "duration_ms": 2000,
-           "requests": [_req(0.0, 300, 20, 500, 0.0), _req(1.0, 420, 12, 500, 1.0)]}
-    sessions = {"trace_a": [_req(0.0, 700, 30, 1, 0.0), _req(2.0, 900, 25, 1, 2.0), _req(4.0, 1000, 40, 1, 1.0)],
-                "trace_b": [_req(0.0, 500, 24, 1, 0.0), sub, _req(5.0, 650, 16, 1, 2.0)]}
-    d = tmp_path / "traces"
-    d.mkdir()
-    for name, reqs in sessions.items():
-        with gzip.open(d / f"{name}.json.gz", "wt") as f:
-            json.dump({"id": name, "block_size": 64, "requests": reqs}, f)
-    return d
+    """Two sessions of growing prompts (shared prefixes); the second with a subagent; outputs x 4."""
+    return write_traces(tmp_path / "traces", out_scale=4)
 
 
 def _profile(tmp_path, **changes):

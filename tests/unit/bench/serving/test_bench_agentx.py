@@ -4,7 +4,6 @@ fresh server per level), `bench compare`, `bench serve`, and the `pdserve` dispa
 from __future__ import annotations
 
 import csv
-import gzip
 import json
 import sys
 import types
@@ -14,29 +13,16 @@ import pytest
 from bench.serving import agentx, compare, serve
 from bench.serving.synth import PromptSynth
 from services import cli
+from tests.helpers.agent_traces import write_traces
 from tests.helpers.fake_openai import FakeOpenAI, RunningFake
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _req(t, n_in, n_out, first_id, think):
-    return {"t": t, "type": "n", "in": n_in, "out": n_out, "api_time": 0.5, "think_time": think,
-            "hash_ids": list(range(first_id, first_id + n_in // 64))}
-
-
 @pytest.fixture
 def trace_dir(tmp_path):
     """Two small sessions; the second has a subagent. Growing prompts share their prefixes."""
-    sub = {"type": "subagent", "t": 3.0, "duration_ms": 2000,
-           "requests": [_req(0.0, 300, 6, 500, 0.0), _req(1.0, 420, 4, 500, 1.0)]}
-    traces = {"trace_a": [_req(0.0, 700, 8, 1, 0.0), _req(2.0, 900, 5, 1, 2.0), _req(4.0, 1000, 9, 1, 1.0)],
-              "trace_b": [_req(0.0, 500, 7, 1, 0.0), sub, _req(5.0, 650, 6, 1, 2.0)]}
-    d = tmp_path / "traces"
-    d.mkdir()
-    for name, reqs in traces.items():
-        with gzip.open(d / f"{name}.json.gz", "wt") as f:
-            json.dump({"id": name, "block_size": 64, "requests": reqs}, f)
-    return d
+    return write_traces(tmp_path / "traces")
 
 
 def _argv(url_args, trace_dir, out_dir, *extra):
