@@ -31,7 +31,7 @@ import torch
 from bench.serving.client import make_session, server_info, stream_completion
 from bench.serving.target import FreshServer, wait_ready
 from bench.simulate.profile import TERMS, Profile, StepCost
-from bench.simulate.system import _engine_cfg, model_dir
+from bench.simulate.system import engine_cfg, model_dir
 from engine.core.core import EngineCore
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -202,7 +202,7 @@ def run(a: argparse.Namespace) -> dict:
         prof["model"] = str(a.model or topo.model)
         for kind in ("prefill", "decode"):
             spec = topo.service(kind)
-            core = make_engine_core(_engine_cfg(spec, mdir, device=device))
+            core = make_engine_core(engine_cfg(spec, mdir, device=device))
             cfg = core.cfg
             core.add_request(Request("warmup", _ids(300, 7, cfg.model.vocab_size),
                                      SamplingParams(max_tokens=8, ignore_eos=True)))
@@ -239,7 +239,7 @@ def _calibrate_served(a, prof: dict) -> None:
         got = asyncio.run(_served(ep.url, batches, prompt_len, tokens, info.get("vocab_size") or 4096))
     topo = topology_mod.load(a.config)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _engine_cfg(topo.service("decode"), model_dir(a.model or topo.model, Path(a.config), Path(tmp)))
+        cfg = engine_cfg(topo.service("decode"), model_dir(a.model or topo.model, Path(a.config), Path(tmp)))
     k = cfg.num_spec_tokens if cfg.with_mtp else 0
     acceptance = (cfg.speculative.synthetic_acceptance_length if cfg.speculative else None) or \
         prof.get("mtp_acceptance_length") or 1.0

@@ -78,7 +78,7 @@ def model_dir(model: str, topo_path: Path, tmp: Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def _engine_cfg(spec, model_path: Path, pcp: int = 1, dcp: int = 1, device: str = "cpu"):
+def engine_cfg(spec, model_path: Path, pcp: int = 1, dcp: int = 1, device: str = "cpu"):
     """The EngineConfig a topology's service builds from its flags (on `device`: the simulator only reads it)."""
     p = EngineArgs.add_cli_args(argparse.ArgumentParser(add_help=False))
     flags = ["--model", str(model_path), "--device", device,
@@ -132,10 +132,10 @@ def engine_specs(topo_path: str, profile: Profile, model: str | None, tmp: Path)
         if kind == "prefill":
             pcp = spec.extra.get("prefill_context_parallel_size", 1)
             dcp = spec.extra.get("decode_context_parallel_size", 1)
-            cfg = _engine_cfg(spec, mdir, pcp, dcp)
+            cfg = engine_cfg(spec, mdir, pcp, dcp)
             key, per, ranks = prefill_key(pcp, dcp), 1, pcp
         else:
-            cfg = _engine_cfg(spec, mdir)
+            cfg = engine_cfg(spec, mdir)
             dp = spec.extra.get("data_parallel_size", 1)
             key, per, ranks = decode_key(dp), dp, 1  # a DP group: one instance per rank, one GPU each
             if cfg.speculative is not None:

@@ -139,7 +139,24 @@ def _free_port(host: str) -> int:
             return port
 
 
-class RankComm:
+class CommCounters:
+    """What a rank's collectives moved: `bytes[tag]` and `calls[tag]` (RankComm, and the one-GPU emulation's
+    loopback transport)."""
+
+    def _init_counters(self) -> None:
+        self.bytes: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+
+    def _count(self, tag: str, t: torch.Tensor) -> None:
+        self.bytes[tag] += t.numel() * t.element_size()
+        self.calls[tag] += 1
+
+    def reset_counters(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+class RankComm(CommCounters):
     """The collectives of one rank. `bytes[tag]` counts what this rank received (all-gather outputs,
     all-to-all receive buffers) or sent (reduce-scatter inputs), for the communication-volume report."""
 
@@ -147,8 +164,7 @@ class RankComm:
         self.rank = env.rank
         self.world_size = env.world_size
         self.device = device
-        self.bytes: Counter[str] = Counter()
-        self.calls: Counter[str] = Counter()
+        self._init_counters()
         backend = "nccl" if device.type == "cuda" else "gloo"
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: one multi-rank engine "
@@ -164,14 +180,6 @@ class RankComm:
         self.data = dist.group.WORLD
         self.prefetch = dist.new_group(backend=backend, timeout=_DATA_TIMEOUT)
         self.control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-
-    def _count(self, tag: str, t: torch.Tensor) -> None:
-        self.bytes[tag] += t.numel() * t.element_size()
-        self.calls[tag] += 1
-
-    def reset_counters(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
 
     # ---- tensors -------------------------------------------------------------------------------
     def all_gather(self, x: torch.Tensor, tag: str, *, prefetch: bool = False, async_op: bool = False):

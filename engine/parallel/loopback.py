@@ -17,31 +17,22 @@ would under balanced routing, and the D slots together bring T · k, as D real r
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 
 import torch
 
 from engine.core.core import EngineCore
+from engine.parallel.dist import CommCounters
 from engine.parallel.dp_runner import DPModelRunner, plan_step
 
 
-class LoopbackComm:
+class LoopbackComm(CommCounters):
     """`RankComm`'s tensor and object calls for rank 0 of `world_size` ranks, on one device."""
 
     control = None
 
     def __init__(self, world_size: int, device: torch.device):
         self.rank, self.world_size, self.device = 0, world_size, device
-        self.bytes: Counter[str] = Counter()
-        self.calls: Counter[str] = Counter()
-
-    def _count(self, tag: str, t: torch.Tensor) -> None:
-        self.bytes[tag] += t.numel() * t.element_size()
-        self.calls[tag] += 1
-
-    def reset_counters(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
+        self._init_counters()
 
     def all_gather(self, x: torch.Tensor, tag: str, **_) -> torch.Tensor:
         out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)

@@ -64,7 +64,7 @@ def test_simulate_writes_agentx_results_and_is_deterministic(traces, tmp_path):
     for lv in a["levels"]:
         assert lv["valid"] and lv["completed"] > 10
         sim = lv["sim"]
-        assert sim["simulated_s"] >= 170 and sim["wall_s"] < 60  # 3 simulated minutes, faster than real time
+        assert sim["simulated_s"] >= 170  # 3 simulated minutes (their wall time is a benchmark figure, not tested)
         assert 0 < sim["busy_fraction"]["decode"] < 1 and sim["bottleneck"]
         assert max(v for v in sim["prefix_hit_rate"].values() if v is not None) > 0.3  # growing prompts hit
     # MTP with acceptance length 2.5: well over one token per decode step (a step costs at least 20 ms here)
