@@ -58,14 +58,20 @@ def _no_state_held(addr: dict, names) -> None:
 
 def _streams(addr: dict, bodies: list[dict], want: list[str], during) -> list:
     """Run the streams, apply `during()` once every stream has text (mid-stream), check every one is
-    complete and token-exact."""
+    complete and token-exact: a greedy stream may part from the reference only at a near-tie
+    (chaos.assert_greedy_matches), a seeded one not at all."""
+    for b in bodies:
+        b["return_token_ids"] = True
     load = chaos.Load(addr["url"], bodies, CLIENT_TIMEOUT_S * 3).start()
     assert load.wait_started(120), "streams did not start"
     during()
     results = load.join()
-    for r, text in zip(results, want):
+    for r, text, body in zip(results, want, bodies):
         assert r.ok, r
-        assert r.text == text, (r.text, text)
+        if r.text != text and body.get("temperature", 0.0) == 0.0:
+            chaos.assert_greedy_matches(addr["offline"], body, r.token_ids)
+        else:
+            assert r.text == text, (r.text, text)
     return results
 
 
@@ -145,7 +151,7 @@ def test_no_request_lost_when_a_service_stops(tmp_path_factory, offline, corpus)
     dep = system.launch(topo)
     try:
         addr = {i.instance_id: i.metrics_address for i in chaos.instances(dep).values()}
-        addr["url"] = dep.url
+        addr["url"], addr["offline"] = dep.url, offline
         addr["router"] = next(a for n, a in addr.items() if n.startswith("router"))
         phases = (_phase_decode_drains, _phase_decode_drain_cut_short_migrates, _phase_decode_killed_migrates,
                   _phase_prefill_drains, _phase_kvstore_drains)

@@ -255,3 +255,29 @@ def expected(offline: LLM, bodies: list[dict]) -> list[str]:
     outs = offline.generate([b["prompt"] for b in bodies],
                             SamplingParams(max_tokens=bodies[0]["max_tokens"], temperature=0.0, ignore_eos=True))
     return [o.text for o in outs]
+
+
+NEAR_TIE = 1e-2  # logits closer than this are a near-tie: batching the same math differently may flip the argmax
+
+
+def assert_greedy_matches(offline: LLM, body: dict, got: list[int], max_ties: int = 2) -> None:
+    """A served greedy stream's token ids against the undisturbed offline run. They may part only where the
+    reference's two candidates are a near-tie (logits within NEAR_TIE: a different batching of the same math
+    rounds differently); past each such step the reference continues from the served token and must match
+    again. Anything else (a different token at a clear margin, a lost or repeated token) fails."""
+    prompt, n = list(body["prompt"]), body["max_tokens"]
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    want = list(offline.generate([prompt], params)[0].token_ids)
+    for _ in range(max_ties + 1):
+        assert len(got) == n, f"served {len(got)} tokens, asked for {n}"
+        p = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if p is None:
+            return
+        last = offline.prompt_logits(prompt + got[:p])[-1]
+        gap = abs(float(last[got[p]]) - float(last[want[p]]))
+        assert gap < NEAR_TIE, (f"token {p}: served {got[p]}, reference {want[p]} by a margin of {gap:.4g} "
+                                f"(not a near-tie)")
+        head = got[:p + 1]
+        rest = SamplingParams(max_tokens=n - p - 1, temperature=0.0, ignore_eos=True)
+        want = head + (list(offline.generate([prompt + head], rest)[0].token_ids) if n - p - 1 else [])
+    raise AssertionError(f"more than {max_ties} near-ties in one stream: {got} against {want}")
