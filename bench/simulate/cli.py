@@ -33,7 +33,9 @@ from bench.simulate.system import SimSystem, engine_specs
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, metavar="TOPOLOGY", help="the topology file to simulate")
+    p.add_argument("--config", required=True, action="append", metavar="TOPOLOGY",
+                   help="the topology file to simulate; repeat it for a deployment of one file per host "
+                        "(configs/h200x16/: prefill-host.yaml and decode-host.yaml)")
     p.add_argument("--profile", required=True, help="calibration profile (JSON, bench/simulate/profile.py)")
     p.add_argument("--model", help="model instead of the topology's: a preset name or a checkpoint folder")
     add_replay_args(p, context_from="the decode engine's max_model_len")  # bench agentx's, same meaning
@@ -92,7 +94,7 @@ async def _level(args, level_idx: int, concurrency: int, traces, specs, profile:
 def run(args: argparse.Namespace) -> dict:
     if args.token_scale <= 0 or args.duration <= 0:
         raise ValueError("--token-scale and --duration must be > 0")
-    args.label = args.label or Path(args.config).stem
+    args.label = args.label or "+".join(Path(c).stem for c in args.config)
     args.output_dir = args.output_dir or f"results/simulate-{args.label}-{time.strftime('%Y%m%d-%H%M%S')}"
     profile = Profile.load(args.profile)
     traces = load_traces(args.traces, token_scale=args.token_scale, max_traces=args.max_traces)

@@ -5,7 +5,7 @@ figure the simulator is meant to predict.
     {"version": 1, "hardware": "...", "commit": "...", "date": "...", "model": "...",
      "engines": {"prefill/pcp1-dcp1": {"step_s": ..., "token_s": ..., "token_ctx_s": ..., "request_s": ...,
                                        "source": "..."},
-                 "decode/dp1": {...}},
+                 "decode/dp1-hisparse": {...}},
      "transfer": {"latency_s": ..., "gbs": ..., "source": "..."},
      "request_overhead_s": {"value": ..., "source": "..."}}
 
@@ -14,8 +14,15 @@ One engine step of a scheduled batch costs
     step_s + token_s · N + token_ctx_s · Σ n_i · (start_i + n_i / 2) + request_s · B
 
 with N the tokens computed (all rows, drafts included), B the requests, and the middle sum each chunk's rows
-times the mean context they attend over (the attention and indexer work that grows with the context). A
-decode engine's layout key is its DP size; a prefill engine's its PCP and DCP sizes.
+times the mean context they attend over (the attention and indexer work that grows with the context). An entry
+may add a fifth term for sparse attention, whose work per row stops growing once the context passes the
+indexer's top-k (`index_topk`, K):
+
+    + token_sel_s · Σ_rows min(context of the row, K)
+
+so that the indexer (every key scored: linear in the context) and sparse MLA (at most K keys attended) can
+each keep their own shape. A decode engine's layout key is its DP size, with `-hisparse` where its requests
+are admitted by HiSparse (other step costs: the plan and miss copies); a prefill engine's its PCP and DCP sizes.
 """
 
 from __future__ import annotations
@@ -31,6 +38,13 @@ class ProfileError(ValueError):
     """A profile that cannot drive the simulation asked of it: says which entry is missing or wrong."""
 
 
+def selected(start: int, n: int, topk: int) -> int:
+    """Σ_{i=1..n} min(start + i, topk): the keys sparse attention reads for n rows after `start` cached."""
+    full = max(0, min(n, start + n - topk))  # rows whose context reaches topk
+    part = n - full  # rows at contexts start+1 .. start+part, all below topk
+    return full * topk + part * start + part * (part + 1) // 2
+
+
 @dataclass(frozen=True)
 class StepCost:
     step_s: float
@@ -38,12 +52,17 @@ class StepCost:
     token_ctx_s: float
     request_s: float
     source: str = ""
+    token_sel_s: float = 0.0
+    index_topk: int = 0
 
     def __call__(self, chunks) -> float:
         """Seconds of one step over `chunks` (ScheduledChunk: start, token_ids)."""
         n = sum(len(c.token_ids) for c in chunks)
         ctx = sum(len(c.token_ids) * (c.start + len(c.token_ids) / 2) for c in chunks)
-        return self.step_s + self.token_s * n + self.token_ctx_s * ctx + self.request_s * len(chunks)
+        out = self.step_s + self.token_s * n + self.token_ctx_s * ctx + self.request_s * len(chunks)
+        if self.token_sel_s:
+            out += self.token_sel_s * sum(selected(c.start, len(c.token_ids), self.index_topk) for c in chunks)
+        return out
 
 
 @dataclass(frozen=True)
@@ -71,7 +90,12 @@ class Profile:
         missing = [t for t in TERMS if not isinstance(entry.get(t), (int, float)) or entry[t] < 0]
         if missing:
             raise ProfileError(f"profile {self.path}: {key} lacks non-negative {', '.join(missing)}")
-        return StepCost(*(float(entry[t]) for t in TERMS), source=str(entry.get("source", "")))
+        sel, topk = entry.get("token_sel_s", 0.0), entry.get("index_topk", 0)
+        if not isinstance(sel, (int, float)) or sel < 0 or (sel and (not isinstance(topk, int) or topk < 1)):
+            raise ProfileError(f"profile {self.path}: {key}: token_sel_s must be >= 0, and with it index_topk a "
+                               f"positive integer (got {sel!r}, {topk!r})")
+        return StepCost(*(float(entry[t]) for t in TERMS), source=str(entry.get("source", "")),
+                        token_sel_s=float(sel), index_topk=int(topk or 0))
 
     def transfer_s(self, nbytes: float) -> float:
         t = self._entry("transfer", ("latency_s", "gbs"))
@@ -98,5 +122,5 @@ def prefill_key(pcp: int, dcp: int) -> str:
     return f"prefill/pcp{pcp}-dcp{dcp}"
 
 
-def decode_key(dp: int) -> str:
-    return f"decode/dp{dp}"
+def decode_key(dp: int, hisparse: bool = False) -> str:
+    return f"decode/dp{dp}" + ("-hisparse" if hisparse else "")

@@ -120,14 +120,37 @@ def _num_blocks(cfg, profile: Profile, ranks: int, ep: bool, what: str) -> int:
     return n * ranks if cfg.parallel.decode_context_parallel_size > 1 else n
 
 
-def engine_specs(topo_path: str, profile: Profile, model: str | None, tmp: Path) -> list[EngineSpec]:
-    topo = topology_mod.load(topo_path)
-    mdir = model_dir(model or topo.model, Path(topo_path), tmp)
+def services_of(topo_paths: list[str]) -> tuple[str, Path, dict]:
+    """One deployment from its topology files (one per host, as `pdserve up` runs them): (model, the file its
+    model path is relative to, {kind: ServiceSpec}). The files must name the same model, and a service kind
+    may appear in one file only."""
+    model, where, services = None, None, {}
+    for path in topo_paths:
+        topo = topology_mod.load(path)
+        if model is not None and topo.model != model:
+            raise ValueError(f"topology files name different models: {model!r} ({where}) and {topo.model!r} ({path})")
+        model, where = topo.model, where or Path(path)
+        for kind in ("prefill", "decode"):
+            spec = topo.service(kind)
+            if spec is None:
+                continue
+            if kind in services:
+                raise ValueError(f"the {kind} service appears in two topology files ({services[kind][1]} and {path})")
+            services[kind] = (spec, path)
+    for kind in ("prefill", "decode"):
+        if kind not in services:
+            raise ValueError(f"topology {', '.join(topo_paths)} has no {kind} service")
+    return model, where, {k: spec for k, (spec, _) in services.items()}
+
+
+def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | None, tmp: Path) -> list[EngineSpec]:
+    paths = [topo_paths] if isinstance(topo_paths, (str, Path)) else list(topo_paths)
+    topo_model, topo_path, services = services_of([str(p) for p in paths])
+    topo_path = str(topo_path)
+    mdir = model_dir(model or topo_model, Path(topo_path), tmp)
     out = []
     for kind in ("prefill", "decode"):
-        spec = topo.service(kind)
-        if spec is None:
-            raise ValueError(f"topology {topo_path} has no {kind} service")
+        spec = services[kind]
         acceptance = None
         if kind == "prefill":
             pcp = spec.extra.get("prefill_context_parallel_size", 1)
@@ -137,7 +160,8 @@ def engine_specs(topo_path: str, profile: Profile, model: str | None, tmp: Path)
         else:
             cfg = engine_cfg(spec, mdir)
             dp = spec.extra.get("data_parallel_size", 1)
-            key, per, ranks = decode_key(dp), dp, 1  # a DP group: one instance per rank, one GPU each
+            hisparse = cfg.hisparse is not None and not cfg.hisparse.offload_only
+            key, per, ranks = decode_key(dp, hisparse), dp, 1  # a DP group: one instance per rank, one GPU each
             if cfg.speculative is not None:
                 acceptance = cfg.speculative.synthetic_acceptance_length or profile.raw.get("mtp_acceptance_length")
         profile.engine(key)  # a missing entry is an error before anything runs
@@ -215,8 +239,9 @@ class SimSystem:
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         self.routing.started(pid)
         try:
+            # the first token (a chunk before the last one emits an output without tokens)
             prefill.add(Request(rid, list(prompt), sp, hold_kv_on_finish=True),
-                        lambda o: first.done() or first.set_result(o))
+                        lambda o: first.done() or not (o.new_token_ids or o.finish_reason) or first.set_result(o))
             await first
         finally:
             self.routing.finished(pid)

@@ -1,4 +1,5 @@
-"""Named model shapes: `glm-5.3` (the served model, for memory math on `meta`) and `tiny` (tests, demo)."""
+"""Named model shapes: `glm-5.3` (the served model, for memory math on `meta`), `glm-5.3-fp8` (the same as
+its FP8 checkpoint declares itself) and `tiny` (tests, demo)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,11 @@ _TINY: dict[str, Any] = {
     "dtype": "float32",
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"glm-5.3": _GLM_5_3, "tiny": _TINY}
+# The served checkpoint's form: block-scaled FP8 weights (docs/fp8.md), for memory math and the simulator
+_GLM_5_3_FP8: dict[str, Any] = {**_GLM_5_3, "quantization_config": {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
+
+PRESETS: dict[str, dict[str, Any]] = {"glm-5.3": _GLM_5_3, "glm-5.3-fp8": _GLM_5_3_FP8, "tiny": _TINY}
 
 
 def preset_dict(name: str, **overrides: Any) -> dict[str, Any]:

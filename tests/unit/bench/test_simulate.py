@@ -18,7 +18,8 @@ from tests.helpers.agent_traces import write_traces
 CPU_TOPOLOGY = str(ROOT / "configs" / "topology.cpu.yaml")
 PROFILE = {"version": 1, "hardware": "test", "commit": "", "date": "", "model": "tiny-code",
            "engines": {"prefill/pcp1-dcp1": {"step_s": 0.01, "token_s": 2e-5, "token_ctx_s": 1e-9, "request_s": 5e-4},
-                       "decode/dp1": {"step_s": 0.02, "token_s": 1e-4, "token_ctx_s": 1e-9, "request_s": 5e-4}},
+                       "decode/dp1-hisparse": {"step_s": 0.02, "token_s": 1e-4, "token_ctx_s": 1e-9,
+                                               "request_s": 5e-4}},
            "transfer": {"latency_s": 0.002, "gbs": 1.0}, "request_overhead_s": {"value": 0.003},
            "mtp_acceptance_length": 2.5}
 
@@ -73,7 +74,7 @@ def test_simulate_writes_agentx_results_and_is_deterministic(traces, tmp_path):
 
 def test_refusals_name_what_is_missing(traces, tmp_path):
     no_decode = _profile(tmp_path, engines={"prefill/pcp1-dcp1": PROFILE["engines"]["prefill/pcp1-dcp1"]})
-    with pytest.raises(ProfileError, match=r"no step costs for decode/dp1.*it has: prefill/pcp1-dcp1"):
+    with pytest.raises(ProfileError, match=r"no step costs for decode/dp1-hisparse.*it has: prefill/pcp1-dcp1"):
         cli.run(cli.build_parser().parse_args(_argv(traces, no_decode, tmp_path / "x")))
     assert cli.main(_argv(traces, no_decode, tmp_path / "x")) == 2
     no_transfer = {k: v for k, v in PROFILE.items() if k != "transfer"}
@@ -106,3 +107,4 @@ def test_calibration_fit_recovers_its_terms_and_keeps_them_non_negative():
     # a served step of B requests at k = 3: B x 4 rows, TPOT x tokens per step seconds
     (feat, t), = served_decode_rows({8: 0.02}, 3, 2.0, 100)
     assert feat == [1.0, 32.0, 32 * 102.0, 8.0] and t == pytest.approx(0.04)
+

@@ -1,0 +1,132 @@
+"""The reference deployment in the simulator: its two host files simulated as one deployment, the sparse
+attention term of a step cost, and the shipped H200 profile (bench/simulate/reference_profile.py) rebuilt from
+the recorded measurements it names, and agreeing with the steps it was made from."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from bench.simulate import cli
+from bench.simulate.profile import Profile, ProfileError, selected
+from bench.simulate.system import services_of
+from tests.helpers import ROOT
+from tests.helpers.agent_traces import write_traces
+
+HOSTS = ROOT / "configs" / "h200x16"
+PREFILL_HOST, DECODE_HOST = str(HOSTS / "prefill-host.yaml"), str(HOSTS / "decode-host.yaml")
+H200 = ROOT / "configs" / "profiles" / "h200-glm5.3-fp8.json"
+
+
+def _chunk(start: int, n: int):
+    return SimpleNamespace(start=start, token_ids=[0] * n)
+
+
+@pytest.mark.parametrize("start,n,k", [(0, 1, 4), (0, 10, 4), (2, 5, 4), (3, 1, 4), (100, 7, 4), (0, 5000, 2048),
+                                       (2040, 20, 2048), (0, 0, 8)])
+def test_selected_keys_match_the_row_by_row_count(start, n, k):
+    assert selected(start, n, k) == sum(min(start + i, k) for i in range(1, n + 1))
+
+
+def test_the_sparse_attention_term_stops_growing_past_top_k():
+    prof = Profile({"version": 1, "engines": {"decode/dp1": {
+        "step_s": 0.0, "token_s": 0.0, "token_ctx_s": 0.0, "request_s": 0.0, "token_sel_s": 1.0, "index_topk": 100}}})
+    cost = prof.engine("decode/dp1")
+    assert cost([_chunk(10, 1)]) == 11 and cost([_chunk(99, 4)]) == 400 and cost([_chunk(10**6, 4)]) == 400
+    bad = Profile({"version": 1, "engines": {"decode/dp1": {
+        "step_s": 0.0, "token_s": 0.0, "token_ctx_s": 0.0, "request_s": 0.0, "token_sel_s": 1e-6}}})
+    with pytest.raises(ProfileError, match="index_topk a positive integer"):
+        bad.engine("decode/dp1")
+
+
+def test_a_deployment_of_one_file_per_host_is_one_system(tmp_path):
+    model, _, services = services_of([PREFILL_HOST, DECODE_HOST])
+    assert model.endswith("GLM-5.3-FP8") and set(services) == {"prefill", "decode"}
+    assert services["decode"].extra["data_parallel_size"] == 8
+    with pytest.raises(ValueError, match="decode service appears in two topology files"):
+        services_of([PREFILL_HOST, DECODE_HOST, str(HOSTS / "decode-host-offload.yaml")])
+    with pytest.raises(ValueError, match="has no decode service"):
+        services_of([PREFILL_HOST])
+    other = tmp_path / "other.yaml"
+    other.write_text((HOSTS / "decode-host.yaml").read_text().replace("/models/GLM-5.3-FP8", "/models/other"))
+    with pytest.raises(ValueError, match="different models"):
+        services_of([PREFILL_HOST, str(other)])
+
+
+def test_the_reference_deployment_simulates_with_the_shipped_profile(tmp_path):
+    traces = write_traces(tmp_path / "traces", out_scale=8)
+    out = tmp_path / "out"
+    argv = ["--config", PREFILL_HOST, "--config", DECODE_HOST, "--model", "glm-5.3-fp8", "--profile", str(H200),
+            "--traces", str(traces), "--concurrency", "4", "--duration", "120", "--warmup", "10", "--seed", "1",
+            "--output-dir", str(out)]
+    assert cli.main(argv) == 0
+    level = json.loads((out / "result.json").read_text())["levels"][0]
+    assert level["valid"] and level["completed"] > 5
+    assert level["sim"]["steps"]["decode-0-dp7"] >= 0 and len(level["sim"]["steps"]) == 9  # 1 prefill + 8 ranks
+    # a decode step of this profile costs ~45 ms or more, and MTP3 emits ~3 tokens a step
+    assert 10.0 < level["p50_tpot_ms"] < 45.0
+
+
+def _same(a, b, where="profile"):
+    """Equal JSON, numbers to 1e-9 relative (a least-squares solve may differ in its last bits)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert set(a) == set(b), (where, set(a) ^ set(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-15), where
+    else:
+        assert a == b, where
+
+
+def test_the_shipped_h200_profile_is_what_its_builder_makes_of_the_recorded_data():
+    from bench.simulate import reference_profile
+
+    built, shipped = reference_profile.build(), json.loads(H200.read_text())
+    for k in ("commit", "date"):
+        built.pop(k), shipped.pop(k)
+    _same(json.loads(json.dumps(built)), shipped)  # rebuild: `python -m bench.simulate.reference_profile --out ...`
+    # each decode point it was made from is reproduced by its step costs within 10% (a linear model of a step whose
+    # expert reads saturate once every local expert is touched, B >= 16: B = 1 comes out 9.5% high)
+    prof = Profile.load(H200)
+    cost = prof.engine("decode/dp8")
+    for p in shipped["engines"]["decode/dp8"]["points"]:
+        rows = [_chunk(p["prompt"] + reference_profile.CTX_DURING_STEPS, 1 + reference_profile.MTP_K)] * p["batch"]
+        assert cost(rows) == pytest.approx(p["rank_step_s"], rel=0.10), p
+    # HiSparse adds its measured extra on top; the prefill of a fresh 128K prompt on PCP8 takes seconds, not minutes
+    assert prof.engine("decode/dp8-hisparse")([_chunk(4096, 4)]) > cost([_chunk(4096, 4)])
+    pre = prof.engine("prefill/pcp8-dcp8")
+    ttft = sum(pre([_chunk(s, 16384)]) for s in range(0, 131072, 16384))
+    assert 2.0 < ttft < 15.0
+
+
+def test_a_prompt_of_several_chunks_gets_its_first_token_after_its_last_chunk(tmp_path):
+    """A prefill chunk before the last one emits an output without tokens: the first token (and the KV handoff)
+    waits for the last chunk, and the prefill keeps no KV once the decode has it."""
+    from bench.serving.client import RequestRecord
+    from bench.simulate import clock
+    from bench.simulate.system import SimSystem, engine_specs
+
+    prof = Profile.load(H200)
+
+    async def main():
+        specs = engine_specs([PREFILL_HOST, DECODE_HOST], prof, "glm-5.3-fp8", tmp_path)
+        system = SimSystem(specs, prof, seed=0)
+        pre = next(s for s in specs if s.role == "prefill")
+        n = 2 * pre.cfg.scheduler.max_num_batched_tokens + 100
+        try:
+            rec = await system.send(list(range(1, n + 1)), 4, RequestRecord(prompt_len=n, max_tokens=4))
+        finally:
+            await system.close()
+        return rec, n, system.engines[pre.instance_id]
+
+    rec, n, prefill = clock.run(main())
+    cost = prof.engine("prefill/pcp8-dcp8")
+    assert prefill.num_steps == 3 and rec.output_tokens == 4 and not prefill.scheduler.held
+    assert rec.t_first - rec.t_start >= 3 * cost.step_s + cost.token_s * n
