@@ -31,7 +31,7 @@ import torch
 from bench.serving.client import make_session, server_info, stream_completion
 from bench.serving.target import FreshServer, wait_ready
 from bench.simulate.profile import TERMS, Profile, StepCost, decode_key
-from bench.simulate.system import engine_cfg, model_dir
+from bench.simulate.system import engine_cfg, hisparse_admits, model_dir
 from engine.core.core import EngineCore
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -187,11 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _hisparse(cfg) -> bool:
-    """Whether a decode's requests are admitted by HiSparse (its own step-cost entry, profile.decode_key)."""
-    return cfg.hisparse is not None and not cfg.hisparse.offload_only
-
-
 def run(a: argparse.Namespace) -> dict:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     topo = topology_mod.load(a.config)
@@ -218,7 +213,7 @@ def run(a: argparse.Namespace) -> dict:
             else:
                 rows = measure_decode(core, device, [int(x) for x in a.batches.split(",")],
                                       [int(x) for x in a.contexts.split(",")], a.decode_tokens)
-                key = decode_key(1, _hisparse(cfg))
+                key = decode_key(1, hisparse_admits(cfg))
                 if cfg.speculative is not None:
                     st = core.stats()
                     prof["mtp_acceptance_length"] = st.spec_emitted / st.spec_steps if st.spec_steps else None
@@ -246,15 +241,15 @@ def _calibrate_served(a, prof: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = engine_cfg(topo.service("decode"), model_dir(a.model or topo.model, Path(a.config), Path(tmp)))
     k = cfg.num_spec_tokens if cfg.with_mtp else 0
-    key = decode_key(1, _hisparse(cfg))
+    key = decode_key(1, hisparse_admits(cfg))
     acceptance = (cfg.speculative.synthetic_acceptance_length if cfg.speculative else None) or \
         prof.get("mtp_acceptance_length") or 1.0
     rows = served_decode_rows(got["tpot_s"], k, acceptance, prompt_len + tokens // 2)
     coef, rel = nnls_fit(rows)
     prof["engines"][key] = {**dict(zip(TERMS, coef)), "median_relative_error": rel, "steps": len(rows),
                             "engine_only": prof["engines"].get(key),
-                                     "source": f"pdserve bench calibrate --through-services: TPOT of 1-{max(batches)} "
-                                               f"concurrent streams x {acceptance:.2f} tokens per step"}
+                            "source": f"pdserve bench calibrate --through-services: TPOT of 1-{max(batches)} "
+                                      f"concurrent streams x {acceptance:.2f} tokens per step"}
     pre = Profile({"version": 1, "engines": prof["engines"]}).engine("prefill/pcp1-dcp1")
     chunk = type("Chunk", (), {"start": 0, "token_ids": [0] * prompt_len})
     overhead = max(got["ttft_s"] - pre([chunk]), 0.0)

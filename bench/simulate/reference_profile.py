@@ -67,7 +67,7 @@ INDEXER = "kernels/indexer-layout/indexer-blocked-h200-2026-12-03.json"
 HISPARSE = "decode-graphs/standin-hisparse-graphs-h200-2026-12-02.json"
 HISPARSE_RESIDENT = "decode-graphs/standin-fused-ops-h200-2026-12-02.json"  # the resident step of those days
 PLAN_ONE_SORT = "hisparse-h200-plan-one-sort/plan-mtp3-h200-2026-12-05.json"
-PLAN_THREE_SORTS_MS = {1: 0.896, 64: 0.982}  # kernel alone, MTP3, 2026-12-02 (hisparse-h200-plan-one-sort/NOTES.md)
+PLAN_THREE_SORTS_MS = 0.896  # kernel alone, B = 1, MTP3, 2026-12-02 (hisparse-h200-plan-one-sort/NOTES.md)
 PLAN_LAUNCHES = 24  # plan launches in one MTP3 step of the stand-in (BENCHMARKS.md, "The decode step")
 PREFILL_STACK = "prefill-stack/stack-32k-128k-sm90-1-h200-2026-12-04.json"
 STACK_LAYERS = 4
@@ -97,9 +97,10 @@ def decode_entry(cfg) -> tuple[dict, dict]:
     ix = next(r for r in _load(INDEXER)["rows"] if r.get("case") == "decode" and r.get("impl") == "fused")
     per_key = ix["device_us"] * 1e-6 / (ix["B"] * ix["S"])
     full_main = spec.num_index_layers - 1  # the MTP layer's indexer is the last one
-    # per step: the target pass scores 1 + k rows per request over the main model's full indexers, each draft
-    # pass one row over the MTP layer's; the cost model counts (1 + k) rows per request
-    token_ctx = per_key * (full_main * (1 + MTP_K) + (MTP_K - 1 + 1)) / (1 + MTP_K)
+    # per step and request: the target pass scores 1 + k rows over the main model's full indexers, the MTP
+    # catch-up pass 1 + k rows and the k - 1 draft passes one row each over the MTP layer's (the passes of
+    # bench.decode_dp.step_comm); the cost model counts 1 + k rows per request
+    token_ctx = per_key * (full_main * (1 + MTP_K) + (1 + MTP_K) + (MTP_K - 1)) / (1 + MTP_K)
     rows, points = [], []
     for rel, prompt in DECODE_POINTS:
         for b, t in sorted(_async(_load(rel)["rows"], "resident").items()):
@@ -131,7 +132,7 @@ def hisparse_entry(resident: dict) -> dict:
     per_req = (extra1 - extra0) / (b1 - b0)
     per_step = extra0 - per_req * b0
     one = {r["batch"]: r["ms"] * 1e-3 for r in _load(PLAN_ONE_SORT)["rows"]}
-    saved = PLAN_LAUNCHES * (PLAN_THREE_SORTS_MS[1] * 1e-3 - one[1])
+    saved = PLAN_LAUNCHES * (PLAN_THREE_SORTS_MS * 1e-3 - one[1])
     return {**{k: v for k, v in resident.items() if k not in ("points", "median_relative_error", "source")},
             "step_s": resident["step_s"] + max(per_step - saved, 0.0),
             "request_s": resident["request_s"] + per_req,

@@ -92,6 +92,12 @@ def _spec(cfg) -> KVCacheSpec:
                                   indexer_precision=cfg.cache.indexer_precision, with_mtp=cfg.with_mtp)
 
 
+def hisparse_admits(cfg) -> bool:
+    """Whether a decode's requests are admitted by HiSparse (host pool + hot buffers; its own step-cost entry,
+    profile.decode_key), rather than held whole on the device (no HiSparse, or its offload-only baseline)."""
+    return cfg.hisparse is not None and not cfg.hisparse.offload_only
+
+
 def _hisparse_pools(cfg, device_blocks: int) -> tuple[int, tuple[int, int]]:
     """A HiSparse decode's admission, as its engine sizes it (engine/hisparse/manager.py): blocks of the host pool,
     and (device blocks, blocks of one hot buffer) for the scheduler's device-room check."""
@@ -146,8 +152,7 @@ def services_of(topo_paths: list[str]) -> tuple[str, Path, dict]:
 def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | None, tmp: Path) -> list[EngineSpec]:
     paths = [topo_paths] if isinstance(topo_paths, (str, Path)) else list(topo_paths)
     topo_model, topo_path, services = services_of([str(p) for p in paths])
-    topo_path = str(topo_path)
-    mdir = model_dir(model or topo_model, Path(topo_path), tmp)
+    mdir = model_dir(model or topo_model, topo_path, tmp)
     out = []
     for kind in ("prefill", "decode"):
         spec = services[kind]
@@ -160,8 +165,8 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
         else:
             cfg = engine_cfg(spec, mdir)
             dp = spec.extra.get("data_parallel_size", 1)
-            hisparse = cfg.hisparse is not None and not cfg.hisparse.offload_only
-            key, per, ranks = decode_key(dp, hisparse), dp, 1  # a DP group: one instance per rank, one GPU each
+            # a DP group: one instance per rank, one GPU each
+            key, per, ranks = decode_key(dp, hisparse_admits(cfg)), dp, 1
             if cfg.speculative is not None:
                 acceptance = cfg.speculative.synthetic_acceptance_length or profile.raw.get("mtp_acceptance_length")
         profile.engine(key)  # a missing entry is an error before anything runs
@@ -170,7 +175,7 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
         ep = bool(spec.args.get("enable-expert-parallel")) or kind == "prefill"
         blocks = _num_blocks(cfg, profile, max(ranks, per), ep, f"{kind} of {topo_path}")
         room = None
-        if kind == "decode" and cfg.hisparse is not None and not cfg.hisparse.offload_only:
+        if kind == "decode" and hisparse_admits(cfg):
             blocks, room = _hisparse_pools(cfg, blocks)
         for r in range(spec.replicas):
             for rank in range(per):
