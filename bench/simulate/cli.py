@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bottleneck(sim: dict) -> str:
-    """What limits a level: decode admission (KV capacity), the busiest engine role, or nothing (clients)."""
+    """What limits a level: requests refused for their size, decode admission (KV capacity), the busiest engine
+    role, or nothing (clients)."""
+    if sim.get("refused"):
+        return f"KV capacity: {sim['refused']} requests refused (no pool can hold them)"
     if sim["decode_admission_waits"]:
         return "decode KV capacity (requests waited for blocks)"
     role, busy = max(sim["busy_fraction"].items(), key=lambda kv: kv[1])
@@ -80,6 +83,7 @@ async def _level(args, level_idx: int, concurrency: int, traces, specs, profile:
            "prefix_hit_rate": {iid: e.kv.prefix_hits / e.kv.prefix_queries if e.kv.prefix_queries else None
                                for iid, e in system.engines.items() if system.specs[iid].role == "prefill"},
            "transfer_s": system.transfer_s, "decode_admission_waits": system.admission_waits,
+           "refused": system.refusals,
            "simulated_s": span}
     sim["bottleneck"] = _bottleneck(sim)
     window = measured_window(result.records, result.t_measure, result.t_stop)

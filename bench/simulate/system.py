@@ -223,6 +223,7 @@ class SimSystem:
         self._ids = itertools.count()
         self.transfer_s = 0.0  # virtual seconds of KV transfers, summed
         self.admission_waits = 0  # decode reservations that waited for room
+        self.refusals = 0  # requests an engine refused (prompts no pool of it can hold)
 
     @property
     def num_gpus(self) -> int:
@@ -248,6 +249,8 @@ class SimSystem:
             prefill.add(Request(rid, list(prompt), sp, hold_kv_on_finish=True),
                         lambda o: first.done() or not (o.new_token_ids or o.finish_reason) or first.set_result(o))
             await first
+        except ValueError as e:  # refused (the engine's own validation), as the router reports it to the client
+            return self._refused(rec, f"prefill {pid} failed: INVALID_ARGUMENT: {e}")
         finally:
             self.routing.finished(pid)
         rec.t_first = loop.time()
@@ -259,6 +262,11 @@ class SimSystem:
             rec.t_end = rec.t_first
             return rec
         await self._decode(rid, prompt, max_tokens, rec, prefill)
+        return rec
+
+    def _refused(self, rec: RequestRecord, message: str) -> RequestRecord:
+        rec.error, rec.t_end = message, self.loop.time()
+        self.refusals += 1
         return rec
 
     async def _decode(self, rid: str, prompt: list[int], max_tokens: int, rec: RequestRecord, prefill: SimEngine):
@@ -281,9 +289,14 @@ class SimSystem:
                                                                     ignore_eos=True), remote_kv=True)
         self.routing.started(did)
         try:
-            while (got := decode.reserve_import(req, len(prompt), on_output)) is None:
-                self.admission_waits += 1
-                await asyncio.sleep(max(decode.cost([]), 1e-3))  # the pool frees as its steps end
+            try:
+                while (got := decode.reserve_import(req, len(prompt), on_output)) is None:
+                    self.admission_waits += 1
+                    await asyncio.sleep(max(decode.cost([]), 1e-3))  # the pool frees as its steps end
+            except ValueError as e:  # a request no pool of this decode can hold: the router ends it
+                prefill.release_held(rid)
+                self._refused(rec, f"decode {did} failed: INVALID_ARGUMENT: {e}")
+                return
             _, n_local = got
             seconds = self.profile.transfer_s((len(prompt) - n_local) * self.kv_bytes_per_token)
             self.transfer_s += seconds

@@ -130,3 +130,29 @@ def test_a_prompt_of_several_chunks_gets_its_first_token_after_its_last_chunk(tm
     cost = prof.engine("prefill/pcp8-dcp8")
     assert prefill.num_steps == 3 and rec.output_tokens == 4 and not prefill.scheduler.held
     assert rec.t_first - rec.t_start >= 3 * cost.step_s + cost.token_s * n
+
+
+def test_a_prompt_no_decode_pool_can_hold_is_refused_and_holds_nothing(tmp_path):
+    """Offload-only decode ranks keep a request's whole KV on the device (about 408K tokens per rank here): a
+    500K-token prompt is prefilled, then refused by the decode as the router would report it, and the prefill
+    keeps none of its KV."""
+    from bench.serving.client import RequestRecord
+    from bench.simulate import clock
+    from bench.simulate.system import SimSystem, engine_specs
+
+    prof = Profile.load(H200)
+
+    async def main():
+        specs = engine_specs([PREFILL_HOST, str(HOSTS / "decode-host-offload.yaml")], prof, "glm-5.3-fp8", tmp_path)
+        system = SimSystem(specs, prof, seed=0)
+        n = 500_000
+        try:
+            rec = await system.send(list(range(1, n + 1)), 8, RequestRecord(prompt_len=n, max_tokens=8))
+        finally:
+            await system.close()
+        return rec, system
+
+    rec, system = clock.run(main())
+    assert rec.error and "INVALID_ARGUMENT" in rec.error and "more KV blocks than the engine has" in rec.error
+    assert rec.t_first > rec.t_start and system.refusals == 1
+    assert not system.engines["prefill-0"].scheduler.held and system.engines["prefill-0"].kv.usage() == 0
