@@ -179,7 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-gbs", type=float, required=True)
     p.add_argument("--transfer-latency-s", type=float, required=True)
     p.add_argument("--request-overhead-s", type=float, required=True)
-    p.add_argument("--source", required=True, help="where the transfer and overhead figures come from")
+    p.add_argument("--kvstore-gbs", type=float, default=None, help="kvstore load/offload bandwidth (default: the "
+                   "transfer's)")
+    p.add_argument("--kvstore-latency-s", type=float, default=None,
+                   help="kvstore call latency (default: the transfer's, measured with --through-services)")
+    p.add_argument("--source", required=True, help="where the transfer, kvstore and overhead figures come from")
     p.add_argument("--through-services", action="store_true",
                    help="also start the topology (`pdserve up`) and time decode steps as the services run them (B "
                         "concurrent streams: TPOT x tokens per step) and the per-request overhead (TTFT of one short "
@@ -225,6 +229,11 @@ def run(a: argparse.Namespace) -> dict:
             del core
     if a.through_services:
         _calibrate_served(a, prof)
+    same = [f for f, v in (("latency", a.kvstore_latency_s), ("bandwidth", a.kvstore_gbs)) if v is None]
+    latency = prof["transfer"]["latency_s"] if a.kvstore_latency_s is None else a.kvstore_latency_s
+    prof["kvstore"] = {"latency_s": latency, "gbs": a.transfer_gbs if a.kvstore_gbs is None else a.kvstore_gbs,
+                       "source": a.source + (f"; {' and '.join(same)} taken from the transfer entry (the same NIXL "
+                                             f"path on this machine)" if same else "")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(prof, indent=1) + "\n")
     Profile.load(a.out)  # what it wrote reads back

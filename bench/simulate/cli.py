@@ -84,6 +84,8 @@ async def _level(args, level_idx: int, concurrency: int, traces, specs, profile:
                                for iid, e in system.engines.items() if system.specs[iid].role == "prefill"},
            "transfer_s": system.transfer_s, "decode_admission_waits": system.admission_waits,
            "refused": system.refusals,
+           "kvstore": {i: {"usage": st.pool.usage, "loaded_blocks": st.loaded_blocks,
+                           "offloaded_blocks": st.offloaded_blocks} for i, st in system.stores.items()},
            "simulated_s": span}
     sim["bottleneck"] = _bottleneck(sim)
     window = measured_window(result.records, result.t_measure, result.t_stop)

@@ -54,8 +54,8 @@ class SimEngine:
             self.listeners[req.req_id] = listener
         return got
 
-    def import_done(self, req_id: str) -> None:
-        self.scheduler.import_done(req_id, True)
+    def import_done(self, req_id: str, ok: bool = True, num_tokens: int | None = None) -> None:
+        self.scheduler.import_done(req_id, ok, num_tokens)
         self.kick()
 
     def release_held(self, req_id: str) -> None:

@@ -7,6 +7,7 @@ figure the simulator is meant to predict.
                                        "source": "..."},
                  "decode/dp1-hisparse": {...}},
      "transfer": {"latency_s": ..., "gbs": ..., "source": "..."},
+     "kvstore": {"latency_s": ..., "gbs": ..., "source": "..."},      (where the topology has a kvstore)
      "request_overhead_s": {"value": ..., "source": "..."}}
 
 One engine step of a scheduled batch costs
@@ -98,7 +99,13 @@ class Profile:
                         token_sel_s=float(sel), index_topk=int(topk or 0))
 
     def transfer_s(self, nbytes: float) -> float:
+        """A KV handoff from a prefill to a decode."""
         t = self._entry("transfer", ("latency_s", "gbs"))
+        return t["latency_s"] + nbytes / (t["gbs"] * 1e9)
+
+    def kvstore_s(self, nbytes: float) -> float:
+        """A load from or an offload to a kvstore (required where the topology has one)."""
+        t = self._entry("kvstore", ("latency_s", "gbs"))
         return t["latency_s"] + nbytes / (t["gbs"] * 1e9)
 
     @property
@@ -113,8 +120,8 @@ class Profile:
         entry = self.raw.get(name)
         if not isinstance(entry, dict) or any(not isinstance(entry.get(f), (int, float)) for f in fields):
             raise ProfileError(f"profile {self.path} has no {name} entry with {', '.join(fields)}")
-        if name == "transfer" and entry["gbs"] <= 0:
-            raise ProfileError(f"profile {self.path}: transfer.gbs must be > 0")
+        if name in ("transfer", "kvstore") and entry["gbs"] <= 0:
+            raise ProfileError(f"profile {self.path}: {name}.gbs must be > 0")
         return entry
 
 

@@ -29,6 +29,8 @@ prefill/pcp8-dcp8 (the whole PCP8 x DCP8 x EP8 engine; a chunk of n tokens is sp
     FLOP counts (planner/roofline.py); the full model's terms are its FLOPs at those rates, divided over 8 ranks.
     Modelled on top (not measured at 8 GPUs): the EP all-to-all bytes of each token (bench.decode_dp's count
     of remote copies) and the DCP context all-gather over 450 GB/s NVLink, and 15 us per collective per layer.
+kvstore
+    Pinned host memory to the GPU by DMA (measured on the H200); the call latency is the transfer's.
 transfer
     450 GB/s would be NVLink; the two hosts talk over one 400 Gb/s ConnectX-7 per GPU (50 GB/s, NVIDIA's
     DGX H200 specification). Latency: the decode and router services' measured per-delta work on the H200
@@ -56,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "bench" / "data"
 MTP_K = 3
 NIC_GBS = 50.0  # one ConnectX-7 (400 Gb/s) per GPU: NVIDIA DGX H200 specification
+HOST_DMA_GBS = 52.0  # pinned host -> H200 by DMA, the low end of the 52-54 GB/s measured (BENCHMARKS.md, HiSparse)
 HBM_GIB = 139.8  # torch.cuda.get_device_properties(0).total_memory of the H200s the data came from (143,771 MiB)
 DECODE_POINTS = [  # (file under bench/data, prompt length)
     ("decode-graphs/standin-h200-2026-12-04.json", 256),
@@ -233,6 +236,10 @@ def build() -> dict:
                      "source": "bandwidth: one ConnectX-7 400 Gb/s per GPU (NVIDIA DGX H200 specification); latency: "
                                "the decode and router services' measured per-delta work on the H200 (2.34 + 0.49 "
                                "ms); the cross-host NIXL read latency itself is not measured"},
+        "kvstore": {"latency_s": sum(SERVICE_DELTA_MS.values()) * 1e-3, "gbs": HOST_DMA_GBS,
+                    "source": "bandwidth: pinned host memory to one H200 by DMA, measured 52-54 GB/s (BENCHMARKS.md, "
+                              "HiSparse; a DCP8 prefill stages whole blocks through rank 0); latency: taken from the "
+                              "transfer entry, not measured"},
         "request_overhead_s": {"value": (AGENTX_TTFT_MS["router"] - AGENTX_TTFT_MS["prefill"]) * 1e-3,
                                "source": "router TTFT less prefill TTFT, means of the H200 bench agentx run "
                                          "(bench/data/gpu-system-h200/NOTES.md)"},

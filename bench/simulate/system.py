@@ -47,10 +47,12 @@ from engine.kv.cache import KVCacheSpec
 from engine.kv.hashing import block_hashes
 from planner.capacity import weight_bytes
 from services.cluster.redis_state import InstanceInfo
+from services.kvstore.pool import BlockPool
 from services.launch import topology as topology_mod
 from services.router.routing import Routing
 
 _GIB = 1 << 30
+LEASE_S = 600.0  # kvstore reservations and leases: far longer than any simulated transfer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,15 +130,15 @@ def _num_blocks(cfg, profile: Profile, ranks: int, ep: bool, what: str) -> int:
 
 def services_of(topo_paths: list[str]) -> tuple[str, Path, dict]:
     """One deployment from its topology files (one per host, as `pdserve up` runs them): (model, the file its
-    model path is relative to, {kind: ServiceSpec}). The files must name the same model, and a service kind
-    may appear in one file only."""
+    model path is relative to, {kind: ServiceSpec} of its kvstore, if any, prefill and decode). The files must
+    name the same model, and a service kind may appear in one file only."""
     model, where, services = None, None, {}
     for path in topo_paths:
         topo = topology_mod.load(path)
         if model is not None and topo.model != model:
             raise ValueError(f"topology files name different models: {model!r} ({where}) and {topo.model!r} ({path})")
         model, where = topo.model, where or Path(path)
-        for kind in ("prefill", "decode"):
+        for kind in ("kvstore", "prefill", "decode"):
             spec = topo.service(kind)
             if spec is None:
                 continue
@@ -182,13 +184,45 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
                 iid = f"{kind}-{r}" + (f"-dp{rank}" if per > 1 else "")
                 out.append(EngineSpec(kind, iid, cfg, key, blocks, ranks if kind == "prefill" else 1, acceptance,
                                       room))
+    store = services.get("kvstore")
+    if store is not None:
+        pre = next(e for e in out if e.role == "prefill")
+        profile.kvstore_s(0)  # a kvstore needs its transfer cost: an error before anything runs
+        for r in range(store.replicas):
+            out.append(EngineSpec("kvstore", f"kvstore-{r}", pre.cfg, "kvstore", kvstore_blocks(store, pre.cfg),
+                                  0, None))
     return out
+
+
+def kvstore_blocks(spec, cfg) -> int:
+    """A kvstore's pool as the service sizes it (services/kvstore/main.py: --pool-gib of the prefill's blocks)."""
+    gib = spec.args.get("pool-gib")
+    if not isinstance(gib, (int, float)) or isinstance(gib, bool) or gib <= 0:
+        raise ValueError(f"services.kvstore.args.pool-gib must be a positive number, got {gib!r}")
+    n = num_blocks_for_bytes(_spec(cfg), int(gib * _GIB))
+    if n < 1:
+        raise ValueError(f"kvstore pool-gib {gib} holds no block of {_spec(cfg).block_bytes} bytes")
+    return n
+
+
+class SimKVStore:
+    """A kvstore instance: the production `BlockPool` (services/kvstore/pool.py: reservations, leases, LRU
+    eviction) on the virtual clock; its transfers are costed by the profile's `kvstore` entry."""
+
+    def __init__(self, instance_id: str, num_blocks: int):
+        self.instance_id = instance_id
+        self.pool = BlockPool(num_blocks)
+        self.loaded_blocks = 0
+        self.offloaded_blocks = 0
+
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        return self.pool.lookup(hashes)
 
 
 class _Registry:
     """What the router reads from Redis, from the simulated instances (RedisState's calls `Routing` makes)."""
 
-    def __init__(self, engines: dict[str, SimEngine], roles: dict[str, str]):
+    def __init__(self, engines: dict[str, SimEngine | SimKVStore], roles: dict[str, str]):
         self.engines, self.roles = engines, roles
 
     async def instances(self, role: str | None = None) -> list[InstanceInfo]:
@@ -196,7 +230,7 @@ class _Registry:
                 if role is None or self.roles[i] == role]
 
     async def loads(self, ids) -> dict[str, dict[str, float]]:
-        return {i: self.engines[i].load() for i in ids}
+        return {i: self.engines[i].load() for i in ids if isinstance(self.engines[i], SimEngine)}
 
     async def lookup_prefix(self, hashes, *, role=None, instance_ids=None) -> dict[str, int]:
         ids = instance_ids if instance_ids is not None else list(self.engines)
@@ -211,12 +245,15 @@ class SimSystem:
         self.specs = {s.instance_id: s for s in specs}
         self.engines = {s.instance_id: SimEngine(s.instance_id, s.cfg, s.num_blocks, profile.engine(s.key),
                                                  self.loop, seed + n, s.acceptance_length)
-                        for n, s in enumerate(specs)}
+                        for n, s in enumerate(specs) if s.role != "kvstore"}
+        self.stores = {s.instance_id: SimKVStore(s.instance_id, s.num_blocks) for s in specs if s.role == "kvstore"}
         for s in specs:
             if s.device_room is not None:  # HiSparse: admission by device room too (production DeviceFootprint)
                 self.engines[s.instance_id].kv.device_footprint = DeviceFootprint(*s.device_room)
-        self.routing = Routing(_Registry(self.engines, {s.instance_id: s.role for s in specs}),
+        self.routing = Routing(_Registry({**self.engines, **self.stores}, {s.instance_id: s.role for s in specs}),
                                block_size=specs[0].cfg.cache.block_size)
+        pre = next(s for s in specs if s.role == "prefill")
+        self.block_bytes = _spec(pre.cfg).block_bytes  # a whole block, as the kvstore stores it
         dec = next(s for s in specs if s.role == "decode")
         self.kv_bytes_per_token = _spec(dec.cfg).block_bytes / dec.cfg.cache.block_size
         self.block_size = specs[0].cfg.cache.block_size
@@ -246,8 +283,10 @@ class SimSystem:
         self.routing.started(pid)
         try:
             # the first token (a chunk before the last one emits an output without tokens)
-            prefill.add(Request(rid, list(prompt), sp, hold_kv_on_finish=True),
-                        lambda o: first.done() or not (o.new_token_ids or o.finish_reason) or first.set_result(o))
+            req = Request(rid, list(prompt), sp, hold_kv_on_finish=True)
+            listener = lambda o: first.done() or not (o.new_token_ids or o.finish_reason) or first.set_result(o)
+            if not await self._from_kvstore(choice, prefill, req, hashes, listener):
+                prefill.add(req, listener)
             await first
         except ValueError as e:  # refused (the engine's own validation), as the router reports it to the client
             return self._refused(rec, f"prefill {pid} failed: INVALID_ARGUMENT: {e}")
@@ -257,19 +296,67 @@ class SimSystem:
         rec.output_tokens = 1
         rec.prompt_tokens = len(prompt)
         rec.cached_tokens = prefill.scheduler.held[rid].num_cached_tokens if rid in prefill.scheduler.held else None
+        # the prompt's full blocks go to the kvstore in the background; the prefill keeps them until that read ends
+        # and the decode has pulled them (services/prefill/leases.py)
+        offload = self._to_kvstore(hashes)
         if max_tokens <= 1:
-            prefill.release_held(rid)
+            self._release_after(offload, prefill, rid)
             rec.t_end = rec.t_first
             return rec
-        await self._decode(rid, prompt, max_tokens, rec, prefill)
+        await self._decode(rid, prompt, max_tokens, rec, prefill, offload)
         return rec
+
+    async def _from_kvstore(self, choice, prefill: SimEngine, req: Request, hashes: list[bytes], listener) -> bool:
+        """The prefill service's admission with a kvstore hint (services/prefill/server.py `_admit`): reserve the
+        hinted prefix's blocks, load what the kvstore still holds beyond the local cache, then compute the rest.
+        False when there is no hint or no room to stage it (the prompt is then simply added)."""
+        n_hint = min(choice.kvstore_blocks if choice.kvstore is not None else 0, len(hashes),
+                     (req.num_tokens - 1) // self.block_size)
+        if n_hint == 0:
+            return False
+        got = prefill.reserve_import(req, n_hint * self.block_size, listener)
+        if got is None:
+            return False
+        first = got[1] // self.block_size
+        store = self.stores[choice.kvstore.instance_id]
+        lease = store.pool.load(hashes[first:n_hint], LEASE_S, self.loop.time()) if first < n_hint else None
+        loaded = len(lease.block_ids) if lease is not None else 0
+        if loaded:
+            await asyncio.sleep(self.profile.kvstore_s(loaded * self.block_bytes))
+            store.pool.release(lease.lease_id, self.loop.time())
+            store.loaded_blocks += loaded
+        prefill.import_done(req.req_id, ok=loaded > 0, num_tokens=(first + loaded) * self.block_size)
+        return True
+
+    def _to_kvstore(self, hashes: list[bytes]) -> asyncio.Task | None:
+        """Offload the blocks the (first) kvstore lacks: reserve, write at the profile's cost, commit."""
+        if not self.stores or not hashes:
+            return None
+        store = next(iter(self.stores.values()))
+        res, _, _ = store.pool.reserve(hashes, LEASE_S, self.loop.time())
+        if res is None:
+            return None
+
+        async def write():
+            await asyncio.sleep(self.profile.kvstore_s(len(res.block_ids) * self.block_bytes))
+            store.pool.commit(res.reservation_id, self.loop.time())
+            store.offloaded_blocks += len(res.block_ids)
+        return self.loop.create_task(write())
+
+    @staticmethod
+    def _release_after(offload: asyncio.Task | None, prefill: SimEngine, rid: str) -> None:
+        if offload is None or offload.done():
+            prefill.release_held(rid)
+        else:
+            offload.add_done_callback(lambda _: prefill.release_held(rid))
 
     def _refused(self, rec: RequestRecord, message: str) -> RequestRecord:
         rec.error, rec.t_end = message, self.loop.time()
         self.refusals += 1
         return rec
 
-    async def _decode(self, rid: str, prompt: list[int], max_tokens: int, rec: RequestRecord, prefill: SimEngine):
+    async def _decode(self, rid: str, prompt: list[int], max_tokens: int, rec: RequestRecord, prefill: SimEngine,
+                      offload: asyncio.Task | None = None):
         loop = self.loop
         dinfo = await self.routing.pick_decode()
         did = dinfo.instance_id
@@ -294,14 +381,14 @@ class SimSystem:
                     self.admission_waits += 1
                     await asyncio.sleep(max(decode.cost([]), 1e-3))  # the pool frees as its steps end
             except ValueError as e:  # a request no pool of this decode can hold: the router ends it
-                prefill.release_held(rid)
+                self._release_after(offload, prefill, rid)
                 self._refused(rec, f"decode {did} failed: INVALID_ARGUMENT: {e}")
                 return
             _, n_local = got
             seconds = self.profile.transfer_s((len(prompt) - n_local) * self.kv_bytes_per_token)
             self.transfer_s += seconds
             await asyncio.sleep(seconds)
-            prefill.release_held(rid)
+            self._release_after(offload, prefill, rid)
             decode.import_done(rid)
             await done
         finally:

@@ -20,7 +20,8 @@ PROFILE = {"version": 1, "hardware": "test", "commit": "", "date": "", "model": 
            "engines": {"prefill/pcp1-dcp1": {"step_s": 0.01, "token_s": 2e-5, "token_ctx_s": 1e-9, "request_s": 5e-4},
                        "decode/dp1-hisparse": {"step_s": 0.02, "token_s": 1e-4, "token_ctx_s": 1e-9,
                                                "request_s": 5e-4}},
-           "transfer": {"latency_s": 0.002, "gbs": 1.0}, "request_overhead_s": {"value": 0.003},
+           "transfer": {"latency_s": 0.002, "gbs": 1.0}, "kvstore": {"latency_s": 0.002, "gbs": 1.0},
+           "request_overhead_s": {"value": 0.003},
            "mtp_acceptance_length": 2.5}
 
 

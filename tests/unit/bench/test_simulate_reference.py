@@ -20,6 +20,10 @@ PREFILL_HOST, DECODE_HOST = str(HOSTS / "prefill-host.yaml"), str(HOSTS / "decod
 H200 = ROOT / "configs" / "profiles" / "h200-glm5.3-fp8.json"
 
 
+def n_blocks(tokens: int) -> int:
+    return tokens // 64  # full blocks of the reference deployment's 64-token blocks
+
+
 def _chunk(start: int, n: int):
     return SimpleNamespace(start=start, token_ids=[0] * n)
 
@@ -43,7 +47,7 @@ def test_the_sparse_attention_term_stops_growing_past_top_k():
 
 def test_a_deployment_of_one_file_per_host_is_one_system(tmp_path):
     model, _, services = services_of([PREFILL_HOST, DECODE_HOST])
-    assert model.endswith("GLM-5.3-FP8") and set(services) == {"prefill", "decode"}
+    assert model.endswith("GLM-5.3-FP8") and set(services) == {"kvstore", "prefill", "decode"}
     assert services["decode"].extra["data_parallel_size"] == 8
     with pytest.raises(ValueError, match="decode service appears in two topology files"):
         services_of([PREFILL_HOST, DECODE_HOST, str(HOSTS / "decode-host-offload.yaml")])
@@ -135,7 +139,9 @@ def test_a_prompt_of_several_chunks_gets_its_first_token_after_its_last_chunk(tm
 def test_a_prompt_no_decode_pool_can_hold_is_refused_and_holds_nothing(tmp_path):
     """Offload-only decode ranks keep a request's whole KV on the device (about 408K tokens per rank here): a
     500K-token prompt is prefilled, then refused by the decode as the router would report it, and the prefill
-    keeps none of its KV."""
+    keeps none of its KV once the kvstore has read it."""
+    import asyncio
+
     from bench.serving.client import RequestRecord
     from bench.simulate import clock
     from bench.simulate.system import SimSystem, engine_specs
@@ -148,6 +154,7 @@ def test_a_prompt_no_decode_pool_can_hold_is_refused_and_holds_nothing(tmp_path)
         n = 500_000
         try:
             rec = await system.send(list(range(1, n + 1)), 8, RequestRecord(prompt_len=n, max_tokens=8))
+            await asyncio.sleep(60.0)  # the prompt's offload to the kvstore ends (the prefill holds it till then)
         finally:
             await system.close()
         return rec, system
@@ -156,3 +163,38 @@ def test_a_prompt_no_decode_pool_can_hold_is_refused_and_holds_nothing(tmp_path)
     assert rec.error and "INVALID_ARGUMENT" in rec.error and "more KV blocks than the engine has" in rec.error
     assert rec.t_first > rec.t_start and system.refusals == 1
     assert not system.engines["prefill-0"].scheduler.held and system.engines["prefill-0"].kv.usage() == 0
+    assert system.stores["kvstore-0"].offloaded_blocks == n_blocks(500_000)
+
+
+def test_a_prefix_the_prefill_evicted_comes_back_from_the_kvstore(tmp_path):
+    """The prefill offloads each prompt's full blocks to the kvstore; once its own cache lost them, the router hints
+    the kvstore and the next turn loads the prefix (production BlockPool lease) instead of computing it."""
+    import asyncio
+
+    from bench.serving.client import RequestRecord
+    from bench.simulate import clock
+    from bench.simulate.system import SimSystem, engine_specs
+
+    prof = Profile.load(H200)
+    turn1 = list(range(1, 40_001))
+    turn2 = turn1 + list(range(50_001, 51_001))
+
+    async def main():
+        specs = engine_specs([PREFILL_HOST, DECODE_HOST], prof, "glm-5.3-fp8", tmp_path)
+        system = SimSystem(specs, prof, seed=0)
+        prefill = system.engines["prefill-0"]
+        try:
+            first = await system.send(turn1, 4, RequestRecord(prompt_len=len(turn1), max_tokens=4))
+            await asyncio.sleep(10.0)  # the offload ends
+            assert prefill.kv.pool.reset_prefix_cache()  # the prefill's own copy is gone
+            await asyncio.sleep(1.0)  # the router's view of the prefix caches refreshes
+            computed = prefill.tokens
+            second = await system.send(turn2, 4, RequestRecord(prompt_len=len(turn2), max_tokens=4))
+            return first, second, prefill.tokens - computed, system.stores["kvstore-0"]
+        finally:
+            await system.close()
+
+    first, second, computed, store = clock.run(main())
+    assert store.offloaded_blocks >= n_blocks(len(turn1)) and store.loaded_blocks == n_blocks(len(turn1))
+    assert computed == len(turn2) - n_blocks(len(turn1)) * 64  # only what the kvstore did not hold
+    assert second.ttft_s < first.ttft_s / 4
