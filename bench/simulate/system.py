@@ -7,8 +7,12 @@ One request, as the router serves it (services/router/flow.py):
     router       placement: the prefill instance with the least work ahead of this prompt given its cached
                  prefix and queue, the least-loaded decode instance (the same `Routing` code, its load figures
                  refreshed every 0.5 s from the engines' schedulers, its prefix lookups from their block pools)
+    kvstore      when the router's hint names a kvstore holding more of the prefix than the prefill, the
+                 prefill reserves that prefix and loads what the kvstore still holds (a lease of the production
+                 BlockPool) before computing the rest
     prefill      the prompt through the prefill engine (chunked, prefix-cached), KV held on finish; its first
-                 token reaches the client when that step ends: TTFT
+                 token reaches the client when the last chunk's step ends: TTFT; its full blocks are offloaded to
+                 the kvstore in the background (reserve, write, commit), the prefill keeping them till then
     transfer     the decode reserves blocks for the prompt (production admission: it waits while the pool is
                  short), the KV not already cached there moves at the profile's transfer cost, the prefill's
                  blocks are released
@@ -19,8 +23,11 @@ One request, as the router serves it (services/router/flow.py):
 A HiSparse decode admits as its engine does: its KV manager holds the host pool's blocks, and the scheduler's
 device-room check is the production `DeviceFootprint` over the device blocks and one hot buffer per request.
 
-What it does not model (yet): the kvstore tier and the engines' host KV offload, PCP/DCP and DP×EP inside an
-engine beyond their step costs (a DP group is one instance per rank), migrations and failures.
+An engine's refusal (its own validation: too long, more blocks than its pool) ends the request with the
+router's error and releases its prefill KV.
+
+What it does not model (yet): the engines' host KV offload, PCP/DCP and DP×EP inside an engine beyond their step
+costs (a DP group is one instance per rank), migrations and failures.
 """
 
 from __future__ import annotations
