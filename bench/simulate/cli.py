@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, action="append", metavar="TOPOLOGY",
                    help="the topology file to simulate; repeat it for a deployment of one file per host "
                         "(configs/h200x16/: prefill-host.yaml and decode-host.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="a what-if: change the topology before simulating it, PATH dotted keys into it, VALUE YAML "
+                        "(services.decode.args.attention-config.hisparse_config.host_pool_gib=96, "
+                        "services.decode.replicas=2); repeatable")
     p.add_argument("--profile", required=True, help="calibration profile (JSON, bench/simulate/profile.py)")
     p.add_argument("--model", help="model instead of the topology's: a preset name or a checkpoint folder")
     add_replay_args(p, context_from="the decode engine's max_model_len")  # bench agentx's, same meaning
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
            "config": config, "profile": {k: profile.raw.get(k) for k in ("hardware", "commit", "date", "model")},
            "traces": [t.trace_id for t in traces], "valid": False, "levels": []}
     with tempfile.TemporaryDirectory() as tmp:
-        specs = engine_specs(args.config, profile, args.model, Path(tmp))
+        specs = engine_specs(args.config, profile, args.model, Path(tmp), args.set)
         for i, c in enumerate(args.concurrency):
             t0 = time.perf_counter()
             level = clock.run(_level(args, i, c, traces, specs, profile))

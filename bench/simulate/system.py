@@ -39,6 +39,8 @@ import itertools
 import json
 from pathlib import Path
 
+import yaml
+
 from bench.serving.client import RequestRecord
 from bench.simulate.engines import TOKEN, SimEngine
 from bench.simulate.profile import Profile, decode_key, prefill_key
@@ -135,13 +137,38 @@ def _num_blocks(cfg, profile: Profile, ranks: int, ep: bool, what: str) -> int:
     return n * ranks if cfg.parallel.decode_context_parallel_size > 1 else n
 
 
-def services_of(topo_paths: list[str]) -> tuple[str, Path, dict]:
+def override(data: dict, setting: str) -> None:
+    """Apply one `--set PATH=VALUE` to a topology's dict: PATH is dotted keys into it (mappings made as needed),
+    VALUE read as YAML (`services.decode.args.kv-offloading-size=64`,
+    `services.decode.args.attention-config.hisparse_config.host_pool_gib=96`, `services.decode.replicas=2`)."""
+    path, sep, text = setting.partition("=")
+    keys = path.split(".")
+    if not sep or not all(keys):
+        raise ValueError(f"--set {setting!r}: expected PATH=VALUE, PATH dotted keys of the topology")
+    node = data
+    for i, k in enumerate(keys[:-1]):
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {setting!r}: {'.'.join(keys[:i + 1])} is not a mapping")
+    node[keys[-1]] = yaml.safe_load(text)
+
+
+def services_of(topo_paths: list[str], settings: list[str] = ()) -> tuple[str, Path, dict]:
     """One deployment from its topology files (one per host, as `pdserve up` runs them): (model, the file its
     model path is relative to, {kind: ServiceSpec} of its kvstore, if any, prefill and decode). The files must
-    name the same model, and a service kind may appear in one file only."""
+    name the same model, and a service kind may appear in one file only. `settings` (`override`) change them
+    first: one under `services.KIND` applies to the file that has that service, any other to every file."""
+    raws = [topology_mod.raw(p) for p in topo_paths]
+    for setting in settings:
+        keys = setting.partition("=")[0].split(".")
+        targets = [r for r in raws if keys[0] != "services" or (len(keys) > 1 and keys[1] in r["services"])]
+        if not targets:
+            raise ValueError(f"--set {setting!r}: no topology file has that service")
+        for r in targets:
+            override(r, setting)
     model, where, services = None, None, {}
-    for path in topo_paths:
-        topo = topology_mod.load(path)
+    for path, data in zip(topo_paths, raws):
+        topo = topology_mod.load(data)
         if model is not None and topo.model != model:
             raise ValueError(f"topology files name different models: {model!r} ({where}) and {topo.model!r} ({path})")
         model, where = topo.model, where or Path(path)
@@ -158,9 +185,10 @@ def services_of(topo_paths: list[str]) -> tuple[str, Path, dict]:
     return model, where, {k: spec for k, (spec, _) in services.items()}
 
 
-def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | None, tmp: Path) -> list[EngineSpec]:
+def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | None, tmp: Path,
+                 settings: list[str] = ()) -> list[EngineSpec]:
     paths = [topo_paths] if isinstance(topo_paths, (str, Path)) else list(topo_paths)
-    topo_model, topo_path, services = services_of([str(p) for p in paths])
+    topo_model, topo_path, services = services_of([str(p) for p in paths], settings)
     mdir = model_dir(model or topo_model, topo_path, tmp)
     out = []
     for kind in ("prefill", "decode"):

@@ -198,3 +198,30 @@ def test_a_prefix_the_prefill_evicted_comes_back_from_the_kvstore(tmp_path):
     assert store.offloaded_blocks >= n_blocks(len(turn1)) and store.loaded_blocks == n_blocks(len(turn1))
     assert computed == len(turn2) - n_blocks(len(turn1)) * 64  # only what the kvstore did not hold
     assert second.ttft_s < first.ttft_s / 4
+
+
+def test_what_ifs_change_the_topology_before_it_is_simulated(tmp_path):
+    """--set: a larger HiSparse host pool per decode rank holds more, a smaller GPU share leaves less device room;
+    the topology's own checks still apply; a setting of a service no file has, or a path through a scalar, is
+    refused with the reason."""
+    from bench.simulate.system import engine_specs
+
+    prof = Profile.load(H200)
+    hosts = [PREFILL_HOST, DECODE_HOST]
+
+    def decodes(*settings):
+        return [s for s in engine_specs(hosts, prof, "glm-5.3-fp8", tmp_path, list(settings)) if s.role == "decode"]
+
+    base = decodes()
+    bigger = decodes("services.decode.args.attention-config.hisparse_config.host_pool_gib=96")
+    assert len(base) == 8 and bigger[0].num_blocks == pytest.approx(2 * base[0].num_blocks, rel=0.01)
+    smaller = decodes("services.decode.args.gpu-memory-utilization=0.85")
+    assert smaller[0].device_room[0] < base[0].device_room[0]
+    with pytest.raises(ValueError, match="lists 8 GPUs for 16 processes"):  # a second group needs its GPUs too
+        decodes("services.decode.replicas=2")
+    with pytest.raises(ValueError, match="no topology file has that service"):
+        decodes("services.router2.port=1")
+    with pytest.raises(ValueError, match="services.decode.replicas is not a mapping"):
+        decodes("services.decode.replicas.x=1")
+    with pytest.raises(ValueError, match="expected PATH=VALUE"):
+        decodes("services.decode.replicas")
