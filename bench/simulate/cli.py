@@ -27,7 +27,7 @@ from bench.serving.replay import ReplayConfig, Replayer
 from bench.serving.traces import load_traces
 from bench.simulate import clock
 from bench.simulate.profile import Profile, ProfileError
-from bench.simulate.system import SimSystem, engine_specs
+from bench.simulate.system import PHASES, SimSystem, engine_specs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +59,22 @@ def _bottleneck(sim: dict) -> str:
     role, busy = max(sim["busy_fraction"].items(), key=lambda kv: kv[1])
     if busy >= 0.85:
         return f"{role} steps ({busy:.0%} busy)"
+    queue = sim.get("time_by_phase_s", {}).get("prefill_queue", {}).get("p90", 0.0)
+    if queue > max(1.0, sim["time_by_phase_s"].get("prefill", {}).get("p90", 0.0)):
+        return (f"prefill queue in bursts (p90 wait {queue:.1f} s; prefill "
+                f"{sim['busy_fraction'].get('prefill', 0.0):.0%} busy on average)")
     return f"none: the engines are {busy:.0%} busy at most (think time and the sessions' pace)"
+
+
+def _phases(recorded) -> dict[str, dict[str, float]]:
+    """Where the measured, completed requests' time went: mean, p50 and p90 seconds of each phase."""
+    out = {}
+    done = [p for rec, p in recorded if rec.measured and rec.ok]
+    for name in PHASES:
+        v = sorted(p[name] for p in done if name in p)
+        if v:
+            out[name] = {"mean": sum(v) / len(v), "p50": v[len(v) // 2], "p90": v[min(len(v) - 1, int(0.9 * len(v)))]}
+    return out
 
 
 async def _level(args, level_idx: int, concurrency: int, traces, specs, profile: Profile) -> dict:
@@ -91,6 +106,7 @@ async def _level(args, level_idx: int, concurrency: int, traces, specs, profile:
            "kvstore": {i: {"usage": st.pool.usage, "loaded_blocks": st.loaded_blocks,
                            "offloaded_blocks": st.offloaded_blocks} for i, st in system.stores.items()},
            "simulated_s": span}
+    sim["time_by_phase_s"] = _phases(system.phases)
     sim["bottleneck"] = _bottleneck(sim)
     window = measured_window(result.records, result.t_measure, result.t_stop)
     level = {"concurrency": concurrency, **summarize(result.records, window, num_gpus=system.num_gpus,

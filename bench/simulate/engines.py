@@ -41,6 +41,7 @@ class SimEngine:
         self.num_steps = 0
         self.busy_s = 0.0  # virtual seconds spent in steps
         self.tokens = 0  # tokens computed (prompt rows and verified drafts)
+        self.first_step: dict[str, float] = {}  # request -> when its first chunk's step began (the caller pops it)
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, req: Request, listener: Callable[[EngineCoreOutput], None]) -> None:
@@ -83,6 +84,9 @@ class SimEngine:
                 self.scheduler.update(sched, RunnerOutput())
             return
         seconds = self.cost(sched.chunks)
+        now = self.loop.time()
+        for c in sched.chunks:
+            self.first_step.setdefault(c.req_id, now)
         self.busy = True
         self.busy_s += seconds
         self.num_steps += 1

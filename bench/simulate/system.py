@@ -62,6 +62,9 @@ from services.router.routing import Routing
 
 _GIB = 1 << 30
 LEASE_S = 600.0  # kvstore reservations and leases: far longer than any simulated transfer
+# a request's time, in order: the services' overhead, the kvstore load of a hinted prefix, the wait for the prefill's
+# first step of it, the prefill's steps (to the first token), the handoff (decode admission + KV transfer), decoding
+PHASES = ("service", "kvstore_load", "prefill_queue", "prefill", "handoff", "decode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +299,8 @@ class SimSystem:
         self.transfer_s = 0.0  # virtual seconds of KV transfers, summed
         self.admission_waits = 0  # decode reservations that waited for room
         self.refusals = 0  # requests an engine refused (prompts no pool of it can hold)
+        # where each request's time went: its record and seconds by phase (PHASES)
+        self.phases: list[tuple[RequestRecord, dict[str, float]]] = []
 
     @property
     def num_gpus(self) -> int:
@@ -308,7 +313,10 @@ class SimSystem:
         loop = self.loop
         rec.t_start = loop.time()
         rid = f"sim-{next(self._ids)}"
+        phases: dict[str, float] = {}
+        self.phases.append((rec, phases))
         await asyncio.sleep(self.profile.request_overhead_s)
+        phases["service"] = loop.time() - rec.t_start
         hashes = block_hashes(prompt, self.block_size)
         choice = await self.routing.pick_prefill(hashes, len(prompt))
         pid = choice.instance.instance_id
@@ -320,14 +328,18 @@ class SimSystem:
             # the first token (a chunk before the last one emits an output without tokens)
             req = Request(rid, list(prompt), sp, hold_kv_on_finish=True)
             listener = lambda o: first.done() or not (o.new_token_ids or o.finish_reason) or first.set_result(o)
+            t_hint = loop.time()
             if not await self._from_kvstore(choice, prefill, req, hashes, listener):
                 prefill.add(req, listener)
+            t_added = loop.time()
             await first
         except ValueError as e:  # refused (the engine's own validation), as the router reports it to the client
             return self._refused(rec, f"prefill {pid} failed: INVALID_ARGUMENT: {e}")
         finally:
             self.routing.finished(pid)
         rec.t_first = loop.time()
+        started = prefill.first_step.pop(rid, rec.t_first)
+        phases.update(kvstore_load=t_added - t_hint, prefill_queue=started - t_added, prefill=rec.t_first - started)
         rec.output_tokens = 1
         rec.prompt_tokens = len(prompt)
         rec.cached_tokens = prefill.scheduler.held[rid].num_cached_tokens if rid in prefill.scheduler.held else None
@@ -338,7 +350,7 @@ class SimSystem:
             self._release_after(offload, prefill, rid)
             rec.t_end = rec.t_first
             return rec
-        await self._decode(rid, prompt, max_tokens, rec, prefill, offload)
+        await self._decode(rid, prompt, max_tokens, rec, prefill, phases, offload)
         return rec
 
     async def _from_kvstore(self, choice, prefill: SimEngine, req: Request, hashes: list[bytes], listener) -> bool:
@@ -391,7 +403,7 @@ class SimSystem:
         return rec
 
     async def _decode(self, rid: str, prompt: list[int], max_tokens: int, rec: RequestRecord, prefill: SimEngine,
-                      offload: asyncio.Task | None = None):
+                      phases: dict[str, float], offload: asyncio.Task | None = None):
         loop = self.loop
         dinfo = await self.routing.pick_decode()
         did = dinfo.instance_id
@@ -425,8 +437,10 @@ class SimSystem:
             await asyncio.sleep(seconds)
             self._release_after(offload, prefill, rid)
             decode.import_done(rid)
+            t_in = loop.time()
             await done
         finally:
             self.routing.finished(did)
         rec.t_end = loop.time()
+        phases.update(handoff=t_in - rec.t_first, decode=rec.t_end - t_in)
 

@@ -69,6 +69,7 @@ def test_simulate_writes_agentx_results_and_is_deterministic(traces, tmp_path):
         assert sim["simulated_s"] >= 170  # 3 simulated minutes (their wall time is a benchmark figure, not tested)
         assert 0 < sim["busy_fraction"]["decode"] < 1 and sim["bottleneck"]
         assert max(v for v in sim["prefix_hit_rate"].values() if v is not None) > 0.3  # growing prompts hit
+        assert {"service", "prefill", "decode"} <= set(sim["time_by_phase_s"])  # where the requests' time went
     # MTP with acceptance length 2.5: well over one token per decode step (a step costs at least 20 ms here)
     assert a["levels"][0]["p50_tpot_ms"] < 20.0 / 1.5
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench.simulate import cli
 from bench.simulate.profile import Profile, ProfileError, selected
-from bench.simulate.system import services_of
+from bench.simulate.system import PHASES, services_of
 from tests.helpers import ROOT
 from tests.helpers.agent_traces import write_traces
 
@@ -128,12 +128,16 @@ def test_a_prompt_of_several_chunks_gets_its_first_token_after_its_last_chunk(tm
             rec = await system.send(list(range(1, n + 1)), 4, RequestRecord(prompt_len=n, max_tokens=4))
         finally:
             await system.close()
-        return rec, n, system.engines[pre.instance_id]
+        return rec, n, system.engines[pre.instance_id], system.phases
 
-    rec, n, prefill = clock.run(main())
+    rec, n, prefill, phases = clock.run(main())
     cost = prof.engine("prefill/pcp8-dcp8")
     assert prefill.num_steps == 3 and rec.output_tokens == 4 and not prefill.scheduler.held
     assert rec.t_first - rec.t_start >= 3 * cost.step_s + cost.token_s * n
+    # where its time went: every phase, adding up to its latency; its prefill is its three steps, unqueued
+    (_, p), = phases
+    assert set(p) == set(PHASES) and sum(p.values()) == pytest.approx(rec.t_end - rec.t_start)
+    assert p["prefill_queue"] == 0 and p["prefill"] >= 3 * cost.step_s and p["kvstore_load"] == 0
 
 
 def test_a_prompt_no_decode_pool_can_hold_is_refused_and_holds_nothing(tmp_path):
