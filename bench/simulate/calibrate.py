@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -79,29 +80,33 @@ def _ids(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(16, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def measure_prefill(core: EngineCore, device: str, lengths: list[int]) -> list[tuple[list[float], float]]:
+def measure_prefill(core: EngineCore, device: str, lengths: list[int], salt: int = 0) -> list[tuple[list[float], float]]:
+    """The prefill grid's steps; `salt` > 0 draws other prompts (a warm-up pass that leaves no cached prefix the
+    measured pass could hit)."""
     vocab = core.cfg.model.vocab_size
     rows = []
+    s = 100_000 * salt
     for i, n in enumerate(lengths):
-        prompt = _ids(n, 100 + i, vocab)
-        for turn, p in enumerate((prompt, prompt + _ids(max(n // 4, 8), 200 + i, vocab))):  # fresh, then cached
-            core.add_request(Request(f"p{i}-{turn}", p, SamplingParams(max_tokens=1, ignore_eos=True)))
+        prompt = _ids(n, s + 100 + i, vocab)
+        for turn, p in enumerate((prompt, prompt + _ids(max(n // 4, 8), s + 200 + i, vocab))):  # fresh, then cached
+            core.add_request(Request(f"p{salt}-{i}-{turn}", p, SamplingParams(max_tokens=1, ignore_eos=True)))
             rows += _timed_steps(core, device)
         for j in range(3):  # three fresh prompts in one step: the per-request term
-            core.add_request(Request(f"p{i}-b{j}", _ids(n // 2 + 8, 300 + 10 * i + j, vocab),
+            core.add_request(Request(f"p{salt}-{i}-b{j}", _ids(n // 2 + 8, s + 300 + 10 * i + j, vocab),
                                      SamplingParams(max_tokens=1, ignore_eos=True)))
         rows += _timed_steps(core, device)
     return rows
 
 
 def measure_decode(core: EngineCore, device: str, batches: list[int], contexts: list[int],
-                   tokens: int) -> list[tuple[list[float], float]]:
+                   tokens: int, salt: int = 0) -> list[tuple[list[float], float]]:
     vocab = core.cfg.model.vocab_size
     rows = []
     for ctx in contexts:
         for b in batches:
             for j in range(b):
-                core.add_request(Request(f"d{ctx}-{b}-{j}", _ids(ctx, 1000 * b + j + ctx, vocab),
+                core.add_request(Request(f"d{salt}-{ctx}-{b}-{j}",
+                                         _ids(ctx, 100_000 * salt + 1000 * b + j + ctx, vocab),
                                          SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)))
             steps = _timed_steps(core, device)
             rows += [r for r in steps if r[0][1] <= b * (1 + core.cfg.num_spec_tokens)]  # decode steps only
@@ -211,12 +216,18 @@ def run(a: argparse.Namespace) -> dict:
             core.add_request(Request("warmup", _ids(300, 7, cfg.model.vocab_size),
                                      SamplingParams(max_tokens=8, ignore_eos=True)))
             _timed_steps(core, device)  # first-call costs (allocations, kernel builds) stay out of the fit
+            lengths = [int(x) for x in a.prompt_lens.split(",")]
+            batches, contexts = [int(x) for x in a.batches.split(",")], [int(x) for x in a.contexts.split(",")]
+            if device.startswith("cuda"):  # a GPU compiles kernels at each new shape: one unrecorded pass first
+                if kind == "prefill":
+                    measure_prefill(core, device, lengths, salt=1)
+                else:
+                    measure_decode(core, device, batches, contexts, a.decode_tokens, salt=1)
             if kind == "prefill":
-                rows = measure_prefill(core, device, [int(x) for x in a.prompt_lens.split(",")])
+                rows = measure_prefill(core, device, lengths)
                 key = "prefill/pcp1-dcp1"
             else:
-                rows = measure_decode(core, device, [int(x) for x in a.batches.split(",")],
-                                      [int(x) for x in a.contexts.split(",")], a.decode_tokens)
+                rows = measure_decode(core, device, batches, contexts, a.decode_tokens)
                 key = decode_key(1, hisparse_admits(cfg))
                 if cfg.speculative is not None:
                     st = core.stats()
@@ -226,7 +237,10 @@ def run(a: argparse.Namespace) -> dict:
                                     "median_step_s": statistics.median(t for _, t in rows),
                                     "source": f"pdserve bench calibrate on {hardware} ({device}), {len(rows)} steps"}
             print(f"{key}: {StepCost(*coef)} median |error| {rel:.1%} over {len(rows)} steps", file=sys.stderr)
-            del core
+            del core, cfg
+            gc.collect()  # the next engine sizes its KV pool from the device's free memory
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
     if a.through_services:
         _calibrate_served(a, prof)
     same = [f for f, v in (("latency", a.kvstore_latency_s), ("bandwidth", a.kvstore_gbs)) if v is None]

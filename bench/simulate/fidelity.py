@@ -1,0 +1,124 @@
+r"""`python -m bench.simulate.fidelity`: a measured `bench agentx` run against `pdserve simulate` of the same run.
+
+    pdserve bench agentx --fresh-server configs/topology.gpu-1.yaml --traces DIR --concurrency 4,16 ... \
+        --output-dir real
+    python -m bench.simulate.fidelity --real real/result.json --profile PROFILE.json --out compare.json
+
+The simulation gets the measured run's own topology, traces, levels, client flags and seed (read from its
+result.json `config`; `--traces` when the folder has moved), so the two differ only in what the profile costs.
+For every level it sets the five figures the issue bounds side by side — TTFT p50 and p90, TPOT p50, throughput
+per GPU and interactivity — with sim / real and whether each is within `--bound` (0.15 on a GPU, 0.25 on the CPU
+topology). Writes the comparison (JSON, with the simulated run's result beside it) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+FIGURES = (("p50_ttft_ms", "TTFT p50 ms"), ("p90_ttft_ms", "TTFT p90 ms"), ("p50_tpot_ms", "TPOT p50 ms"),
+           ("throughput_per_gpu", "tok/s per GPU"), ("interactivity", "interactivity (tok/s/user)"))
+# the replay flags both commands share, as `bench agentx` stores them in result.json's config
+_FLAGS = ("max_traces", "duration", "warmup", "ramp_up", "drain_timeout", "think_time_scale", "max_think_time",
+          "token_scale", "max_context", "min_token_id", "seed")
+
+
+def simulate_argv(real: dict, profile: str, out_dir: str, traces: str | None = None,
+                  config: str | None = None) -> list[str]:
+    """`pdserve simulate`'s arguments for the measured run `real` (its result.json)."""
+    c = real["config"]
+    topo = config or c.get("fresh_server")
+    if not topo:
+        raise ValueError("the measured run has no --fresh-server topology; name it with --config")
+    traces = traces or c.get("traces")
+    if not traces or not Path(traces).exists():
+        raise ValueError(f"traces {traces!r} not found; name the folder with --traces")
+    argv = ["--config", topo, "--profile", profile, "--traces", traces, "--output-dir", out_dir,
+            "--concurrency", ",".join(str(x) for x in c["concurrency"]), "--label", f"sim-{c.get('label') or 'run'}"]
+    for key in _FLAGS:
+        if c.get(key) is not None:
+            argv += [f"--{key.replace('_', '-')}", str(c[key])]
+    if c.get("fit_traces"):
+        argv.append("--fit-traces")
+    return argv
+
+
+def compare_levels(real: list[dict], sim: list[dict], bound: float) -> list[dict]:
+    """Per concurrency present in both: {concurrency, figures: {key: {real, sim, ratio, within}}}."""
+    by_c = {lv["concurrency"]: lv for lv in sim}
+    out = []
+    for lv in real:
+        s = by_c.get(lv["concurrency"])
+        if s is None:
+            continue
+        figs = {}
+        for key, _ in FIGURES:
+            r, v = lv.get(key), s.get(key)
+            ratio = v / r if r and v is not None else None
+            figs[key] = {"real": r, "sim": v, "ratio": ratio,
+                         "within": ratio is not None and abs(ratio - 1.0) <= bound}
+        out.append({"concurrency": lv["concurrency"], "real_valid": lv.get("valid", True),
+                    "sim_valid": s.get("valid", True), "figures": figs,
+                    "within": sum(f["within"] for f in figs.values()), "of": len(figs),
+                    "bottleneck": s.get("sim", {}).get("bottleneck")})
+    return out
+
+
+def table(rows: list[dict], bound: float) -> str:
+    lines = ["| c | figure | real | simulated | sim / real |", "|---|---|---|---|---|"]
+    for row in rows:
+        for key, name in FIGURES:
+            f = row["figures"][key]
+            ratio = "-" if f["ratio"] is None else (f"**{f['ratio']:.2f}**" if f["within"] else f"{f['ratio']:.2f}")
+            fmt = (lambda x: "-" if x is None else f"{x:,.1f}")
+            lines.append(f"| {row['concurrency']} | {name} | {fmt(f['real'])} | {fmt(f['sim'])} | {ratio} |")
+    lines.append(f"\nBold: within {bound:.0%}.")
+    return "\n".join(lines)
+
+
+def run(a: argparse.Namespace) -> dict:
+    from bench.simulate import cli
+
+    real = json.loads(Path(a.real).read_text())
+    if real.get("simulated"):
+        raise ValueError(f"{a.real} is a simulated run; --real takes a measured `bench agentx` result")
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = a.sim_output_dir or tmp
+        argv = simulate_argv(real, a.profile, out_dir, a.traces, a.config)
+        if cli.main(argv) != 0:
+            raise RuntimeError("pdserve simulate failed (its error is above)")
+        sim = json.loads((Path(out_dir) / "result.json").read_text())
+    rows = compare_levels(real["levels"], sim["levels"], a.bound)
+    out = {"real": a.real, "profile": a.profile, "bound": a.bound, "simulate_argv": argv, "levels": rows,
+           "simulated": sim}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(table(rows, a.bound))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.simulate.fidelity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--real", required=True, help="result.json of a measured `pdserve bench agentx --fresh-server` run")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--traces", help="the trace folder, when it is not where the measured run read it")
+    p.add_argument("--config", help="the topology, when the measured run's is not at its recorded path")
+    p.add_argument("--bound", type=float, default=0.15, help="relative bound per figure (default 0.15)")
+    p.add_argument("--out", help="comparison JSON")
+    p.add_argument("--sim-output-dir", help="keep the simulated run's outputs here")
+    a = p.parse_args(argv)
+    try:
+        run(a)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"fidelity: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

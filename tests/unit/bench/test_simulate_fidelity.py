@@ -1,0 +1,59 @@
+"""bench.simulate.fidelity: a measured agentx run set beside the simulation of the same run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.simulate import cli, fidelity
+from tests.unit.bench.test_simulate import CPU_TOPOLOGY, _argv, _profile, traces  # noqa: F401 (fixture)
+
+
+def _as_measured(sim: dict, scale: dict[str, float]) -> dict:
+    """A simulated result dressed as `bench agentx --fresh-server`'s, each named figure multiplied by `scale`."""
+    real = json.loads(json.dumps(sim))
+    real.pop("simulated")
+    real["config"]["fresh_server"] = real["config"].pop("config")[0]
+    for lv in real["levels"]:
+        lv.pop("sim")
+        for k, f in scale.items():
+            lv[k] *= f
+    return real
+
+
+def test_the_comparison_replays_the_measured_runs_flags_and_bounds_each_figure(traces, tmp_path):  # noqa: F811
+    prof = _profile(tmp_path)
+    assert cli.main(_argv(traces, prof, tmp_path / "sim")) == 0
+    sim = json.loads((tmp_path / "sim" / "result.json").read_text())
+    real_path = tmp_path / "real.json"
+    real_path.write_text(json.dumps(_as_measured(sim, {"p90_ttft_ms": 1.3, "throughput_per_gpu": 0.9})))
+
+    out = tmp_path / "cmp.json"
+    assert fidelity.main(["--real", str(real_path), "--profile", str(prof), "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    argv = got["simulate_argv"]
+    for flag, value in (("--config", CPU_TOPOLOGY), ("--seed", "3"), ("--duration", "150.0"), ("--warmup", "20.0"),
+                        ("--think-time-scale", "0.5"), ("--concurrency", "2,6")):
+        assert argv[argv.index(flag) + 1] == value
+    assert [row["concurrency"] for row in got["levels"]] == [2, 6]
+    for row in got["levels"]:
+        f = row["figures"]
+        # the same inputs and seed: the simulation repeats itself, so only the perturbed figures differ
+        assert f["p50_ttft_ms"]["ratio"] == pytest.approx(1.0) and f["p50_ttft_ms"]["within"]
+        assert f["p90_ttft_ms"]["ratio"] == pytest.approx(1 / 1.3) and not f["p90_ttft_ms"]["within"]
+        assert f["throughput_per_gpu"]["ratio"] == pytest.approx(1 / 0.9) and f["throughput_per_gpu"]["within"]
+        assert (row["within"], row["of"]) == (4, 5)
+
+
+def test_a_simulated_run_or_missing_traces_is_refused(traces, tmp_path, capsys):  # noqa: F811
+    prof = _profile(tmp_path)
+    assert cli.main(_argv(traces, prof, tmp_path / "sim")) == 0
+    sim_path = tmp_path / "sim" / "result.json"
+    assert fidelity.main(["--real", str(sim_path), "--profile", str(prof)]) == 2
+    assert "is a simulated run" in capsys.readouterr().err
+    real = _as_measured(json.loads(sim_path.read_text()), {})
+    real["config"]["traces"] = str(tmp_path / "gone")
+    (tmp_path / "real.json").write_text(json.dumps(real))
+    assert fidelity.main(["--real", str(tmp_path / "real.json"), "--profile", str(prof)]) == 2
+    assert "not found" in capsys.readouterr().err
