@@ -80,7 +80,8 @@ def _ids(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(16, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def measure_prefill(core: EngineCore, device: str, lengths: list[int], salt: int = 0) -> list[tuple[list[float], float]]:
+def measure_prefill(core: EngineCore, device: str, lengths: list[int],
+                    salt: int = 0) -> list[tuple[list[float], float]]:
     """The prefill grid's steps; `salt` > 0 draws other prompts (a warm-up pass that leaves no cached prefix the
     measured pass could hit)."""
     vocab = core.cfg.model.vocab_size
