@@ -13,7 +13,7 @@ import triton.language as tl
 from kernels.triton_support import check_device, interpreting, jit, next_pow2, to_bf16
 
 
-@jit
+@jit(do_not_specialize=["num_parts", "num_rows", "sl_part"])  # per-step counts: one compiled variant
 def _merge_kernel(out_ptr, lse_ptr, parts_ptr, part_lse_ptr, num_parts, num_rows, D,
                   sp_part, sp_row, sl_part, so_row,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_FIRST: tl.constexpr):
