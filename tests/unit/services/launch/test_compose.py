@@ -115,6 +115,10 @@ def test_gpu_profile_reserves_gpus_and_runs_the_gpu_1_topology(compose):
         for flag in expected - {"--model", "--redis-url", "--host"}:
             assert ours[flag] == launcher[flag], f"{kind}-gpu {flag}: {ours[flag]} vs {launcher[flag]}"
         assert s["environment"]["NCCL_NVLS_ENABLE"] == "0"
+        # compiled kernels on a named volume: a restarted engine does not compile them again under traffic
+        assert "compile-cache:/var/cache/pdserve" in s["volumes"] and "compile-cache" in compose["volumes"]
+        for var in ("TRITON_CACHE_DIR", "PDSERVE_KERNEL_CACHE"):
+            assert s["environment"][var].startswith("/var/cache/pdserve/")
     router = services["router-gpu"]
     assert router["profiles"] == ["gpu"] and set(router["depends_on"]) == {"redis", "prefill-gpu", "decode-gpu"}
     for kind in ENGINE_KINDS:  # the default (no profile) set never waits on a GPU service

@@ -97,12 +97,17 @@ def test_gpus_shared_memory_probes_and_nccl():
             assert c[probe]["grpc"]["port"] == c["ports"][0]["containerPort"]
         assert {"configMapRef": {"name": "pdserve-env"}} in c["envFrom"]
         assert c["env"][0]["name"] == "PDSERVE_ADVERTISE_HOST"  # the pod IP, never 0.0.0.0
+        cache = next(v for v in pod["volumes"] if v["name"] == "compile-cache")  # compiled kernels outlive the pod
+        assert cache["hostPath"]["type"] == "DirectoryOrCreate"
+        assert {"name": "compile-cache", "mountPath": "/var/cache/pdserve"} in c["volumeMounts"]
     assert pre["spec"]["template"]["spec"]["nodeSelector"] != dec["spec"]["template"]["spec"]["nodeSelector"]
     router = _container("Deployment", "router")
     assert router["readinessProbe"]["httpGet"]["path"] == "/health" and router["livenessProbe"]["grpc"]["port"] == 50050
     env = _by("ConfigMap", "pdserve-env")["data"]
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert env["PDSERVE_REDIS_URL"] == "redis://redis:6379/0" and "tcp" in env["UCX_TLS"]
+    assert env["TRITON_CACHE_DIR"].startswith("/var/cache/pdserve/")
+    assert env["PDSERVE_KERNEL_CACHE"].startswith("/var/cache/pdserve/")
     assert {p["port"] for p in _by("Service", "router")["spec"]["ports"]} == {8000, 50050}
 
 
