@@ -57,6 +57,19 @@ class EngineHost:
         self._steps_seen = (0, 0.0)
         self._phases_seen: dict[str, float] = {}
         self._offload_seen = (0, 0, 0, 0)
+        self._count_from(engine.stats())
+
+    def _count_from(self, st) -> None:
+        """The service's counters start from the engine's figures now: what it did before serving (the start-up
+        warm-up) is not counted."""
+        self._prefix_seen = (st.prefix_queries, st.prefix_hits)
+        self._steps_seen = (st.num_steps, st.step_seconds)
+        self._phases_seen = dict(st.step_phase_seconds)
+        if st.hisparse is not None:
+            self._hisparse_seen = (st.hisparse.hits, st.hisparse.misses, st.hisparse.h2d_bytes)
+        off = st.kv_offload
+        if off is not None:
+            self._offload_seen = (off.queries, off.hits, off.store_bytes, off.load_bytes)
 
     def load_figures(self, rank: int = 0) -> dict[str, float]:
         st = self.engine.stats()  # a snapshot the engine loop took between two steps

@@ -68,6 +68,7 @@ class EngineArgs:
     quantization: str | None = None  # "fp8": quantize a bf16 checkpoint's projections at load (block FP8)
     enforce_eager: bool | None = None  # None: CUDA graphs on CUDA, eager on the CPU; see GraphConfig
     cuda_graph_sizes: list[int] | None = None
+    warmup: bool = False  # step through the batch shapes a server meets before it serves (engine/core/warmup.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -106,7 +107,7 @@ class EngineArgs:
             speculative=self._speculative(),
             hisparse=HiSparseConfig.from_dict(hisparse) if hisparse is not None else None,
             device=device, dtype=dtype, seed=self.seed, attention_backend=self.attention_backend,
-            load_format=self.load_format,
+            load_format=self.load_format, warmup=self.warmup,
             graphs=GraphConfig(enforce_eager=self.enforce_eager,
                                cuda_graph_sizes=tuple(self.cuda_graph_sizes) if self.cuda_graph_sizes else None))
 
@@ -148,6 +149,11 @@ class EngineArgs:
         g.add_argument("--async-scheduling", action="store_true",
                        help="plan the next step while the current one runs on the GPU; its tokens are read back "
                             "after the next step is launched (single-rank engines)")
+        g.add_argument("--warmup", action="store_true",
+                       help="before serving, step once through the batch shapes a server meets (every prefill token "
+                            "count class up to one step's budget, with and without a cached prefix, every decode "
+                            "batch-size class) so that kernels compile then, not under traffic; the requests and "
+                            "their KV are forgotten (engine/core/warmup.py)")
         g.add_argument("--speculative-config", type=json.loads, default=None)
         g.add_argument("--attention-config", type=json.loads, default=None)
         g.add_argument("--hisparse-config", dest="hisparse", type=json.loads, default=None,

@@ -234,6 +234,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: torch on CPU, triton on CUDA
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks)
     graphs: GraphConfig = field(default_factory=GraphConfig)
+    warmup: bool = False  # engine/core/warmup.py before the first request (AsyncEngine)
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):

@@ -27,6 +27,7 @@ from engine.config.engine import EngineConfig
 from engine.core.core import EngineStats
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
+from engine.core.warmup import warm_up
 from engine.frontend.core_factory import make_engine_core
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.outputs import RequestOutput
@@ -52,6 +53,8 @@ class AsyncEngine:
         self.cumulative = cumulative
         self.config = config.create_engine_config() if isinstance(config, EngineArgs) else config
         self.core = core if core is not None else make_engine_core(self.config)
+        if self.config.warmup:  # kernels compile now, not in a served step (engine/core/warmup.py)
+            warm_up(self.core)
         if tokenizer is None:
             try:
                 tokenizer = Tokenizer(self.config.model_path)

@@ -140,3 +140,19 @@ def test_async_engine_streams_from_a_dp_group(engines):
             await eng.shutdown()
 
     assert asyncio.run(main()) == want
+
+
+def test_the_start_up_warm_up_runs_on_a_dp_group_and_changes_no_answer(engines):
+    """engine/core/warmup.py on the group: every rank's pool free and its prefix cache empty afterwards, no KV event
+    left for the router, and the group's greedy tokens still the single-rank engine's."""
+    from engine.core.warmup import warm_up
+
+    ref, dp, _ = engines
+    report = warm_up(dp.core, max_tokens=40, max_batch=3)  # a few shapes: the group, not the classes, is tested
+    assert report.prefill_lengths and report.decode_batches and report.steps > 0
+    assert all(kv.num_free_blocks == kv.num_blocks for kv in dp.core.kvs)
+    assert dp.core.drain_rank_kv_events() == [[], []]
+    prompts = [_ids(n, 70 + i) for i, n in enumerate((33, 64))]
+    got, _ = _run(dp.core, prompts)
+    want, _ = _run(ref.core, prompts)
+    assert got == want
