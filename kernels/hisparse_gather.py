@@ -17,7 +17,7 @@ import triton.language as tl
 from kernels.triton_support import CompiledKernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _copy_rows_kernel(src_ptr, dst_ptr, src_slot_ptr, dst_slot_ptr, num_rows,
                       src_block_size, s_blk, s_tok, dst_block_size, d_blk, d_tok,
                       dst2_ptr, dst2_slot_ptr, dst2_block_size, d2_blk, d2_tok, s_layer, d_layer,

@@ -231,7 +231,7 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
     return msrc, mdst
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _dev_slots_kernel(pos_ptr, tok_ptr, slot_ptr, hs_ptr, start_ptr, page_ptr, s_page, hblk_ptr, s_hblk, out_ptr,
                       T, BS, LRU, ROWS, HAS_HOT: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -65,7 +65,7 @@ from kernels.topk_threshold import SelectConfig, num_maxima, topk_threshold_rows
 from kernels.triton_support import interpreting, jit, next_pow2
 
 
-@jit
+@jit(do_not_specialize=["row_offset"])
 def _fused_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr, pos_ptr, score_ptr, gmax_ptr,
                          row_offset, num_heads, sq_t, sq_h, sw_t, sk_blk, sk_tok, s_bt, ss_row, sg_row,
                          BLOCK_SIZE: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -194,12 +194,19 @@ def fused_indexer_topk(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tens
     slots = dict(token_req_idx=token_req_idx, block_table=block_table) if return_slots else {}
     for lo in range(0, T, rows_per_chunk):
         hi = min(T, lo + rows_per_chunk)
-        scores = torch.empty((hi - lo, seq_len), dtype=torch.float32, device=q.device)
-        gmax = torch.empty((hi - lo, num_maxima(seq_len, cfg.select)), dtype=torch.float32, device=q.device)
+        # rows padded to 16 values: the kernels' row strides stay multiples of 16 whatever the step's context,
+        # so they compile one variant for every context length (kernels/jit_variants.py)
+        scores = _padded_rows(hi - lo, seq_len, q.device)
+        gmax = _padded_rows(hi - lo, num_maxima(seq_len, cfg.select), q.device)
         tiles = tile_tensor(lo, hi, query_start_loc_cpu, seq_lens_cpu, width, block_t, q.device)
         fused_scores(q, w, index_cache, block_table, token_req_idx, positions, tiles, scores, gmax, lo, block_t, cfg)
         topk_threshold_rows(scores, gmax, positions, width, out, lo, cfg.select, block_size=index_cache.shape[1],
                             **slots)
+
+
+def _padded_rows(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """fp32 [rows, cols] whose row stride is `cols` rounded up to a multiple of 16."""
+    return torch.empty((rows, -(-cols // 16) * 16), dtype=torch.float32, device=device)[:, :cols]
 
 
 def fused_scores(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,

@@ -85,7 +85,7 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top
     return weights, ids
 
 
-@jit
+@jit(do_not_specialize=["A", "max_rows", "num_blocks"])
 def _align_kernel(ids_ptr, rows_ptr, block_expert_ptr, scratch_ptr, A, num_experts, offset, max_rows, num_blocks,
                   BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                   BLOCK_M: tl.constexpr):
@@ -145,7 +145,7 @@ def align_by_expert_small(ids: torch.Tensor, num_experts: int, expert_offset: in
     return rows, block_expert
 
 
-@jit
+@jit(do_not_specialize=["A"])
 def _count_kernel(ids_ptr, counts_ptr, slot_ptr, A, num_experts, offset, BLOCK: tl.constexpr):
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     am = a < A
@@ -155,7 +155,7 @@ def _count_kernel(ids_ptr, counts_ptr, slot_ptr, A, num_experts, offset, BLOCK: 
     tl.store(slot_ptr + a, tl.where(ok, pos, -1), mask=am)
 
 
-@jit
+@jit(do_not_specialize=["num_blocks"])
 def _offsets_kernel(counts_ptr, start_ptr, block_expert_ptr, num_experts, num_blocks,
                     BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
@@ -169,7 +169,7 @@ def _offsets_kernel(counts_ptr, start_ptr, block_expert_ptr, num_experts, num_bl
     tl.store(block_expert_ptr + b, tl.sum(before.to(tl.int32), axis=1), mask=b < num_blocks)
 
 
-@jit
+@jit(do_not_specialize=["A"])
 def _place_kernel(ids_ptr, slot_ptr, start_ptr, rows_ptr, A, num_experts, offset, BLOCK: tl.constexpr):
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     am = a < A

@@ -9,9 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.indexer import indexer_topk
+from kernels.indexer_fused import FusedConfig
 from kernels.jit_variants import count_variants
 from kernels.merge import merge_attn_states
+from kernels.moe_routing import align_by_expert_many, align_by_expert_small
 from kernels.store_kv import gather_rows, store_rows
+from kernels.topk_threshold import SelectConfig
 from kernels.triton_support import jit, tl  # kernels first: it picks the interpreter before Triton loads
 
 ROWS = (1, 5, 16, 17, 32, 33, 64)
@@ -51,6 +55,35 @@ def test_the_attention_merge_needs_one_variant_for_any_row_count(parts):
         for n in ROWS:
             merge_attn_states(torch.randn(parts, n, 4, 64), torch.randn(parts, n, 4))
     assert v.counts() == {"_merge_kernel": 1}, v.varying()
+
+
+def test_the_expert_sort_needs_one_variant_per_power_of_two_of_assignments():
+    """The one-program sort's block sizes follow the assignments' power of two (a constexpr: the warm-up meets each
+    bucket); within a bucket, and for the counting sort at any size, one variant."""
+    with count_variants() as v:
+        for tokens in (5, 6, 7, 8):  # 2 experts each: 10-16 assignments, one bucket of 16
+            align_by_expert_small(torch.randint(0, 32, (tokens, 2)), 32, 0, 16)
+        for tokens in (1, 16, 17, 100, 333):
+            align_by_expert_many(torch.randint(0, 32, (tokens, 8)), 32, 0, 16)
+    assert v.counts()["_align_kernel"] == 1, v.varying()
+    for name in ("_count_kernel", "_place_kernel"):
+        assert v.counts()[name] == 1, v.varying()
+    # the offsets' block count's power of two is a constexpr too (a warm-up's bucket); nothing else varies
+    assert set(v.varying().get("_offsets_kernel", {})) <= {"BLOCK_B"}, v.varying()
+
+
+def test_the_indexer_top_k_needs_one_variant_for_any_batch_and_context():
+    from tests.kernels.test_indexer import make_batch
+
+    cfg = FusedConfig(block_t=1, block_n=16, num_stages=1, keys_per_prog=32,
+                      select=SelectConfig(group=4, sum_cap=64, gcap=64, cap=64, scan=32, block=32, programs=1))
+    with count_variants() as v:
+        for seq_lens in ([100], [130, 77, 99], [257, 70, 71, 72, 73], [80] * 16 + [91]):
+            bt = make_batch("fp8", seq_lens, [[n - 1] for n in seq_lens], 16, 32, 16, spare_blocks=2, device="cpu")
+            indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, 24, max_seq_len=max(seq_lens),
+                         query_start_loc_cpu=bt.qsl, seq_lens_cpu=bt.seq_lens, return_slots=False, impl="fused",
+                         config=cfg)
+    assert v.counts()["_fused_scores_kernel"] == 1 and v.counts()["_select_kernel"] == 1, v.varying()
 
 
 def test_the_counter_needs_the_interpreter(monkeypatch):
