@@ -48,8 +48,9 @@ def _greedy(core, prompt, n=8):
 
 
 @pytest.mark.timeout(300)
-def test_the_warm_up_runs_every_shape_and_leaves_nothing_behind(tiny_code):
-    core = _core(tiny_code)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_warm_up_runs_every_shape_and_leaves_nothing_behind(tiny_code, async_scheduling):
+    core = _core(tiny_code, async_scheduling=async_scheduling)
     lengths, batches = warmup_shapes(core.cfg)
     assert lengths == size_classes(80) and batches == size_classes(9)
     report = warm_up(core)

@@ -329,3 +329,22 @@ def test_ep_dispatch_moves_one_copy_per_token_and_rank(cp):
     llm.prompt_logits(ids)
     assert pairs[0] > 0 and dispatched_rows(llm.core, llm.config.model.hidden_size) == pairs[0]
 
+
+
+def test_the_start_up_warm_up_runs_on_a_cp_engine(cp):
+    """engine/core/warmup.py on a PCP x DCP x EP engine (the prefill host's): its pool free and its prefix cache empty
+    afterwards, no KV event left, and the engine's greedy tokens still the single-rank engine's."""
+    from engine.core.warmup import warm_up
+
+    c, llm, ref = cp
+    if not (c["dcp"] == 2 and c["ep"]):
+        pytest.skip("one configuration with DCP, EP and MTP covers the multi-rank core")
+    report = warm_up(llm.core, max_tokens=70, max_batch=3)
+    assert 70 >= max(report.prefill_lengths) >= 65 and report.decode_batches == [1, 2, 3]
+    assert llm.core.kv.num_free_blocks == llm.core.kv.num_blocks
+    assert llm.core.drain_rank_kv_events() == [[]]
+    prompts = [_ids(n, seed=300 + n) for n in (5, 129)]
+    (first, second) = llm.generate(prompts, GREEDY)
+    want = ref.generate(prompts, GREEDY)
+    assert [first.token_ids, second.token_ids] == [w.token_ids for w in want]
+    assert first.num_cached_tokens == second.num_cached_tokens == 0
