@@ -10,7 +10,9 @@ met 94 such variants in its first 2 minutes of traffic, with prefill steps of 56
   `max_num_batched_tokens`, the smallest and largest count that is 1, a multiple of 16, or neither;
 - the same prompts extended by a few tokens: the cached-prefix path (attention over cached context);
 - decodes of every batch-size class up to `max_num_seqs` (the same classes), a few steps each,
-  with the engine's MTP drafts when it has them.
+  with the engine's MTP drafts when it has them;
+- decodes over a context longer than the indexer's top-k (batch-size classes up to 16): the sparse selection's
+  scores and top-k at decode shapes, and HiSparse's misses, which short contexts never reach.
 
 Then it leaves nothing behind that a client could see: every request finished and dropped, every KV block free,
 the prefix cache empty (its hashes forgotten, and the events of storing and dropping them discarded, so no
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 
 FIRST_ID = 16  # prompt ids from here (below: the small checkpoints' special tokens)
 DECODE_TOKENS = 4  # output tokens per warm-up decode (a few steps at each batch size)
+LONG_BATCH = 16  # the largest batch of long-context decodes (contexts past the indexer's top-k)
 PROMPT_EXTEND = 3  # tokens a cached-prefix prompt adds to its first turn
 
 
@@ -40,6 +43,7 @@ PROMPT_EXTEND = 3  # tokens a cached-prefix prompt adds to its first turn
 class WarmupReport:
     prefill_lengths: list[int] = field(default_factory=list)
     decode_batches: list[int] = field(default_factory=list)
+    long_decode_batches: list[int] = field(default_factory=list)
     requests: int = 0
     steps: int = 0
     seconds: float = 0.0
@@ -89,9 +93,10 @@ def _run(core, reqs: list[Request], report: WarmupReport) -> None:
         report.steps += 1
 
 
-def warm_up(core, max_tokens: int | None = None, max_batch: int | None = None) -> WarmupReport:
+def warm_up(core, max_tokens: int | None = None, max_batch: int | None = None,
+            long_context: bool = True) -> WarmupReport:
     """Run the warm-up on an idle engine core (EngineCore or a multi-rank one) and clean up after it; `max_tokens`
-    and `max_batch` cap the shapes (tests)."""
+    and `max_batch` cap the shapes, `long_context` False leaves out the decodes past the top-k (tests)."""
     if core.has_unfinished():
         raise RuntimeError("the warm-up runs before an engine serves: this one has requests")
     cfg = core.cfg
@@ -115,12 +120,21 @@ def warm_up(core, max_tokens: int | None = None, max_batch: int | None = None) -
         _run(core, [Request(f"warmup-d{b}-{j}", _ids(prompt_len, 100_000 + 1_000 * b + j, vocab), few)
                     for j in range(b)], report)
         report.decode_batches.append(b)
+    topk = getattr(cfg.model, "index_topk", 0) or 0
+    long_len = topk + 33  # past the top-k: the indexer scores and selects, HiSparse may miss
+    if long_context and topk and long_len + DECODE_TOKENS < cfg.scheduler.max_model_len:
+        for b in size_classes(min(cfg.scheduler.max_num_seqs, max_batch or LONG_BATCH, LONG_BATCH)):
+            if not _fits(core, long_len, b):
+                break
+            _run(core, [Request(f"warmup-l{b}-{j}", _ids(long_len, 200_000 + 1_000 * b + j, vocab), few)
+                        for j in range(b)], report)
+            report.long_decode_batches.append(b)
     _forget(core)
     report.seconds = time.perf_counter() - t0
-    log.info("warm-up: %d prefill lengths (1-%d tokens), %d decode batch sizes (1-%d): %d requests, %d steps in "
-             "%.1f s", len(report.prefill_lengths), max(report.prefill_lengths, default=0),
-             len(report.decode_batches), max(report.decode_batches, default=0), report.requests, report.steps,
-             report.seconds)
+    log.info("warm-up: %d prefill lengths (1-%d tokens), %d decode batch sizes (1-%d), %d long-context ones: %d "
+             "requests, %d steps in %.1f s", len(report.prefill_lengths), max(report.prefill_lengths, default=0),
+             len(report.decode_batches), max(report.decode_batches, default=0), len(report.long_decode_batches),
+             report.requests, report.steps, report.seconds)
     return report
 
 

@@ -36,7 +36,7 @@ def test_size_classes_meet_each_integer_class_in_each_power_of_two_bucket():
 
 
 def _core(tiny_code, **extra):
-    return make_engine_core(EngineArgs(model=str(tiny_code), **ARGS, **extra).create_engine_config())
+    return make_engine_core(EngineArgs(model=str(tiny_code), **{**ARGS, **extra}).create_engine_config())
 
 
 def _greedy(core, prompt, n=8):
@@ -53,8 +53,9 @@ def test_the_warm_up_runs_every_shape_and_leaves_nothing_behind(tiny_code, async
     core = _core(tiny_code, async_scheduling=async_scheduling)
     lengths, batches = warmup_shapes(core.cfg)
     assert lengths == size_classes(80) and batches == size_classes(9)
-    report = warm_up(core)
+    report = warm_up(core, long_context=False)  # the long contexts: the next test
     assert report.prefill_lengths == lengths and report.decode_batches == batches  # every shape fitted here
+    assert report.long_decode_batches == []
     assert report.requests == 2 * len(lengths) + sum(batches) and report.steps > report.requests // 9
     kv = core.kv
     assert kv.num_free_blocks == kv.num_blocks and not core.has_unfinished() and not core.has_finished_to_drop()
@@ -71,6 +72,23 @@ def test_the_warm_up_runs_every_shape_and_leaves_nothing_behind(tiny_code, async
     assert cached == fresh_cached == 0
 
 
+@pytest.mark.timeout(300)
+def test_long_context_decodes_pass_the_top_k_and_give_back_their_pages(tiny_code):
+    """A decode past the indexer's top-k (2,048 + 33 tokens: the indexer scores and selects at a decode shape), then
+    every KV block and HiSparse page back. (tiny-code's contexts, at most 4,096, all fit one hot buffer of
+    (1 + 3) x 2,048 rows, so HiSparse never misses here.)"""
+    core = _core(tiny_code, max_num_batched_tokens=4096)
+    report = warm_up(core, max_tokens=20, max_batch=1)
+    assert report.long_decode_batches == [1]
+    assert report.requests == 2 * len(report.prefill_lengths) + 1 + 1
+    hs = core.stats().hisparse
+    assert (hs.num_resident, hs.num_mixed, hs.num_host) == (0, 0, 0)
+    assert hs.num_free_device_blocks == hs.num_device_blocks
+    assert core.kv.num_free_blocks == core.kv.num_blocks and core.drain_kv_events() == []
+    no_long = warm_up(_core(tiny_code, max_model_len=2048 + 33 + 4), max_tokens=20, max_batch=1)
+    assert no_long.long_decode_batches == []  # no room past the top-k within max_model_len: none run
+
+
 def test_a_busy_engine_is_not_warmed_up(tiny_code):
     core = _core(tiny_code)
     core.add_request(Request("r", [20, 21, 22], SamplingParams(max_tokens=2)))
@@ -81,7 +99,8 @@ def test_a_busy_engine_is_not_warmed_up(tiny_code):
 @pytest.mark.timeout(300)
 def test_async_engine_warms_up_with_the_flag(tiny_code):
     async def run():
-        engine = AsyncEngine(EngineArgs(model=str(tiny_code), **ARGS, warmup=True))
+        # contexts of at most 1,024 tokens: no long-context decodes (their own test above)
+        engine = AsyncEngine(EngineArgs(model=str(tiny_code), **ARGS, max_model_len=1024, warmup=True))
         st = engine.stats()
         engine.start()
         try:

@@ -339,7 +339,7 @@ def test_the_start_up_warm_up_runs_on_a_cp_engine(cp):
     c, llm, ref = cp
     if not (c["dcp"] == 2 and c["ep"]):
         pytest.skip("one configuration with DCP, EP and MTP covers the multi-rank core")
-    report = warm_up(llm.core, max_tokens=70, max_batch=3)
+    report = warm_up(llm.core, max_tokens=70, max_batch=3, long_context=False)
     assert 70 >= max(report.prefill_lengths) >= 65 and report.decode_batches == [1, 2, 3]
     assert llm.core.kv.num_free_blocks == llm.core.kv.num_blocks
     assert llm.core.drain_rank_kv_events() == [[]]
