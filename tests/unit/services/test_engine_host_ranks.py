@@ -71,3 +71,25 @@ def test_each_rank_is_its_own_instance_with_its_own_load_and_blocks():
 def test_one_instance_reports_the_engine_figures():
     host = EngineHost(_Engine([[], []]), InstanceInfo("prefill", "p-0", "h:1"), _State(), ServiceMetrics("prefill"))
     assert len(host.presences) == 1 and host.presences[0].load()["running"] == 2
+
+
+def test_the_service_counts_from_after_the_start_up_warm_up():
+    """What the engine did before the host started (the warm-up's steps, prefix lookups) is not counted; what it does
+    after is."""
+    engine = _Engine([[], []])
+    before = replace(_ZERO, num_steps=280, step_seconds=12.0, prefix_queries=5000, prefix_hits=400,
+                     step_phase_seconds={"launch": 10.0})
+    engine.stats = lambda: before
+    metrics = ServiceMetrics("decode")
+    host = EngineHost(engine, InstanceInfo("decode", "d-0", "h:1"), _State(), metrics)
+    engine.stats = lambda: replace(before, num_steps=283, step_seconds=12.5, prefix_queries=5100, prefix_hits=420,
+                                   step_phase_seconds={"launch": 10.4})
+
+    async def one_round():
+        task = asyncio.create_task(host._gauges_loop(period_s=0.0))
+        await until(lambda: metrics.engine_steps._value.get() > 0 or task.done(), "a pass of the gauges loop")
+        task.cancel()
+    asyncio.run(one_round())
+    assert metrics.engine_steps._value.get() == 3
+    assert metrics.engine_step_seconds._value.get() == 0.5
+    assert metrics.prefix_cache_queries._value.get() == 100 and metrics.prefix_cache_hits._value.get() == 20
