@@ -55,6 +55,7 @@ def count_variants():
     """Within the block, every interpreted Triton launch records the compiled variant it would need (sm_90)."""
     if not interpreting():
         raise RuntimeError("count_variants runs under Triton's interpreter (a CPU torch, or TRITON_INTERPRET=1)")
+    # Triton's compiler side (the CUDA backend's binder), loaded only while counting: no kernel module needs it
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.interpreter import InterpretedFunction

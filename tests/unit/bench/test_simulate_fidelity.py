@@ -7,7 +7,17 @@ import json
 import pytest
 
 from bench.simulate import cli, fidelity
-from tests.unit.bench.test_simulate import CPU_TOPOLOGY, _argv, _profile, traces  # noqa: F401 (fixture)
+from tests.helpers.agent_traces import write_traces
+from tests.unit.bench.test_simulate import CPU_TOPOLOGY, _argv, _profile
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """(profile, result.json) of one simulated run, shared by the tests below."""
+    tmp = tmp_path_factory.mktemp("fidelity")
+    prof = _profile(tmp)
+    assert cli.main(_argv(write_traces(tmp / "traces", out_scale=4), prof, tmp / "sim")) == 0
+    return prof, tmp / "sim" / "result.json"
 
 
 def _as_measured(sim: dict, scale: dict[str, float]) -> dict:
@@ -22,10 +32,9 @@ def _as_measured(sim: dict, scale: dict[str, float]) -> dict:
     return real
 
 
-def test_the_comparison_replays_the_measured_runs_flags_and_bounds_each_figure(traces, tmp_path):  # noqa: F811
-    prof = _profile(tmp_path)
-    assert cli.main(_argv(traces, prof, tmp_path / "sim")) == 0
-    sim = json.loads((tmp_path / "sim" / "result.json").read_text())
+def test_the_comparison_replays_the_measured_runs_flags_and_bounds_each_figure(simulated, tmp_path):
+    prof, sim_path = simulated
+    sim = json.loads(sim_path.read_text())
     real_path = tmp_path / "real.json"
     real_path.write_text(json.dumps(_as_measured(sim, {"p90_ttft_ms": 1.3, "throughput_per_gpu": 0.9})))
 
@@ -46,10 +55,8 @@ def test_the_comparison_replays_the_measured_runs_flags_and_bounds_each_figure(t
         assert (row["within"], row["of"]) == (4, 5)
 
 
-def test_a_simulated_run_or_missing_traces_is_refused(traces, tmp_path, capsys):  # noqa: F811
-    prof = _profile(tmp_path)
-    assert cli.main(_argv(traces, prof, tmp_path / "sim")) == 0
-    sim_path = tmp_path / "sim" / "result.json"
+def test_a_simulated_run_or_missing_traces_is_refused(simulated, tmp_path, capsys):
+    prof, sim_path = simulated
     assert fidelity.main(["--real", str(sim_path), "--profile", str(prof)]) == 2
     assert "is a simulated run" in capsys.readouterr().err
     real = _as_measured(json.loads(sim_path.read_text()), {})
