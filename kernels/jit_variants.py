@@ -10,8 +10,8 @@ slice of a per-step buffer) multiplies the variants a server meets under load, s
 
 Under the interpreter nothing compiles, but Triton's own binder still says which variant a launch would
 need: `count_variants()` wraps every interpreted launch, asks the binder of the same kernel for sm_90, and
-records the variant. Tests use it to check that serving new batch shapes after a warm-up needs no new
-variant (tests/engine/test_jit_variants.py).
+records the variant. tests/kernels/test_jit_variants.py uses it to check that the per-step kernels need one
+variant whatever the step's row counts and context.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _KEYS = ("do_not_specialize", "do_not_specialize_on_alignment")
 
 
 class Variants:
-    """{kernel name: {variant key}}; `since(other)` the variants other has not seen."""
+    """{kernel name: {variant key}}, and which arguments took more than one class."""
 
     def __init__(self):
         self.seen: dict[str, set[str]] = defaultdict(set)
@@ -33,15 +33,6 @@ class Variants:
 
     def counts(self) -> dict[str, int]:
         return {k: len(v) for k, v in sorted(self.seen.items(), key=lambda kv: -len(kv[1]))}
-
-    def total(self) -> int:
-        return sum(len(v) for v in self.seen.values())
-
-    def since(self, earlier: dict[str, set[str]]) -> dict[str, set[str]]:
-        return {k: v - earlier.get(k, set()) for k, v in self.seen.items() if v - earlier.get(k, set())}
-
-    def snapshot(self) -> dict[str, set[str]]:
-        return {k: set(v) for k, v in self.seen.items()}
 
     def varying(self) -> dict[str, dict[str, list[str]]]:
         """{kernel: {argument: the classes it took}} for the arguments that took more than one: what multiplies

@@ -163,6 +163,14 @@ def nnls_fit(rows: list[tuple[list[float], float]]) -> tuple[list[float], float]
     return coef, rel
 
 
+def _measure(kind: str, core: EngineCore, device: str, a: argparse.Namespace, salt: int) -> list:
+    """The grid of `kind` (prefill or decode) from the command's flags; salt > 0: other prompts (unrecorded)."""
+    if kind == "prefill":
+        return measure_prefill(core, device, [int(x) for x in a.prompt_lens.split(",")], salt)
+    return measure_decode(core, device, [int(x) for x in a.batches.split(",")],
+                          [int(x) for x in a.contexts.split(",")], a.decode_tokens, salt)
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -217,18 +225,12 @@ def run(a: argparse.Namespace) -> dict:
             core.add_request(Request("warmup", _ids(300, 7, cfg.model.vocab_size),
                                      SamplingParams(max_tokens=8, ignore_eos=True)))
             _timed_steps(core, device)  # first-call costs (allocations, kernel builds) stay out of the fit
-            lengths = [int(x) for x in a.prompt_lens.split(",")]
-            batches, contexts = [int(x) for x in a.batches.split(",")], [int(x) for x in a.contexts.split(",")]
             if device.startswith("cuda"):  # a GPU compiles kernels at each new shape: one unrecorded pass first
-                if kind == "prefill":
-                    measure_prefill(core, device, lengths, salt=1)
-                else:
-                    measure_decode(core, device, batches, contexts, a.decode_tokens, salt=1)
+                _measure(kind, core, device, a, salt=1)
+            rows = _measure(kind, core, device, a, salt=0)
             if kind == "prefill":
-                rows = measure_prefill(core, device, lengths)
                 key = "prefill/pcp1-dcp1"
             else:
-                rows = measure_decode(core, device, batches, contexts, a.decode_tokens)
                 key = decode_key(1, hisparse_admits(cfg))
                 if cfg.speculative is not None:
                     st = core.stats()

@@ -12,7 +12,7 @@ met 94 such variants in its first 2 minutes of traffic, with prefill steps of 56
 - decodes of every batch-size class up to `max_num_seqs` (the same classes), a few steps each,
   with the engine's MTP drafts when it has them;
 - decodes over a context longer than the indexer's top-k (batch-size classes up to 16): the sparse selection's
-  scores and top-k at decode shapes, and HiSparse's misses, which short contexts never reach.
+  scores and top-k at decode shapes, which short contexts never reach.
 
 Then it leaves nothing behind that a client could see: every request finished and dropped, every KV block free,
 the prefix cache empty (its hashes forgotten, and the events of storing and dropping them discarded, so no
@@ -121,7 +121,7 @@ def warm_up(core, max_tokens: int | None = None, max_batch: int | None = None,
                     for j in range(b)], report)
         report.decode_batches.append(b)
     topk = getattr(cfg.model, "index_topk", 0) or 0
-    long_len = topk + 33  # past the top-k: the indexer scores and selects, HiSparse may miss
+    long_len = topk + 33  # past the top-k: the indexer scores and selects
     if long_context and topk and long_len + DECODE_TOKENS < cfg.scheduler.max_model_len:
         for b in size_classes(min(cfg.scheduler.max_num_seqs, max_batch or LONG_BATCH, LONG_BATCH)):
             if not _fits(core, long_len, b):
