@@ -249,9 +249,9 @@ class EngineConfig:
         if self.speculative is not None and not self.cache.mtp_kv:
             raise ValueError("speculative decoding needs the MTP layer's KV: drop --no-mtp-kv")
         pc = self.parallel
-        if self.scheduler.async_scheduling and pc.world_size > 1:
-            raise ValueError("async_scheduling runs single-rank engines for now: drop --async-scheduling or the "
-                             "context / data parallel sizes")
+        if self.scheduler.async_scheduling and pc.world_size > 1 and pc.data_parallel_size != pc.world_size:
+            raise ValueError("async_scheduling runs single-rank engines and DP groups: drop --async-scheduling or "
+                             "the context parallel sizes")
         if pc.enable_expert_parallel and pc.world_size > 1 and self.model.n_routed_experts % pc.world_size:
             what = "--data-parallel-size" if pc.data_parallel_size > 1 else "the number of ranks"
             raise ValueError(f"expert parallelism over {pc.world_size} ranks needs n_routed_experts "

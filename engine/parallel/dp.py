@@ -11,6 +11,9 @@ the DP rank whose instance the router chose), else to the least-loaded one. One 
                                                               lock-step rounds + dynamic all-to-alls ──╯
          (the gather also brings each rank's HiSparse figures: the group's stats need no extra round)
 
+With async scheduling each rank launches the step it is sent before it reads back the one before, and the gather
+brings that one's results: rank 0 plans step N + 1 from every rank's AsyncScheduler while N runs everywhere.
+
 Imported KV (the decode service's pulls) goes into the pages of the rank that admitted the request:
 `reserve_import(req, n, rank)` reserves them in that rank's KV manager; the bytes are written by that
 rank's process (services/transfer/rank_pull.py).
@@ -28,7 +31,8 @@ from dataclasses import fields, replace
 from engine.config.engine import EngineConfig
 from engine.core.core import EngineStats, scheduler_stats
 from engine.core.request import Request
-from engine.core.scheduler import EngineCoreOutput, Scheduler
+from engine.core.async_scheduler import AsyncScheduler
+from engine.core.scheduler import EngineCoreOutput
 from engine.kv.manager import KVCacheManager
 from engine.kv.offload import sum_stats
 from engine.parallel.dp_runner import DPModelRunner, StepPlan, plan_step
@@ -52,7 +56,7 @@ class DPEngineCore(MultiRankEngineCore):
             if hisparse is not None:
                 kv.device_footprint = hisparse.footprint()
             self.kvs.append(kv)
-            self.schedulers.append(Scheduler(cfg.scheduler, kv, cfg.num_spec_tokens))
+            self.schedulers.append(AsyncScheduler(cfg.scheduler, kv, cfg.num_spec_tokens))
         self.rank_of: dict[str, int] = {}  # request -> its DP rank
         self.dp_steps = {"planned": 0, "dynamic": 0}  # steps that ran passes, by kind (dp_runner.py)
         # each rank's HiSparse figures as of its last step (rank 0's are read in place)
@@ -99,6 +103,8 @@ class DPEngineCore(MultiRankEngineCore):
             raise ValueError(f"request id {req.req_id!r} is already in use")
         rank = self._rank(rank)
         self._prepare_import(req)
+        if self._inflight is not None:  # blocks a running step frees may still be written by it (EngineCore)
+            self.collective_rpc("wait_in_flight")
         reserved = self.schedulers[rank].reserve_import(req, num_import_tokens)
         self.flush_kv_copies()  # that rank's process writes the blocks next: stores of evicted ones first
         if reserved is not None:
@@ -126,32 +132,43 @@ class DPEngineCore(MultiRankEngineCore):
             self.collective_rpc("apply_rank_kv_copies", by_rank)
 
     def has_unfinished(self) -> bool:
-        return any(s.has_unfinished for s in self.schedulers)
+        return any(s.has_unfinished for s in self.schedulers) or self._inflight is not None
 
     def has_finished_to_drop(self) -> bool:
         return any(s.has_finished_to_drop for s in self.schedulers)
 
     # ---- stepping --------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule every rank, plan the step, run it on the group, apply. With async scheduling the step
+        scheduled now is launched first and the outputs returned are those of the step before it: every rank
+        launches its part, then reads back its previous one (engine/core/async_scheduler.py, per rank)."""
         t0 = time.perf_counter()
         scheds = [s.schedule() for s in self.schedulers]
-        if all(s.is_empty and not s.finished_req_ids for s in scheds):
+        launch = not all(s.is_empty and not s.finished_req_ids for s in scheds)
+        if not launch and self._inflight is None:
             return []
-        plan = self.plan(scheds)
-        if plan is None or plan.passes:
-            self.dp_steps["dynamic" if plan is None else "planned"] += 1
-        self._send(("dpstep",))
-        mine = self.comm.scatter_objects([(s, plan) for s in scheds])
-        results = self.comm.gather_objects(self.runner.run_step(mine))
-        if self.rank_hisparse:
-            self.rank_hisparse = [r.hisparse for r in results]
+        plan = None
+        if launch:
+            plan = self.plan(scheds)
+            if plan is None or plan.passes:
+                self.dp_steps["dynamic" if plan is None else "planned"] += 1
+        self._send(("dpstep", launch, self.async_scheduling))
+        mine = self.comm.scatter_objects([(s, plan) for s in scheds]) if launch else None
+        results = self.comm.gather_objects(self.runner.run_step(mine, self.async_scheduling))
+        done = scheds
+        if self.async_scheduling:  # the step launched before this one is what the ranks returned
+            done, self._inflight = self._inflight, (scheds if launch else None)
         outputs = []
-        for sched_, sched, result in zip(self.schedulers, scheds, results):
-            outputs += sched_.update(sched, result.output)
+        if done is not None:
+            if self.rank_hisparse:
+                self.rank_hisparse = [r.hisparse for r in results]
+            for sched_, sched, result in zip(self.schedulers, done, results):
+                outputs += sched_.update(sched, result.output)
         for o in outputs:
             if o.finish_reason is not None:
                 self.rank_of.pop(o.req_id, None)
-        self.num_steps += 1
+        if launch:
+            self.num_steps += 1
         self.step_seconds += time.perf_counter() - t0
         return outputs
 

@@ -121,6 +121,7 @@ class DPModelRunner(ModelRunner):
         self.padded_tokens = 0  # the group's largest pass of the last dynamic round
         self.dummy_passes = 0  # passes run on padding only (a rank with fewer passes than the group's step)
         self.planned_steps = 0
+        self.in_flight = None  # async scheduling in a group: the StepHandle of the step launched last
         self.dynamic_steps = 0
         if self.planned:
             _check_capture_set(cfg, comm)
@@ -249,10 +250,24 @@ class DPModelRunner(ModelRunner):
             self.dispatcher.static.rows = self.dispatcher.static.row_valid = None
         return handle
 
-    def run_step(self, msg: tuple[SchedulerOutput, StepPlan | None]) -> RankStepResult:
-        """One step of this rank's own requests and the group's plan of it (the "dpstep" message)."""
-        sched, self.plan = msg
-        return RankStepResult(self.execute(sched), self.hisparse_stats())
+    def run_step(self, msg: tuple[SchedulerOutput, StepPlan | None] | None,
+                 async_scheduling: bool = False) -> RankStepResult | None:
+        """One step of this rank's own requests and the group's plan of it (the "dpstep" message). With async
+        scheduling the step is launched and the result returned is the one of the step launched before it (None
+        when none was in flight); `msg` None launches nothing (the group collects the step in flight)."""
+        handle = None
+        if msg is not None:
+            sched, self.plan = msg
+            handle = self.execute_async(sched)
+        if not async_scheduling:
+            return RankStepResult(handle.get(), self.hisparse_stats())
+        done, self.in_flight = self.in_flight, handle
+        return None if done is None else RankStepResult(done.get(), self.hisparse_stats())
+
+    def wait_in_flight(self) -> None:
+        """Until the step in flight (async scheduling) has run on the device: what it writes is written."""
+        if self.in_flight is not None:
+            self.in_flight.wait()
 
     def hisparse_stats(self):
         return self.hisparse.stats() if self.hisparse is not None else None

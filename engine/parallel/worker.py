@@ -5,8 +5,9 @@ CPModelRunner (a DPModelRunner with data_parallel_size > 1), whose messages it t
 
     ("step", SchedulerOutput, check)  run the step (collectives with the other ranks); with `check`,
                                       all-gather what was sampled so rank 0 can compare
-    ("dpstep",)                       data parallel: receive this rank's SchedulerOutput (scatter), run it,
-                                      gather the RankStepResults (RunnerOutput + HiSparse figures) on rank 0
+    ("dpstep", launch, async)         data parallel: receive this rank's SchedulerOutput (scatter) and run it
+                                      (`launch`), gather the RankStepResults (RunnerOutput + HiSparse figures)
+                                      on rank 0: this step's, or with async scheduling the one before it
     ("rpc", method, args)             call a runner method (by name) or a function (runner first; it arrives
                                       pickled by reference) and gather the results on rank 0
     ("release",)                      drop the runner, wait for the next ("engine", cfg) or ("exit",)
@@ -65,7 +66,8 @@ def serve(runner, comm: RankComm) -> str:
             if msg[2]:
                 comm.all_gather_objects(rank_output_digest(out))
         elif msg[0] == "dpstep":  # data parallel: this rank's own SchedulerOutput, its RunnerOutput back
-            comm.gather_objects(runner.run_step(comm.scatter_objects()))
+            launch, async_scheduling = msg[1], msg[2]
+            comm.gather_objects(runner.run_step(comm.scatter_objects() if launch else None, async_scheduling))
         elif msg[0] == "rpc":
             comm.gather_objects(call_rpc(runner, msg[1], msg[2]))
         elif msg[0] in ("release", "shutdown"):

@@ -1,7 +1,7 @@
 """A DP2 x EP2 decode group on two GPUs behind `pdserve up` (configs/topology.gpu-1.yaml with the decode as one
-group, rank r on GPU r, NCCL between them, HiSparse + MTP3 and fp8 KV on both ranks; the prefill on GPU 0):
-streamed chat tokens through the router equal the offline engine's, both ranks serve, each pulls its KV
-into its own pages (VRAM indexer rows, host-pool MLA rows), and afterwards no KV block and no HiSparse
+group, rank r on GPU r, NCCL between them, HiSparse + MTP3, fp8 KV and async scheduling on both ranks; the
+prefill on GPU 0): streamed chat tokens through the router equal the offline engine's, both ranks serve, each pulls
+its KV into its own pages (VRAM indexer rows, host-pool MLA rows), and afterwards no KV block and no HiSparse
 page is held."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def deployment(tmp_path_factory):
     decode = topo["services"]["decode"]
     decode.update(data_parallel_size=2, gpus=[0, 1])
     decode["args"]["enable-expert-parallel"] = True
+    decode["args"]["async-scheduling"] = True  # every rank launches step N + 1 before it reads step N back
     dep = launcher.up(topo, timeout_s=900, die_with_parent=True)
     yield dep
     launcher.down(dep)

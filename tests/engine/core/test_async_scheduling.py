@@ -129,9 +129,11 @@ def test_async_hisparse_misses_equal_resident(code16):
     assert llm.core.runner.num_host_placeholders > 0, "HiSparse places pages by exact starts: filled on the host"
 
 
-def test_async_scheduling_refuses_multi_rank(tiny_code):
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(str(tiny_code), num_blocks=16, async_scheduling=True, data_parallel_size=2)
+def test_async_scheduling_refuses_context_parallel_ranks(tiny_code):
+    """A context-parallel engine's ranks run one shared step: it stays synchronous (a DP group schedules ahead:
+    tests/engine/parallel/test_dp_engine.py)."""
+    with pytest.raises(ValueError, match="async_scheduling runs single-rank engines and DP groups"):
+        LLM(str(tiny_code), num_blocks=16, async_scheduling=True, prefill_context_parallel_size=2)
 
 
 def test_async_structured_outputs_equal_sync(tiny_code):

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.config.arg_utils import EngineArgs
@@ -122,3 +123,37 @@ def test_the_flag_reaches_the_engine_config(tiny_code):
     p = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(p.parse_args(["--model", str(tiny_code), "--warmup"])).create_engine_config().warmup
     assert not EngineArgs.from_cli_args(p.parse_args(["--model", str(tiny_code)])).create_engine_config().warmup
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(900)
+def test_after_the_warm_up_traffic_compiles_no_kernel_on_cuda(tiny_code, tmp_path, monkeypatch):
+    """On a GPU: after the warm-up, a mix of prompt lengths, batch sizes and contexts past the indexer's top-k
+    compiles no new Triton variant (a fresh TRITON_CACHE_DIR gets one metadata file per compile), and the answer
+    is a cold engine's."""
+    from bench.serving.cold_start import compiled_variants  # a bench helper: only this GPU test uses it
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    gpu_args = dict(ARGS, device="cuda", num_blocks=1024, max_num_batched_tokens=512, max_num_seqs=16,
+                    hisparse={"host_pool_blocks": 256})
+    core = make_engine_core(EngineArgs(model=str(tiny_code), **gpu_args).create_engine_config())
+    report = warm_up(core)
+    assert report.long_decode_batches == size_classes(16)
+    before = compiled_variants(tmp_path / "triton")
+    rng = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for wave, (n_req, lo, hi) in enumerate([(1, 3, 40), (5, 40, 500), (13, 3, 300), (16, 20, 120), (3, 2100, 2600),
+                                            (11, 2100, 2300)]):
+        for j in range(n_req):  # arrivals within a wave: prefill chunks mix with decodes
+            n = int(torch.randint(lo, hi, (1,), generator=rng))
+            prompt = torch.randint(20, 1000, (n,), generator=rng).tolist()
+            core.add_request(Request(f"w{wave}-{j}", prompt, params))
+            core.step()
+        while core.has_unfinished():
+            core.step()
+    after = compiled_variants(tmp_path / "triton")
+    assert after == before, f"compiled under traffic: {dict(after - before)}"
+    prompt = list(range(40, 40 + 70))
+    assert _greedy(core, prompt)[0] == _greedy(
+        make_engine_core(EngineArgs(model=str(tiny_code), **gpu_args).create_engine_config()), prompt)[0]

@@ -31,27 +31,36 @@ def prompts(code16):
     return [ids[i * 400: i * 400 + n] for i, n in enumerate(lens)]
 
 
-@pytest.mark.parametrize("spec", [0, 3])
-def test_hisparse_misses_every_step_on_every_rank(code16, prompts, spec):
+@pytest.mark.parametrize("spec,async_scheduling", [(0, False), (3, False), (3, True)])
+def test_hisparse_misses_every_step_on_every_rank(code16, prompts, spec, async_scheduling):
     kw = dict(EXACT, num_speculative_tokens=spec) if spec else dict(EXACT)
     want = _run(LLM(str(code16), num_blocks=64, **kw).core, prompts, GREEDY)[0]
     hot_blocks = 1 if spec == 0 else 2  # a device pool of hot buffers only: every request decodes from host
     # MTP3: decode on the padded static path (the GPU's, run eagerly here) with planned steps
     static = {"enforce_eager": False} if spec else {}
     dp = LLM(str(code16), num_blocks=2 * hot_blocks + 1, hisparse={"host_pool_blocks": 48},
-             data_parallel_size=2, enable_expert_parallel=True, **kw, **static)
+             data_parallel_size=2, enable_expert_parallel=True, async_scheduling=async_scheduling, **kw, **static)
     try:
         misses, busy = [], []  # per step: each rank's misses so far, whether both its requests decoded
         core = dp.core
         step = core.step
 
         def counted_step():
-            busy.append([len(s.running) == 2 for s in core.schedulers])  # one alone would fit its pages
+            busy.append([False, False])
             out = step()
             misses.append([s["hisparse"].misses for s in rank_stats(core)])
             return out
 
+        def counted_schedule(rank, schedule):
+            def run():
+                sched = schedule()
+                busy[-1][rank] = len(sched.chunks) == 2  # both its requests run (one alone would fit its pages)
+                return sched
+            return run
+
         core.step = counted_step
+        for r, s in enumerate(core.schedulers):  # with async scheduling a step may wait for the one before it
+            s.schedule = counted_schedule(r, s.schedule)
         got, ranks = _run(core, prompts, GREEDY)
         core.step = step
         assert got == want and sorted(ranks) == [0, 0, 1, 1]

@@ -64,3 +64,5 @@ def test_async_scheduling_flag(tiny_code):
     with pytest.raises(ValueError, match="async_scheduling runs single-rank engines"):
         EngineArgs(model=str(tiny_code), async_scheduling=True, prefill_context_parallel_size=2,
                    decode_context_parallel_size=2).create_engine_config()
+    dp = EngineArgs(model=str(tiny_code), async_scheduling=True, data_parallel_size=2).create_engine_config()
+    assert dp.scheduler.async_scheduling  # a DP group schedules ahead too (engine/parallel/dp.py)
