@@ -96,17 +96,23 @@ def store_index_k(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torc
     store_rows(k, None, index_cache, slot_mapping, k.shape[1], blocked=index_cache.dtype == torch.uint8)
 
 
+INDEX_Q_BLOCK = 64  # rows per block of quantize_index_q's staging buffer
+
+
 def quantize_index_q(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `quantize_index_q_ref`: q [T, H, D] -> (fp8 [T, H, D] view, fp32 scale [T, H] view).
 
     Each (token, head) row is an index-cache row ([D fp8 | fp32 scale]), written by the store kernel."""
     T, H, D = q.shape
-    buf = torch.empty((1, T * H, D + 4), dtype=torch.uint8, device=q.device)
+    # blocks of 64 rows, not one block of T * H: the store kernel's block size is a constexpr, and one that
+    # followed the step's rows would compile a variant per batch (kernels/jit_variants.py)
+    blocks = -(-T * H // INDEX_Q_BLOCK)
+    buf = torch.empty((blocks, INDEX_Q_BLOCK, D + 4), dtype=torch.uint8, device=q.device)
     rows = q.reshape(T * H, D)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     store_rows(rows, None, buf, torch.arange(T * H, device=q.device), D)
-    flat = buf[0]
+    flat = buf.view(blocks * INDEX_Q_BLOCK, D + 4)[:T * H]
     return (flat[:, :D].view(torch.float8_e4m3fn).view(T, H, D),
             flat[:, D:].view(torch.float32).view(T, H))
 

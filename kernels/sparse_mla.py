@@ -33,7 +33,9 @@ def _slots(idx_row, offs, hi, tab, POSITIONS: tl.constexpr, BLOCK_SIZE: tl.const
     return ix
 
 
-@jit
+# per-step sizes and strides (selected entries, split length, query rows, the block table's width): one compiled
+# variant for all (kernels/jit_variants.py)
+@jit(do_not_specialize=["num_idx", "split_len", "sq_len", "si_b", "so_split", "sl_split", "s_table"])
 def _sparse_mla_kernel(q_ptr, kv_ptr, kv_scale_ptr, kv_rope_ptr, idx_ptr, out_ptr, lse_ptr,
                        num_heads, num_idx, split_len, sq_len,
                        sq_b, sq_s, sq_h, si_b, si_s, skv_blk, skv_tok,

@@ -20,7 +20,9 @@ from kernels.triton_support import check_device, interpreting, jit, to_bf16, to_
 _ROWS_PER_PROGRAM = 16  # H200 sweep: 4 -> 62%, 8 -> 68%, 16 -> 69%, 32 -> 65% of copy bandwidth
 
 
-@jit(do_not_specialize=["num_rows"])  # a row count per step: one compiled variant for all (kernels/jit_variants.py)
+# a row count per step, and slots that may start anywhere in a per-step buffer: one compiled variant for all
+# (kernels/jit_variants.py)
+@jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["slot_ptr"])
 def _store_rows_kernel(lat_ptr, rope_ptr, slot_ptr, cache_ptr, scale_ptr, rope_out_ptr, num_rows,
                        stride_lat, stride_rope, stride_blk, stride_tok,
                        BLOCK_SIZE: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, P: tl.constexpr,
@@ -77,7 +79,7 @@ def _store_rows_kernel(lat_ptr, rope_ptr, slot_ptr, cache_ptr, scale_ptr, rope_o
                      r.to(cache_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-@jit(do_not_specialize=["num_rows"])
+@jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["slot_ptr"])  # as the store's
 def _gather_rows_kernel(cache_ptr, scale_ptr, rope_ptr, slot_ptr, out_ptr, num_rows, stride_out,
                         stride_blk, stride_tok,
                         BLOCK_SIZE: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, P: tl.constexpr,

@@ -156,7 +156,7 @@ def _emit_selected(key, src_ptr, cpos_row, num, k, bt_row, o_row, AS_SLOTS: tl.c
         eq_seen += tl.sum(eq.to(tl.int32), axis=0)
 
 
-@jit(do_not_specialize=["rows", "row_offset"])
+@jit(do_not_specialize=["rows", "row_offset", "k", "so_row"])  # k: the top-k, or a shorter context's width
 def _select_kernel(score_ptr, gmax_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, glist_ptr, cand_ptr, cpos_ptr, rows,
                    row_offset, ss_row, sg_row, so_row, s_bt, k, BLOCK_SIZE: tl.constexpr, AS_SLOTS: tl.constexpr,
                    GROUP: tl.constexpr, SUM_CAP: tl.constexpr, GCAP: tl.constexpr, CAP: tl.constexpr,

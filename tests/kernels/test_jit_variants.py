@@ -41,12 +41,39 @@ def test_the_counter_sees_a_row_count_that_is_specialised():
 def test_kv_row_stores_and_gathers_need_one_variant_for_any_row_count():
     cache = torch.zeros(8, 64, 656, dtype=torch.uint8)  # fp8_ds_mla rows: 512 codes + 4 scales + 64 bf16 rope
     with count_variants() as v:
-        for n in ROWS:
+        for i, n in enumerate(ROWS):
             x = torch.randn(n, 576)
-            slots = torch.randperm(8 * 64)[:n]
+            slots = torch.randperm(8 * 64)[i:i + n]  # slots that start anywhere in a step's buffer
             store_rows(x[:, :512], x[:, 512:], cache, slots, 128)
             gather_rows(cache, slots, 512, 64, 128)
     assert v.counts() == {"_store_rows_kernel": 1, "_gather_rows_kernel": 1}, v.varying()
+
+
+def test_the_indexer_query_quantisation_needs_one_variant_for_any_row_count():
+    """Its staging buffer's block size is a constexpr of the store kernel: one block of T x H rows compiled a
+    variant per batch on the GPU (226 variants in a served minute, bench/data/simulate/NOTES.md)."""
+    from kernels.formats import quantize_index_q_ref
+    from kernels.indexer import quantize_index_q
+
+    with count_variants() as v:
+        for n in ROWS:
+            q = torch.randn(n, 4, 64)
+            codes, scales = quantize_index_q(q)
+            want_codes, want_scales = quantize_index_q_ref(q)
+            assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+            assert torch.equal(scales, want_scales)
+    assert v.counts() == {"_store_rows_kernel": 1}, v.varying()
+
+
+def test_sparse_mla_needs_one_variant_for_any_batch_selection_and_table():
+    from tests.kernels.test_sparse_mla import check_positions
+
+    with count_variants() as v:
+        for B, K in ((1, 40), (2, 48), (3, 33), (4, 64)):  # rows, entries, splits' lengths and table widths vary
+            check_positions(B=B, H=4, K=K, R=128, P=16, block_size=16, device="cpu", num_splits=3)
+    assert v.counts()["_sparse_mla_kernel"] == 1, v.varying()
+    # the splits' merge: a variant per power of two of splits (a constexpr; the warm-up's batch classes meet them)
+    assert set(v.varying().get("_merge_kernel", {})) <= {"BLOCK_N"}, v.varying()
 
 
 @pytest.mark.parametrize("parts", [2, 3])
@@ -78,9 +105,9 @@ def test_the_indexer_top_k_needs_one_variant_for_any_batch_and_context():
     cfg = FusedConfig(block_t=1, block_n=16, num_stages=1, keys_per_prog=32,
                       select=SelectConfig(group=4, sum_cap=64, gcap=64, cap=64, scan=32, block=32, programs=1))
     with count_variants() as v:
-        for seq_lens in ([100], [130, 77, 99], [257, 70, 71, 72, 73], [80] * 16 + [91]):
+        for seq_lens, k in (([100], 24), ([130, 77, 99], 16), ([257, 70, 71, 72, 73], 24), ([80] * 16 + [91], 17)):
             bt = make_batch("fp8", seq_lens, [[n - 1] for n in seq_lens], 16, 32, 16, spare_blocks=2, device="cpu")
-            indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, 24, max_seq_len=max(seq_lens),
+            indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, k, max_seq_len=max(seq_lens),
                          query_start_loc_cpu=bt.qsl, seq_lens_cpu=bt.seq_lens, return_slots=False, impl="fused",
                          config=cfg)
     assert v.counts()["_fused_scores_kernel"] == 1 and v.counts()["_select_kernel"] == 1, v.varying()
