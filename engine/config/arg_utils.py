@@ -148,7 +148,7 @@ class EngineArgs:
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--async-scheduling", action="store_true",
                        help="plan the next step while the current one runs on the GPU; its tokens are read back "
-                            "after the next step is launched (single-rank engines)")
+                            "after the next step is launched (single-rank engines and DP groups)")
         g.add_argument("--warmup", action="store_true",
                        help="before serving, step once through the batch shapes a server meets (every prefill token "
                             "count class up to one step's budget, with and without a cached prefix, every decode "
