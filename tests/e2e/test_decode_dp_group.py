@@ -1,5 +1,5 @@
 """A DP2 x EP2 decode group behind `pdserve up` (one process per DP rank, registered as decode-0-dp0 and
-decode-0-dp1 at rank 0's address; HiSparse and MTP3 on both ranks): streamed chat through the router
+decode-0-dp1 at rank 0's address; HiSparse, MTP3 and async scheduling on both ranks): streamed chat through the router
 equals the offline engine, with requests on both ranks. One rank killed mid-stream: every in-flight client,
 on either rank, gets an error event at once; the group leaves service as one (NOT_SERVING, both instances
 deregistered, rank 0 exits 1); restarted, it serves again and ends with no KV blocks or HiSparse rows
@@ -35,6 +35,7 @@ def dep(tmp_path_factory):
     decode = topo["services"]["decode"]
     decode["data_parallel_size"] = 2
     decode["args"]["enable-expert-parallel"] = True
+    decode["args"]["async-scheduling"] = True  # the group plans step N + 1 while N runs (KV pulls wait for N)
     decode["env"] = {"PDSERVE_RANK_HANG_TIMEOUT_S": str(HANG_S)}
     d = system.launch(topo, timeout_s=RESTART_S)
     yield d
