@@ -9,9 +9,10 @@ A Triton kernel compiles a variant at the first launch of each combination of it
 started once with its own Triton cache directory (`TRITON_CACHE_DIR`: empty, or `--cache-dir` to measure a restart
 that keeps it), then `bench agentx` runs `--passes` times at `--concurrency` for `--pass-duration` seconds, each
 pass with other sessions. Recorded: the start-up time; the compiled variants in the cache after start-up and after
-each pass, by kernel at the end; each pass's client figures (completed requests, TTFT p50 / p90, TPOT p50) and the
-engines' own step counts and mean step times over it. A service that compiles nothing under traffic shows the same
-variant count after every pass and steps as fast in the first pass as in the last.
+each pass, by kernel what each pass compiled, and what the cache holds at the end; each pass's client figures
+(completed requests, TTFT p50 / p90, TPOT p50) and the engines' own step counts and mean step times over it. A
+service that compiles nothing under traffic shows the same variant count after every pass and steps as fast in the
+first pass as in the last.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     dep = launcher.up(cold_topology(Path(a.config), work / "run", cache, a.warmup), timeout_s=900,
                       die_with_parent=True, echo=print)
     out["startup_s"] = time.perf_counter() - t0
-    out["variants_after_startup"] = sum(compiled_variants(cache).values())
+    seen = compiled_variants(cache)
+    out["variants_after_startup"] = sum(seen.values())
     try:
         for i in range(a.passes):
             before = _steps(dep)
@@ -111,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
                            check=False, timeout=a.pass_duration + 120)
             level = json.loads((res / "result.json").read_text())["levels"][0] if (res / "result.json").exists() \
                 else {}
+            now = compiled_variants(cache)
             out["passes"].append({
-                "variants_after": sum(compiled_variants(cache).values()),
+                "variants_after": sum(now.values()),
+                "compiled_by_kernel": dict((now - seen).most_common()),  # what this pass's traffic compiled
                 "client": {k: level.get(k) for k in ("completed", "p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms")},
                 "engines": _pass_figures(before, _steps(dep))})
+            seen = now
             print(json.dumps(out["passes"][-1]), flush=True)
             Path(a.out).write_text(json.dumps(out, indent=1))
     finally:

@@ -29,9 +29,9 @@ import time
 from dataclasses import fields, replace
 
 from engine.config.engine import EngineConfig
+from engine.core.async_scheduler import AsyncScheduler
 from engine.core.core import EngineStats, scheduler_stats
 from engine.core.request import Request
-from engine.core.async_scheduler import AsyncScheduler
 from engine.core.scheduler import EngineCoreOutput
 from engine.kv.manager import KVCacheManager
 from engine.kv.offload import sum_stats
