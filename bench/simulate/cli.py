@@ -105,6 +105,9 @@ async def _level(args, level_idx: int, concurrency: int, traces, specs, profile:
            "refused": system.refusals,
            "kvstore": {i: {"usage": st.pool.usage, "loaded_blocks": st.loaded_blocks,
                            "offloaded_blocks": st.offloaded_blocks} for i, st in system.stores.items()},
+           "host_kv_tier": {iid: {"stored_blocks": st.num_stored, "loaded_blocks": st.num_loaded,
+                                  "hit_tokens": st.hits, "usage": st.usage, "copies_in_steps": e.offload_copies}
+                            for iid, e in system.engines.items() if (st := e.kv.offload_stats()) is not None},
            "simulated_s": span}
     sim["time_by_phase_s"] = _phases(system.phases)
     sim["bottleneck"] = _bottleneck(sim)

@@ -7,7 +7,8 @@ shape matters: every sampling chunk emits its accepted drafts and one token (a f
 replayed requests ignore EOS, as `bench agentx`'s do), drafts are proposed as the real MTP proposer proposes
 them (min(max_drafts, k)) and accepted by the production synthetic-acceptance draw. So batching, chunked
 prefill, prefix-cache hits and evictions, preemption, KV import admission and MTP's tokens per step are the
-real system's; only the time each step takes comes from the profile.
+real system's; only the time each step takes comes from the profile. With a host KV tier (--kv-offloading-size)
+the KV manager is given the production tier's bookkeeping, and each step also pays its block copies.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from engine.core.request import Request
 from engine.core.scheduler import EngineCoreOutput, Scheduler
 from engine.core.scheduler_output import RunnerOutput, SampledOutput, SchedulerOutput
 from engine.kv.manager import KVCacheManager
+from engine.kv.offload import OffloadTier
 from engine.runner.speculative import SyntheticAcceptance
 from services.engine_host import load_figures
 
@@ -28,9 +30,15 @@ TOKEN = 7  # the id every simulated token carries (not an EOS id of any model he
 
 class SimEngine:
     def __init__(self, instance_id: str, cfg, num_blocks: int, cost: Callable, loop: asyncio.AbstractEventLoop,
-                 seed: int, acceptance_length: float | None = None):
+                 seed: int, acceptance_length: float | None = None, offload: OffloadTier | None = None,
+                 copy_s: float = 0.0):
+        """`offload`: the production bookkeeping of the engine's host KV tier (--kv-offloading-size): evicted
+        prefix blocks kept in host memory, loaded back on a later hit; each block copy costs `copy_s`."""
         self.instance_id = instance_id
-        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, 1, cfg.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, 1, cfg.cache.enable_prefix_caching,
+                                 offload=offload)
+        self.copy_s = copy_s
+        self.pending_copies = 0  # copies queued outside a step (an import's reservation): the next step pays them
         self.k = cfg.num_spec_tokens if cfg.with_mtp else 0
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.k)
         self.cost = cost
@@ -41,6 +49,7 @@ class SimEngine:
         self.num_steps = 0
         self.busy_s = 0.0  # virtual seconds spent in steps
         self.tokens = 0  # tokens computed (prompt rows and verified drafts)
+        self.offload_copies = 0  # host KV tier block copies run in steps
         self.first_step: dict[str, float] = {}  # request -> when its first chunk's step began (the caller pops it)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -51,6 +60,7 @@ class SimEngine:
 
     def reserve_import(self, req: Request, num_tokens: int, listener) -> tuple[list[int], int] | None:
         got = self.scheduler.reserve_import(req, num_tokens)
+        self.pending_copies += len(self.kv.take_copies())  # the engine runs them before the caller writes
         if got is not None:
             self.listeners[req.req_id] = listener
         return got
@@ -80,10 +90,14 @@ class SimEngine:
             return
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.pending_copies += len(sched.kv_copies)  # the runner's next step runs them
             if sched.finished_req_ids or sched.preempted_req_ids:
                 self.scheduler.update(sched, RunnerOutput())
             return
-        seconds = self.cost(sched.chunks)
+        copies = len(sched.kv_copies) + self.pending_copies  # host KV tier stores and loads, before the forward
+        self.pending_copies = 0
+        self.offload_copies += copies
+        seconds = self.cost(sched.chunks) + copies * self.copy_s
         now = self.loop.time()
         for c in sched.chunks:
             self.first_step.setdefault(c.req_id, now)

@@ -26,8 +26,12 @@ device-room check is the production `DeviceFootprint` over the device blocks and
 An engine's refusal (its own validation: too long, more blocks than its pool) ends the request with the
 router's error and releases its prefill KV.
 
-What it does not model (yet): the engines' host KV offload, PCP/DCP and DP×EP inside an engine beyond their step
-costs (a DP group is one instance per rank), migrations and failures.
+An engine with a host KV tier (--kv-offloading-size) keeps the production tier's bookkeeping in its KV manager:
+evicted prefix blocks stored to host memory, a later turn's hit loaded back, each copy paid in the step that runs
+it at the profile's host-memory bandwidth (its kvstore entry).
+
+What it does not model (yet): PCP/DCP and DP×EP inside an engine beyond their step costs (a DP group is one
+instance per rank), migrations and failures.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ from engine.hisparse.residency import DeviceFootprint
 from engine.kv.budget import num_blocks_for_bytes, num_kv_blocks
 from engine.kv.cache import KVCacheSpec
 from engine.kv.hashing import block_hashes
+from engine.kv.offload import OffloadTier
+from engine.kv.offload_buffer import offload_blocks_for
 from planner.capacity import weight_bytes
 from services.cluster.redis_state import InstanceInfo
 from services.kvstore.pool import BlockPool
@@ -77,6 +83,7 @@ class EngineSpec:
     gpus: int  # GPUs it occupies (throughput per GPU)
     acceptance_length: float | None
     device_room: tuple[int, int] | None = None  # HiSparse: (device blocks, blocks of one hot buffer)
+    offload: tuple[int, int] | None = None  # host KV tier (--kv-offloading-size): (its blocks, bytes a block)
 
 
 def model_dir(model: str, topo_path: Path, tmp: Path) -> Path:
@@ -217,11 +224,14 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
         room = None
         if kind == "decode" and hisparse_admits(cfg):
             blocks, room = _hisparse_pools(cfg, blocks)
+        offload = offload_tier_size(cfg, ranks)
+        if offload is not None:
+            profile.kvstore_s(0)  # its copies cost host-memory bandwidth: an error before anything runs
         for r in range(spec.replicas):
             for rank in range(per):
                 iid = f"{kind}-{r}" + (f"-dp{rank}" if per > 1 else "")
                 out.append(EngineSpec(kind, iid, cfg, key, blocks, ranks if kind == "prefill" else 1, acceptance,
-                                      room))
+                                      room, offload))
     store = services.get("kvstore")
     if store is not None:
         pre = next(e for e in out if e.role == "prefill")
@@ -230,6 +240,25 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
             out.append(EngineSpec("kvstore", f"kvstore-{r}", pre.cfg, "kvstore", kvstore_blocks(store, pre.cfg),
                                   0, None))
     return out
+
+
+def offload_tier_size(cfg, ranks: int) -> tuple[int, int] | None:
+    """An engine's host KV tier as it sizes it (engine/kv/offload_buffer.py): (blocks, bytes of a block over its
+    `ranks` ranks), None without --kv-offloading-size."""
+    size = cfg.cache.kv_offloading_size
+    if not size:
+        return None
+    block_bytes = _spec(cfg).block_bytes  # one rank's rows of a block
+    return offload_blocks_for(size, block_bytes, ranks), block_bytes * ranks
+
+
+def _offload(spec: EngineSpec, profile: Profile) -> tuple[OffloadTier | None, float]:
+    """(the production tier bookkeeping, seconds per block copy) of an engine with a host KV tier: each copy moves
+    a block at the profile's host-memory bandwidth (its kvstore entry: pinned host memory <-> GPU)."""
+    if spec.offload is None:
+        return None, 0.0
+    blocks, block_bytes = spec.offload
+    return OffloadTier(blocks, block_bytes), profile.kvstore_s(block_bytes) - profile.kvstore_s(0)
 
 
 def kvstore_blocks(spec, cfg) -> int:
@@ -282,7 +311,8 @@ class SimSystem:
         self.profile = profile
         self.specs = {s.instance_id: s for s in specs}
         self.engines = {s.instance_id: SimEngine(s.instance_id, s.cfg, s.num_blocks, profile.engine(s.key),
-                                                 self.loop, seed + n, s.acceptance_length)
+                                                 self.loop, seed + n, s.acceptance_length,
+                                                 *_offload(s, profile))
                         for n, s in enumerate(specs) if s.role != "kvstore"}
         self.stores = {s.instance_id: SimKVStore(s.instance_id, s.num_blocks) for s in specs if s.role == "kvstore"}
         for s in specs:

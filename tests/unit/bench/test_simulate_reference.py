@@ -229,3 +229,53 @@ def test_what_ifs_change_the_topology_before_it_is_simulated(tmp_path):
         decodes("services.decode.replicas.x=1")
     with pytest.raises(ValueError, match="expected PATH=VALUE"):
         decodes("services.decode.replicas")
+
+
+def test_an_engine_host_kv_tier_keeps_evicted_prefixes_and_its_copies_cost_time(tmp_path):
+    """--kv-offloading-size in the simulator: the decode ranks of the reference deployment get the tier their
+    engines would size (16 GiB of blocks); an engine with one keeps evicted prefix blocks in it (the production
+    OffloadTier in its KV manager), loads a later turn's prefix back instead of computing it, and every copy is
+    paid in the step that runs it."""
+    import asyncio
+
+    from bench.simulate import clock
+    from bench.simulate.engines import SimEngine
+    from bench.simulate.system import engine_specs
+    from engine.core.request import Request
+    from engine.core.sampling_params import SamplingParams
+    from engine.kv.offload import OffloadTier
+
+    prof = Profile.load(H200)
+    specs = engine_specs([PREFILL_HOST, DECODE_HOST], prof, "glm-5.3-fp8", tmp_path)
+    dec = next(s for s in specs if s.role == "decode")
+    blocks, block_bytes = dec.offload
+    assert block_bytes > 0 and blocks == 16 * 2**30 // block_bytes  # decode-host.yaml: kv-offloading-size 16
+    assert next(s for s in specs if s.role == "prefill").offload is None  # the prefill host has none
+    copy_s, step_s = 0.5, 0.01
+
+    async def main(tier):
+        loop = asyncio.get_running_loop()
+        e = SimEngine("d", dec.cfg, 24, lambda chunks: step_s, loop, 0, None, tier, copy_s)
+
+        async def run(rid, prompt):
+            done = loop.create_future()
+            e.add(Request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True)),
+                  lambda o: o.finish_reason is not None and not done.done() and done.set_result(o))
+            await done
+
+        await run("a", list(range(1, 641)))  # 10 blocks, cached when it ends
+        await run("b", list(range(2000, 2000 + 64 * 20)))  # 20 more: the pool of 24 evicts a's
+        tokens, busy, steps = e.tokens, e.busy_s, e.num_steps
+        await run("c", list(range(1, 641)) + [5, 6, 7])  # a's prefix again
+        return e, e.tokens - tokens, e.busy_s - busy, e.num_steps - steps
+
+    e, computed, busy, steps = clock.run(main(OffloadTier(64, block_bytes)))
+    st = e.kv.offload_stats()
+    # a's blocks the pool evicted went to the tier and came back for c (the rest were still on the device)
+    assert st.num_stored >= 5 and st.num_loaded == st.hits // 64 >= 5
+    assert e.offload_copies == st.num_stored + st.num_loaded  # every copy run in a step, none lost
+    assert computed < 64 + 3  # the prefix came from the device pool and the tier, not the forward
+    assert busy >= steps * step_s + st.num_loaded * copy_s  # c's steps paid for its loads
+    without, computed_without, _, _ = clock.run(main(None))
+    # no tier: what the pool evicted is computed again
+    assert without.kv.offload_stats() is None and computed_without >= computed + 64 * st.num_loaded
