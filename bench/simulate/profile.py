@@ -23,7 +23,8 @@ indexer's top-k (`index_topk`, K):
 
 so that the indexer (every key scored: linear in the context) and sparse MLA (at most K keys attended) can
 each keep their own shape. A decode engine's layout key is its DP size, with `-hisparse` where its requests
-are admitted by HiSparse (other step costs: the plan and miss copies); a prefill engine's its PCP and DCP sizes.
+are admitted by HiSparse (other step costs: the plan and miss copies); a prefill engine's its PCP and DCP sizes,
+or its DP size for one rank of a DP x EP prefill group ("prefill/dp8": simulated only, see bench/simulate/system.py).
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ class Profile:
         return entry
 
 
-def prefill_key(pcp: int, dcp: int) -> str:
-    return f"prefill/pcp{pcp}-dcp{dcp}"
+def prefill_key(pcp: int, dcp: int, dp: int = 1) -> str:
+    """A prefill engine's layout: its PCP and DCP sizes, or (dp > 1) one rank of a DP x EP prefill group."""
+    return f"prefill/dp{dp}" if dp > 1 else f"prefill/pcp{pcp}-dcp{dcp}"
 
 
 def decode_key(dp: int, hisparse: bool = False) -> str:

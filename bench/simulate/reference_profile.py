@@ -29,6 +29,10 @@ prefill/pcp8-dcp8 (the whole PCP8 x DCP8 x EP8 engine; a chunk of n tokens is sp
     FLOP counts (planner/roofline.py); the full model's terms are its FLOPs at those rates, divided over 8 ranks.
     Modelled on top (not measured at 8 GPUs): the EP all-to-all bytes of each token (bench.decode_dp's count
     of remote copies) and the DCP context all-gather over 450 GB/s NVLink, and 15 us per collective per layer.
+prefill/dp8 (one rank of a DP8 x EP8 prefill group: a what-if, simulated only; a chunk's rows all on one rank)
+    The same per-GPU rates and fixed part as prefill/pcp8-dcp8, nothing divided over 8 ranks, no DCP all-gather;
+    modelled the same way: the EP all-to-all of each row, 15 us per collective (2 a MoE layer). The ranks are
+    taken as balanced (the experts' work for one rank's rows spread over the 8 GPUs as theirs is over it).
 kvstore
     Pinned host memory to the GPU by DMA (measured on the H200); the call latency is the transfer's.
 transfer
@@ -156,8 +160,9 @@ def _chunks(prompt: int, cached: int = 0, chunk: int = STACK_CHUNK) -> list[tupl
     return out
 
 
-def prefill_entry(cfg) -> dict:
-    """prefill/pcp8-dcp8 from the 4-layer stack's H200 times, scaled to the 78-layer model by FLOPs."""
+def prefill_entries(cfg) -> tuple[dict, dict]:
+    """(prefill/pcp8-dcp8, prefill/dp8) from the 4-layer stack's H200 times, scaled to the 78-layer model by
+    FLOPs."""
     stack = _load(PREFILL_STACK)["lengths"]
     cut = preset("glm-5.3-fp8", num_hidden_layers=STACK_LAYERS,
                  mlp_layer_types=list(cfg.mlp_layer_types[:STACK_LAYERS]),
@@ -206,7 +211,7 @@ def prefill_entry(cfg) -> dict:
     ep_bytes = main_moe * remote * (cfg.hidden_size * 2 * 2 + 8 * cfg.num_experts_per_tok)
     gather_per_ctx = spec.mla_block_bytes / spec.block_size * (WORLD - 1) / WORLD
     collectives = (spec.num_mla_layers * 2 + main_moe * 2) * ALPHA_US * 1e-6
-    return {"step_s": step + collectives,
+    pcp = {"step_s": step + collectives,
             "token_s": token / PCP + ep_bytes / PCP / (NVLINK_GBS * 1e9),
             "token_ctx_s": per_key * spec.num_index_layers / PCP + gather_per_ctx / ENGINE_CHUNK / (NVLINK_GBS * 1e9),
             "token_sel_s": sel / PCP, "request_s": 0.0, "index_topk": topk,
@@ -218,18 +223,32 @@ def prefill_entry(cfg) -> dict:
                       f"indexer from the H200 kernel (prefill, 128K keys); modelled: the EP all-to-all "
                       f"({remote:.2f} remote copies a token a MoE layer) and the DCP8 context all-gather at "
                       f"{NVLINK_GBS:.0f} GB/s, {ALPHA_US:.0f} us per collective (4 a layer)"}
+    # one rank of a DP8 x EP8 prefill group: the same per-GPU rates, a chunk's every row on its own rank (nothing
+    # divided over 8), no context all-gather; its MoE layers' all-to-alls as above (2 collectives a MoE layer)
+    dp = {"step_s": step + main_moe * 2 * ALPHA_US * 1e-6,
+          "token_s": token + ep_bytes / (NVLINK_GBS * 1e9),
+          "token_ctx_s": per_key * spec.num_index_layers,
+          "token_sel_s": sel, "request_s": 0.0, "index_topk": topk,
+          "median_relative_error": err, "points": points,
+          "source": f"the same fit as prefill/pcp8-dcp8 ({PREFILL_STACK}: a GPU's rates for the matmuls and sparse "
+                    f"attention, the rank's FP8 weights at {COPY_TBPS} TB/s, the H200 indexer kernel), a chunk's rows "
+                    f"all on one rank; modelled: the EP all-to-all ({remote:.2f} remote copies a token a MoE layer) at "
+                    f"{NVLINK_GBS:.0f} GB/s, {ALPHA_US:.0f} us per collective (2 a MoE layer); balanced ranks assumed "
+                    f"(the experts' work for a rank's rows is spread over the 8 GPUs as theirs is over it)"}
+    return pcp, dp
 
 
 def build() -> dict:
     cfg = preset("glm-5.3-fp8")
     dec, parts = decode_entry(cfg)
+    pcp, dp = prefill_entries(cfg)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip() or "unknown"
     return {
         "version": 1, "hardware": "NVIDIA H200 (141 GB HBM3e), 8 per host, NVLink 4; hosts on 400 Gb/s per GPU",
         "hbm_gib": HBM_GIB, "commit": commit, "date": time.strftime("%Y-%m-%d"), "model": "glm-5.3-fp8",
         "built_by": "python -m bench.simulate.reference_profile",
-        "engines": {"prefill/pcp8-dcp8": prefill_entry(cfg), "decode/dp8": dec,
+        "engines": {"prefill/pcp8-dcp8": pcp, "prefill/dp8": dp, "decode/dp8": dec,
                     "decode/dp8-hisparse": hisparse_entry(dec)},
         "measured": parts,
         "transfer": {"latency_s": sum(SERVICE_DELTA_MS.values()) * 1e-3, "gbs": NIC_GBS,

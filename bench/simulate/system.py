@@ -30,8 +30,14 @@ An engine with a host KV tier (--kv-offloading-size) keeps the production tier's
 evicted prefix blocks stored to host memory, a later turn's hit loaded back, each copy paid in the step that runs
 it at the profile's host-memory bandwidth (its kvstore entry).
 
+A DP x EP prefill group (`--set services.prefill.data_parallel_size=8`, with PCP and DCP 1) is a what-if the
+launcher does not run (pdserve's prefill splits a prompt's context over PCP/DCP ranks instead): it is simulated as
+one prefill instance per rank, each with its own production scheduler, prefix cache and KV pool (a rank holds
+its requests' whole KV), the router placing prompts among them as among prefill replicas, and its step cost the
+profile's `prefill/dpN` entry.
+
 What it does not model (yet): PCP/DCP and DP×EP inside an engine beyond their step costs (a DP group is one
-instance per rank), migrations and failures.
+instance per rank: its ranks' lock-step, an idle rank's dummy pass, is not modelled), migrations and failures.
 """
 
 from __future__ import annotations
@@ -178,6 +184,7 @@ def services_of(topo_paths: list[str], settings: list[str] = ()) -> tuple[str, P
             override(r, setting)
     model, where, services = None, None, {}
     for path, data in zip(topo_paths, raws):
+        prefill_dp = _pop_prefill_dp(data)
         topo = topology_mod.load(data)
         if model is not None and topo.model != model:
             raise ValueError(f"topology files name different models: {model!r} ({where}) and {topo.model!r} ({path})")
@@ -188,11 +195,29 @@ def services_of(topo_paths: list[str], settings: list[str] = ()) -> tuple[str, P
                 continue
             if kind in services:
                 raise ValueError(f"the {kind} service appears in two topology files ({services[kind][1]} and {path})")
+            if kind == "prefill" and prefill_dp is not None:
+                spec = dataclasses.replace(spec, extra={**spec.extra, "data_parallel_size": prefill_dp})
             services[kind] = (spec, path)
     for kind in ("prefill", "decode"):
         if kind not in services:
             raise ValueError(f"topology {', '.join(topo_paths)} has no {kind} service")
     return model, where, {k: spec for k, (spec, _) in services.items()}
+
+
+def _pop_prefill_dp(data: dict) -> int | None:
+    """A what-if the launcher does not run: `services.prefill.data_parallel_size` (set with --set), a DP x EP
+    prefill group, one rank per GPU, each with its own requests, scheduler, prefix cache and KV pool (pdserve's
+    prefill engines split a prompt's context over PCP/DCP ranks instead). Taken out of the topology before it is
+    validated; None when absent."""
+    body = data.get("services", {}).get("prefill") if isinstance(data.get("services"), dict) else None
+    if not isinstance(body, dict) or "data_parallel_size" not in body:
+        return None
+    dp = body.pop("data_parallel_size")
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ValueError(f"services.prefill.data_parallel_size must be a positive integer, got {dp!r}")
+    if dp > 1:
+        body.setdefault("ranks", dp)  # one process per rank: the topology's GPU placement checks them
+    return dp
 
 
 def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | None, tmp: Path,
@@ -207,8 +232,14 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
         if kind == "prefill":
             pcp = spec.extra.get("prefill_context_parallel_size", 1)
             dcp = spec.extra.get("decode_context_parallel_size", 1)
+            dp = spec.extra.get("data_parallel_size", 1)
+            if dp > 1 and max(pcp, dcp) > 1:
+                raise ValueError(f"services.prefill: a DP prefill group (data_parallel_size {dp}) has one GPU per "
+                                 f"rank; set prefill_context_parallel_size and decode_context_parallel_size to 1 "
+                                 f"(got {pcp} and {dcp})")
             cfg = engine_cfg(spec, mdir, pcp, dcp)
-            key, per, ranks = prefill_key(pcp, dcp), 1, pcp
+            # a DP group (simulated only): one instance per rank, one GPU each, the routed experts split over them
+            key, per, ranks = prefill_key(pcp, dcp, dp), dp, pcp
         else:
             cfg = engine_cfg(spec, mdir)
             dp = spec.extra.get("data_parallel_size", 1)
@@ -219,7 +250,7 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
         profile.engine(key)  # a missing entry is an error before anything runs
         profile.transfer_s(0)
         _ = profile.request_overhead_s
-        ep = bool(spec.args.get("enable-expert-parallel")) or kind == "prefill"
+        ep = bool(spec.args.get("enable-expert-parallel")) or (kind == "prefill" and per == 1)
         blocks = _num_blocks(cfg, profile, max(ranks, per), ep, f"{kind} of {topo_path}")
         room = None
         if kind == "decode" and hisparse_admits(cfg):

@@ -279,3 +279,51 @@ def test_an_engine_host_kv_tier_keeps_evicted_prefixes_and_its_copies_cost_time(
     without, computed_without, _, _ = clock.run(main(None))
     # no tier: what the pool evicted is computed again
     assert without.kv.offload_stats() is None and computed_without >= computed + 64 * st.num_loaded
+
+
+DP8_PREFILL = ["services.prefill.data_parallel_size=8", "services.prefill.prefill_context_parallel_size=1",
+               "services.prefill.decode_context_parallel_size=1"]
+
+
+def test_a_dp_prefill_group_is_one_instance_per_rank_with_its_own_pool(tmp_path):
+    """The DP8 x EP8 prefill what-if (the launcher does not run it): eight one-GPU prefill instances costed by the
+    profile's prefill/dp8 entry, each holding its requests' whole KV (an eighth of the DCP8 engine's pool in the
+    same HBM share); PCP or DCP with it, a bad size or a profile without its entry is refused by name."""
+    from bench.simulate.system import engine_specs
+
+    prof, hosts = Profile.load(H200), [PREFILL_HOST, DECODE_HOST]
+
+    def prefills(profile, *settings):
+        return [s for s in engine_specs(hosts, profile, "glm-5.3-fp8", tmp_path, list(settings)) if s.role == "prefill"]
+
+    pcp, dp = prefills(prof), prefills(prof, *DP8_PREFILL)
+    assert len(pcp) == 1 and pcp[0].gpus == 8 and pcp[0].key == "prefill/pcp8-dcp8"
+    assert [s.instance_id for s in dp] == [f"prefill-0-dp{r}" for r in range(8)]
+    assert all(s.key == "prefill/dp8" and s.gpus == 1 for s in dp)
+    assert dp[0].num_blocks == pytest.approx(pcp[0].num_blocks / 8, rel=0.01)
+    assert 300_000 < dp[0].num_blocks * 64 < 1_000_000  # a rank's pool of 64-token blocks: no 1M-token prompt
+    # a chunk all on one rank costs several times what the same chunk split over PCP8's ranks does
+    one, split = prof.engine("prefill/dp8")([_chunk(0, 8192)]), prof.engine("prefill/pcp8-dcp8")([_chunk(0, 8192)])
+    assert one > 4 * split
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        prefills(prof, "services.prefill.data_parallel_size=8")
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
+        prefills(prof, "services.prefill.data_parallel_size=0")
+    no_dp = Profile({**prof.raw, "engines": {k: v for k, v in prof.raw["engines"].items() if k != "prefill/dp8"}},
+                    "no-dp.json")
+    with pytest.raises(ProfileError, match="no step costs for prefill/dp8"):
+        prefills(no_dp, *DP8_PREFILL)
+
+
+def test_a_dp_prefill_group_spreads_prompts_over_its_ranks_and_serves_them(tmp_path):
+    traces = write_traces(tmp_path / "traces", out_scale=8)
+    out = tmp_path / "out"
+    argv = ["--config", PREFILL_HOST, "--config", DECODE_HOST, "--model", "glm-5.3-fp8", "--profile", str(H200),
+            "--traces", str(traces), "--concurrency", "8", "--duration", "120", "--warmup", "10", "--seed", "1",
+            "--output-dir", str(out)] + [a for s in DP8_PREFILL for a in ("--set", s)]
+    assert cli.main(argv) == 0
+    level = json.loads((out / "result.json").read_text())["levels"][0]
+    assert level["valid"] and level["completed"] > 5 and not level["sim"]["refused"]
+    ranks = [i for i, n in level["sim"]["steps"].items() if i.startswith("prefill-0-dp") and n > 0]
+    assert len(ranks) >= 4  # the router places sessions over the ranks (least work ahead, prefix-aware)
+    assert len(level["sim"]["steps"]) == 16  # 8 prefill ranks + 8 decode ranks
