@@ -6,7 +6,9 @@ which `engine.hisparse.hot_buffer` runs on CPUs); `tests/unit/engine/hisparse/te
 checks the two agree entry for entry. One program per request:
 
     1. gather the request's selected positions (its 1 or 1 + drafts rows of the top-k) and sort them
-       (key = position * N_PAD + entry, so duplicates sit together and the entry is recovered)
+       (key = position * N_PAD + entry, so duplicates sit together and the entry is recovered); where every
+       row is already ascending (the indexer kernels' rows: `rows_sorted`) merge them instead, each entry's
+       place found by a binary search in each other row
     2. classify: device page -> read in place;  >= start -> the reserved newest row;  else the LRU
     3. void LRU rows caching positions >= start; each row binary-searches its position among the sorted
        selections and claims the LRU entry it finds (a row's hit)
@@ -17,10 +19,11 @@ checks the two agree entry for entry. One program per request:
     6. write the virtual selection of every entry (device position, or hot_base + hot row) into the
        pool's selection rows, the misses (host slot -> device slot) compactly, and add the counters
 
-The selections' sort is the only one: the rows are never sorted (by position for the lookup, or by stamp
-for the victims), which the kernel's first form did, three bitonic sorts in all (docs/hisparse.md). Rows
-of a sorted vector are exchanged through a per-program scratch area in global memory (a barrier between
-the store and the loads of other threads), as Triton has no register shuffles by index.
+The selections' sort is the only one (none with `rows_sorted`): the rows are never sorted (by position for
+the lookup, or by stamp for the victims), which the kernel's first form did, three bitonic sorts in all
+(docs/hisparse.md). Rows of a sorted vector are exchanged through a per-program scratch area in global
+memory (a barrier between the store and the loads of other threads), as Triton has no register shuffles by
+index.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
                  rowpos_ptr, stamp_ptr, state_off, s_state,
                  dst_row_ptr, sel_ptr, s_sel, msrc_ptr, mdst_ptr, scratch_ptr, counters_ptr,
                  bytes_per_miss, clock_ptr, R, K, M, BS,
-                 N_PAD: tl.constexpr, R_PAD: tl.constexpr, LOG_N: tl.constexpr):
+                 N_PAD: tl.constexpr, R_PAD: tl.constexpr, LOG_N: tl.constexpr, ROWS_SORTED: tl.constexpr,
+                 K_PAD: tl.constexpr, LOG_K: tl.constexpr):
     BIG: tl.constexpr = 1 << 40
     b = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, N_PAD).to(tl.int64)
@@ -59,15 +63,43 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
     s_first = scr + 3 * N_PAD  # [N_PAD] row of each sorted entry
     s_vict = scr + 4 * N_PAD  # [R_PAD] victim rows, in row order
 
-    # 1. the request's selections, sorted by position (invalid last): the kernel's one sort
+    # 1. the request's selections in the order of (position, entry), invalid last
     in_n = e < M * K
     m = e // K
+    kk = e % K
     erow = tl.load(entry_ptr + b * M + m, mask=in_n, other=-1)
-    p = tl.load(topk_ptr + erow * s_topk + e % K, mask=in_n & (erow >= 0), other=-1).to(tl.int64)
-    skey = tl.sort(tl.where(p >= 0, p, BIG) * N_PAD + e)
-    spos = skey // N_PAD
-    order = skey % N_PAD
+    p = tl.load(topk_ptr + erow * s_topk + kk, mask=in_n & (erow >= 0), other=-1).to(tl.int64)
+    if ROWS_SORTED:
+        # every row of the top-k ascending, then -1 (the indexer kernels' rows): a merge instead of a sort. An
+        # entry's place is its index in its row plus, in each other row, the entries before it (rows above it:
+        # positions <= its own; rows below: < its own), a binary search each; entries past M * K stay last
+        v = tl.where(p >= 0, p, BIG)
+        rank = tl.where(in_n, kk, e)
+        for mm in range(0, M):
+            orow = tl.load(entry_ptr + b * M + mm + e * 0)  # the row's batch row, on every lane
+            row_ok = in_n & (orow >= 0)
+            t = v + (m > mm).to(tl.int64)
+            lo = tl.zeros([N_PAD], dtype=tl.int64)
+            for j in tl.static_range(LOG_K):
+                idx = lo + (K_PAD >> (j + 1)) - 1
+                probe = tl.load(topk_ptr + orow * s_topk + idx, mask=row_ok & (idx < K),
+                                other=-1).to(tl.int64)
+                probe = tl.where(idx < K, tl.where(probe >= 0, probe, BIG), BIG + 2)
+                lo = tl.where(probe < t, lo + (K_PAD >> (j + 1)), lo)
+            probe = tl.load(topk_ptr + orow * s_topk + lo, mask=row_ok & (lo < K), other=-1).to(tl.int64)
+            probe = tl.where(lo < K, tl.where(probe >= 0, probe, BIG), BIG + 2)
+            rank += tl.where(in_n & (m != mm), lo + (probe < t).to(tl.int64), 0)
+        tl.store(s_sorted + rank, v)
+        tl.store(s_first + rank, e)  # scratch until step 5: the entry at each place
+        tl.debug_barrier()
+        spos = tl.load(s_sorted + e)
+        order = tl.load(s_first + e)
+    else:  # any order: the kernel's one sort
+        skey = tl.sort(tl.where(p >= 0, p, BIG) * N_PAD + e)
+        spos = skey // N_PAD
+        order = skey % N_PAD
     valid = spos != BIG
+    tl.debug_barrier()
     tl.store(s_sorted + e, spos)
     tl.debug_barrier()
     prev = tl.load(s_sorted + e - 1, mask=e > 0, other=-1)
@@ -185,7 +217,8 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
              table_slot: torch.Tensor, hot_base: torch.Tensor, page_table: torch.Tensor, host_table: torch.Tensor,
              hot_blocks: torch.Tensor, row_pos: torch.Tensor, stamp: torch.Tensor, group: int,
              clock: torch.Tensor | int, dst_row: torch.Tensor, sel: torch.Tensor, counters: torch.Tensor,
-             bytes_per_miss: int, block_size: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             bytes_per_miss: int, block_size: int, num_warps: int | None = None,
+             rows_sorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One plan for B requests. Updates `row_pos` / `stamp` (the hot buffers' state [G, S, R] int64), writes
     each entry's virtual position into `sel[dst_row[b, m], k]` and adds hits, misses and H2D bytes to
     `counters` [4] int64. Returns the miss copies (host slot, hot-buffer device slot) as two flat int64
@@ -198,6 +231,10 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
     the rows this plan touches, read on the device from a one-element int64 tensor (a CUDA graph replays it
     with the value it holds then; an int is put into one).
 
+    rows_sorted: every row of topk_pos holds its positions ascending, then -1 (what the indexer kernels emit):
+    the entries are merged by binary searches instead of sorted (BENCHMARKS.md, HiSparse plan kernel). Rows in
+    any other order need False.
+
     A request whose entries are all -1, with start >= 2^40 (nothing voided), only reads its hot slot's state
     and writes it back unchanged: the padded static decode path gives its non-hot requests a spare slot so.
     """
@@ -206,6 +243,7 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
     R = row_pos.shape[-1]
     n_pad = triton.next_power_of_2(max(M * K, 2))
     r_pad = triton.next_power_of_2(max(R, 2))
+    k_pad = triton.next_power_of_2(max(K, 2))
     dev = topk_pos.device
     # one allocation: the two miss lists, then the programs' scratch
     buf = torch.empty(B * (6 * n_pad + r_pad), dtype=torch.int64, device=dev)
@@ -227,7 +265,8 @@ def plan_hot(topk_pos: torch.Tensor, entry_rows: torch.Tensor, start: torch.Tens
                  row_pos, stamp, group * row_pos.stride(0), row_pos.stride(1),
                  dst_row.contiguous(), sel, sel.stride(0), msrc, mdst, scratch, counters,
                  bytes_per_miss, clock, R, K, M, block_size),
-          dict(N_PAD=n_pad, R_PAD=r_pad, LOG_N=n_pad.bit_length() - 1), num_warps or plan_warps(n_pad, r_pad))
+          dict(N_PAD=n_pad, R_PAD=r_pad, LOG_N=n_pad.bit_length() - 1, ROWS_SORTED=bool(rows_sorted),
+               K_PAD=k_pad, LOG_K=k_pad.bit_length() - 1), num_warps or plan_warps(n_pad, r_pad))
     return msrc, mdst
 
 
@@ -336,8 +375,9 @@ def resolve_ref(row_pos: torch.Tensor, stamp: torch.Tensor, pos: torch.Tensor, o
 
 def plan_hot_ref(topk_pos, entry_rows, start, hot_slot, table_slot, hot_base, page_table, host_table, hot_blocks,
                  row_pos, stamp, group: int, clock: torch.Tensor | int, dst_row, sel, counters, bytes_per_miss: int,
-                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`plan_hot` in torch ops: the same state update, selections, counters and compact miss lists."""
+                 block_size: int, rows_sorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`plan_hot` in torch ops: the same state update, selections, counters and compact miss lists (it sorts
+    whatever the rows' order: `rows_sorted` changes nothing here)."""
     B, M = entry_rows.shape
     K, bs = topk_pos.shape[1], block_size
     s = topk_pos.long()[entry_rows.clamp(min=0)]

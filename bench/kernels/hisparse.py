@@ -6,7 +6,8 @@
           that (a group of layers in one launch), against one DMA copy of the same bytes
     plan  the plan (kernels.hisparse_plan): B requests at 1M context, top-k 2,048, an LRU of 4,096 rows (with
           --plan-spec 3 the MTP3 shape: 4 rows of the top-k per request, 8,256 hot rows), 10% of each selection
-          new per step (the state is warmed by as many steps as the LRU needs to fill)
+          new per step (the state is warmed by as many steps as the LRU needs to fill); its rows ascending as
+          the indexer kernels emit them, planned by a sort of the entries and by the merge of the rows
 """
 
 from __future__ import annotations
@@ -72,14 +73,24 @@ def bench_copy(dev, rows_list: list[int], tiles: list[tuple[int, int]], vecs: li
     return out
 
 
+def _ascending(t: torch.Tensor) -> torch.Tensor:
+    """Each row's valid positions ascending, then -1: a row as the indexer kernels emit it."""
+    big = torch.iinfo(t.dtype).max
+    s = torch.where(t >= 0, t, big).sort(dim=1).values
+    return torch.where(s == big, -1, s)
+
+
 def bench_plan(dev, batches: list[int], warps: list[int | None], context: int = 1048448, topk: int = 2048,
-               spec: int = 0) -> list[dict]:
+               spec: int = 0, ways: tuple[str, ...] = ("sort", "merge")) -> list[dict]:
     """`spec` drafts: each request plans 1 + spec rows of the top-k (the MTP verify rows) over a hot buffer of
-    at least (1 + spec) x top-k rows; warps None = the launcher's pick."""
+    at least (1 + spec) x top-k rows; warps None = the launcher's pick. The rows come ascending (as the indexer
+    kernels emit them); `ways`: "sort" plans them as rows in any order (the kernel sorts its entries), "merge"
+    with rows_sorted (binary searches between the rows)."""
     layout = HotLayout.create(topk, 2 * topk, spec, BS)
     n = 1 + spec
     out = []
-    for B in batches:
+    for B, way in ((B, w) for B in batches for w in ways):
+        merge = way == "merge"
         for nw in warps:
             hot = HotBuffers(layout, 1, B, dev)
             for s in range(B):
@@ -98,9 +109,9 @@ def bench_plan(dev, batches: list[int], warps: list[int | None], context: int = 
 
             def step():
                 hot.clock += 1
-                hisparse_plan.plan_hot(stream.next(lens), entry_rows, start, hot_slot, table_slot, hot_base,
-                                       page_table, host_table, hot.blocks, hot.row_pos, hot.stamp, 0, hot.clock,
-                                       dst_row, sel, counters, ROW, BS, num_warps=nw)
+                hisparse_plan.plan_hot(_ascending(stream.next(lens)), entry_rows, start, hot_slot, table_slot,
+                                       hot_base, page_table, host_table, hot.blocks, hot.row_pos, hot.stamp, 0,
+                                       hot.clock, dst_row, sel, counters, ROW, BS, num_warps=nw, rows_sorted=merge)
             t0 = time.perf_counter()
             step()  # the first call compiles the kernel for this warp count (each warp count compiles once)
             torch.cuda.synchronize()
@@ -108,17 +119,18 @@ def bench_plan(dev, batches: list[int], warps: list[int | None], context: int = 
             for _ in range(11):  # fill the LRU (2 x top-k rows) and reach the steady hit rate
                 step()
             c0 = counters.clone()
-            topks = [stream.next(lens) for _ in range(20)]
+            topks = [_ascending(stream.next(lens)) for _ in range(20)]
             it = iter(topks * 2)
 
             def plan_only():
                 hot.clock += 1
                 hisparse_plan.plan_hot(next(it), entry_rows, start, hot_slot, table_slot, hot_base, page_table,
                                        host_table, hot.blocks, hot.row_pos, hot.stamp, 0, hot.clock, dst_row, sel,
-                                       counters, ROW, BS, num_warps=nw)
+                                       counters, ROW, BS, num_warps=nw, rows_sorted=merge)
             ms = _time(plan_only, reps=20, warmup=0)
             hits, misses = (counters - c0)[:2].tolist()
-            out.append({"kernel": "plan", "batch": B, "spec": spec, "lru_rows": layout.lru_rows, "warps": nw,
+            out.append({"kernel": "plan", "way": way, "batch": B, "spec": spec, "lru_rows": layout.lru_rows,
+                        "warps": nw,
                         "ms": round(ms, 4),
                         "first_call_s": round(first_s, 2), "hit_rate": round(hits / max(hits + misses, 1), 3)})
             print(json.dumps(out[-1]), flush=True)
@@ -184,6 +196,7 @@ def main(argv=None) -> None:
     p.add_argument("--plan-batches", default="1,64")
     p.add_argument("--plan-warps", default="auto", help="warp counts, or auto (the launcher's pick)")
     p.add_argument("--plan-spec", type=int, default=0, help="MTP drafts: 1 + spec rows of the top-k per request")
+    p.add_argument("--plan-ways", default="sort,merge", help="sort (rows in any order), merge (rows_sorted)")
     p.add_argument("--launch", action="store_true", help="only the host cost of one launch, several ways")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -202,7 +215,7 @@ def main(argv=None) -> None:
     if args.plan_batches:
         batches = [int(b) for b in args.plan_batches.split(",")]
         warps = [None if w == "auto" else int(w) for w in args.plan_warps.split(",")]
-        rows += bench_plan(dev, batches, warps, spec=args.plan_spec)
+        rows += bench_plan(dev, batches, warps, spec=args.plan_spec, ways=tuple(args.plan_ways.split(",")))
     with open(args.out, "w") as f:
         json.dump({"command": "python -m bench.kernels.hisparse " + " ".join(argv or []),
                    "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,

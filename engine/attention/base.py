@@ -59,6 +59,7 @@ class BaseAttentionBackend:
     name = "base"
     graph_safe = False
     pads_decode = True
+    topk_rows_ascending = False  # indexer_topk's valid positions come ascending in every row (then -1)
 
     def __init__(self, spec: KVCacheSpec):
         self.spec = spec
@@ -81,6 +82,7 @@ class WrappingAttentionBackend:
         self.inner = inner
         self.spec = inner.spec
         self.pads_decode = inner.pads_decode
+        self.topk_rows_ascending = inner.topk_rows_ascending
 
     @property
     def indexer_rows_scored(self) -> int:

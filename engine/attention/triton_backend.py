@@ -23,6 +23,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
     name = "triton"
     graph_safe = True  # with meta.max_seq_len_bound every launch is shaped by device tensors and the bound
     indexer_impl: str | None = None  # kernels.indexer's path: None picks (fused on sm_90+); benchmarks compare
+    topk_rows_ascending = True  # every path of kernels.indexer.indexer_topk: HiSparse's plan merges its rows
 
     def __init__(self, spec: KVCacheSpec):
         super().__init__(spec)  # indexer_rows_scored instrumented like the torch backend's

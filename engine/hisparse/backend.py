@@ -191,7 +191,7 @@ class HiSparseBackend(WrappingAttentionBackend):
         src, dst = plan(topk_pos.contiguous(), hb.entry_rows, hb.start, hb.hot_slot, hb.table_slot, hb.hot_base,
                         mgr.page_table, hb.host_table, mgr.hot.blocks, mgr.hot.row_pos, mgr.hot.stamp, group,
                         mgr.hot.clock, hb.dst_row, pool_sel, mgr.counters, mgr.row_bytes * len(layers),
-                        self.spec.block_size)
+                        self.spec.block_size, rows_sorted=self.topk_rows_ascending)
         fw.events.update(mgr.mover.copy_layers(("miss", id(cache), group), _miss_pairs(cache, layers), src, dst,
                                                layers))
         return GroupPlan(pool_sel, None, None)

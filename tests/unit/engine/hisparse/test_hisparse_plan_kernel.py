@@ -43,10 +43,14 @@ def reference(hot: HotBuffers, group, topk, entry_rows, start, hot_slot, table_s
     return out, pairs, int(p.num_hits), int(p.num_misses)
 
 
-@pytest.mark.parametrize("spec,buffer", [(0, 12), (2, 12), (0, 16)])
-def test_fused_plan_equals_the_torch_plan(spec, buffer):
-    rng = random.Random(spec * 100 + buffer)
-    K, groups, slots = 6, 2, 4
+@pytest.mark.parametrize("spec,buffer,rows_sorted,K", [(0, 12, False, 6), (2, 12, False, 6), (0, 16, False, 6),
+                                                       (0, 12, True, 6), (2, 12, True, 6), (3, 16, True, 8)])
+def test_fused_plan_equals_the_torch_plan(spec, buffer, rows_sorted, K):
+    """rows_sorted: each row ascending then -1, as the indexer kernels emit them (the kernel merges the rows
+    instead of sorting its entries; K a power of two, as top-k 2048, and not); otherwise any order, duplicates
+    in a row included."""
+    rng = random.Random(spec * 100 + buffer + rows_sorted)
+    groups, slots = 2, 4
     layout = HotLayout.create(K, buffer, spec, block_size=BS)
     M, R = layout.max_new_rows, layout.lru_rows
     ref = HotBuffers(layout, groups, slots, torch.device("cpu"))
@@ -73,6 +77,8 @@ def test_fused_plan_equals_the_torch_plan(spec, buffer):
             for i in range(n_rows[b]):
                 cand = list(range(starts[b] + i + 1)) + [starts[b]] * 3  # duplicates of the newest row too
                 chosen = [rng.choice(cand) for _ in range(K - rng.randint(0, 2))]
+                if rows_sorted:  # distinct positions, ascending (a row of the top-k)
+                    chosen = sorted(rng.sample(sorted(set(cand)), min(len(set(cand)), K - rng.randint(0, 2))))
                 topk[at, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
                 entry_rows[b, i] = at
                 dst_row[b, i] = at
@@ -92,7 +98,7 @@ def test_fused_plan_equals_the_torch_plan(spec, buffer):
         d = [t.to(DEV) for t in (topk, entry_rows, start, hot_slot, table_slot, hot_base, page_table, host_table,
                                  dst_row, got_sel, counters)]
         src, dst = plan_hot(*d[:8], fused.blocks, fused.row_pos, fused.stamp, group, fused.clock, d[8], d[9],
-                            d[10], bytes_per_miss=10, block_size=BS)
+                            d[10], bytes_per_miss=10, block_size=BS, rows_sorted=rows_sorted)
         got_sel, counters, src, dst = d[9].cpu(), d[10].cpu(), src.cpu(), dst.cpu()
         assert torch.equal(got_sel, want_sel), f"step {step}: virtual selections differ"
         n_pad = src.numel() // B
