@@ -8,7 +8,8 @@ replayed requests ignore EOS, as `bench agentx`'s do), drafts are proposed as th
 them (min(max_drafts, k)) and accepted by the production synthetic-acceptance draw. So batching, chunked
 prefill, prefix-cache hits and evictions, preemption, KV import admission and MTP's tokens per step are the
 real system's; only the time each step takes comes from the profile. With a host KV tier (--kv-offloading-size)
-the KV manager is given the production tier's bookkeeping, and each step also pays its block copies.
+the KV manager is given the production tier's bookkeeping, and each step also pays its block copies. The ranks of
+a DP group step together (`LockStep`): each step lasts as long as its slowest rank's, idle ranks run dummy passes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class SimEngine:
         self.tokens = 0  # tokens computed (prompt rows and verified drafts)
         self.offload_copies = 0  # host KV tier block copies run in steps
         self.first_step: dict[str, float] = {}  # request -> when its first chunk's step began (the caller pops it)
+        self.group: LockStep | None = None  # the DP group it steps with (LockStep.add)
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, req: Request, listener: Callable[[EngineCoreOutput], None]) -> None:
@@ -86,28 +88,49 @@ class SimEngine:
 
     # ---- steps ---------------------------------------------------------------------------------
     def kick(self) -> None:
+        if self.group is not None:  # a rank of a DP group steps with its group
+            self.group.kick()
+            return
         if self.busy:
             return
+        sched = self._plan()
+        if sched is None:
+            return
+        seconds = self._seconds(sched)
+        self._begin(sched, seconds)
+        self.loop.call_later(seconds, self._done, sched)
+
+    def _done(self, sched: SchedulerOutput) -> None:
+        self._finish(sched)
+        self.kick()
+
+    def _plan(self) -> SchedulerOutput | None:
+        """The scheduler's next step; None when it has nothing to run (its bookkeeping done as the loop does)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.pending_copies += len(sched.kv_copies)  # the runner's next step runs them
             if sched.finished_req_ids or sched.preempted_req_ids:
                 self.scheduler.update(sched, RunnerOutput())
-            return
-        copies = len(sched.kv_copies) + self.pending_copies  # host KV tier stores and loads, before the forward
+            return None
+        return sched
+
+    def _seconds(self, sched: SchedulerOutput | None) -> float:
+        """What the step costs (None: a DP rank's dummy pass), its host KV tier copies included."""
+        copies = (len(sched.kv_copies) if sched is not None else 0) + self.pending_copies  # before the forward
         self.pending_copies = 0
         self.offload_copies += copies
-        seconds = self.cost(sched.chunks) + copies * self.copy_s
+        return self.cost(sched.chunks if sched is not None else []) + copies * self.copy_s
+
+    def _begin(self, sched: SchedulerOutput | None, seconds: float) -> None:
         now = self.loop.time()
-        for c in sched.chunks:
+        for c in sched.chunks if sched is not None else ():
             self.first_step.setdefault(c.req_id, now)
         self.busy = True
         self.busy_s += seconds
         self.num_steps += 1
-        self.loop.call_later(seconds, self._done, sched)
 
-    def _done(self, sched: SchedulerOutput) -> None:
-        outs = self.scheduler.update(sched, self._result(sched))
+    def _finish(self, sched: SchedulerOutput | None) -> None:
+        outs = self.scheduler.update(sched, self._result(sched)) if sched is not None else []
         self.busy = False
         for o in outs:
             listener = self.listeners.get(o.req_id)
@@ -115,7 +138,6 @@ class SimEngine:
                 self.listeners.pop(o.req_id, None)
             if listener is not None:
                 listener(o)
-        self.kick()
 
     def _result(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
@@ -129,3 +151,37 @@ class SimEngine:
             if self.k and c.max_drafts:
                 out.drafts[c.req_id] = [TOKEN] * min(c.max_drafts, self.k)
         return out
+
+
+class LockStep:
+    """The ranks of one DP x EP group, stepping together as the real group does (engine/parallel/dp.py: rank 0
+    plans every rank's step; every MoE layer all-to-alls between the ranks): a step starts when any rank has work,
+    a rank without any runs a dummy pass (its step cost with no rows), and the step lasts as long as its slowest
+    rank's. Every rank's scheduler, KV manager and requests stay its own."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.members: list[SimEngine] = []
+        self.busy = False
+
+    def add(self, engine: SimEngine) -> None:
+        self.members.append(engine)
+        engine.group = self
+
+    def kick(self) -> None:
+        if self.busy:
+            return
+        plans = [m._plan() for m in self.members]
+        if all(p is None for p in plans):
+            return
+        seconds = max(m._seconds(p) for m, p in zip(self.members, plans))
+        for m, p in zip(self.members, plans):
+            m._begin(p, seconds)
+        self.busy = True
+        self.loop.call_later(seconds, self._done, plans)
+
+    def _done(self, plans: list[SchedulerOutput | None]) -> None:
+        for m, p in zip(self.members, plans):  # every rank's update before any rank plans again
+            m._finish(p)
+        self.busy = False
+        self.kick()

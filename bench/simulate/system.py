@@ -36,8 +36,10 @@ one prefill instance per rank, each with its own production scheduler, prefix ca
 its requests' whole KV), the router placing prompts among them as among prefill replicas, and its step cost the
 profile's `prefill/dpN` entry.
 
-What it does not model (yet): PCP/DCP and DP×EP inside an engine beyond their step costs (a DP group is one
-instance per rank: its ranks' lock-step, an idle rank's dummy pass, is not modelled), migrations and failures.
+A DP group (decode, or the prefill what-if) is one instance per rank, its ranks stepping together
+(engines.LockStep): a step lasts as long as its slowest rank's, and a rank without work runs a dummy pass.
+
+What it does not model (yet): PCP/DCP and DP×EP inside an engine beyond their step costs, migrations and failures.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from pathlib import Path
 import yaml
 
 from bench.serving.client import RequestRecord
-from bench.simulate.engines import TOKEN, SimEngine
+from bench.simulate.engines import TOKEN, LockStep, SimEngine
 from bench.simulate.profile import Profile, decode_key, prefill_key
 from engine.config.arg_utils import EngineArgs
 from engine.config.presets import PRESETS, preset
@@ -90,6 +92,7 @@ class EngineSpec:
     acceptance_length: float | None
     device_room: tuple[int, int] | None = None  # HiSparse: (device blocks, blocks of one hot buffer)
     offload: tuple[int, int] | None = None  # host KV tier (--kv-offloading-size): (its blocks, bytes a block)
+    group: str | None = None  # the DP group whose ranks step together (engines.LockStep)
 
 
 def model_dir(model: str, topo_path: Path, tmp: Path) -> Path:
@@ -262,7 +265,7 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
             for rank in range(per):
                 iid = f"{kind}-{r}" + (f"-dp{rank}" if per > 1 else "")
                 out.append(EngineSpec(kind, iid, cfg, key, blocks, ranks if kind == "prefill" else 1, acceptance,
-                                      room, offload))
+                                      room, offload, f"{kind}-{r}" if per > 1 else None))
     store = services.get("kvstore")
     if store is not None:
         pre = next(e for e in out if e.role == "prefill")
@@ -346,9 +349,12 @@ class SimSystem:
                                                  *_offload(s, profile))
                         for n, s in enumerate(specs) if s.role != "kvstore"}
         self.stores = {s.instance_id: SimKVStore(s.instance_id, s.num_blocks) for s in specs if s.role == "kvstore"}
+        groups: dict[str, LockStep] = {}
         for s in specs:
             if s.device_room is not None:  # HiSparse: admission by device room too (production DeviceFootprint)
                 self.engines[s.instance_id].kv.device_footprint = DeviceFootprint(*s.device_room)
+            if s.group is not None:  # a DP group's ranks step together
+                groups.setdefault(s.group, LockStep(self.loop)).add(self.engines[s.instance_id])
         self.routing = Routing(_Registry({**self.engines, **self.stores}, {s.instance_id: s.role for s in specs}),
                                block_size=specs[0].cfg.cache.block_size)
         pre = next(s for s in specs if s.role == "prefill")

@@ -110,3 +110,40 @@ def test_calibration_fit_recovers_its_terms_and_keeps_them_non_negative():
     (feat, t), = served_decode_rows({8: 0.02}, 3, 2.0, 100)
     assert feat == [1.0, 32.0, 32 * 102.0, 8.0] and t == pytest.approx(0.04)
 
+
+
+def test_the_ranks_of_a_dp_group_step_together(tmp_path):
+    """engines.LockStep: a short prompt added to one rank while another rank's long prompt is in its step waits for
+    that step (the group's next step starts when the whole group's ends); a rank without work runs a dummy pass
+    each step. Ranks stepping alone serve the short prompt at once."""
+    from bench.simulate.engines import LockStep, SimEngine
+    from bench.simulate.system import engine_specs
+    from engine.core.request import Request
+    from engine.core.sampling_params import SamplingParams
+
+    prof = Profile.load(_profile(tmp_path))
+    spec = next(s for s in engine_specs(CPU_TOPOLOGY, prof, None, tmp_path) if s.role == "prefill")
+    cost = prof.engine(spec.key)
+
+    async def run(grouped: bool):
+        loop = asyncio.get_running_loop()
+        ranks = [SimEngine(f"r{i}", spec.cfg, spec.num_blocks, cost, loop, seed=i) for i in range(3)]
+        if grouped:
+            group = LockStep(loop)
+            for r in ranks:
+                group.add(r)
+        done: dict[str, float] = {}
+        for rank, rid, n in ((ranks[0], "long", 200), (ranks[1], "short", 5)):
+            sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            rank.add(Request(rid, list(range(16, 16 + n)), sp),
+                     lambda o, rid=rid: o.finish_reason is None or done.setdefault(rid, loop.time()))
+        while len(done) < 2 and loop.time() < 60:
+            await asyncio.sleep(0.001)
+        return ranks, done
+
+    ranks, done = clock.run(run(True))
+    assert done["short"] > done["long"] > 0
+    assert ranks[2].num_steps == ranks[0].num_steps >= 1  # the idle rank's dummy passes
+    assert ranks[2].busy_s == pytest.approx(ranks[0].busy_s)
+    _, alone = clock.run(run(False))
+    assert alone["short"] < alone["long"] < done["short"] and alone["long"] == pytest.approx(done["long"])
