@@ -34,7 +34,7 @@ from kernels.triton_support import check_device, interpreting, jit, next_pow2
 _MAX_SCORE_BYTES = 1 << 30
 
 
-@jit
+@jit(do_not_specialize=["s_bt"])  # the step's block-table width
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr, pos_ptr, score_ptr,
                          row_offset, num_heads, sq_t, sq_h, sw_t, sk_blk, sk_tok, s_bt, ss_row,
                          BLOCK_SIZE: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr,

@@ -65,7 +65,7 @@ from kernels.topk_threshold import SelectConfig, num_maxima, topk_threshold_rows
 from kernels.triton_support import interpreting, jit, next_pow2
 
 
-@jit(do_not_specialize=["row_offset"])
+@jit(do_not_specialize=["row_offset", "s_bt"])  # s_bt: the step's block-table width
 def _fused_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, tile_ptr, req_ptr, pos_ptr, score_ptr, gmax_ptr,
                          row_offset, num_heads, sq_t, sq_h, sw_t, sk_blk, sk_tok, s_bt, ss_row, sg_row,
                          BLOCK_SIZE: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr,

@@ -78,7 +78,7 @@ def _radix_select_row(s_row, n, k, bt_row, o_row, AS_SLOTS: tl.constexpr, BLOCK_
         eq_seen += tl.sum(eq.to(tl.int32), axis=0)
 
 
-@jit
+@jit(do_not_specialize=["s_bt"])  # the step's block-table width
 def _topk_kernel(score_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, row_offset, ss_row, so_row, s_bt, k,
                  BLOCK_SIZE: tl.constexpr, AS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)

@@ -156,7 +156,8 @@ def _emit_selected(key, src_ptr, cpos_row, num, k, bt_row, o_row, AS_SLOTS: tl.c
         eq_seen += tl.sum(eq.to(tl.int32), axis=0)
 
 
-@jit(do_not_specialize=["rows", "row_offset", "k", "so_row"])  # k: the top-k, or a shorter context's width
+# k: the top-k, or a shorter context's width; s_bt: the step's block-table width
+@jit(do_not_specialize=["rows", "row_offset", "k", "so_row", "s_bt"])
 def _select_kernel(score_ptr, gmax_ptr, pos_ptr, req_ptr, bt_ptr, out_ptr, glist_ptr, cand_ptr, cpos_ptr, rows,
                    row_offset, ss_row, sg_row, so_row, s_bt, k, BLOCK_SIZE: tl.constexpr, AS_SLOTS: tl.constexpr,
                    GROUP: tl.constexpr, SUM_CAP: tl.constexpr, GCAP: tl.constexpr, CAP: tl.constexpr,

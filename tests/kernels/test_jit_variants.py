@@ -105,7 +105,9 @@ def test_the_indexer_top_k_needs_one_variant_for_any_batch_and_context():
     cfg = FusedConfig(block_t=1, block_n=16, num_stages=1, keys_per_prog=32,
                       select=SelectConfig(group=4, sum_cap=64, gcap=64, cap=64, scan=32, block=32, programs=1))
     with count_variants() as v:
-        for seq_lens, k in (([100], 24), ([130, 77, 99], 16), ([257, 70, 71, 72, 73], 24), ([80] * 16 + [91], 17)):
+        # block tables of 7, 9, 17, 6 and 16 blocks a row: a row stride of 16 is a class of its own unless unspecialised
+        for seq_lens, k in (([100], 24), ([130, 77, 99], 16), ([257, 70, 71, 72, 73], 24), ([80] * 16 + [91], 17),
+                            ([250, 60], 24)):
             bt = make_batch("fp8", seq_lens, [[n - 1] for n in seq_lens], 16, 32, 16, spare_blocks=2, device="cpu")
             indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, k, max_seq_len=max(seq_lens),
                          query_start_loc_cpu=bt.qsl, seq_lens_cpu=bt.seq_lens, return_slots=False, impl="fused",
