@@ -93,6 +93,7 @@ class EngineSpec:
     device_room: tuple[int, int] | None = None  # HiSparse: (device blocks, blocks of one hot buffer)
     offload: tuple[int, int] | None = None  # host KV tier (--kv-offloading-size): (its blocks, bytes a block)
     group: str | None = None  # the DP group whose ranks step together (engines.LockStep)
+    deployment_gpus: int | None = None  # distinct GPUs the topology places its engines on (None: not listed)
 
 
 def model_dir(model: str, topo_path: Path, tmp: Path) -> Path:
@@ -204,7 +205,13 @@ def services_of(topo_paths: list[str], settings: list[str] = ()) -> tuple[str, P
     for kind in ("prefill", "decode"):
         if kind not in services:
             raise ValueError(f"topology {', '.join(topo_paths)} has no {kind} service")
+    _PLACED.clear()  # the GPUs the engines are placed on, by (file, GPU id): what throughput per GPU divides by
+    if all(services[k][0].gpus for k in ("prefill", "decode")):
+        _PLACED.update((services[k][1], g) for k in ("prefill", "decode") for g in services[k][0].gpus)
     return model, where, {k: spec for k, (spec, _) in services.items()}
+
+
+_PLACED: set[tuple[str, int]] = set()  # services_of's last deployment: (topology file, GPU id) of its engines
 
 
 def _pop_prefill_dp(data: dict) -> int | None:
@@ -266,6 +273,8 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
                 iid = f"{kind}-{r}" + (f"-dp{rank}" if per > 1 else "")
                 out.append(EngineSpec(kind, iid, cfg, key, blocks, ranks if kind == "prefill" else 1, acceptance,
                                       room, offload, f"{kind}-{r}" if per > 1 else None))
+    if _PLACED:  # engines sharing a GPU (configs/topology.gpu-1.yaml) count it once, as `bench agentx --num-gpus`
+        out = [dataclasses.replace(e, deployment_gpus=len(_PLACED)) for e in out]
     store = services.get("kvstore")
     if store is not None:
         pre = next(e for e in out if e.role == "prefill")
@@ -371,7 +380,9 @@ class SimSystem:
 
     @property
     def num_gpus(self) -> int:
-        return sum(s.gpus for s in self.specs.values())
+        """The GPUs of the deployment: those its topology places the engines on, else each engine's ranks."""
+        placed = next(iter(self.specs.values())).deployment_gpus
+        return placed or sum(s.gpus for s in self.specs.values())
 
     async def close(self) -> None:
         await self.routing.close()

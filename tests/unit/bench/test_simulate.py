@@ -147,3 +147,14 @@ def test_the_ranks_of_a_dp_group_step_together(tmp_path):
     assert ranks[2].busy_s == pytest.approx(ranks[0].busy_s)
     _, alone = clock.run(run(False))
     assert alone["short"] < alone["long"] < done["short"] and alone["long"] == pytest.approx(done["long"])
+
+
+def test_engines_sharing_a_gpu_count_it_once(tmp_path):
+    """Throughput per GPU divides by the GPUs the topology places its engines on (the one-GPU topology's prefill
+    and decode share GPU 0, as `bench agentx --num-gpus 1` counts it); without placements, by the engines' ranks."""
+    from bench.simulate.system import engine_specs
+
+    prof = Profile.load(_profile(tmp_path, hbm_gib=80.0))  # a GPU profile: the pools from HBM, not the device
+    one_gpu = engine_specs(str(ROOT / "configs" / "topology.gpu-1.yaml"), prof, None, tmp_path)
+    assert one_gpu[0].deployment_gpus == 1 and sum(s.gpus for s in one_gpu) == 2
+    assert engine_specs(CPU_TOPOLOGY, prof, None, tmp_path)[0].deployment_gpus is None
