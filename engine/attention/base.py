@@ -82,7 +82,7 @@ class WrappingAttentionBackend:
         self.inner = inner
         self.spec = inner.spec
         self.pads_decode = inner.pads_decode
-        self.topk_rows_ascending = inner.topk_rows_ascending
+        self.topk_rows_ascending = getattr(inner, "topk_rows_ascending", False)  # a wrapped wrapper passes it on
 
     @property
     def indexer_rows_scored(self) -> int:

@@ -27,6 +27,7 @@ class CPAttentionBackend(WrappingAttentionBackend):
 
     def __init__(self, inner, comm):
         super().__init__(inner)
+        self.topk_rows_ascending = False  # its top-k merges the ranks' shards: no row order promised
         self.comm = comm
         self.dcp_rows_scored = 0  # decode rows scored against this rank's key shard (DCP decode path)
 
