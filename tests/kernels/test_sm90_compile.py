@@ -48,15 +48,17 @@ def test_hisparse_plan_kernel_compiles_for_sm90_at_the_service_shapes():
                    s_hblk="i64", rowpos_ptr=P, stamp_ptr=P, state_off="i64", s_state="i64", dst_row_ptr=P,
                    sel_ptr="*i32", s_sel="i64", msrc_ptr=P, mdst_ptr=P, scratch_ptr=P, counters_ptr=P,
                    bytes_per_miss="i64", clock_ptr=P, R="i32", K="i32", M="i32", BS="i32")
-        n_pad, r_pad = 8192, 4096
-        t = time.perf_counter()
-        size = build(_plan_kernel, sig, dict(N_PAD=n_pad, R_PAD=r_pad, LOG_N=n_pad.bit_length() - 1),
-                     num_warps=plan_warps(n_pad, r_pad))
-        print(plan_warps(n_pad, r_pad), size, round(time.perf_counter() - t, 1))
+        n_pad, r_pad, k_pad = 8192, 4096, 2048
+        for rows_sorted in (False, True):  # the sort of the selections, and the merge of ascending rows
+            t = time.perf_counter()
+            size = build(_plan_kernel, sig, dict(N_PAD=n_pad, R_PAD=r_pad, LOG_N=n_pad.bit_length() - 1,
+                                                 ROWS_SORTED=rows_sorted, K_PAD=k_pad, LOG_K=k_pad.bit_length() - 1),
+                         num_warps=plan_warps(n_pad, r_pad))
+            print(plan_warps(n_pad, r_pad), size, round(time.perf_counter() - t, 1))
     ''', timeout=900)
-    warps, size, seconds = out.split()
-    assert int(warps) == 32 and int(size) > 0, out
-    print(f"plan kernel for sm_90: {seconds} s to compile")
+    builds = [line.split() for line in out.splitlines()]
+    assert len(builds) == 2 and all(int(w) == 32 and int(size) > 0 for w, size, _ in builds), out
+    print(f"plan kernel for sm_90: {builds[0][2]} s (sort) and {builds[1][2]} s (merge) to compile")
 
 
 def test_sparse_mla_kernel_with_trim_compiles_for_sm90():
