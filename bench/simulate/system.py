@@ -173,9 +173,10 @@ def override(data: dict, setting: str) -> None:
     node[keys[-1]] = yaml.safe_load(text)
 
 
-def services_of(topo_paths: list[str], settings: list[str] = ()) -> tuple[str, Path, dict]:
+def services_of(topo_paths: list[str], settings: list[str] = ()) -> tuple[str, Path, dict, int | None]:
     """One deployment from its topology files (one per host, as `pdserve up` runs them): (model, the file its
-    model path is relative to, {kind: ServiceSpec} of its kvstore, if any, prefill and decode). The files must
+    model path is relative to, {kind: ServiceSpec} of its kvstore, if any, prefill and decode, the GPUs its
+    engines are placed on or None: `_placed_gpus`). The files must
     name the same model, and a service kind may appear in one file only. `settings` (`override`) change them
     first: one under `services.KIND` applies to the file that has that service, any other to every file."""
     raws = [topology_mod.raw(p) for p in topo_paths]
@@ -205,13 +206,15 @@ def services_of(topo_paths: list[str], settings: list[str] = ()) -> tuple[str, P
     for kind in ("prefill", "decode"):
         if kind not in services:
             raise ValueError(f"topology {', '.join(topo_paths)} has no {kind} service")
-    _PLACED.clear()  # the GPUs the engines are placed on, by (file, GPU id): what throughput per GPU divides by
-    if all(services[k][0].gpus for k in ("prefill", "decode")):
-        _PLACED.update((services[k][1], g) for k in ("prefill", "decode") for g in services[k][0].gpus)
-    return model, where, {k: spec for k, (spec, _) in services.items()}
+    return model, where, {k: spec for k, (spec, _) in services.items()}, _placed_gpus(services)
 
 
-_PLACED: set[tuple[str, int]] = set()  # services_of's last deployment: (topology file, GPU id) of its engines
+def _placed_gpus(services: dict) -> int | None:
+    """Distinct GPUs the prefill and decode engines are placed on, as (topology file, GPU id): engines sharing a GPU
+    (configs/topology.gpu-1.yaml) count it once, as `bench agentx --num-gpus` does; None where a service lists none."""
+    if not all(services[k][0].gpus for k in ("prefill", "decode")):
+        return None
+    return len({(services[k][1], g) for k in ("prefill", "decode") for g in services[k][0].gpus})
 
 
 def _pop_prefill_dp(data: dict) -> int | None:
@@ -233,7 +236,7 @@ def _pop_prefill_dp(data: dict) -> int | None:
 def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | None, tmp: Path,
                  settings: list[str] = ()) -> list[EngineSpec]:
     paths = [topo_paths] if isinstance(topo_paths, (str, Path)) else list(topo_paths)
-    topo_model, topo_path, services = services_of([str(p) for p in paths], settings)
+    topo_model, topo_path, services, placed = services_of([str(p) for p in paths], settings)
     mdir = model_dir(model or topo_model, topo_path, tmp)
     out = []
     for kind in ("prefill", "decode"):
@@ -273,8 +276,8 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
                 iid = f"{kind}-{r}" + (f"-dp{rank}" if per > 1 else "")
                 out.append(EngineSpec(kind, iid, cfg, key, blocks, ranks if kind == "prefill" else 1, acceptance,
                                       room, offload, f"{kind}-{r}" if per > 1 else None))
-    if _PLACED:  # engines sharing a GPU (configs/topology.gpu-1.yaml) count it once, as `bench agentx --num-gpus`
-        out = [dataclasses.replace(e, deployment_gpus=len(_PLACED)) for e in out]
+    if placed is not None:
+        out = [dataclasses.replace(e, deployment_gpus=placed) for e in out]
     store = services.get("kvstore")
     if store is not None:
         pre = next(e for e in out if e.role == "prefill")
