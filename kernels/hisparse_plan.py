@@ -44,6 +44,13 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
+@triton.jit
+def _row_key(row_ptr, idx, ok, K, BIG: tl.constexpr):
+    """A top-k row's entry at idx as a merge key: its position, BIG for -1 (invalid), past every key beyond K."""
+    key = tl.load(row_ptr + idx, mask=ok & (idx < K), other=-1).to(tl.int64)
+    return tl.where(idx < K, tl.where(key >= 0, key, BIG), BIG + 2)
+
+
 @triton.jit(do_not_specialize=["bytes_per_miss"])
 def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slot_ptr, hot_base_ptr,
                  page_ptr, s_page, host_ptr, s_host, hblk_ptr, s_hblk,
@@ -81,13 +88,9 @@ def _plan_kernel(topk_ptr, s_topk, entry_ptr, start_ptr, hot_slot_ptr, table_slo
             t = v + (m > mm).to(tl.int64)
             lo = tl.zeros([N_PAD], dtype=tl.int64)
             for j in tl.static_range(LOG_K):
-                idx = lo + (K_PAD >> (j + 1)) - 1
-                probe = tl.load(topk_ptr + orow * s_topk + idx, mask=row_ok & (idx < K),
-                                other=-1).to(tl.int64)
-                probe = tl.where(idx < K, tl.where(probe >= 0, probe, BIG), BIG + 2)
+                probe = _row_key(topk_ptr + orow * s_topk, lo + (K_PAD >> (j + 1)) - 1, row_ok, K, BIG)
                 lo = tl.where(probe < t, lo + (K_PAD >> (j + 1)), lo)
-            probe = tl.load(topk_ptr + orow * s_topk + lo, mask=row_ok & (lo < K), other=-1).to(tl.int64)
-            probe = tl.where(lo < K, tl.where(probe >= 0, probe, BIG), BIG + 2)
+            probe = _row_key(topk_ptr + orow * s_topk, lo, row_ok, K, BIG)  # lo < K_PAD: the last place too
             rank += tl.where(in_n & (m != mm), lo + (probe < t).to(tl.int64), 0)
         tl.store(s_sorted + rank, v)
         tl.store(s_first + rank, e)  # scratch until step 5: the entry at each place
