@@ -103,9 +103,9 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         drain.uninstall()
         await server.set_serving(False)
+        await host_obj.stop()  # out of the registry first: the router stops placing here whatever the rest takes
         await server.stop(grace=grace)
         await servicer.stop()
-        await host_obj.stop()
         await engine.shutdown()
         await state.close()
         metrics.close()
