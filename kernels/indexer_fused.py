@@ -189,7 +189,9 @@ def fused_indexer_topk(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tens
     """`indexer_topk` on the fused path: scores and maxima of a chunk of rows, then their threshold top-k."""
     T, width = q.shape[0], out.shape[1]
     cfg = cfg or default_config(query_start_loc_cpu)
-    block_t = max(1, min(cfg.block_t, next_pow2(_most_rows(query_start_loc_cpu))))
+    # two tile heights only, one row or the config's: a height per power of two of the step's rows would be one
+    # more compiled variant for each (kernels/jit_variants.py), met first under traffic
+    block_t = 1 if _most_rows(query_start_loc_cpu) <= 1 else cfg.block_t
     rows_per_chunk = max(block_t, max_score_bytes // (4 * seq_len))
     slots = dict(token_req_idx=token_req_idx, block_table=block_table) if return_slots else {}
     for lo in range(0, T, rows_per_chunk):

@@ -115,6 +115,24 @@ def test_the_indexer_top_k_needs_one_variant_for_any_batch_and_context():
     assert v.counts()["_fused_scores_kernel"] == 1 and v.counts()["_select_kernel"] == 1, v.varying()
 
 
+def test_the_indexer_scores_need_two_tile_heights_for_any_rows_per_request():
+    """MTP decodes score 1-4 rows a request: a tile height per power of two of the rows was a variant that the
+    warm-up's decodes (4 rows, then 1) did not meet and traffic's 2-row steps compiled (an H100, 2026-12-06)."""
+    from tests.kernels.test_indexer import make_batch
+
+    cfg = FusedConfig(block_t=4, block_n=16, num_stages=1, keys_per_prog=32,
+                      select=SelectConfig(group=4, sum_cap=64, gcap=64, cap=64, scan=32, block=32, programs=1))
+    with count_variants() as v:
+        for rows in (1, 2, 3, 4, 2, 1):
+            seq_lens = [90, 100]
+            pos = [list(range(n - rows, n)) for n in seq_lens]
+            bt = make_batch("fp8", seq_lens, pos, 16, 32, 16, spare_blocks=2, device="cpu")
+            indexer_topk(bt.q, bt.w, bt.cache, bt.table, bt.req, bt.pos, 24, max_seq_len=max(seq_lens),
+                         query_start_loc_cpu=bt.qsl, seq_lens_cpu=bt.seq_lens, return_slots=False, impl="fused",
+                         config=cfg)
+    assert v.counts()["_fused_scores_kernel"] == 2, v.varying()  # one row a request, or the config's height
+
+
 def test_the_counter_needs_the_interpreter(monkeypatch):
     import kernels.jit_variants as jv
 
