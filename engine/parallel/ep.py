@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 
 from engine.parallel.dist import RankComm
+from kernels.ep_pack import pack_fp8_rows
 from kernels.fp8_quant import BLOCK as FP8_BLOCK
-from kernels.fp8_quant import quant_act
 
 
 def expert_shard(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -138,27 +138,28 @@ class StaticDispatcher(AllToAllDispatcher):
             raise ValueError(f"a pass of {n} rows on DP rank {self.comm.rank} exceeds the {T} rows the group "
                              f"planned for it (the static dispatch buffers hold {T})")
         valid = self.row_valid
-        if valid is not None and valid.shape[0] == n:  # padding rows -> an id past every rank's experts
-            ids = torch.where(valid[:, None], ids, torch.full_like(ids, self.num_experts))
-        if T > n:
-            x = torch.cat([x, x.new_zeros((T - n, H))])
-            ids = torch.cat([ids, ids.new_full((T - n, k), self.num_experts)])
-            weights = torch.cat([weights, weights.new_zeros((T - n, k))])
-        meta = torch.cat([ids.to(torch.int32), weights.float().view(torch.int32)], dim=1)
-        fp8 = x.is_cuda and getattr(experts, "takes_fp8_rows", False)
-        if fp8:  # quantized once at home, as the experts would: half the bytes, the same codes
-            xq, xs = quant_act(x)
-            rows = [xq.view(torch.uint8), xs.view(torch.uint8)]
+        valid = valid if valid is not None and valid.shape[0] == n else None
+        fp8 = x.is_cuda and getattr(experts, "takes_fp8_rows", False) and H % 4 == 0
+        if fp8:  # quantized once at home, as the experts would (half the bytes, the same codes): one launch packs
+            payload = pack_fp8_rows(x, ids, weights, valid, T, self.num_experts)  # codes, scales, ids, weights
+            nx = H + 4 * -(-H // FP8_BLOCK)
         else:
-            rows = [x.contiguous().view(torch.uint8)]
-        payload = torch.cat([*rows, meta.view(torch.uint8)], dim=1)
+            if valid is not None:  # padding rows -> an id past every rank's experts
+                ids = torch.where(valid[:, None], ids, torch.full_like(ids, self.num_experts))
+            if T > n:
+                x = torch.cat([x, x.new_zeros((T - n, H))])
+                ids = torch.cat([ids, ids.new_full((T - n, k), self.num_experts)])
+                weights = torch.cat([weights, weights.new_zeros((T - n, k))])
+            meta = torch.cat([ids.to(torch.int32), weights.float().view(torch.int32)], dim=1)
+            rows = x.contiguous().view(torch.uint8)
+            payload = torch.cat([rows, meta.view(torch.uint8)], dim=1)
+            nx = rows.shape[1]
         recv = self.comm.all_gather(payload, "ep_dispatch")  # [D * T, W]
-        nx = rows[0].shape[1] + (rows[1].shape[1] if fp8 else 0)
         meta_recv = _columns(recv[:, nx:], None, torch.int32)
         quantized = {}
         if fp8:
-            nq = rows[0].shape[1]
-            quantized["x_quantized"] = (_columns(recv, nq, xq.dtype), _columns(recv[:, nq:nx], None, torch.float32))
+            quantized["x_quantized"] = (_columns(recv, H, torch.float8_e4m3fn),
+                                        _columns(recv[:, H:nx], None, torch.float32))
             x_recv = x.new_zeros(()).expand(D * T, H)  # shape and dtype only
         else:
             x_recv = _columns(recv, nx, x.dtype)
@@ -171,6 +172,8 @@ class StaticDispatcher(AllToAllDispatcher):
         hint = T * k if x.is_cuda else None
         y = self._run_experts(x_recv, w_recv, ids_recv, experts, hint, **quantized)  # [D * T, H]
         back = self.comm.all_to_all(y, [T] * D, [T] * D, "ep_combine").view(D, T, H)
+        if back.is_cuda and back.dtype == x.dtype:  # one kernel: accumulated in fp32, rounded once at the end
+            return back.sum(dim=0)[:n]
         out = back.sum(dim=0, dtype=torch.float32)  # rank order on the CPU: the dynamic dispatcher's bits
         return out[:n].to(x.dtype)
 

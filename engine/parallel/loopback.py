@@ -32,6 +32,7 @@ class LoopbackComm(CommCounters):
 
     def __init__(self, world_size: int, device: torch.device):
         self.rank, self.world_size, self.device = 0, world_size, device
+        self._shifts: dict = {}  # (rows, experts per rank, device) -> each gathered row's ghost rank's id shift
         self._init_counters()
 
     def all_gather(self, x: torch.Tensor, tag: str, **_) -> torch.Tensor:
@@ -66,8 +67,16 @@ class LoopbackComm(CommCounters):
     def ghost_expert_ids(self, ids: torch.Tensor, rows: int, num_local: int, num_experts: int) -> torch.Tensor:
         """ids [D · rows, k] as gathered (every slot this rank's own) -> slot d's ids moved by d ranks' worth
         of experts (rank d's experts become this rank's); the sentinel of padding rows stays put."""
-        d = torch.arange(self.world_size, device=ids.device).repeat_interleave(rows)[:, None]
-        moved = (ids - d * num_local) % num_experts
+        key = (rows, num_local, ids.device)
+        shift = self._shifts.get(key)
+        if shift is None:
+            d = torch.arange(self.world_size, device=ids.device).repeat_interleave(rows)[:, None]
+            shift = (d * num_local).to(ids.dtype)
+            # kept once made eagerly: inside a capture its kernels have not run yet, so its values exist only
+            # in that graph's replays
+            if not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._shifts[key] = shift
+        moved = (ids - shift) % num_experts
         return torch.where(ids < num_experts, moved, ids)
 
     def shutdown(self) -> None:
