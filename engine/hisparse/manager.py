@@ -94,8 +94,8 @@ class HiSparseManager:
     def wrap(self, backend) -> HiSparseBackend:
         if self.assemble is None:  # bit-exact reads for the reference backend, the virtual layout otherwise
             self.assemble = backend.name == "torch"
-        # decode forwards padded to capture sizes on the CPU and, on CUDA, with graphs asked for
-        # (GraphConfig.capture_hisparse) until its graph tests have run on an H200; unpadded otherwise
+        # decode forwards padded to capture sizes (and captured on CUDA) unless --enforce-eager
+        # (GraphConfig.capture_hisparse); unpadded otherwise
         pads = self.device.type != "cuda" or self.capture_graphs
         return HiSparseBackend(backend, self, pads_decode=pads)
 

@@ -16,8 +16,8 @@ captured once and replayed; elsewhere the same padded forward runs eagerly.
 The buffers come from the attention backend (`metadata_builder`), so a wrapping backend adds what its
 forward reads: HiSparse's builder sends each request's page-table row and hot slot in the same copy, and
 its forward routes from those on the device, so it is padded and captured like any other. A backend that
-routes from host lists per forward (`pads_decode` false: HiSparse's offload-only baseline, its CUDA path
-without graphs asked for) runs here unpadded and is never captured.
+routes from host lists per forward (`pads_decode` false: HiSparse's offload-only baseline) runs here unpadded
+and is never captured.
 """
 
 from __future__ import annotations

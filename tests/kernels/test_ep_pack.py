@@ -27,6 +27,10 @@ def _check(n, H, k, rows, device, **kw):
     x, ids, w, v = _inputs(n, H, k, device, **kw)
     got = pack_fp8_rows(x, ids, w, v, rows, SENTINEL)
     want = pack_fp8_rows_ref(x.cpu(), ids.cpu(), w.cpu(), None if v is None else v.cpu(), rows, SENTINEL)
+    if device != "cpu":  # the codes and scales of quant_act on this device (its division is the GPU's)
+        q, sc = quant_act(torch.cat([x, x.new_zeros((rows - n, H))]))
+        want[:, :H] = q.view(torch.uint8).cpu()
+        want[:, H:H + sc.shape[1] * 4] = sc.contiguous().view(torch.uint8).cpu()
     assert got.shape == (rows, payload_width(H, k)) and got.dtype == torch.uint8
     assert torch.equal(got.cpu(), want)
     return got
