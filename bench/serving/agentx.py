@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bench.serving import results
 from bench.serving.client import RequestRecord, make_session, stream_completion
+from bench.serving.engine_counters import MTP_COUNTERS, engine_counters, mtp_acceptance
 from bench.serving.metrics import measured_window, summarize
 from bench.serving.plots import plot_interactivity_vs_throughput, plot_ttft_cdf
 from bench.serving.progress import ProgressBar
@@ -141,7 +142,10 @@ def run_level(args: argparse.Namespace, level_idx: int, concurrency: int, traces
         cfg = level_config(args, level_idx, concurrency, info)
         used = select_traces(traces, cfg, args.fit_traces)
         model = args.model or info["model"]
+        redis_url = getattr(ep.handle, "redis_url", None)  # a fresh server: its engines' counters can be read
+        before = _counters(redis_url)
         result = asyncio.run(replay_level(ep.url, model, used, cfg, not args.no_progress))
+        mtp = mtp_acceptance(before, _counters(redis_url)) if before is not None else None
     num_gpus = ep.num_gpus or args.num_gpus
     window = measured_window(result.records, result.t_measure, result.t_stop)
     level = {"concurrency": concurrency, **summarize(result.records, window, num_gpus=num_gpus,
@@ -149,7 +153,19 @@ def run_level(args: argparse.Namespace, level_idx: int, concurrency: int, traces
     level.update(sessions_started=len(result.sessions), num_traces=len(used), model=model,
                  max_context=cfg.max_context, vocab_size=cfg.vocab_size,
                  ttft_s=sorted(r.ttft_s for r in result.records if r.measured and r.ok))
+    if mtp is not None:  # what the decode's MTP accepted over the level (warm-up included): the simulator's input
+        level["decode_mtp"] = mtp
     return level
+
+
+def _counters(redis_url: str | None) -> dict | None:
+    if redis_url is None:
+        return None
+    try:
+        return engine_counters(redis_url, MTP_COUNTERS)
+    except OSError as e:  # a figure the level can do without
+        print(f"agentx: the engines' counters could not be read ({e})", file=sys.stderr)
+        return None
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from bench.serving.engine_counters import STEP_COUNTERS, engine_counters
 from bench.serving.gpu_system import ROOT, topology
-
-STEP_COUNTERS = ("pdserve:engine_steps_total", "pdserve:engine_step_seconds_total")
 
 
 def compiled_variants(cache_dir: Path) -> Counter:
@@ -49,20 +46,7 @@ def cold_topology(config: Path, run_dir: Path, cache_dir: Path, warmup: bool) ->
 
 
 def _steps(dep) -> dict[str, dict[str, float]]:
-    from services.cluster.redis_state import registered_instances
-
-    out = {}
-    for inst in registered_instances(dep.redis_url):
-        if inst.role not in ("prefill", "decode"):
-            continue
-        a = inst.metrics_address
-        text = urllib.request.urlopen(a if a.startswith("http") else f"http://{a}/metrics", timeout=5).read().decode()
-        got = {}
-        for name in STEP_COUNTERS:
-            m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-            got[name] = float(m.group(1)) if m else 0.0
-        out[inst.role] = got
-    return out
+    return engine_counters(dep.redis_url, STEP_COUNTERS)
 
 
 def _pass_figures(before: dict, after: dict) -> dict[str, dict[str, float | None]]:

@@ -5,7 +5,9 @@ r"""`python -m bench.simulate.fidelity`: a measured `bench agentx` run against `
     python -m bench.simulate.fidelity --real real/result.json --profile PROFILE.json --out compare.json
 
 The simulation gets the measured run's own topology, traces, levels, client flags and seed (read from its
-result.json `config`; `--traces` when the folder has moved), so the two differ only in what the profile costs.
+result.json `config`; `--traces` when the folder has moved), and, where the run recorded it, the MTP acceptance its
+decode engines reported (an input as the traces are: how often the model's drafts match on these prompts), so the
+two differ only in what the profile costs.
 For every level it sets the five figures the issue bounds side by side — TTFT p50 and p90, TPOT p50, throughput
 per GPU and interactivity — with sim / real and whether each is within `--bound` (0.15 on a GPU, 0.25 on the CPU
 topology). Writes the comparison (JSON, with the simulated run's result beside it) and prints a markdown table.
@@ -43,7 +45,18 @@ def simulate_argv(real: dict, profile: str, out_dir: str, traces: str | None = N
             argv += [f"--{key.replace('_', '-')}", str(c[key])]
     if c.get("fit_traces"):
         argv.append("--fit-traces")
+    acceptance = measured_acceptance(real)
+    if acceptance is not None:  # the decode's MTP acceptance as the measured run's prompts met it: an input
+        argv += ["--set", f"services.decode.args.speculative-config.synthetic_acceptance_length={acceptance:.4f}"]
     return argv
+
+
+def measured_acceptance(real: dict) -> float | None:
+    """The MTP acceptance length the measured run's decode engines reported over all its levels (`decode_mtp`,
+    recorded by `bench agentx --fresh-server`), or None when the run recorded none."""
+    got = [lv["decode_mtp"] for lv in real.get("levels", []) if lv.get("decode_mtp")]
+    rounds = sum(g["full_rounds"] for g in got)
+    return sum(g["tokens"] for g in got) / rounds if rounds else None
 
 
 def compare_levels(real: list[dict], sim: list[dict], bound: float) -> list[dict]:
@@ -93,6 +106,8 @@ def run(a: argparse.Namespace) -> dict:
         sim = json.loads((Path(out_dir) / "result.json").read_text())
     rows = compare_levels(real["levels"], sim["levels"], a.bound)
     out = {"real": a.real, "profile": a.profile, "bound": a.bound, "simulate_argv": argv, "levels": rows,
+           "mtp_acceptance": {"measured_run": measured_acceptance(real),
+                              "profile": json.loads(Path(a.profile).read_text()).get("mtp_acceptance_length")},
            "simulated": sim}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.num_pull_failures = 0
         self.num_local_recomputes = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._last_spec = (0, 0)
+        self._last_spec = (0, 0, 0, 0)
         self._last_dp: dict[str, int] = {}
         self.draining = False  # SIGTERM (services/rpc/drain.py): new requests go elsewhere, streams finish
         self.num_streams = 0  # Generate calls in flight, admission to the last token
@@ -237,10 +237,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def _spec_metrics(self) -> None:
         st = self.engine.stats()
-        d, a = st.spec_drafts, st.spec_accepted
+        d, a, r, e = st.spec_drafts, st.spec_accepted, st.spec_steps, st.spec_emitted
         self.metrics.spec_decode_num_draft_tokens.inc(max(d - self._last_spec[0], 0))
         self.metrics.spec_decode_num_accepted_tokens.inc(max(a - self._last_spec[1], 0))
-        self._last_spec = (d, a)
+        self.metrics.spec_decode_num_full_rounds.inc(max(r - self._last_spec[2], 0))
+        self.metrics.spec_decode_num_full_round_tokens.inc(max(e - self._last_spec[3], 0))
+        self._last_spec = (d, a, r, e)
         for kind, n in getattr(st, "dp_steps", {}).items():  # a DP x EP group only
             self.metrics.dp_steps.labels(kind=kind).inc(max(n - self._last_dp.get(kind, 0), 0))
         self._last_dp = dict(getattr(st, "dp_steps", {}))

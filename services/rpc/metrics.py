@@ -84,6 +84,10 @@ METRICS: tuple[MetricDef, ...] = (
               "(1 = full).", ENGINES),
     MetricDef("spec_decode_num_draft_tokens", Counter, "Draft tokens proposed.", ("decode",)),
     MetricDef("spec_decode_num_accepted_tokens", Counter, "Draft tokens accepted.", ("decode",)),
+    MetricDef("spec_decode_num_full_rounds", Counter, "Verification rounds of a request with all its draft tokens "
+              "(the engine's MTP acceptance length = emitted / rounds).", ("decode",)),
+    MetricDef("spec_decode_num_full_round_tokens", Counter, "Tokens those rounds emitted (accepted drafts + 1 "
+              "each).", ("decode",)),
     MetricDef("nixl_bytes_transferred", Counter, "Bytes moved by NIXL transfers this process initiated.",
               ENGINES),
     MetricDef("nixl_num_failed_transfers", Counter, "NIXL transfers that failed or passed their deadline.",

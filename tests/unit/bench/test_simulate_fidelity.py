@@ -64,3 +64,26 @@ def test_a_simulated_run_or_missing_traces_is_refused(simulated, tmp_path, capsy
     (tmp_path / "real.json").write_text(json.dumps(real))
     assert fidelity.main(["--real", str(tmp_path / "real.json"), "--profile", str(prof)]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_the_measured_runs_mtp_acceptance_is_the_simulations(simulated, tmp_path):
+    """A run that recorded its decode's acceptance (`decode_mtp`, per level) is simulated with that acceptance,
+    weighted by each level's rounds; the simulated decode then emits that many tokens per round."""
+    prof, sim_path = simulated
+    real = _as_measured(json.loads(sim_path.read_text()), {})
+    real["levels"][0]["decode_mtp"] = {"full_rounds": 100.0, "tokens": 300.0, "acceptance_length": 3.0}
+    real["levels"][1]["decode_mtp"] = {"full_rounds": 300.0, "tokens": 1000.0, "acceptance_length": 10 / 3}
+    real_path = tmp_path / "real.json"
+    real_path.write_text(json.dumps(real))
+    assert fidelity.measured_acceptance(real) == pytest.approx(1300 / 400)
+    out = tmp_path / "cmp.json"
+    assert fidelity.main(["--real", str(real_path), "--profile", str(prof), "--out", str(out),
+                          "--sim-output-dir", str(tmp_path / "sim")]) == 0
+    got = json.loads(out.read_text())
+    argv = got["simulate_argv"]
+    assert argv[argv.index("--set") + 1] == "services.decode.args.speculative-config.synthetic_acceptance_length=3.2500"
+    assert got["mtp_acceptance"]["measured_run"] == pytest.approx(3.25)
+    # more tokens per decode step than the run simulated with the profile's acceptance
+    base = json.loads(sim_path.read_text())["levels"][-1]
+    assert got["simulated"]["levels"][-1]["p50_tpot_ms"] < base["p50_tpot_ms"]
+    assert fidelity.measured_acceptance(_as_measured(json.loads(sim_path.read_text()), {})) is None

@@ -143,3 +143,30 @@ def test_cli_missing_module_is_a_clear_error(monkeypatch):
         cli.main(["up", "topo.yaml"])
     with pytest.raises(SystemExit):
         cli.main(["bench"])  # a group needs a subcommand
+
+
+def test_a_fresh_servers_levels_record_the_decodes_mtp_acceptance(trace_dir, tmp_path, monkeypatch):
+    """With the deployment's Redis on the handle, each level reads the decode engines' MTP counters before and
+    after its replay and records the acceptance between them (the simulator's input in bench.simulate.fidelity)."""
+    from bench.serving.engine_counters import MTP_COUNTERS
+
+    class Handle:
+        def __init__(self, running):
+            self.running, self.url, self.redis_url = running, running.url, "redis://x"
+
+    def down(handle):
+        handle.running.__exit__(None, None, None)
+
+    reads = iter([(0, 0), (40, 100), (0, 0), (10, 20)])  # (rounds, tokens): two levels, before and after each
+
+    def counters(redis_url, names):
+        assert redis_url == "redis://x" and names == MTP_COUNTERS
+        r, t = next(reads)
+        return {"decode": {MTP_COUNTERS[0]: float(r), MTP_COUNTERS[1]: float(t)}, "prefill": {}}
+
+    monkeypatch.setitem(sys.modules, "services.launch.launcher", types.SimpleNamespace(
+        up=lambda topology: Handle(RunningFake(FakeOpenAI()).__enter__()), down=down))
+    monkeypatch.setattr(agentx, "engine_counters", counters)
+    out = agentx.run(agentx.build_parser().parse_args(_argv(["--fresh-server", "t.yaml"], trace_dir, tmp_path / "f")))
+    assert [lv["decode_mtp"]["acceptance_length"] for lv in out["levels"]] == [2.5, 2.0]
+    assert out["levels"][0]["decode_mtp"]["full_rounds"] == 40
