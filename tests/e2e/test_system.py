@@ -150,6 +150,9 @@ def test_health_metrics_and_models(url, instances):
                  "pdserve:num_requests_waiting", "pdserve:time_per_output_token_seconds"):
         assert name in decode_text, name
     assert system.metric(instances["decode"].metrics_address, "pdserve:spec_decode_num_draft_tokens_total") > 0
+    rounds = system.metric(instances["decode"].metrics_address, "pdserve:spec_decode_num_full_rounds_total")
+    tokens = system.metric(instances["decode"].metrics_address, "pdserve:spec_decode_num_full_round_tokens_total")
+    assert rounds > 0 and rounds <= tokens <= 4 * rounds  # MTP3: 1-4 tokens a full round
     # the decode time split: the engine step by phase, each token delta's delay in the decode and the router
     assert 'pdserve:engine_step_phase_seconds_total{phase="launch"}' in decode_text
     assert system.metric(instances["decode"].metrics_address, "pdserve:token_delta_delay_seconds_count") > 0
