@@ -76,6 +76,7 @@ class ActiveParams:
     moe: int  # routed (scaled by top_k / n_routed) + shared experts + router
     rest: int  # every other matrix except embeddings and lm_head
     lm_head: int
+    routed: int = 0  # of `moe`, the routed experts' (what expert parallelism spreads over the ranks)
 
 
 @lru_cache(maxsize=16)
@@ -93,9 +94,8 @@ def active_params(cfg: ModelConfig, with_mtp: bool) -> ActiveParams:
             head += n
         else:
             rest += n
-    if cfg.n_routed_experts:
-        moe += routed * cfg.num_experts_per_tok // cfg.n_routed_experts
-    return ActiveParams(moe=moe, rest=rest, lm_head=head)
+    active_routed = routed * cfg.num_experts_per_tok // cfg.n_routed_experts if cfg.n_routed_experts else 0
+    return ActiveParams(moe=moe + active_routed, rest=rest, lm_head=head, routed=active_routed)
 
 
 def selected_pairs(context: int, topk: int) -> int:

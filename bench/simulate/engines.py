@@ -114,12 +114,17 @@ class SimEngine:
             return None
         return sched
 
-    def _seconds(self, sched: SchedulerOutput | None) -> float:
-        """What the step costs (None: a DP rank's dummy pass), its host KV tier copies included."""
+    def _seconds(self, sched: SchedulerOutput | None, group_tokens_per_rank: float | None = None) -> float:
+        """What the step costs (None: a DP rank's dummy pass), its host KV tier copies included;
+        `group_tokens_per_rank`: its DP group's tokens this step over the group's ranks (the work expert
+        parallelism spreads over them)."""
         copies = (len(sched.kv_copies) if sched is not None else 0) + self.pending_copies  # before the forward
         self.pending_copies = 0
         self.offload_copies += copies
-        return self.cost(sched.chunks if sched is not None else []) + copies * self.copy_s
+        chunks = sched.chunks if sched is not None else []
+        if group_tokens_per_rank is None:
+            return self.cost(chunks) + copies * self.copy_s
+        return self.cost(chunks, group_tokens_per_rank) + copies * self.copy_s
 
     def _begin(self, sched: SchedulerOutput | None, seconds: float) -> None:
         now = self.loop.time()
@@ -157,7 +162,8 @@ class LockStep:
     """The ranks of one DP x EP group, stepping together as the real group does (engine/parallel/dp.py: rank 0
     plans every rank's step; every MoE layer all-to-alls between the ranks): a step starts when any rank has work,
     a rank without any runs a dummy pass (its step cost with no rows), and the step lasts as long as its slowest
-    rank's. Every rank's scheduler, KV manager and requests stay its own."""
+    rank's; each rank's cost counts the routed experts' share of the group's tokens (its profile entry's
+    `group_token_s`), not of its own. Every rank's scheduler, KV manager and requests stay its own."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -174,7 +180,9 @@ class LockStep:
         plans = [m._plan() for m in self.members]
         if all(p is None for p in plans):
             return
-        seconds = max(m._seconds(p) for m, p in zip(self.members, plans))
+        # the routed experts' work of every rank's rows is spread over the group (expert parallelism)
+        spread = sum(len(c.token_ids) for p in plans if p is not None for c in p.chunks) / len(self.members)
+        seconds = max(m._seconds(p, spread) for m, p in zip(self.members, plans))
         for m, p in zip(self.members, plans):
             m._begin(p, seconds)
         self.busy = True

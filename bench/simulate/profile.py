@@ -22,9 +22,13 @@ indexer's top-k (`index_topk`, K):
     + token_sel_s · Σ_rows min(context of the row, K)
 
 so that the indexer (every key scored: linear in the context) and sparse MLA (at most K keys attended) can
-each keep their own shape. A decode engine's layout key is its DP size, with `-hisparse` where its requests
-are admitted by HiSparse (other step costs: the plan and miss copies); a prefill engine's its PCP and DCP sizes,
-or its DP size for one rank of a DP x EP prefill group ("prefill/dp8": simulated only, see bench/simulate/system.py).
+each keep their own shape. One rank of a DP x EP group may add a sixth, for the routed experts' work, which expert
+parallelism spreads over the group's GPUs whatever rank the rows came from:
+    + group_token_s · (tokens computed by the whole group in this step) / (its ranks)
+(alone, or outside a group, the engine's own N). A decode engine's layout key is its DP size, with `-hisparse` where
+its requests are admitted by HiSparse (other step costs: the plan and miss copies); a prefill engine's its PCP and
+DCP sizes, or its DP size for one rank of a DP x EP prefill group ("prefill/dp8": simulated only, see
+bench/simulate/system.py).
 """
 
 from __future__ import annotations
@@ -56,12 +60,16 @@ class StepCost:
     source: str = ""
     token_sel_s: float = 0.0
     index_topk: int = 0
+    group_token_s: float = 0.0
 
-    def __call__(self, chunks) -> float:
-        """Seconds of one step over `chunks` (ScheduledChunk: start, token_ids)."""
+    def __call__(self, chunks, group_tokens_per_rank: float | None = None) -> float:
+        """Seconds of one step over `chunks` (ScheduledChunk: start, token_ids); `group_tokens_per_rank`: the
+        tokens its DP group computes in the step over the group's ranks (None: the engine's own)."""
         n = sum(len(c.token_ids) for c in chunks)
         ctx = sum(len(c.token_ids) * (c.start + len(c.token_ids) / 2) for c in chunks)
         out = self.step_s + self.token_s * n + self.token_ctx_s * ctx + self.request_s * len(chunks)
+        if self.group_token_s:
+            out += self.group_token_s * (n if group_tokens_per_rank is None else group_tokens_per_rank)
         if self.token_sel_s:
             out += self.token_sel_s * sum(selected(c.start, len(c.token_ids), self.index_topk) for c in chunks)
         return out
@@ -96,8 +104,11 @@ class Profile:
         if not isinstance(sel, (int, float)) or sel < 0 or (sel and (not isinstance(topk, int) or topk < 1)):
             raise ProfileError(f"profile {self.path}: {key}: token_sel_s must be >= 0, and with it index_topk a "
                                f"positive integer (got {sel!r}, {topk!r})")
+        group = entry.get("group_token_s", 0.0)
+        if not isinstance(group, (int, float)) or group < 0:
+            raise ProfileError(f"profile {self.path}: {key}: group_token_s must be >= 0, got {group!r}")
         return StepCost(*(float(entry[t]) for t in TERMS), source=str(entry.get("source", "")),
-                        token_sel_s=float(sel), index_topk=int(topk or 0))
+                        token_sel_s=float(sel), index_topk=int(topk or 0), group_token_s=float(group))
 
     def transfer_s(self, nbytes: float) -> float:
         """A KV handoff from a prefill to a decode."""

@@ -31,8 +31,9 @@ prefill/pcp8-dcp8 (the whole PCP8 x DCP8 x EP8 engine; a chunk of n tokens is sp
     of remote copies) and the DCP context all-gather over 450 GB/s NVLink, and 15 us per collective per layer.
 prefill/dp8 (one rank of a DP8 x EP8 prefill group: a what-if, simulated only; a chunk's rows all on one rank)
     The same per-GPU rates and fixed part as prefill/pcp8-dcp8, nothing divided over 8 ranks, no DCP all-gather;
-    modelled the same way: the EP all-to-all of each row, 15 us per collective (2 a MoE layer). The ranks are
-    taken as balanced (the experts' work for one rank's rows spread over the 8 GPUs as theirs is over it).
+    modelled the same way: the EP all-to-all of each row, 15 us per collective (2 a MoE layer). The routed
+    experts' share of a token's matmul FLOPs (from the model) is `group_token_s`: the group's tokens over its 8
+    ranks, wherever the rows came from (bench/simulate/engines.py: LockStep).
 kvstore
     Pinned host memory to the GPU by DMA (measured on the H200); the call latency is the transfer's.
 transfer
@@ -56,7 +57,7 @@ from bench.simulate.calibrate import nnls_fit
 from bench.simulate.profile import selected
 from engine.config.presets import preset
 from planner.capacity import Deployment, kv_spec, rank_weight_bytes
-from planner.roofline import prefill_flops
+from planner.roofline import active_params, prefill_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "bench" / "data"
@@ -224,17 +225,23 @@ def prefill_entries(cfg) -> tuple[dict, dict]:
                       f"({remote:.2f} remote copies a token a MoE layer) and the DCP8 context all-gather at "
                       f"{NVLINK_GBS:.0f} GB/s, {ALPHA_US:.0f} us per collective (4 a layer)"}
     # one rank of a DP8 x EP8 prefill group: the same per-GPU rates, a chunk's every row on its own rank (nothing
-    # divided over 8), no context all-gather; its MoE layers' all-to-alls as above (2 collectives a MoE layer)
+    # divided over 8), no context all-gather; its MoE layers' all-to-alls as above (2 collectives a MoE layer).
+    # The routed experts' share of a token's matmul FLOPs runs on the ranks holding the experts: charged per token
+    # of the whole group over its 8 ranks (`group_token_s`), the rest on the row's own rank
+    act = active_params(cfg, True)
+    routed = act.routed / (act.moe + act.rest)
     dp = {"step_s": step + main_moe * 2 * ALPHA_US * 1e-6,
-          "token_s": token + ep_bytes / (NVLINK_GBS * 1e9),
+          "token_s": token * (1 - routed) + ep_bytes / (NVLINK_GBS * 1e9),
+          "group_token_s": token * routed,
           "token_ctx_s": per_key * spec.num_index_layers,
           "token_sel_s": sel, "request_s": 0.0, "index_topk": topk,
           "median_relative_error": err, "points": points,
           "source": f"the same fit as prefill/pcp8-dcp8 ({PREFILL_STACK}: a GPU's rates for the matmuls and sparse "
                     f"attention, the rank's FP8 weights at {COPY_TBPS} TB/s, the H200 indexer kernel), a chunk's rows "
                     f"all on one rank; modelled: the EP all-to-all ({remote:.2f} remote copies a token a MoE layer) at "
-                    f"{NVLINK_GBS:.0f} GB/s, {ALPHA_US:.0f} us per collective (2 a MoE layer); balanced ranks assumed "
-                    f"(the experts' work for a rank's rows is spread over the 8 GPUs as theirs is over it)"}
+                    f"{NVLINK_GBS:.0f} GB/s, {ALPHA_US:.0f} us per collective (2 a MoE layer); the routed experts' "
+                    f"{routed:.0%} of a token's matmul FLOPs (planner/roofline.py) charged per token of the whole "
+                    f"group over its 8 ranks"}
     return pcp, dp
 
 

@@ -149,6 +149,43 @@ def test_the_ranks_of_a_dp_group_step_together(tmp_path):
     assert alone["short"] < alone["long"] < done["short"] and alone["long"] == pytest.approx(done["long"])
 
 
+def test_a_dp_groups_routed_expert_work_is_spread_over_its_ranks(tmp_path):
+    """`group_token_s` (a DP x EP rank's routed experts): charged per token of the whole group over its ranks, so a
+    rank alone with a long prompt in a group of 4 pays a quarter of that prompt's expert work, not all of it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from bench.simulate.engines import LockStep, SimEngine
+    from bench.simulate.profile import StepCost
+    from bench.simulate.system import engine_specs
+    from engine.core.request import Request
+    from engine.core.sampling_params import SamplingParams
+
+    cost = StepCost(step_s=0.01, token_s=1e-4, token_ctx_s=0.0, request_s=0.0, group_token_s=1e-3)
+    chunk = SimpleNamespace(start=0, token_ids=[0] * 100)
+    assert cost([chunk]) == pytest.approx(0.01 + 0.01 + 0.1)  # alone: its own tokens
+    assert cost([chunk], 25.0) == pytest.approx(0.01 + 0.01 + 0.025)
+    prof = Profile.load(_profile(tmp_path))
+    spec = next(s for s in engine_specs(CPU_TOPOLOGY, prof, None, tmp_path) if s.role == "prefill")
+    cost = dataclasses.replace(prof.engine(spec.key), group_token_s=1e-3)
+
+    async def run(grouped: bool):
+        loop = asyncio.get_running_loop()
+        ranks = [SimEngine(f"r{i}", spec.cfg, spec.num_blocks, cost, loop, seed=i) for i in range(4)]
+        if grouped:
+            group = LockStep(loop)
+            for r in ranks:
+                group.add(r)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        ranks[0].add(Request("long", list(range(16, 16 + 64)), sp), lambda o: None)
+        while ranks[0].num_steps == 0 or ranks[0].busy and loop.time() < 60:
+            await asyncio.sleep(0.0001)
+        return ranks[0].busy_s
+
+    alone, grouped = clock.run(run(False)), clock.run(run(True))
+    assert alone - grouped == pytest.approx(1e-3 * 64 * (1 - 1 / 4))
+
+
 def test_engines_sharing_a_gpu_count_it_once(tmp_path):
     """Throughput per GPU divides by the GPUs the topology places its engines on (the one-GPU topology's prefill
     and decode share GPU 0, as `bench agentx --num-gpus 1` counts it); without placements, by the engines' ranks."""
