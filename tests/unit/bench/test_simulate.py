@@ -112,11 +112,22 @@ def test_calibration_fit_recovers_its_terms_and_keeps_them_non_negative():
 
 
 
+def _ranks(spec, cost, loop, n: int, grouped: bool) -> list:
+    """n simulated prefill engines of `spec` at `cost`, stepping as one DP group (engines.LockStep) or alone."""
+    from bench.simulate.engines import LockStep, SimEngine
+
+    ranks = [SimEngine(f"r{i}", spec.cfg, spec.num_blocks, cost, loop, seed=i) for i in range(n)]
+    if grouped:
+        group = LockStep(loop)
+        for r in ranks:
+            group.add(r)
+    return ranks
+
+
 def test_the_ranks_of_a_dp_group_step_together(tmp_path):
     """engines.LockStep: a short prompt added to one rank while another rank's long prompt is in its step waits for
     that step (the group's next step starts when the whole group's ends); a rank without work runs a dummy pass
     each step. Ranks stepping alone serve the short prompt at once."""
-    from bench.simulate.engines import LockStep, SimEngine
     from bench.simulate.system import engine_specs
     from engine.core.request import Request
     from engine.core.sampling_params import SamplingParams
@@ -127,11 +138,7 @@ def test_the_ranks_of_a_dp_group_step_together(tmp_path):
 
     async def run(grouped: bool):
         loop = asyncio.get_running_loop()
-        ranks = [SimEngine(f"r{i}", spec.cfg, spec.num_blocks, cost, loop, seed=i) for i in range(3)]
-        if grouped:
-            group = LockStep(loop)
-            for r in ranks:
-                group.add(r)
+        ranks = _ranks(spec, cost, loop, 3, grouped)
         done: dict[str, float] = {}
         for rank, rid, n in ((ranks[0], "long", 200), (ranks[1], "short", 5)):
             sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -155,7 +162,6 @@ def test_a_dp_groups_routed_expert_work_is_spread_over_its_ranks(tmp_path):
     import dataclasses
     from types import SimpleNamespace
 
-    from bench.simulate.engines import LockStep, SimEngine
     from bench.simulate.profile import StepCost
     from bench.simulate.system import engine_specs
     from engine.core.request import Request
@@ -171,11 +177,7 @@ def test_a_dp_groups_routed_expert_work_is_spread_over_its_ranks(tmp_path):
 
     async def run(grouped: bool):
         loop = asyncio.get_running_loop()
-        ranks = [SimEngine(f"r{i}", spec.cfg, spec.num_blocks, cost, loop, seed=i) for i in range(4)]
-        if grouped:
-            group = LockStep(loop)
-            for r in ranks:
-                group.add(r)
+        ranks = _ranks(spec, cost, loop, 4, grouped)
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         ranks[0].add(Request("long", list(range(16, 16 + 64)), sp), lambda o: None)
         while ranks[0].num_steps == 0 or ranks[0].busy and loop.time() < 60:
