@@ -39,7 +39,7 @@ class _Engine:
         self.calls.append(("import_done", req_id, ok))
 
     def stats(self):
-        return SimpleNamespace(spec_drafts=0, spec_accepted=0)
+        return SimpleNamespace(spec_drafts=0, spec_accepted=0, spec_steps=0, spec_emitted=0)
 
 
 class _Puller:

@@ -42,7 +42,7 @@ class _Engine:
 
     def stats(self):
         ranks = tuple(SimpleNamespace(num_running=n, num_waiting=0, num_free_blocks=8) for n in self.running)
-        return SimpleNamespace(spec_drafts=0, spec_accepted=0, dp_ranks=ranks,
+        return SimpleNamespace(spec_drafts=0, spec_accepted=0, spec_steps=0, spec_emitted=0, dp_ranks=ranks,
                                dp_steps={"planned": self.planned, "dynamic": 1})
 
 

@@ -102,7 +102,7 @@ class _Engine:
     reached: ClassVar[list] = []
 
     def stats(self):
-        return SimpleNamespace(num_waiting=0, spec_drafts=0, spec_accepted=0)
+        return SimpleNamespace(num_waiting=0, spec_drafts=0, spec_accepted=0, spec_steps=0, spec_emitted=0)
 
     def __getattr__(self, name):
         _Engine.reached.append(name)
