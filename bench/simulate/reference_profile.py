@@ -11,7 +11,7 @@ decode/dp8 (a rank of the DP8 x EP8 group, requests resident on the device)
     whole-step graphs, async scheduling) was timed on an H200 at B = 1 / 16 / 64 with 256-token prompts and
     B = 16 / 64 with 1,900-token prompts (decode-graphs/). Its steps fold every assignment onto the local
     experts; the DP8 x EP8 rank's own step code (planned static dispatch over a loopback transport) measured
-    1.05-1.10x the stand-in at the same B on an H100 over 36 layers (decode-dp/): that ratio, at the nearest
+    1.03-1.09x the stand-in at the same B on an H100 over 36 layers (decode-dp/): that ratio, at the nearest
     measured B and prompt, multiplies each H200 point (modelled: the ratio carried over from the H100 and 36
     layers), and the wire is added as bench.decode_dp models it for 75 + 1 MoE layers (collectives x 15 us +
     bytes / 450 GB/s, no overlap). The indexer's share that grows with the context (every key scored) is the
@@ -69,7 +69,7 @@ DECODE_POINTS = [  # (file under bench/data, prompt length)
     ("decode-graphs/standin-h200-2026-12-04.json", 256),
     ("decode-graphs/standin-sparse-mla-sm90-1-h200-2026-12-04.json", 1900),
 ]
-EMULATED = "decode-dp/emulated-ep8-fp8-dispatch-h100-36l-p256-p1900-2026-12-06.json"
+EMULATED = "decode-dp/emulated-ep8-packed-rows-h100-36l-p256-p1900-2026-12-06.json"
 CTX_DURING_STEPS = 8  # timed steps after the prompt: the rows' context is the prompt plus about this many tokens
 INDEXER = "kernels/indexer-layout/indexer-blocked-h200-2026-12-03.json"
 HISPARSE = "decode-graphs/standin-hisparse-graphs-h200-2026-12-02.json"
