@@ -23,9 +23,14 @@ from kernels.fp8_quant import BLOCK, quant_act_ref
 from kernels.triton_support import check_device, interpreting, jit, quant_e4m3_rows
 
 
+def fp8_row_bytes(hidden: int) -> int:
+    """Bytes of a row's codes and scales: where its ids start in a packed row."""
+    return hidden + 4 * triton.cdiv(hidden, BLOCK)
+
+
 def payload_width(hidden: int, top_k: int) -> int:
     """Bytes of one packed row."""
-    return hidden + 4 * triton.cdiv(hidden, BLOCK) + 8 * top_k
+    return fp8_row_bytes(hidden) + 8 * top_k
 
 
 @jit(do_not_specialize=["n"])  # n: this pass's real rows, which follow the batch

@@ -36,8 +36,7 @@ from __future__ import annotations
 import torch
 
 from engine.parallel.dist import RankComm
-from kernels.ep_pack import pack_fp8_rows
-from kernels.fp8_quant import BLOCK as FP8_BLOCK
+from kernels.ep_pack import fp8_row_bytes, pack_fp8_rows
 
 
 def expert_shard(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -62,7 +61,7 @@ def static_dispatch_bytes(rows: int, hidden: int, top_k: int, world_size: int, e
     """Bytes one rank sends per MoE layer with the static dispatch of `rows` rows (to the other ranks); `fp8`:
     rows sent as FP8 codes and per-128 scales (FP8 experts on the GPU)."""
     other = world_size - 1
-    row = hidden + 4 * -(-hidden // FP8_BLOCK) if fp8 else hidden * elem
+    row = fp8_row_bytes(hidden) if fp8 else hidden * elem
     return {"dispatch": other * rows * (row + 8 * top_k), "combine": other * rows * hidden * elem}
 
 
@@ -142,7 +141,7 @@ class StaticDispatcher(AllToAllDispatcher):
         fp8 = x.is_cuda and getattr(experts, "takes_fp8_rows", False) and H % 4 == 0
         if fp8:  # quantized once at home, as the experts would (half the bytes, the same codes): one launch packs
             payload = pack_fp8_rows(x, ids, weights, valid, T, self.num_experts)  # codes, scales, ids, weights
-            nx = H + 4 * -(-H // FP8_BLOCK)
+            nx = fp8_row_bytes(H)
         else:
             if valid is not None:  # padding rows -> an id past every rank's experts
                 ids = torch.where(valid[:, None], ids, torch.full_like(ids, self.num_experts))
