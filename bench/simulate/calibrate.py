@@ -9,7 +9,9 @@ batches — prompts of several lengths, alone and after a cached prefix (prefill
 two contexts, with the topology's MTP (decode) — and every step's wall time is recorded with the chunks it ran.
 The four terms of bench/simulate/profile.py's step cost are the non-negative least-squares fit of those steps;
 each entry keeps its measurements, residual and the machine, commit and date. The transfer and per-request
-service costs are not measured here: they are flags, each recorded with `--source`.
+service costs are not measured here: they are flags, each recorded with `--source`. `--through-services` measures
+them through the running topology instead, and where its prefill and decode share a device, how much each slows
+while the other steps (`shared_device`, `_sharing`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import os
 import platform
@@ -30,9 +33,10 @@ from pathlib import Path
 import torch
 
 from bench.serving.client import make_session, server_info, stream_completion
+from bench.serving.engine_counters import STEP_COUNTERS, engine_counters
 from bench.serving.target import FreshServer, wait_ready
 from bench.simulate.profile import TERMS, Profile, StepCost, decode_key
-from bench.simulate.system import engine_cfg, hisparse_admits, model_dir
+from bench.simulate.system import engine_cfg, hisparse_admits, model_dir, services_of
 from engine.core.core import EngineCore
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -135,6 +139,94 @@ async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vo
             recs = await asyncio.gather(*(one(100 * b + j, tokens) for j in range(b)))
             tpot[b] = statistics.median((r.t_end - r.t_first) / max(r.output_tokens - 1, 1) for r in recs)
     return {"ttft_s": statistics.median(ttft), "second_token_s": statistics.median(second), "tpot_s": tpot}
+
+
+def sharing_slowdown(alone_s: float, shared_s: float, other_busy: float) -> float:
+    """An engine's slowdown on a device it shares, from its mean step alone (`alone_s`) and while the other engine
+    was in a step a fraction `other_busy` of the time (`shared_s`), under processor sharing (engines.SharedDevice):
+    work W lasts W / (1 - u + u / s), so s = u / (alone / shared - 1 + u). At least 1; 1 when the other was never
+    busy; capped at 10 (a step that slowed more than sharing can explain)."""
+    u = min(max(other_busy, 0.0), 1.0)
+    if u <= 0.0 or shared_s <= alone_s:
+        return 1.0
+    denom = alone_s / shared_s - 1.0 + u
+    return min(max(u / denom, 1.0), 10.0) if denom > 0 else 10.0
+
+
+async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: int, tokens: int) -> dict:
+    """Each engine's mean step (its own step counters) alone and with the other engine busy at the same time. The
+    prefill is kept busy by two loops of fresh `long_len`-token prompts of one token each (no decode work), the
+    decode by `batch` streams of 24 x `tokens` tokens after 128-token prompts, admitted before any window opens
+    (so the decode's batch is the same in its windows and none of their prefill work falls in one). Three windows:
+    the prefill alone, the decode alone, both; each closes once its engines have run enough steps, and 2 s. Returns each
+    role's slowdown (`sharing_slowdown`) and the windows it came from."""
+    seeds = itertools.count(500_000)
+    async with make_session() as http:
+        model = (await server_info(http, url))["model"]
+
+        async def one(n_in: int, n_out: int) -> None:
+            rec = await stream_completion(http, url, model, _ids(n_in, next(seeds), vocab), n_out)
+            if rec.error:
+                raise RuntimeError(f"calibration request failed: {rec.error}")
+
+        def read() -> dict:
+            return engine_counters(redis_url, STEP_COUNTERS)
+
+        async def steps_after(role: str, n: int, tasks: list) -> None:
+            """Wait for `role` to run `n` more steps (the load under way); a finished load task ends the wait."""
+            start = (await asyncio.to_thread(read))[role][STEP_COUNTERS[0]]
+            while (await asyncio.to_thread(read))[role][STEP_COUNTERS[0]] < start + n:
+                if any(t.done() for t in tasks):
+                    return
+                await asyncio.sleep(0.05)
+
+        async def window(need: dict[str, int], tasks: list) -> dict:
+            before, t0 = await asyncio.to_thread(read), time.monotonic()
+            while True:
+                await asyncio.sleep(0.05)
+                after, wall = await asyncio.to_thread(read), time.monotonic() - t0
+                ran = {r: after[r][STEP_COUNTERS[0]] - before[r][STEP_COUNTERS[0]] for r in ("prefill", "decode")}
+                ended = any(t.done() for t in tasks)
+                if ended or (wall >= 2.0 and all(ran[r] >= n for r, n in need.items())):
+                    break
+            out = {"wall_s": wall, "load_ended_early": ended}
+            for role in ("prefill", "decode"):
+                secs = after[role][STEP_COUNTERS[1]] - before[role][STEP_COUNTERS[1]]
+                out[role] = {"steps": ran[role], "mean_step_s": secs / ran[role] if ran[role] else None,
+                             "busy": secs / wall}
+            return out
+
+        stop = asyncio.Event()
+
+        async def prefill_loop() -> None:
+            while not stop.is_set():
+                await one(long_len, 1)
+
+        await one(long_len, 1)  # warm-up: first-call costs stay out of the windows
+        got = {}
+        load = [asyncio.create_task(prefill_loop()) for _ in range(2)]
+        await steps_after("prefill", 2, load)
+        got["prefill_alone"] = await window({"prefill": 6}, load)
+        stop.set()
+        await asyncio.gather(*load)
+        streams = [asyncio.create_task(one(128, 24 * tokens)) for _ in range(batch)]
+        await steps_after("decode", 5, streams)
+        got["decode_alone"] = await window({"decode": 40}, streams)
+        stop.clear()
+        load = [asyncio.create_task(prefill_loop()) for _ in range(2)]
+        await steps_after("prefill", 2, load + streams)
+        got["both"] = await window({"prefill": 6, "decode": 40}, load + streams)
+        stop.set()
+        for t in streams:
+            t.cancel()
+        await asyncio.gather(*load, *streams, return_exceptions=True)
+    out = {"measurements": got}
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        alone, shared = got[f"{role}_alone"][role]["mean_step_s"], got["both"][role]["mean_step_s"]
+        if not alone or not shared:
+            raise RuntimeError(f"calibration: the {role} engine ran no step in a sharing window ({got})")
+        out[role] = sharing_slowdown(alone, shared, got["both"][other]["busy"])
+    return out
 
 
 def served_decode_rows(tpot: dict[int, float], k: int, acceptance: float, context: int) -> list:
@@ -260,10 +352,23 @@ def run(a: argparse.Namespace) -> dict:
 def _calibrate_served(a, prof: dict) -> None:
     prompt_len, tokens = 128, 48
     batches = [int(x) for x in a.batches.split(",")]
+    topo = topology_mod.load(a.config)
+    shares = services_of([a.config])[4]
     with FreshServer(a.config) as ep:
         info = asyncio.run(wait_ready(ep.url))
-        got = asyncio.run(_served(ep.url, batches, prompt_len, tokens, info.get("vocab_size") or 4096))
-    topo = topology_mod.load(a.config)
+        vocab = info.get("vocab_size") or 4096
+        got = asyncio.run(_served(ep.url, batches, prompt_len, tokens, vocab))
+        if shares:  # the two engines on one device: how much each slows while the other steps
+            longest = max(int(x) for x in a.prompt_lens.split(","))
+            sharing = asyncio.run(_sharing(ep.url, ep.handle.redis_url, vocab, longest, max(batches) // 2 or 1,
+                                           tokens))
+            prof["shared_device"] = {"prefill": sharing["prefill"], "decode": sharing["decode"],
+                                     "measurements": sharing["measurements"],
+                                     "source": f"pdserve bench calibrate --through-services: each engine's mean "
+                                               f"step (its step counters) alone and with the other kept busy "
+                                               f"({longest}-token prompts; {max(batches) // 2 or 1} decode streams)"}
+            print(f"shared device: prefill x{sharing['prefill']:.2f}, decode x{sharing['decode']:.2f}",
+                  file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = engine_cfg(topo.service("decode"), model_dir(a.model or topo.model, Path(a.config), Path(tmp)))
     k = cfg.num_spec_tokens if cfg.with_mtp else 0

@@ -102,7 +102,7 @@ async def _level(args, level_idx: int, concurrency: int, traces, specs, profile:
            "prefix_hit_rate": {iid: e.kv.prefix_hits / e.kv.prefix_queries if e.kv.prefix_queries else None
                                for iid, e in system.engines.items() if system.specs[iid].role == "prefill"},
            "transfer_s": system.transfer_s, "decode_admission_waits": system.admission_waits,
-           "refused": system.refusals,
+           "refused": system.refusals, "shared_device": system.shared_device,
            "kvstore": {i: {"usage": st.pool.usage, "loaded_blocks": st.loaded_blocks,
                            "offloaded_blocks": st.offloaded_blocks} for i, st in system.stores.items()},
            "host_kv_tier": {iid: {"stored_blocks": st.num_stored, "loaded_blocks": st.num_loaded,

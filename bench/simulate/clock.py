@@ -10,6 +10,7 @@ nothing ready, the loop would block (the replayer always holds its stop timer, s
 from __future__ import annotations
 
 import asyncio
+import heapq
 
 
 class VirtualClockLoop(asyncio.SelectorEventLoop):
@@ -21,7 +22,13 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         return self._virtual_now
 
     def _run_once(self) -> None:
-        # nothing to run now: move the clock to the earliest timer (its select() then returns at once)
+        # nothing to run now: move the clock to the earliest live timer (its select() then returns at once). A
+        # cancelled timer at the head is dropped first, as the base loop would: jumping to its time instead would
+        # leave the base loop a real wait for the next one.
+        while self._scheduled and self._scheduled[0].cancelled():
+            handle = heapq.heappop(self._scheduled)
+            handle._scheduled = False
+            self._timer_cancelled_count -= 1
         if not self._ready and self._scheduled:
             self._virtual_now = max(self._virtual_now, self._scheduled[0].when())
         super()._run_once()

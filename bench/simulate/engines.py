@@ -10,6 +10,9 @@ prefill, prefix-cache hits and evictions, preemption, KV import admission and MT
 real system's; only the time each step takes comes from the profile. With a host KV tier (--kv-offloading-size)
 the KV manager is given the production tier's bookkeeping, and each step also pays its block copies. The ranks of
 a DP group step together (`LockStep`): each step lasts as long as its slowest rank's, idle ranks run dummy passes.
+Engines placed on one device (a prefill and a decode on GPU 0, or both on a CPU's cores) share it
+(`SharedDevice`): while both are in a step, each progresses at the slower rate measured by
+`pdserve bench calibrate --through-services` with the other engine kept busy.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class SimEngine:
         self.offload_copies = 0  # host KV tier block copies run in steps
         self.first_step: dict[str, float] = {}  # request -> when its first chunk's step began (the caller pops it)
         self.group: LockStep | None = None  # the DP group it steps with (LockStep.add)
+        self.device: SharedDevice | None = None  # the device it shares with other engines (SharedDevice.add)
+        self.role = ""  # its role on a shared device (the slowdown it takes there)
+        self._step_t0 = 0.0
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, req: Request, listener: Callable[[EngineCoreOutput], None]) -> None:
@@ -98,7 +104,10 @@ class SimEngine:
             return
         seconds = self._seconds(sched)
         self._begin(sched, seconds)
-        self.loop.call_later(seconds, self._done, sched)
+        if self.device is not None:
+            self.device.start(self, seconds, lambda: self._done(sched))
+        else:
+            self.loop.call_later(seconds, self._done, sched)
 
     def _done(self, sched: SchedulerOutput) -> None:
         self._finish(sched)
@@ -131,12 +140,13 @@ class SimEngine:
         for c in sched.chunks if sched is not None else ():
             self.first_step.setdefault(c.req_id, now)
         self.busy = True
-        self.busy_s += seconds
+        self._step_t0 = now
         self.num_steps += 1
 
     def _finish(self, sched: SchedulerOutput | None) -> None:
         outs = self.scheduler.update(sched, self._result(sched)) if sched is not None else []
         self.busy = False
+        self.busy_s += self.loop.time() - self._step_t0  # as long as the step lasted (a shared device stretches it)
         for o in outs:
             listener = self.listeners.get(o.req_id)
             if o.finish_reason is not None:
@@ -193,3 +203,47 @@ class LockStep:
             m._finish(p)
         self.busy = False
         self.kick()
+
+
+class SharedDevice:
+    """Engines placed on one device (a one-GPU topology's prefill and decode, or engines on one CPU's cores),
+    their device work shared as processor sharing: an engine alone in a step runs it at its profile cost; while
+    any other engine of the device is in a step too, it progresses at 1 / slowdown[its role] of that rate, the
+    slowdown measured with the other engine kept busy (the profile's `shared_device`). Every start and end of a
+    step re-times the steps in flight."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, slowdown: dict[str, float]):
+        self.loop = loop
+        self.slowdown = slowdown
+        self.members: list[SimEngine] = []
+        self._running: dict[str, list] = {}  # instance id -> [work left (alone-seconds), rate, timer, on_done]
+        self._t = 0.0
+
+    def add(self, engine: SimEngine, role: str) -> None:
+        self.members.append(engine)
+        engine.device, engine.role = self, role
+
+    def start(self, engine: SimEngine, seconds: float, on_done: Callable[[], None]) -> None:
+        self._advance()
+        self._running[engine.instance_id] = [seconds, 1.0, None, on_done, engine.role]
+        self._retime()
+
+    def _advance(self) -> None:
+        now = self.loop.time()
+        for step in self._running.values():
+            step[0] = max(step[0] - (now - self._t) * step[1], 0.0)
+        self._t = now
+
+    def _retime(self) -> None:
+        shared = len(self._running) > 1
+        for iid, step in self._running.items():
+            step[1] = 1.0 / self.slowdown.get(step[4], 1.0) if shared else 1.0
+            if step[2] is not None:
+                step[2].cancel()
+            step[2] = self.loop.call_at(self._t + step[0] / step[1], self._end, iid)
+
+    def _end(self, iid: str) -> None:
+        self._advance()
+        step = self._running.pop(iid)
+        self._retime()
+        step[3]()

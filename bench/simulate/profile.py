@@ -8,7 +8,8 @@ figure the simulator is meant to predict.
                  "decode/dp1-hisparse": {...}},
      "transfer": {"latency_s": ..., "gbs": ..., "source": "..."},
      "kvstore": {"latency_s": ..., "gbs": ..., "source": "..."},      (where the topology has a kvstore)
-     "request_overhead_s": {"value": ..., "source": "..."}}
+     "request_overhead_s": {"value": ..., "source": "..."},
+     "shared_device": {"prefill": ..., "decode": ..., "source": "..."}}   (optional: engines sharing a device)
 
 One engine step of a scheduled batch costs
 
@@ -29,6 +30,11 @@ parallelism spreads over the group's GPUs whatever rank the rows came from:
 its requests are admitted by HiSparse (other step costs: the plan and miss copies); a prefill engine's its PCP and
 DCP sizes, or its DP size for one rank of a DP x EP prefill group ("prefill/dp8": simulated only, see
 bench/simulate/system.py).
+
+`shared_device` is for topologies that place a prefill and a decode engine on one device (one GPU, or one
+machine's CPU cores): each role's slowdown (>= 1) while the other engine is in a step too, measured by
+`pdserve bench calibrate --through-services` (bench/simulate/engines.py, SharedDevice). Without it, engines
+sharing a device are costed as if each had it alone, and the result says so.
 """
 
 from __future__ import annotations
@@ -123,6 +129,18 @@ class Profile:
     @property
     def request_overhead_s(self) -> float:
         return self._entry("request_overhead_s", ("value",))["value"]
+
+    @property
+    def shared_device(self) -> dict[str, float] | None:
+        """{role: slowdown} of engines sharing a device, None when the profile has no such entry."""
+        entry = self.raw.get("shared_device")
+        if entry is None:
+            return None
+        if not isinstance(entry, dict) or any(not isinstance(entry.get(r), (int, float)) or entry[r] < 1
+                                              for r in ("prefill", "decode")):
+            raise ProfileError(f"profile {self.path}: shared_device needs a slowdown >= 1 for prefill and decode "
+                               f"(got {entry!r})")
+        return {r: float(entry[r]) for r in ("prefill", "decode")}
 
     @property
     def hbm_gib(self) -> float | None:

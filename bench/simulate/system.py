@@ -39,6 +39,10 @@ profile's `prefill/dpN` entry.
 A DP group (decode, or the prefill what-if) is one instance per rank, its ranks stepping together
 (engines.LockStep): a step lasts as long as its slowest rank's, and a rank without work runs a dummy pass.
 
+A prefill and a decode placed on one device (one topology file, a GPU both list, or neither listing GPUs: the
+host's default device) share it (engines.SharedDevice) with the profile's measured `shared_device` slowdowns;
+a profile without them costs each as if alone, and each level's `sim.shared_device` says which it was.
+
 What it does not model (yet): PCP/DCP and DP×EP inside an engine beyond their step costs, migrations and failures.
 """
 
@@ -54,7 +58,7 @@ from pathlib import Path
 import yaml
 
 from bench.serving.client import RequestRecord
-from bench.simulate.engines import TOKEN, LockStep, SimEngine
+from bench.simulate.engines import TOKEN, LockStep, SharedDevice, SimEngine
 from bench.simulate.profile import Profile, decode_key, prefill_key
 from engine.config.arg_utils import EngineArgs
 from engine.config.presets import PRESETS, preset
@@ -94,6 +98,7 @@ class EngineSpec:
     offload: tuple[int, int] | None = None  # host KV tier (--kv-offloading-size): (its blocks, bytes a block)
     group: str | None = None  # the DP group whose ranks step together (engines.LockStep)
     deployment_gpus: int | None = None  # distinct GPUs the topology places its engines on (None: not listed)
+    shared_device: bool = False  # placed on one device with the other role's engines (engines.SharedDevice)
 
 
 def model_dir(model: str, topo_path: Path, tmp: Path) -> Path:
@@ -173,10 +178,11 @@ def override(data: dict, setting: str) -> None:
     node[keys[-1]] = yaml.safe_load(text)
 
 
-def services_of(topo_paths: list[str], settings: list[str] = ()) -> tuple[str, Path, dict, int | None]:
+def services_of(topo_paths: list[str], settings: list[str] = ()) -> tuple[str, Path, dict, int | None, bool]:
     """One deployment from its topology files (one per host, as `pdserve up` runs them): (model, the file its
     model path is relative to, {kind: ServiceSpec} of its kvstore, if any, prefill and decode, the GPUs its
-    engines are placed on or None: `_placed_gpus`). The files must
+    engines are placed on or None: `_placed_gpus`, whether the prefill and decode share a device:
+    `_shared_device`). The files must
     name the same model, and a service kind may appear in one file only. `settings` (`override`) change them
     first: one under `services.KIND` applies to the file that has that service, any other to every file."""
     raws = [topology_mod.raw(p) for p in topo_paths]
@@ -206,7 +212,8 @@ def services_of(topo_paths: list[str], settings: list[str] = ()) -> tuple[str, P
     for kind in ("prefill", "decode"):
         if kind not in services:
             raise ValueError(f"topology {', '.join(topo_paths)} has no {kind} service")
-    return model, where, {k: spec for k, (spec, _) in services.items()}, _placed_gpus(services)
+    return model, where, {k: spec for k, (spec, _) in services.items()}, _placed_gpus(services), \
+        _shared_device(services)
 
 
 def _placed_gpus(services: dict) -> int | None:
@@ -215,6 +222,17 @@ def _placed_gpus(services: dict) -> int | None:
     if not all(services[k][0].gpus for k in ("prefill", "decode")):
         return None
     return len({(services[k][1], g) for k in ("prefill", "decode") for g in services[k][0].gpus})
+
+
+def _shared_device(services: dict) -> bool:
+    """Whether the prefill and decode engines run on one device: in one topology file (one host), on GPUs the
+    two lists share, or neither listing GPUs (the host's default device: its CPU cores, or GPU 0)."""
+    (pre, pre_path), (dec, dec_path) = services["prefill"], services["decode"]
+    if pre_path != dec_path:
+        return False
+    if pre.gpus and dec.gpus:
+        return bool(set(pre.gpus) & set(dec.gpus))
+    return not pre.gpus and not dec.gpus
 
 
 def _pop_prefill_dp(data: dict) -> int | None:
@@ -236,7 +254,7 @@ def _pop_prefill_dp(data: dict) -> int | None:
 def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | None, tmp: Path,
                  settings: list[str] = ()) -> list[EngineSpec]:
     paths = [topo_paths] if isinstance(topo_paths, (str, Path)) else list(topo_paths)
-    topo_model, topo_path, services, placed = services_of([str(p) for p in paths], settings)
+    topo_model, topo_path, services, placed, shared = services_of([str(p) for p in paths], settings)
     mdir = model_dir(model or topo_model, topo_path, tmp)
     out = []
     for kind in ("prefill", "decode"):
@@ -275,7 +293,8 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
             for rank in range(per):
                 iid = f"{kind}-{r}" + (f"-dp{rank}" if per > 1 else "")
                 out.append(EngineSpec(kind, iid, cfg, key, blocks, ranks if kind == "prefill" else 1, acceptance,
-                                      room, offload, f"{kind}-{r}" if per > 1 else None))
+                                      room, offload, f"{kind}-{r}" if per > 1 else None,
+                                      shared_device=shared and per == 1))
     if placed is not None:
         out = [dataclasses.replace(e, deployment_gpus=placed) for e in out]
     store = services.get("kvstore")
@@ -367,6 +386,13 @@ class SimSystem:
                 self.engines[s.instance_id].kv.device_footprint = DeviceFootprint(*s.device_room)
             if s.group is not None:  # a DP group's ranks step together
                 groups.setdefault(s.group, LockStep(self.loop)).add(self.engines[s.instance_id])
+        sharing = [s for s in specs if s.shared_device and s.role != "kvstore"]
+        # engines on one device take turns on it; without the profile's measured slowdowns, each as if alone
+        self.shared_device = {"engines": [s.instance_id for s in sharing], "slowdown": profile.shared_device}
+        if len({s.role for s in sharing}) > 1 and profile.shared_device is not None:
+            device = SharedDevice(self.loop, profile.shared_device)
+            for s in sharing:
+                device.add(self.engines[s.instance_id], s.role)
         self.routing = Routing(_Registry({**self.engines, **self.stores}, {s.instance_id: s.role for s in specs}),
                                block_size=specs[0].cfg.cache.block_size)
         pre = next(s for s in specs if s.role == "prefill")

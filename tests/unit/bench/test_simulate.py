@@ -52,6 +52,23 @@ def test_the_virtual_clock_jumps_to_the_next_timer():
     assert clock.run(main()) == pytest.approx(3600.0)
 
 
+def test_a_cancelled_timer_costs_no_real_wait():
+    """A cancelled timer at the head of the loop's queue is dropped, not jumped to: the clock moves to the next
+    live timer at once (jumping to the dead one left the base loop a real select() until the live one)."""
+    import time
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            loop.call_later(1.0, lambda: None).cancel()
+            await asyncio.sleep(2.0)
+        return loop.time()
+
+    t0 = time.perf_counter()
+    assert clock.run(main()) == pytest.approx(6.0)
+    assert time.perf_counter() - t0 < 1.0  # the three 1 s real waits of the bug would take 3 s
+
+
 def test_simulate_writes_agentx_results_and_is_deterministic(traces, tmp_path):
     prof = _profile(tmp_path)
     assert pdserve.main(["simulate", *_argv(traces, prof, tmp_path / "a")]) == 0
@@ -197,3 +214,76 @@ def test_engines_sharing_a_gpu_count_it_once(tmp_path):
     one_gpu = engine_specs(str(ROOT / "configs" / "topology.gpu-1.yaml"), prof, None, tmp_path)
     assert one_gpu[0].deployment_gpus == 1 and sum(s.gpus for s in one_gpu) == 2
     assert engine_specs(CPU_TOPOLOGY, prof, None, tmp_path)[0].deployment_gpus is None
+
+
+def test_engines_sharing_a_device_take_turns_on_it():
+    """engines.SharedDevice, processor sharing: a prefill step of 1 s alone starts at 0, a decode step of 1 s at 0.5;
+    while both run, the prefill goes at 1/2 and the decode at 1/1.5 of their alone speed, so the prefill ends at
+    0.5 + 0.5 * 2 = 1.5 and the decode, 2/3 done by then, alone again at 1.5 + 1/3."""
+    from types import SimpleNamespace
+
+    from bench.simulate.engines import SharedDevice
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        device = SharedDevice(loop, {"prefill": 2.0, "decode": 1.5})
+        pre, dec = SimpleNamespace(instance_id="p"), SimpleNamespace(instance_id="d")
+        device.add(pre, "prefill")
+        device.add(dec, "decode")
+        ends: dict[str, float] = {}
+        device.start(pre, 1.0, lambda: ends.setdefault("prefill", loop.time()))
+        await asyncio.sleep(0.5)
+        device.start(dec, 1.0, lambda: ends.setdefault("decode", loop.time()))
+        await asyncio.sleep(10.0)
+        alone: dict[str, float] = {}
+        device.start(dec, 1.0, lambda: alone.setdefault("decode", loop.time()))  # nothing else on it: at full speed
+        await asyncio.sleep(10.0)
+        return ends, alone
+
+    ends, alone = clock.run(main())
+    assert ends["prefill"] == pytest.approx(1.5) and ends["decode"] == pytest.approx(1.5 + 1 / 3)
+    assert alone["decode"] == pytest.approx(10.5 + 1.0)
+
+
+def test_a_prefill_and_decode_on_one_device_share_it_in_the_simulation(traces, tmp_path):
+    """The one-GPU and the CPU topologies place both engines on one device, the two-host reference does not; with
+    the profile's measured slowdowns the shared device lengthens the decode's steps (TPOT), without them the result
+    says the sharing was not modelled; a slowdown under 1 is refused."""
+    from bench.simulate.system import engine_specs
+
+    prof = Profile.load(_profile(tmp_path, hbm_gib=80.0))
+    assert all(s.shared_device for s in engine_specs(str(ROOT / "configs" / "topology.gpu-1.yaml"), prof, None,
+                                                      tmp_path) if s.role != "kvstore")
+    assert all(s.shared_device for s in engine_specs(CPU_TOPOLOGY, prof, None, tmp_path) if s.role != "kvstore")
+    hosts = ROOT / "configs" / "h200x16"
+    from bench.simulate.system import services_of
+    assert services_of([str(hosts / "prefill-host.yaml"), str(hosts / "decode-host.yaml")])[4] is False
+
+    def tpot(profile, out):
+        argv = _argv(traces, profile, out)
+        argv[argv.index("2,6")] = "4"
+        assert cli.main(argv) == 0
+        level = json.loads((out / "result.json").read_text())["levels"][0]
+        return level, level["median_tpot_ms"]
+
+    alone, t_alone = tpot(_profile(tmp_path), tmp_path / "alone")
+    assert alone["sim"]["shared_device"]["slowdown"] is None
+    assert sorted(alone["sim"]["shared_device"]["engines"]) == ["decode-0", "prefill-0"]
+    shared = {"prefill": 1.5, "decode": 3.0, "source": "test"}
+    both, t_shared = tpot(_profile(tmp_path, shared_device=shared), tmp_path / "shared")
+    assert both["sim"]["shared_device"]["slowdown"] == {"prefill": 1.5, "decode": 3.0}
+    assert t_shared > 1.05 * t_alone  # the decode is slowed only while a prefill step overlaps it
+    with pytest.raises(ProfileError, match="shared_device"):
+        _ = Profile.load(_profile(tmp_path, shared_device={"prefill": 0.5, "decode": 1.0})).shared_device
+
+
+def test_a_shared_devices_slowdown_is_read_back_from_its_measured_steps():
+    """calibrate.sharing_slowdown inverts the processor-sharing model: a step of 1 s alone that took 1.5 s while the
+    other engine was always busy -> 1.5; the same 1.5 s with the other busy half the time -> 3 (1 / (0.5 + 0.5 / 3)
+    = 1.5); the other never busy, or the step no slower -> 1; more slowdown than sharing can explain -> the cap."""
+    from bench.simulate.calibrate import sharing_slowdown
+
+    assert sharing_slowdown(1.0, 1.5, 1.0) == pytest.approx(1.5)
+    assert sharing_slowdown(1.0, 1.5, 0.5) == pytest.approx(3.0)
+    assert sharing_slowdown(1.0, 1.5, 0.0) == 1.0 and sharing_slowdown(1.0, 0.9, 0.8) == 1.0
+    assert sharing_slowdown(1.0, 5.0, 0.5) == 10.0

@@ -46,7 +46,7 @@ def test_the_sparse_attention_term_stops_growing_past_top_k():
 
 
 def test_a_deployment_of_one_file_per_host_is_one_system(tmp_path):
-    model, _, services, _ = services_of([PREFILL_HOST, DECODE_HOST])
+    model, _, services, _, _ = services_of([PREFILL_HOST, DECODE_HOST])
     assert model.endswith("GLM-5.3-FP8") and set(services) == {"kvstore", "prefill", "decode"}
     assert services["decode"].extra["data_parallel_size"] == 8
     with pytest.raises(ValueError, match="decode service appears in two topology files"):
