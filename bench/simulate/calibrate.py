@@ -118,9 +118,13 @@ def measure_decode(core: EngineCore, device: str, batches: list[int], contexts: 
     return rows
 
 
-async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vocab: int) -> dict:
+async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vocab: int,
+                  redis_url: str | None = None) -> dict:
     """Through the running services: per batch B, B concurrent streams of `tokens` tokens after `prompt_len`-token
-    prompts -> the median TPOT; and the median TTFT of single requests."""
+    prompts -> the median TPOT; and the median TTFT of single requests. With the deployment's `redis_url`, each
+    single request's own engine work too (its prefill's and its decode's step seconds, from their counters): the
+    service overhead is then TTFT less the prefill's measured steps, the handoff the second token's delay less the
+    decode's, not less a fitted step."""
     async with make_session() as http:
         model = (await server_info(http, url))["model"]
 
@@ -131,14 +135,35 @@ async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vo
             return rec
 
         await one(1, 4)  # warm-up
-        singles = [await one(10 + i, 2) for i in range(5)]
+        singles, work = [], []
+        for i in range(5):
+            if redis_url:  # the engines publish their step counters every 0.5 s: read them settled
+                await asyncio.sleep(1.1)
+            before = await asyncio.to_thread(engine_counters, redis_url, STEP_COUNTERS) if redis_url else None
+            singles.append(await one(10 + i, 2))
+            if before is not None:
+                await asyncio.sleep(1.1)
+                after = await asyncio.to_thread(engine_counters, redis_url, STEP_COUNTERS)
+                work.append({r: after[r][STEP_COUNTERS[1]] - before[r][STEP_COUNTERS[1]]
+                             for r in ("prefill", "decode")})
         ttft = [r.ttft_s for r in singles]
         second = [r.t_end - r.t_first for r in singles]  # the handoff to the decode and its first step
+        measured = {}
+        if work:
+            measured = {"overhead_s": statistics.median(max(r.ttft_s - w["prefill"], 0.0)
+                                                        for r, w in zip(singles, work)),
+                        "handoff_s": statistics.median(max(s - w["decode"], 0.0) for s, w in zip(second, work)),
+                        "prefill_step_s": statistics.median(w["prefill"] for w in work),
+                        "decode_step_s": statistics.median(w["decode"] for w in work)}
         tpot = {}
         for b in batches:
             recs = await asyncio.gather(*(one(100 * b + j, tokens) for j in range(b)))
             tpot[b] = statistics.median((r.t_end - r.t_first) / max(r.output_tokens - 1, 1) for r in recs)
-    return {"ttft_s": statistics.median(ttft), "second_token_s": statistics.median(second), "tpot_s": tpot}
+    return {"ttft_s": statistics.median(ttft), "second_token_s": statistics.median(second), "tpot_s": tpot,
+            "singles": measured}
+
+
+WINDOW_S = 8.0  # the shortest sharing window (bench calibrate --through-services)
 
 
 def sharing_slowdown(alone_s: float, shared_s: float, other_busy: float) -> float:
@@ -156,9 +181,10 @@ def sharing_slowdown(alone_s: float, shared_s: float, other_busy: float) -> floa
 async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: int, tokens: int) -> dict:
     """Each engine's mean step (its own step counters) alone and with the other engine busy at the same time. The
     prefill is kept busy by two loops of fresh `long_len`-token prompts of one token each (no decode work), the
-    decode by `batch` streams of 24 x `tokens` tokens after 128-token prompts, admitted before any window opens
+    decode by `batch` streams of 64 x `tokens` tokens after 128-token prompts, admitted before any window opens
     (so the decode's batch is the same in its windows and none of their prefill work falls in one). Three windows:
-    the prefill alone, the decode alone, both; each closes once its engines have run enough steps, and 2 s. Returns each
+    the prefill alone, the decode alone, both; each closes once its engines have run enough steps, and WINDOW_S
+    (the engines publish their counters every 0.5 s: the busy fractions' error is at most about 1 / 16). Returns each
     role's slowdown (`sharing_slowdown`) and the windows it came from."""
     seeds = itertools.count(500_000)
     async with make_session() as http:
@@ -187,7 +213,7 @@ async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: i
                 after, wall = await asyncio.to_thread(read), time.monotonic() - t0
                 ran = {r: after[r][STEP_COUNTERS[0]] - before[r][STEP_COUNTERS[0]] for r in ("prefill", "decode")}
                 ended = any(t.done() for t in tasks)
-                if ended or (wall >= 2.0 and all(ran[r] >= n for r, n in need.items())):
+                if ended or (wall >= WINDOW_S and all(ran[r] >= n for r, n in need.items())):
                     break
             out = {"wall_s": wall, "load_ended_early": ended}
             for role in ("prefill", "decode"):
@@ -209,7 +235,7 @@ async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: i
         got["prefill_alone"] = await window({"prefill": 6}, load)
         stop.set()
         await asyncio.gather(*load)
-        streams = [asyncio.create_task(one(128, 24 * tokens)) for _ in range(batch)]
+        streams = [asyncio.create_task(one(128, 64 * tokens)) for _ in range(batch)]
         await steps_after("decode", 5, streams)
         got["decode_alone"] = await window({"decode": 40}, streams)
         stop.clear()
@@ -357,7 +383,7 @@ def _calibrate_served(a, prof: dict) -> None:
     with FreshServer(a.config) as ep:
         info = asyncio.run(wait_ready(ep.url))
         vocab = info.get("vocab_size") or 4096
-        got = asyncio.run(_served(ep.url, batches, prompt_len, tokens, vocab))
+        got = asyncio.run(_served(ep.url, batches, prompt_len, tokens, vocab, ep.handle.redis_url))
         if shares:  # the two engines on one device: how much each slows while the other steps
             longest = max(int(x) for x in a.prompt_lens.split(","))
             sharing = asyncio.run(_sharing(ep.url, ep.handle.redis_url, vocab, longest, max(batches) // 2 or 1,
@@ -381,19 +407,26 @@ def _calibrate_served(a, prof: dict) -> None:
                             "engine_only": prof["engines"].get(key),
                             "source": f"pdserve bench calibrate --through-services: TPOT of 1-{max(batches)} "
                                       f"concurrent streams x {acceptance:.2f} tokens per step"}
-    pre = Profile({"version": 1, "engines": prof["engines"]}).engine("prefill/pcp1-dcp1")
-    chunk = type("Chunk", (), {"start": 0, "token_ids": [0] * prompt_len})
-    overhead = max(got["ttft_s"] - pre([chunk]), 0.0)
-    prof["request_overhead_s"] = {"value": overhead, "source": f"median TTFT of 5 single {prompt_len}-token requests "
-                                  f"through the services ({got['ttft_s'] * 1e3:.1f} ms) less the prefill engine's step"}
+    single = got["singles"]
+    if single:  # each request's own engine steps, read from the engines' counters
+        overhead, handoff = single["overhead_s"], single["handoff_s"]
+        less = (f"its prefill's steps (median {single['prefill_step_s'] * 1e3:.1f} ms, the prefill engine's step "
+                f"counters)", f"its decode's steps (median {single['decode_step_s'] * 1e3:.1f} ms, counters)")
+    else:
+        pre = Profile({"version": 1, "engines": prof["engines"]}).engine("prefill/pcp1-dcp1")
+        chunk = type("Chunk", (), {"start": 0, "token_ids": [0] * prompt_len})
+        overhead = max(got["ttft_s"] - pre([chunk]), 0.0)
+        dec = Profile({"version": 1, "engines": prof["engines"]}).engine(key)
+        handoff = max(got["second_token_s"] - dec([type("Chunk", (), {"start": prompt_len, "token_ids": [0]})]), 0.0)
+        less = ("the prefill engine's fitted step", "the decode's fitted first step")
+    prof["request_overhead_s"] = {"value": overhead, "source": f"median over 5 single {prompt_len}-token requests "
+                                  f"through the services (median TTFT {got['ttft_s'] * 1e3:.1f} ms) of TTFT less "
+                                  f"{less[0]}"}
     # the KV handoff: from the first token (prefill) to the second (the decode's first step), less that step
-    dec = Profile({"version": 1, "engines": prof["engines"]}).engine(key)
-    first_step = dec([type("Chunk", (), {"start": prompt_len, "token_ids": [0]})])
-    handoff = max(got["second_token_s"] - first_step, 0.0)
     prof["transfer"] = {"latency_s": handoff, "gbs": a.transfer_gbs,
-                        "source": f"latency: median time from the first to the second token of 5 single "
-                                  f"{prompt_len}-token requests ({got['second_token_s'] * 1e3:.1f} ms) less the "
-                                  f"decode's first step; bandwidth: {a.source}"}
+                        "source": f"latency: median over 5 single {prompt_len}-token requests of the time from the "
+                                  f"first to the second token ({got['second_token_s'] * 1e3:.1f} ms median) less "
+                                  f"{less[1]}; bandwidth: {a.source}"}
     print(f"served decode: {StepCost(*coef)} median |error| {rel:.1%}; request overhead {overhead * 1e3:.1f} ms, "
           f"handoff {handoff * 1e3:.1f} ms", file=sys.stderr)
 
