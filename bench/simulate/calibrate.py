@@ -182,7 +182,8 @@ async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: i
     """Each engine's mean step (its own step counters) alone and with the other engine busy at the same time. The
     prefill is kept busy by two loops of fresh `long_len`-token prompts of one token each (no decode work), the
     decode by `batch` streams of 64 x `tokens` tokens after 128-token prompts, admitted before any window opens
-    (so the decode's batch is the same in its windows and none of their prefill work falls in one). Three windows:
+    (so the decode's batch is the same in its windows; a stream that ends is followed by another, whose 128-token
+    prefill is the only prefill work of theirs that can fall in a window). Three windows:
     the prefill alone, the decode alone, both; each closes once its engines have run enough steps, and WINDOW_S
     (the engines publish their counters every 0.5 s: the busy fractions' error is at most about 1 / 16). Returns each
     role's slowdown (`sharing_slowdown`) and the windows it came from."""
@@ -235,7 +236,12 @@ async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: i
         got["prefill_alone"] = await window({"prefill": 6}, load)
         stop.set()
         await asyncio.gather(*load)
-        streams = [asyncio.create_task(one(128, 64 * tokens)) for _ in range(batch)]
+        async def stream_loop() -> None:  # a stream that ends is followed by another (a fast decode outlives none)
+            while not stop_streams.is_set():
+                await one(128, 64 * tokens)
+
+        stop_streams = asyncio.Event()
+        streams = [asyncio.create_task(stream_loop()) for _ in range(batch)]
         await steps_after("decode", 5, streams)
         got["decode_alone"] = await window({"decode": 40}, streams)
         stop.clear()
@@ -243,6 +249,7 @@ async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: i
         await steps_after("prefill", 2, load + streams)
         got["both"] = await window({"prefill": 6, "decode": 40}, load + streams)
         stop.set()
+        stop_streams.set()
         for t in streams:
             t.cancel()
         await asyncio.gather(*load, *streams, return_exceptions=True)
