@@ -69,7 +69,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
         """q [T, H, R+P] -> (out [T, H, R] in q's dtype, lse [T, H] fp32)."""
         T, H, D = q.shape
         kv = cache.mla_layer(layer)
-        if T * topk_pos.shape[1] * D <= _MAX_TILE:  # decode-like batches: all rows at once
+        K = topk_pos.shape[1]
+        if T * K * D <= _MAX_TILE:  # decode-like batches: all rows at once
+            ws = _context_workspace(kv, topk_pos, meta, self.spec) if T * K > sum(meta.seq_lens_cpu) else None
+            if ws is not None:
+                # a short chunk over a long context: dequantise each request's context once and take the rows'
+                # keys from it (the same values as dequantising them one by one, so the same bits, on any layout)
+                return sparse_mla_ref(q, *ws, sm_scale, self.spec.latent_dim, self.spec.rope_dim)
             slots = rows_to_slots(meta, topk_pos)
             out, lse = sparse_mla_ref(q, kv, slots, sm_scale, self.spec.latent_dim, self.spec.rope_dim)
             return out, lse
@@ -91,6 +97,23 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 allowed = positions_mask(topk_pos[c0:c1], S)
                 out[c0:c1], lse[c0:c1] = attend_rows_ref(q[c0:c1], ctx, allowed, sm_scale, R)
         return out.to(q.dtype), lse
+
+
+def _context_workspace(kv: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                       spec: KVCacheSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every request's context dequantised once, in request order -> (workspace [Σ S, R+P] fp32, the rows'
+    request-local positions [T, K] as workspace rows, -1 kept); None where a row selects a position past its
+    request's context here (a context-parallel rank's shard: the rows' own slots are read instead)."""
+    lens = list(meta.seq_lens_cpu)
+    req = meta.token_req_idx.long()
+    limit = torch.tensor(lens, dtype=torch.long, device=positions.device)[req][:, None]
+    if not sum(lens) or not bool((positions < limit).all()):
+        return None
+    ws = torch.cat([gather_kv_ref(kv, meta.context_slots(b), spec.latent_dim, spec.rope_dim)
+                    for b in range(len(lens))])
+    starts = torch.tensor([sum(lens[:b]) for b in range(len(lens))], dtype=torch.long, device=positions.device)
+    first = starts[req][:, None]
+    return ws, torch.where(positions >= 0, positions.long() + first, -1)
 
 
 def rows_to_slots(meta: AttnMetadata, positions: torch.Tensor) -> torch.Tensor:
