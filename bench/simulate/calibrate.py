@@ -223,11 +223,15 @@ async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: i
                              "busy": secs / wall}
             return out
 
-        stop = asyncio.Event()
+        stop, stop_streams = asyncio.Event(), asyncio.Event()
 
         async def prefill_loop() -> None:
             while not stop.is_set():
                 await one(long_len, 1)
+
+        async def stream_loop() -> None:  # a stream that ends is followed by another (a fast decode outlives one)
+            while not stop_streams.is_set():
+                await one(128, 64 * tokens)
 
         await one(long_len, 1)  # warm-up: first-call costs stay out of the windows
         got = {}
@@ -236,11 +240,6 @@ async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: i
         got["prefill_alone"] = await window({"prefill": 6}, load)
         stop.set()
         await asyncio.gather(*load)
-        async def stream_loop() -> None:  # a stream that ends is followed by another (a fast decode outlives none)
-            while not stop_streams.is_set():
-                await one(128, 64 * tokens)
-
-        stop_streams = asyncio.Event()
         streams = [asyncio.create_task(stream_loop()) for _ in range(batch)]
         await steps_after("decode", 5, streams)
         got["decode_alone"] = await window({"decode": 40}, streams)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.core.core import scheduler_stats
 from engine.core.request import Request
@@ -205,6 +206,16 @@ class LockStep:
         self.kick()
 
 
+@dataclass
+class _SharedStep:
+    """A step in flight on a shared device."""
+    engine: SimEngine
+    left: float  # its work left, in seconds of the engine alone on the device
+    on_done: Callable[[], None]
+    rate: float = 1.0
+    timer: asyncio.TimerHandle | None = None
+
+
 class SharedDevice:
     """Engines placed on one device (a one-GPU topology's prefill and decode, or engines on one CPU's cores),
     their device work shared as processor sharing: an engine alone in a step runs it at its profile cost; while
@@ -215,35 +226,33 @@ class SharedDevice:
     def __init__(self, loop: asyncio.AbstractEventLoop, slowdown: dict[str, float]):
         self.loop = loop
         self.slowdown = slowdown
-        self.members: list[SimEngine] = []
-        self._running: dict[str, list] = {}  # instance id -> [work left (alone-seconds), rate, timer, on_done]
-        self._t = 0.0
+        self._running: dict[str, _SharedStep] = {}  # by instance id
+        self._t = 0.0  # when the work left was last brought up to date
 
     def add(self, engine: SimEngine, role: str) -> None:
-        self.members.append(engine)
         engine.device, engine.role = self, role
 
     def start(self, engine: SimEngine, seconds: float, on_done: Callable[[], None]) -> None:
         self._advance()
-        self._running[engine.instance_id] = [seconds, 1.0, None, on_done, engine.role]
+        self._running[engine.instance_id] = _SharedStep(engine, seconds, on_done)
         self._retime()
 
     def _advance(self) -> None:
         now = self.loop.time()
         for step in self._running.values():
-            step[0] = max(step[0] - (now - self._t) * step[1], 0.0)
+            step.left = max(step.left - (now - self._t) * step.rate, 0.0)
         self._t = now
 
     def _retime(self) -> None:
         shared = len(self._running) > 1
         for iid, step in self._running.items():
-            step[1] = 1.0 / self.slowdown.get(step[4], 1.0) if shared else 1.0
-            if step[2] is not None:
-                step[2].cancel()
-            step[2] = self.loop.call_at(self._t + step[0] / step[1], self._end, iid)
+            step.rate = 1.0 / self.slowdown.get(step.engine.role, 1.0) if shared else 1.0
+            if step.timer is not None:
+                step.timer.cancel()
+            step.timer = self.loop.call_at(self._t + step.left / step.rate, self._end, iid)
 
     def _end(self, iid: str) -> None:
         self._advance()
         step = self._running.pop(iid)
         self._retime()
-        step[3]()
+        step.on_done()

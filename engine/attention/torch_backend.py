@@ -104,15 +104,13 @@ def _context_workspace(kv: torch.Tensor, positions: torch.Tensor, meta: AttnMeta
     """Every request's context dequantised once, in request order -> (workspace [Σ S, R+P] fp32, the rows'
     request-local positions [T, K] as workspace rows, -1 kept); None where a row selects a position past its
     request's context here (a context-parallel rank's shard: the rows' own slots are read instead)."""
-    lens = list(meta.seq_lens_cpu)
+    lens = torch.tensor(list(meta.seq_lens_cpu), dtype=torch.long, device=positions.device)
     req = meta.token_req_idx.long()
-    limit = torch.tensor(lens, dtype=torch.long, device=positions.device)[req][:, None]
-    if not sum(lens) or not bool((positions < limit).all()):
+    if not int(lens.sum()) or not bool((positions < lens[req][:, None]).all()):
         return None
     ws = torch.cat([gather_kv_ref(kv, meta.context_slots(b), spec.latent_dim, spec.rope_dim)
                     for b in range(len(lens))])
-    starts = torch.tensor([sum(lens[:b]) for b in range(len(lens))], dtype=torch.long, device=positions.device)
-    first = starts[req][:, None]
+    first = (torch.cumsum(lens, 0) - lens)[req][:, None]  # each row's request's first workspace row
     return ws, torch.where(positions >= 0, positions.long() + first, -1)
 
 
