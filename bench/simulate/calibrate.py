@@ -5,10 +5,13 @@ r"""`pdserve bench calibrate`: measure a topology's engine steps on this machine
 
 For the topology's prefill and decode engines (one rank each: the layouts this machine can run), the real
 engine (`EngineCore` on the topology's engine flags, on this machine's device) steps through a grid of
-batches — prompts of several lengths, alone and after a cached prefix (prefill); 1 to 16 requests decoding at
+batches — prompts of several lengths, alone and after a cached prefix (prefill); with `--traces`, also the turns
+of those traces as `bench agentx` would send them, each after its cached prefix; 1 to 16 requests decoding at
 two contexts, with the topology's MTP (decode) — and every step's wall time is recorded with the chunks it ran.
-The four terms of bench/simulate/profile.py's step cost are the non-negative least-squares fit of those steps;
-each entry keeps its measurements, residual and the machine, commit and date. The transfer and per-request
+The step cost's terms (bench/simulate/profile.py; `chunk_ctx_s` too) are the non-negative least-squares fit of
+those steps, each step's error relative to its time, their total kept (`nnls_fit`); with `--traces` the prefill's
+are fitted to the traces' steps, and the grid's show how the fit extrapolates. Each entry keeps its step count,
+residual and the machine, commit and date. The transfer and per-request
 service costs are not measured here: they are flags, each recorded with `--source`. `--through-services` measures
 them through the running topology instead, and where its prefill and decode share a device, how much each slows
 while the other steps (`shared_device`, `_sharing`).
@@ -28,13 +31,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from bench.serving.client import make_session, server_info, stream_completion
 from bench.serving.engine_counters import STEP_COUNTERS, engine_counters
+from bench.serving.synth import PromptSynth
 from bench.serving.target import FreshServer, wait_ready
+from bench.serving.traces import load_traces
 from bench.simulate.profile import TERMS, Profile, StepCost, decode_key
 from bench.simulate.system import engine_cfg, hisparse_admits, model_dir, services_of
 from engine.core.core import EngineCore
@@ -43,11 +49,18 @@ from engine.core.sampling_params import SamplingParams
 from engine.frontend.core_factory import make_engine_core
 from services.launch import topology as topology_mod
 
+FIT_TERMS = (*TERMS, "chunk_ctx_s")  # what a calibrated step is fitted over (bench/simulate/profile.py)
+
 
 def _features(chunks) -> list[float]:
     n = sum(len(c.token_ids) for c in chunks)
     ctx = sum(len(c.token_ids) * (c.start + len(c.token_ids) / 2) for c in chunks)
-    return [1.0, float(n), ctx, float(len(chunks))]
+    read = sum(c.start + len(c.token_ids) for c in chunks)
+    return [1.0, float(n), ctx, float(len(chunks)), float(read)]
+
+
+def _cost(coef: list[float]) -> StepCost:
+    return StepCost(**dict(zip(FIT_TERMS, coef)))
 
 
 def _timed_steps(core: EngineCore, device: str) -> list[tuple[list[float], float]]:
@@ -93,13 +106,48 @@ def measure_prefill(core: EngineCore, device: str, lengths: list[int],
     s = 100_000 * salt
     for i, n in enumerate(lengths):
         prompt = _ids(n, s + 100 + i, vocab)
-        for turn, p in enumerate((prompt, prompt + _ids(max(n // 4, 8), s + 200 + i, vocab))):  # fresh, then cached
+        turn2 = prompt + _ids(max(n // 4, 8), s + 200 + i, vocab)
+        # fresh, then twice after a cached prefix: a quarter as many rows, then 32 (a short turn reads its context)
+        for turn, p in enumerate((prompt, turn2, turn2 + _ids(32, s + 400 + i, vocab))):
             core.add_request(Request(f"p{salt}-{i}-{turn}", p, SamplingParams(max_tokens=1, ignore_eos=True)))
             rows += _timed_steps(core, device)
         for j in range(3):  # three fresh prompts in one step: the per-request term
             core.add_request(Request(f"p{salt}-{i}-b{j}", _ids(n // 2 + 8, s + 300 + 10 * i + j, vocab),
                                      SamplingParams(max_tokens=1, ignore_eos=True)))
         rows += _timed_steps(core, device)
+    return rows
+
+
+GROUPS = (1, 1, 2, 4)  # the traces' requests per step in the trace grid (measure_prefill_traces), in turn
+
+
+def measure_prefill_traces(core: EngineCore, device: str, traces: list, turns: int,
+                           salt: int = 0) -> list[tuple[list[float], float]]:
+    """The prefill steps of the traces' own requests: each trace's first `turns` turns in order (subagents depth
+    first; a turn over the engine's context limit skipped), prompts synthesised as `bench agentx` sends them, so
+    every turn after the first finds its recorded prefix cached. The traces go in groups of GROUPS' sizes in turn:
+    one request at a time, or a turn of each trace of the group in one step, each trace one turn behind the one
+    before it (so a first turn's long fresh prompt meets the others' cached turns, as under concurrency, not the
+    group's other first turns); the batches tell the per-request term from the fixed one. These are the chunk
+    shapes a replay of those traces gives the engine, timed on an otherwise idle engine (no queueing, no other
+    engine)."""
+    vocab, limit = core.cfg.model.vocab_size, core.cfg.scheduler.max_model_len
+    rows = []
+    plans, i = [], 0
+    for size in itertools.cycle(GROUPS):
+        if i >= len(traces):
+            break
+        plans.append(traces[i:i + size])
+        i += size
+    for g, group in enumerate(plans):
+        sessions = [(PromptSynth(t.trace_id, 1000 * salt + 10 * g + j, vocab_size=vocab),
+                     [u for u in t.session.turns() if u.input_len + 1 <= limit][:turns]) for j, t in enumerate(group)]
+        for r in range(max(j + len(us) for j, (_, us) in enumerate(sessions))):
+            for j, (synth, us) in enumerate(sessions):
+                if 0 <= r - j < len(us):  # trace j of the group one turn behind trace j - 1
+                    core.add_request(Request(f"t{salt}-{g}-{j}-{r - j}", synth.prompt(us[r - j]),
+                                             SamplingParams(max_tokens=1, ignore_eos=True)))
+            rows += _timed_steps(core, device)
     return rows
 
 
@@ -178,21 +226,40 @@ def sharing_slowdown(alone_s: float, shared_s: float, other_busy: float) -> floa
     return min(max(u / denom, 1.0), 10.0) if denom > 0 else 10.0
 
 
-async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: int, tokens: int) -> dict:
+def fresh_prompts(n: int, vocab: int, seed: int) -> Iterator[list[int]]:
+    """Fresh `n`-token prompts, none sharing a prefix."""
+    for s in itertools.count(seed):
+        yield _ids(n, s, vocab)
+
+
+def trace_prompts(traces: list, vocab: int, loop: int, loops: int) -> Iterator[list[int]]:
+    """The prompts of loop `loop` of `loops`: the turns of every loops-th trace in order, as `bench agentx` sends
+    them (a new session copy of each trace every pass, so each copy's later turns find their prefix cached)."""
+    mine = traces[loop::loops] or traces
+    for n in itertools.count():
+        for t in mine:
+            synth = PromptSynth(t.trace_id, 1_000_000 + n * loops + loop, vocab_size=vocab)
+            for turn in t.session.turns():
+                yield synth.prompt(turn)
+
+
+async def _sharing(url: str, redis_url: str, vocab: int, prompts: list[Iterator[list[int]]], batch: int,
+                   tokens: int) -> dict:
     """Each engine's mean step (its own step counters) alone and with the other engine busy at the same time. The
-    prefill is kept busy by two loops of fresh `long_len`-token prompts of one token each (no decode work), the
-    decode by `batch` streams of 64 x `tokens` tokens after 128-token prompts, admitted before any window opens
-    (so the decode's batch is the same in its windows; a stream that ends is followed by another, whose 128-token
-    prefill is the only prefill work of theirs that can fall in a window). Three windows:
-    the prefill alone, the decode alone, both; each closes once its engines have run enough steps, and WINDOW_S
-    (the engines publish their counters every 0.5 s: the busy fractions' error is at most about 1 / 16). Returns each
-    role's slowdown (`sharing_slowdown`) and the windows it came from."""
-    seeds = itertools.count(500_000)
+    prefill is kept busy by one loop per iterator of `prompts` (`fresh_prompts`, or `trace_prompts`: the traces'
+    turns after their cached prefixes), each a request of one token (no decode work); the decode by `batch` streams
+    of 64 x `tokens` tokens after 128-token prompts, admitted before any window opens (so the decode's batch is the
+    same in its windows; a stream that ends is followed by another, whose 128-token prefill is the only prefill work
+    of theirs that can fall in a window). Three windows: the prefill alone, the decode alone, both; each closes once
+    its engines have run enough steps, and WINDOW_S (the engines publish their counters every 0.5 s: the busy
+    fractions' error is at most about 1 / 16). Returns each role's slowdown (`sharing_slowdown`) and the windows it
+    came from."""
+    seeds = itertools.count(900_000)  # the decode streams (fresh_prompts draws from 500,000 up)
     async with make_session() as http:
         model = (await server_info(http, url))["model"]
 
-        async def one(n_in: int, n_out: int) -> None:
-            rec = await stream_completion(http, url, model, _ids(n_in, next(seeds), vocab), n_out)
+        async def one(ids: list[int], n_out: int) -> None:
+            rec = await stream_completion(http, url, model, ids, n_out)
             if rec.error:
                 raise RuntimeError(f"calibration request failed: {rec.error}")
 
@@ -225,17 +292,17 @@ async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: i
 
         stop, stop_streams = asyncio.Event(), asyncio.Event()
 
-        async def prefill_loop() -> None:
+        async def prefill_loop(source: Iterator[list[int]]) -> None:
             while not stop.is_set():
-                await one(long_len, 1)
+                await one(next(source), 1)
 
         async def stream_loop() -> None:  # a stream that ends is followed by another (a fast decode outlives one)
             while not stop_streams.is_set():
-                await one(128, 64 * tokens)
+                await one(_ids(128, next(seeds), vocab), 64 * tokens)
 
-        await one(long_len, 1)  # warm-up: first-call costs stay out of the windows
+        await one(next(prompts[0]), 1)  # warm-up: first-call costs stay out of the windows
         got = {}
-        load = [asyncio.create_task(prefill_loop()) for _ in range(2)]
+        load = [asyncio.create_task(prefill_loop(p)) for p in prompts]
         await steps_after("prefill", 2, load)
         got["prefill_alone"] = await window({"prefill": 6}, load)
         stop.set()
@@ -244,7 +311,7 @@ async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: i
         await steps_after("decode", 5, streams)
         got["decode_alone"] = await window({"decode": 40}, streams)
         stop.clear()
-        load = [asyncio.create_task(prefill_loop()) for _ in range(2)]
+        load = [asyncio.create_task(prefill_loop(p)) for p in prompts]
         await steps_after("prefill", 2, load + streams)
         got["both"] = await window({"prefill": 6, "decode": 40}, load + streams)
         stop.set()
@@ -264,18 +331,31 @@ async def _sharing(url: str, redis_url: str, vocab: int, long_len: int, batch: i
 def served_decode_rows(tpot: dict[int, float], k: int, acceptance: float, context: int) -> list:
     """A served decode step of B requests, from its TPOT: step = TPOT x tokens per step per request."""
     R = 1 + k
-    return [([1.0, float(b * R), b * R * (context + R / 2), float(b)], t * acceptance) for b, t in tpot.items()]
+    return [([1.0, float(b * R), b * R * (context + R / 2), float(b), float(b * (context + R))], t * acceptance)
+            for b, t in tpot.items()]
 
 
-def nnls_fit(rows: list[tuple[list[float], float]]) -> tuple[list[float], float]:
-    """Non-negative least squares of seconds over the features (drop a term fitted negative, refit)."""
+TOTAL_WEIGHT = 100.0  # nnls_fit(relative=True): the total's equation against the steps' (almost a constraint)
+
+
+def nnls_fit(rows: list[tuple[list[float], float]], relative: bool = False) -> tuple[list[float], float]:
+    """Non-negative least squares of seconds over the features (drop a term fitted negative, refit).
+
+    relative: each step's error relative to its own seconds, and one more equation, as heavy as all the steps
+    together, for their total: steps whose times span orders of magnitude (a short turn's tens of milliseconds, a
+    long fresh prompt's seconds) are each fitted, not only the longest, and the fit still spends the measured
+    seconds in all (the simulated engine is as busy as the measured one)."""
     X = torch.tensor([f for f, _ in rows], dtype=torch.float64)
     y = torch.tensor([t for _, t in rows], dtype=torch.float64)
+    A, b = X, y
+    if relative:
+        A = torch.cat([X / y[:, None], X.sum(dim=0, keepdim=True) / y.sum() * TOTAL_WEIGHT * len(rows)])
+        b = torch.cat([torch.ones_like(y), torch.tensor([TOTAL_WEIGHT * len(rows)], dtype=torch.float64)])
     keep = list(range(X.shape[1]))
     while True:
-        cols = X[:, keep]
+        cols = A[:, keep]
         scale = cols.abs().amax(dim=0).clamp(min=1e-12)
-        sol = torch.linalg.lstsq(cols / scale, y[:, None]).solution[:, 0] / scale
+        sol = torch.linalg.lstsq(cols / scale, b[:, None]).solution[:, 0] / scale
         if (sol >= 0).all() or len(keep) == 1:
             break
         keep.pop(int(torch.argmin(sol)))
@@ -285,6 +365,32 @@ def nnls_fit(rows: list[tuple[list[float], float]]) -> tuple[list[float], float]
     pred = X @ torch.tensor(coef, dtype=torch.float64)
     rel = ((pred - y).abs() / y).median().item()
     return coef, rel
+
+
+def extrapolation(coef: list[float], rows: list[tuple[list[float], float]]) -> dict:
+    """How a fit does on steps it was not fitted to: their median relative error and predicted / measured seconds."""
+    pred = [sum(c * f for c, f in zip(coef, feat)) for feat, _ in rows]
+    return {"steps": len(rows),
+            "median_relative_error": statistics.median(abs(p - t) / t for p, (_, t) in zip(pred, rows)),
+            "seconds_predicted_over_measured": sum(pred) / sum(t for _, t in rows)}
+
+
+def _measure_traces(core: EngineCore, device: str, a: argparse.Namespace, salt: int) -> list:
+    """The trace grid twice (other session copies: nothing cached from the first pass), against the noise of
+    one."""
+    traces = _traces(a)
+    return [r for s in (salt, salt + 2) for r in measure_prefill_traces(core, device, traces, a.turns, s)]
+
+
+def _traces(a: argparse.Namespace) -> list:
+    """The calibration's traces (--traces, --token-scale, --max-context, --max-traces)."""
+    traces = load_traces(a.traces, token_scale=a.token_scale)
+    if a.max_context:  # the traces `bench agentx --fit-traces --max-context` replays
+        traces = [t for t in traces if t.max_request_tokens <= a.max_context]
+    if not traces:
+        raise ValueError(f"--traces {a.traces}: no trace there" + (f" fits in {a.max_context} tokens"
+                                                                  if a.max_context else ""))
+    return traces[:a.max_traces]
 
 
 def _measure(kind: str, core: EngineCore, device: str, a: argparse.Namespace, salt: int) -> list:
@@ -314,6 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,2,4,8,16")
     p.add_argument("--contexts", default="256,1024")
     p.add_argument("--decode-tokens", type=int, default=24)
+    p.add_argument("--traces", default=None, help="also time the prefill steps of these traces' turns "
+                   "(AgentX format, as `bench agentx --traces`), one request at a time and in pairs")
+    p.add_argument("--token-scale", type=float, default=1.0, help="with --traces: as `bench agentx --token-scale`")
+    p.add_argument("--max-context", type=int, default=None, help="with --traces: only the traces whose every request "
+                   "fits in this many tokens (as `bench agentx --fit-traces --max-context`)")
+    p.add_argument("--max-traces", type=int, default=8, help="with --traces: at most this many traces")
+    p.add_argument("--turns", type=int, default=16, help="with --traces: each trace's first this many turns")
     p.add_argument("--transfer-gbs", type=float, required=True)
     p.add_argument("--transfer-latency-s", type=float, required=True)
     p.add_argument("--request-overhead-s", type=float, required=True)
@@ -349,9 +462,15 @@ def run(a: argparse.Namespace) -> dict:
             core.add_request(Request("warmup", _ids(300, 7, cfg.model.vocab_size),
                                      SamplingParams(max_tokens=8, ignore_eos=True)))
             _timed_steps(core, device)  # first-call costs (allocations, kernel builds) stay out of the fit
+            traced = kind == "prefill" and a.traces
             if device.startswith("cuda"):  # a GPU compiles kernels at each new shape: one unrecorded pass first
                 _measure(kind, core, device, a, salt=1)
+                if traced:
+                    _measure_traces(core, device, a, salt=1)
             rows = _measure(kind, core, device, a, salt=0)
+            grid = None
+            if traced:  # fitted on the traces' own steps; the grid's steps show how that fit extrapolates
+                grid, rows = rows, _measure_traces(core, device, a, salt=0)
             if kind == "prefill":
                 key = "prefill/pcp1-dcp1"
             else:
@@ -359,11 +478,16 @@ def run(a: argparse.Namespace) -> dict:
                 if cfg.speculative is not None:
                     st = core.stats()
                     prof["mtp_acceptance_length"] = st.spec_emitted / st.spec_steps if st.spec_steps else None
-            coef, rel = nnls_fit(rows)
-            prof["engines"][key] = {**dict(zip(TERMS, coef)), "median_relative_error": rel, "steps": len(rows),
+            coef, rel = nnls_fit(rows, relative=True)
+            what = f"{len(rows)} steps" + (f" of the turns of {a.traces} (token scale {a.token_scale})" if grid else "")
+            prof["engines"][key] = {**dict(zip(FIT_TERMS, coef)), "median_relative_error": rel, "steps": len(rows),
                                     "median_step_s": statistics.median(t for _, t in rows),
-                                    "source": f"pdserve bench calibrate on {hardware} ({device}), {len(rows)} steps"}
-            print(f"{key}: {StepCost(*coef)} median |error| {rel:.1%} over {len(rows)} steps", file=sys.stderr)
+                                    "source": f"pdserve bench calibrate on {hardware} ({device}), {what}"}
+            # the steps themselves ([features of _features..., seconds]): the fit can be checked or redone offline
+            prof["engines"][key]["measured"] = [[*f, t] for f, t in rows]
+            if grid:
+                prof["engines"][key]["grid"] = extrapolation(coef, grid)
+            print(f"{key}: {_cost(coef)} median |error| {rel:.1%} over {len(rows)} steps", file=sys.stderr)
             del core, cfg
             gc.collect()  # the next engine sizes its KV pool from the device's free memory
             if device.startswith("cuda"):
@@ -391,14 +515,21 @@ def _calibrate_served(a, prof: dict) -> None:
         vocab = info.get("vocab_size") or 4096
         got = asyncio.run(_served(ep.url, batches, prompt_len, tokens, vocab, ep.handle.redis_url))
         if shares:  # the two engines on one device: how much each slows while the other steps
-            longest = max(int(x) for x in a.prompt_lens.split(","))
-            sharing = asyncio.run(_sharing(ep.url, ep.handle.redis_url, vocab, longest, max(batches) // 2 or 1,
+            if a.traces:
+                traces = _traces(a)
+                prompts = [trace_prompts(traces, vocab, i, 2) for i in range(2)]
+                load = f"the turns of {len(traces)} traces of {a.traces}, two loops"
+            else:
+                longest = max(int(x) for x in a.prompt_lens.split(","))
+                prompts = [fresh_prompts(longest, vocab, 500_000 + 100_000 * i) for i in range(2)]
+                load = f"two loops of {longest}-token prompts"
+            sharing = asyncio.run(_sharing(ep.url, ep.handle.redis_url, vocab, prompts, max(batches) // 2 or 1,
                                            tokens))
             prof["shared_device"] = {"prefill": sharing["prefill"], "decode": sharing["decode"],
                                      "measurements": sharing["measurements"],
                                      "source": f"pdserve bench calibrate --through-services: each engine's mean "
                                                f"step (its step counters) alone and with the other kept busy "
-                                               f"({longest}-token prompts; {max(batches) // 2 or 1} decode streams)"}
+                                               f"({load}; {max(batches) // 2 or 1} decode streams)"}
             print(f"shared device: prefill x{sharing['prefill']:.2f}, decode x{sharing['decode']:.2f}",
                   file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
@@ -409,7 +540,7 @@ def _calibrate_served(a, prof: dict) -> None:
         prof.get("mtp_acceptance_length") or 1.0
     rows = served_decode_rows(got["tpot_s"], k, acceptance, prompt_len + tokens // 2)
     coef, rel = nnls_fit(rows)
-    prof["engines"][key] = {**dict(zip(TERMS, coef)), "median_relative_error": rel, "steps": len(rows),
+    prof["engines"][key] = {**dict(zip(FIT_TERMS, coef)), "median_relative_error": rel, "steps": len(rows),
                             "engine_only": prof["engines"].get(key),
                             "source": f"pdserve bench calibrate --through-services: TPOT of 1-{max(batches)} "
                                       f"concurrent streams x {acceptance:.2f} tokens per step"}
@@ -433,7 +564,7 @@ def _calibrate_served(a, prof: dict) -> None:
                         "source": f"latency: median over 5 single {prompt_len}-token requests of the time from the "
                                   f"first to the second token ({got['second_token_s'] * 1e3:.1f} ms median) less "
                                   f"{less[1]}; bandwidth: {a.source}"}
-    print(f"served decode: {StepCost(*coef)} median |error| {rel:.1%}; request overhead {overhead * 1e3:.1f} ms, "
+    print(f"served decode: {_cost(coef)} median |error| {rel:.1%}; request overhead {overhead * 1e3:.1f} ms, "
           f"handoff {handoff * 1e3:.1f} ms", file=sys.stderr)
 
 

@@ -4,7 +4,7 @@ figure the simulator is meant to predict.
 
     {"version": 1, "hardware": "...", "commit": "...", "date": "...", "model": "...",
      "engines": {"prefill/pcp1-dcp1": {"step_s": ..., "token_s": ..., "token_ctx_s": ..., "request_s": ...,
-                                       "source": "..."},
+                                       "chunk_ctx_s": ..., "source": "..."},
                  "decode/dp1-hisparse": {...}},
      "transfer": {"latency_s": ..., "gbs": ..., "source": "..."},
      "kvstore": {"latency_s": ..., "gbs": ..., "source": "..."},      (where the topology has a kvstore)
@@ -17,13 +17,19 @@ One engine step of a scheduled batch costs
 
 with N the tokens computed (all rows, drafts included), B the requests, and the middle sum each chunk's rows
 times the mean context they attend over (the attention and indexer work that grows with the context). An entry
-may add a fifth term for sparse attention, whose work per row stops growing once the context passes the
+may add
+
+    + chunk_ctx_s · Σ (start_i + n_i)
+
+for the context each chunk reads once whatever its rows (the cached KV pages dequantised or streamed per chunk: on
+a short turn after a long cached prefix this, not the rows, is most of the attention's cost), and a term for
+sparse attention, whose work per row stops growing once the context passes the
 indexer's top-k (`index_topk`, K):
 
     + token_sel_s · Σ_rows min(context of the row, K)
 
 so that the indexer (every key scored: linear in the context) and sparse MLA (at most K keys attended) can
-each keep their own shape. One rank of a DP x EP group may add a sixth, for the routed experts' work, which expert
+each keep their own shape. One rank of a DP x EP group may add another, for the routed experts' work, which expert
 parallelism spreads over the group's GPUs whatever rank the rows came from:
     + group_token_s · (tokens computed by the whole group in this step) / (its ranks)
 (alone, or outside a group, the engine's own N). A decode engine's layout key is its DP size, with `-hisparse` where
@@ -67,6 +73,7 @@ class StepCost:
     token_sel_s: float = 0.0
     index_topk: int = 0
     group_token_s: float = 0.0
+    chunk_ctx_s: float = 0.0
 
     def __call__(self, chunks, group_tokens_per_rank: float | None = None) -> float:
         """Seconds of one step over `chunks` (ScheduledChunk: start, token_ids); `group_tokens_per_rank`: the
@@ -76,6 +83,8 @@ class StepCost:
         out = self.step_s + self.token_s * n + self.token_ctx_s * ctx + self.request_s * len(chunks)
         if self.group_token_s:
             out += self.group_token_s * (n if group_tokens_per_rank is None else group_tokens_per_rank)
+        if self.chunk_ctx_s:
+            out += self.chunk_ctx_s * sum(c.start + len(c.token_ids) for c in chunks)
         if self.token_sel_s:
             out += self.token_sel_s * sum(selected(c.start, len(c.token_ids), self.index_topk) for c in chunks)
         return out
@@ -110,11 +119,13 @@ class Profile:
         if not isinstance(sel, (int, float)) or sel < 0 or (sel and (not isinstance(topk, int) or topk < 1)):
             raise ProfileError(f"profile {self.path}: {key}: token_sel_s must be >= 0, and with it index_topk a "
                                f"positive integer (got {sel!r}, {topk!r})")
-        group = entry.get("group_token_s", 0.0)
-        if not isinstance(group, (int, float)) or group < 0:
-            raise ProfileError(f"profile {self.path}: {key}: group_token_s must be >= 0, got {group!r}")
+        extra = {t: entry.get(t, 0.0) for t in ("group_token_s", "chunk_ctx_s")}
+        for t, v in extra.items():
+            if not isinstance(v, (int, float)) or v < 0:
+                raise ProfileError(f"profile {self.path}: {key}: {t} must be >= 0, got {v!r}")
         return StepCost(*(float(entry[t]) for t in TERMS), source=str(entry.get("source", "")),
-                        token_sel_s=float(sel), index_topk=int(topk or 0), group_token_s=float(group))
+                        token_sel_s=float(sel), index_topk=int(topk or 0),
+                        **{t: float(v) for t, v in extra.items()})
 
     def transfer_s(self, nbytes: float) -> float:
         """A KV handoff from a prefill to a decode."""

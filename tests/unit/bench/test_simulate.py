@@ -10,7 +10,7 @@ import json
 import pytest
 
 from bench.simulate import cli, clock
-from bench.simulate.profile import Profile, ProfileError
+from bench.simulate.profile import Profile, ProfileError, StepCost
 from services import cli as pdserve
 from tests.helpers import ROOT
 from tests.helpers.agent_traces import write_traces
@@ -118,14 +118,49 @@ def test_calibration_fit_recovers_its_terms_and_keeps_them_non_negative():
     true = [0.01, 2e-4, 3e-8, 1e-3]
     rows = [([1.0, n, n * c, b], sum(t * f for t, f in zip(true, [1.0, n, n * c, b])))
             for n, c, b in [(4, 100, 1), (64, 300, 8), (256, 2000, 16), (16, 50, 4), (128, 900, 2)]]
-    coef, err = nnls_fit(rows)
-    assert coef == pytest.approx(true, rel=1e-6) and err < 1e-9
+    for relative in (False, True):
+        coef, err = nnls_fit(rows, relative=relative)
+        assert coef == pytest.approx(true, rel=1e-6) and err < 1e-9
+    # relative: the steps' relative errors, not the longest step's seconds, lead; the total stays the measured one
+    off = [([1.0, n], t) for n, t in ((10, 0.010), (20, 0.011), (40, 0.012), (80, 0.014), (1000, 1.0))]
+    _, err = nnls_fit(off)
+    (a, b), rel_err = nnls_fit(off, relative=True)
+    assert rel_err < err
+    assert a * 5 + b * 1150 == pytest.approx(1.047, rel=1e-3)  # the measured seconds in all
     # a term the data would make negative is dropped (set to 0) and the rest refitted
     coef, _ = nnls_fit([([1.0, n, 0.0, 0.0], 0.05 - 1e-4 * n) for n in (1, 10, 100)])
     assert min(coef) >= 0.0
     # a served step of B requests at k = 3: B x 4 rows, TPOT x tokens per step seconds
     (feat, t), = served_decode_rows({8: 0.02}, 3, 2.0, 100)
-    assert feat == [1.0, 32.0, 32 * 102.0, 8.0] and t == pytest.approx(0.04)
+    assert feat == [1.0, 32.0, 32 * 102.0, 8.0, 8 * 104.0] and t == pytest.approx(0.04)
+
+
+def test_a_chunk_reads_its_context_once_whatever_its_rows():
+    """chunk_ctx_s: per token of context (cached and new) each chunk reads; fitted apart from the rows' terms when
+    the calibration has short turns after long cached prefixes."""
+    from bench.simulate.calibrate import FIT_TERMS, _features, nnls_fit
+
+    def chunk(start, n):
+        return type("Chunk", (), {"start": start, "token_ids": [0] * n})
+
+    cost = Profile({"version": 1, "engines": {"prefill/pcp1-dcp1": {
+        "step_s": 0.01, "token_s": 1e-4, "token_ctx_s": 0.0, "request_s": 0.0, "chunk_ctx_s": 1e-5}}}
+    ).engine("prefill/pcp1-dcp1")
+    assert cost([chunk(1000, 32)]) == pytest.approx(0.01 + 32e-4 + 1032e-5)
+    assert cost([chunk(1000, 32), chunk(0, 8)]) == pytest.approx(0.01 + 40e-4 + 1040e-5)
+    with pytest.raises(ProfileError, match="chunk_ctx_s must be >= 0"):
+        Profile({"version": 1, "engines": {"prefill/pcp1-dcp1": {
+            "step_s": 0.0, "token_s": 0.0, "token_ctx_s": 0.0, "request_s": 0.0, "chunk_ctx_s": -1.0}}}
+        ).engine("prefill/pcp1-dcp1")
+    # the calibration grid's shapes (fresh prompts, a quarter more after them, then 32 more; three fresh prompts in
+    # one step) separate the terms
+    true = dict(zip(FIT_TERMS, (0.02, 1e-4, 2e-8, 1e-3, 3e-5)))
+    lens = (64, 256, 1024, 2048)
+    shapes = [[chunk(0, n)] for n in lens] + [[chunk(n, n // 4)] for n in lens] + \
+        [[chunk(n + n // 4, 32)] for n in lens] + [[chunk(0, n // 2 + 8)] * 3 for n in lens]
+    rows = [(_features(s), StepCost(**true)(s)) for s in shapes]
+    coef, err = nnls_fit(rows)
+    assert coef == pytest.approx(list(true.values()), rel=1e-6) and err < 1e-9
 
 
 
@@ -179,7 +214,6 @@ def test_a_dp_groups_routed_expert_work_is_spread_over_its_ranks(tmp_path):
     import dataclasses
     from types import SimpleNamespace
 
-    from bench.simulate.profile import StepCost
     from bench.simulate.system import engine_specs
     from engine.core.request import Request
     from engine.core.sampling_params import SamplingParams
