@@ -10,11 +10,11 @@ of those traces as `bench agentx` would send them, each after its cached prefix;
 two contexts, with the topology's MTP (decode) — and every step's wall time is recorded with the chunks it ran.
 The step cost's terms (bench/simulate/profile.py; `chunk_ctx_s` too) are the non-negative least-squares fit of
 those steps, each step's error relative to its time, their total kept (`nnls_fit`); with `--traces` the prefill's
-are fitted to the traces' steps, and the grid's show how the fit extrapolates. Each entry keeps its step count,
-residual and the machine, commit and date. The transfer and per-request
-service costs are not measured here: they are flags, each recorded with `--source`. `--through-services` measures
-them through the running topology instead, and where its prefill and decode share a device, how much each slows
-while the other steps (`shared_device`, `_sharing`).
+are fitted to the traces' steps, and the grid's show how the fit extrapolates. Each entry keeps its steps
+(features and seconds), residual and the machine, commit and date. The transfer and per-request service costs
+are not measured here: they are flags, each recorded with `--source`. `--through-services` measures them through
+the running topology instead, and where its prefill and decode share a device, how much each slows while the other
+steps (`shared_device`, `_sharing`).
 """
 
 from __future__ import annotations
