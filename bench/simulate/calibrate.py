@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,6 +58,13 @@ def _features(chunks) -> list[float]:
     ctx = sum(len(c.token_ids) * (c.start + len(c.token_ids) / 2) for c in chunks)
     read = sum(c.start + len(c.token_ids) for c in chunks)
     return [1.0, float(n), ctx, float(len(chunks)), float(read)]
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A chunk's shape, as the scheduler's chunks give it to a step cost: its first position and its tokens."""
+    start: int
+    token_ids: list[int]
 
 
 def _cost(coef: list[float]) -> StepCost:
@@ -330,9 +338,8 @@ async def _sharing(url: str, redis_url: str, vocab: int, prompts: list[Iterator[
 
 def served_decode_rows(tpot: dict[int, float], k: int, acceptance: float, context: int) -> list:
     """A served decode step of B requests, from its TPOT: step = TPOT x tokens per step per request."""
-    R = 1 + k
-    return [([1.0, float(b * R), b * R * (context + R / 2), float(b), float(b * (context + R))], t * acceptance)
-            for b, t in tpot.items()]
+    chunk = _Chunk(context, [0] * (1 + k))  # each request's rows: its token and its drafts
+    return [(_features([chunk] * b), t * acceptance) for b, t in tpot.items()]
 
 
 TOTAL_WEIGHT = 100.0  # nnls_fit(relative=True): the total's equation against the steps' (almost a constraint)
@@ -551,10 +558,10 @@ def _calibrate_served(a, prof: dict) -> None:
                 f"counters)", f"its decode's steps (median {single['decode_step_s'] * 1e3:.1f} ms, counters)")
     else:
         pre = Profile({"version": 1, "engines": prof["engines"]}).engine("prefill/pcp1-dcp1")
-        chunk = type("Chunk", (), {"start": 0, "token_ids": [0] * prompt_len})
+        chunk = _Chunk(0, [0] * prompt_len)
         overhead = max(got["ttft_s"] - pre([chunk]), 0.0)
         dec = Profile({"version": 1, "engines": prof["engines"]}).engine(key)
-        handoff = max(got["second_token_s"] - dec([type("Chunk", (), {"start": prompt_len, "token_ids": [0]})]), 0.0)
+        handoff = max(got["second_token_s"] - dec([_Chunk(prompt_len, [0])]), 0.0)
         less = ("the prefill engine's fitted step", "the decode's fitted first step")
     prof["request_overhead_s"] = {"value": overhead, "source": f"median over 5 single {prompt_len}-token requests "
                                   f"through the services (median TTFT {got['ttft_s'] * 1e3:.1f} ms) of TTFT less "
