@@ -15,11 +15,12 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.serving import results
 from bench.serving.client import RequestRecord, make_session, stream_completion
-from bench.serving.engine_counters import MTP_COUNTERS, engine_counters, mtp_acceptance
+from bench.serving.engine_counters import MTP_COUNTERS, engine_counters, mtp_acceptance, scrape_services, server_side
 from bench.serving.metrics import measured_window, summarize
 from bench.serving.plots import plot_interactivity_vs_throughput, plot_ttft_cdf
 from bench.serving.progress import ProgressBar
@@ -116,8 +117,10 @@ def select_traces(traces: list[Trace], cfg: ReplayConfig, fit: bool) -> list[Tra
     return kept
 
 
-async def replay_level(url: str, model: str, traces: list[Trace], cfg: ReplayConfig,
-                       progress: bool) -> ReplayResult:
+async def replay_level(url: str, model: str, traces: list[Trace], cfg: ReplayConfig, progress: bool,
+                       read_services: Callable[[], dict | None] | None = None) -> tuple[ReplayResult, list]:
+    """The level's replay; with `read_services`, also its result when the measured window opens and after the
+    drain (read in a thread, so the replay's event loop does not wait on it)."""
     async with make_session() as http:
         async def send(prompt: list[int], max_tokens: int, rec: RequestRecord) -> RequestRecord:
             return await stream_completion(http, url, model, prompt, max_tokens, rec)
@@ -128,10 +131,23 @@ async def replay_level(url: str, model: str, traces: list[Trace], cfg: ReplayCon
                           lambda: {"in-flight": s.in_flight, "done": s.completed, "err": s.errors,
                                    "overflow": s.overflows, "out-tok": s.output_tokens},
                           replayer.phase, enabled=progress)
+        reads: list = []
+
+        async def read_at(delay: float) -> None:
+            await asyncio.sleep(delay)
+            reads.append(await asyncio.to_thread(read_services))
+
+        start = asyncio.create_task(read_at(cfg.warmup_s)) if read_services else None
         bar.start()
         try:
-            return await replayer.run()
+            result = await replayer.run()
+            if start is not None:  # the second read after the drain: the measured requests' first tokens are in it
+                await start
+                reads.append(await asyncio.to_thread(read_services))
+            return result, reads
         finally:
+            if start is not None:
+                start.cancel()
             await bar.stop()
 
 
@@ -144,8 +160,10 @@ def run_level(args: argparse.Namespace, level_idx: int, concurrency: int, traces
         model = args.model or info["model"]
         redis_url = getattr(ep.handle, "redis_url", None)  # a fresh server: its engines' counters can be read
         before = _counters(redis_url)
-        result = asyncio.run(replay_level(ep.url, model, used, cfg, not args.no_progress))
+        read = (lambda: _services(redis_url, ep.url)) if redis_url is not None else None
+        result, reads = asyncio.run(replay_level(ep.url, model, used, cfg, not args.no_progress, read))
         mtp = mtp_acceptance(before, _counters(redis_url)) if before is not None else None
+        served = server_side(*reads) if len(reads) == 2 and None not in reads else None
     num_gpus = ep.num_gpus or args.num_gpus
     window = measured_window(result.records, result.t_measure, result.t_stop)
     level = {"concurrency": concurrency, **summarize(result.records, window, num_gpus=num_gpus,
@@ -155,6 +173,8 @@ def run_level(args: argparse.Namespace, level_idx: int, concurrency: int, traces
                  ttft_s=sorted(r.ttft_s for r in result.records if r.measured and r.ok))
     if mtp is not None:  # what the decode's MTP accepted over the level (warm-up included): the simulator's input
         level["decode_mtp"] = mtp
+    if served is not None:  # the services' own figures from the measured window's start to the drain's end
+        level["server"] = served
     return level
 
 
@@ -165,6 +185,16 @@ def _counters(redis_url: str | None) -> dict | None:
         return engine_counters(redis_url, MTP_COUNTERS)
     except OSError as e:  # a figure the level can do without
         print(f"agentx: the engines' counters could not be read ({e})", file=sys.stderr)
+        return None
+
+
+def _services(redis_url: str, router_url: str) -> dict | None:
+    from redis.exceptions import RedisError  # the registry's client: only with a fresh server
+
+    try:
+        return scrape_services(redis_url, router_url)
+    except (OSError, RedisError) as e:  # a figure the level can do without
+        print(f"agentx: the services' metrics could not be read ({e})", file=sys.stderr)
         return None
 
 

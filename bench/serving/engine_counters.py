@@ -11,6 +11,14 @@ import urllib.request
 
 STEP_COUNTERS = ("pdserve:engine_steps_total", "pdserve:engine_step_seconds_total")
 MTP_COUNTERS = ("pdserve:spec_decode_num_full_rounds_total", "pdserve:spec_decode_num_full_round_tokens_total")
+# what `server_side` reads from every service: engine steps and their phases, the TTFT / TPOT / delta histograms
+SERVER_COUNTERS = ("pdserve:engine_steps_total", "pdserve:engine_step_seconds_total",
+                   "pdserve:engine_step_phase_seconds_total",
+                   "pdserve:time_per_output_token_seconds_sum", "pdserve:time_per_output_token_seconds_count",
+                   "pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
+                   "pdserve:token_delta_delay_seconds_sum", "pdserve:token_delta_delay_seconds_count",
+                   "pdserve:nixl_bytes_transferred_total")
+PHASES = ("schedule", "launch", "device_wait", "read_back", "update")  # engine.core.core.STEP_PHASES
 
 
 def engine_counters(redis_url: str, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
@@ -39,3 +47,61 @@ def mtp_acceptance(before: dict, after: dict) -> dict | None:
     if rounds <= 0:
         return None
     return {"full_rounds": rounds, "tokens": tokens, "acceptance_length": tokens / rounds}
+
+
+def scrape_services(redis_url: str, router_url: str) -> dict[str, dict[str, float]]:
+    """{role: {counter: value}} of SERVER_COUNTERS for every registered engine and the router (its histograms).
+    An engine role with several instances keeps the last one read: the one-GPU topologies have one of each."""
+    from services.cluster.redis_state import registered_instances  # the services' registry: only when asked
+
+    out = {}
+    for inst in registered_instances(redis_url):
+        out[inst.role] = metric_values(inst.metrics_address)
+    out["router"] = metric_values(router_url.removeprefix("http://"))
+    return out
+
+
+def metric_values(address: str) -> dict[str, float]:
+    """{name: value} of SERVER_COUNTERS at a metrics address; a labelled series is `name{labels}` (the engine
+    step's phases)."""
+    url = address if address.startswith("http") else f"http://{address}"
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    got = {}
+    for m in re.finditer(r"^([^\s{#]+)(\{[^}]*\})? (\S+)$", text, re.MULTILINE):
+        name, labels, value = m.groups()
+        if name not in SERVER_COUNTERS:
+            continue
+        key = name + labels if labels and name == "pdserve:engine_step_phase_seconds_total" else name
+        got.setdefault(key, float(value))
+    return got
+
+
+def server_side(before: dict, after: dict) -> dict:
+    """Per-run means from counter deltas: engine step time, decode TPOT, prefill TTFT, NIXL bytes."""
+    def delta(role: str, name: str) -> float:
+        return after.get(role, {}).get(name, 0.0) - before.get(role, {}).get(name, 0.0)
+
+    out = {}
+    for role in ("prefill", "decode"):
+        steps = delta(role, "pdserve:engine_steps_total")
+        out[f"{role}_steps"] = steps
+        out[f"{role}_mean_step_ms"] = 1e3 * delta(role, "pdserve:engine_step_seconds_total") / steps if steps else None
+    n = delta("decode", "pdserve:time_per_output_token_seconds_count")
+    out["decode_mean_tpot_ms"] = 1e3 * delta("decode", "pdserve:time_per_output_token_seconds_sum") / n if n else None
+    n = delta("prefill", "pdserve:time_to_first_token_seconds_count")
+    out["prefill_mean_ttft_ms"] = 1e3 * delta("prefill", "pdserve:time_to_first_token_seconds_sum") / n if n else None
+    n = delta("router", "pdserve:time_to_first_token_seconds_count")
+    out["router_mean_ttft_ms"] = 1e3 * delta("router", "pdserve:time_to_first_token_seconds_sum") / n if n else None
+    out["nixl_pulled_bytes"] = delta("decode", "pdserve:nixl_bytes_transferred_total")
+    for role in ("prefill", "decode"):
+        steps = out[f"{role}_steps"]
+        if steps:  # the step by phase; its host time is the step less the device wait
+            phases = {p: 1e3 * delta(role, f'pdserve:engine_step_phase_seconds_total{{phase="{p}"}}') / steps
+                      for p in PHASES}
+            out[f"{role}_phase_ms"] = phases
+            if out[f"{role}_mean_step_ms"] is not None:
+                out[f"{role}_host_ms"] = out[f"{role}_mean_step_ms"] - phases["device_wait"]
+    for role in ("decode", "router"):  # per token delta: engine step -> gRPC sent; gRPC read -> SSE written
+        n = delta(role, "pdserve:token_delta_delay_seconds_count")
+        out[f"{role}_delta_delay_ms"] = 1e3 * delta(role, "pdserve:token_delta_delay_seconds_sum") / n if n else None
+    return out

@@ -22,23 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
 
+from bench.serving.engine_counters import PHASES, scrape_services, server_side
+
 ROOT = Path(__file__).resolve().parents[2]
-COUNTERS = ("pdserve:engine_steps_total", "pdserve:engine_step_seconds_total",
-            "pdserve:engine_step_phase_seconds_total",
-            "pdserve:time_per_output_token_seconds_sum", "pdserve:time_per_output_token_seconds_count",
-            "pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
-            "pdserve:token_delta_delay_seconds_sum", "pdserve:token_delta_delay_seconds_count",
-            "pdserve:nixl_bytes_transferred_total")
-PHASES = ("schedule", "launch", "device_wait", "read_back", "update")  # engine.core.core.STEP_PHASES
+
 
 
 def random_model_dir(out: Path, layers: int = 4, experts: int = 32) -> Path:
@@ -92,58 +86,8 @@ def topology(config: Path, run_dir: Path, model: str | None, dummy: bool, share:
 
 
 def scrape(dep) -> dict[str, dict[str, float]]:
-    """{role: {counter: value}} of every engine (and the router's histograms)."""
-    from services.cluster.redis_state import registered_instances
-
-    out = {}
-    for inst in registered_instances(dep.redis_url):
-        out[inst.role] = _counters(inst.metrics_address)
-    out["router"] = _counters(dep.endpoints()["router"][0].removeprefix("http://"))
-    return out
-
-
-def _counters(address: str) -> dict[str, float]:
-    """{name: value} of COUNTERS; a labelled series is `name{labels}` (the engine step's phases)."""
-    url = address if address.startswith("http") else f"http://{address}"
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
-    got = {}
-    for m in re.finditer(r"^([^\s{#]+)(\{[^}]*\})? (\S+)$", text, re.MULTILINE):
-        name, labels, value = m.groups()
-        if name not in COUNTERS:
-            continue
-        key = name + labels if labels and name == "pdserve:engine_step_phase_seconds_total" else name
-        got.setdefault(key, float(value))
-    return got
-
-
-def server_side(before: dict, after: dict) -> dict:
-    """Per-run means from counter deltas: engine step time, decode TPOT, prefill TTFT, NIXL bytes."""
-    def delta(role: str, name: str) -> float:
-        return after.get(role, {}).get(name, 0.0) - before.get(role, {}).get(name, 0.0)
-
-    out = {}
-    for role in ("prefill", "decode"):
-        steps = delta(role, "pdserve:engine_steps_total")
-        out[f"{role}_steps"] = steps
-        out[f"{role}_mean_step_ms"] = 1e3 * delta(role, "pdserve:engine_step_seconds_total") / steps if steps else None
-    n = delta("decode", "pdserve:time_per_output_token_seconds_count")
-    out["decode_mean_tpot_ms"] = 1e3 * delta("decode", "pdserve:time_per_output_token_seconds_sum") / n if n else None
-    n = delta("prefill", "pdserve:time_to_first_token_seconds_count")
-    out["prefill_mean_ttft_ms"] = 1e3 * delta("prefill", "pdserve:time_to_first_token_seconds_sum") / n if n else None
-    n = delta("router", "pdserve:time_to_first_token_seconds_count")
-    out["router_mean_ttft_ms"] = 1e3 * delta("router", "pdserve:time_to_first_token_seconds_sum") / n if n else None
-    out["nixl_pulled_bytes"] = delta("decode", "pdserve:nixl_bytes_transferred_total")
-    steps = out["decode_steps"]
-    if steps:  # the decode step by phase; its host time is the step less the device wait
-        phases = {p: 1e3 * delta("decode", f'pdserve:engine_step_phase_seconds_total{{phase="{p}"}}') / steps
-                  for p in PHASES}
-        out["decode_phase_ms"] = phases
-        if out["decode_mean_step_ms"] is not None:
-            out["decode_host_ms"] = out["decode_mean_step_ms"] - phases["device_wait"]
-    for role in ("decode", "router"):  # per token delta: engine step -> gRPC sent; gRPC read -> SSE written
-        n = delta(role, "pdserve:token_delta_delay_seconds_count")
-        out[f"{role}_delta_delay_ms"] = 1e3 * delta(role, "pdserve:token_delta_delay_seconds_sum") / n if n else None
-    return out
+    """{role: {counter: value}} of every engine (and the router's histograms) of a deployment handle."""
+    return scrape_services(dep.redis_url, dep.endpoints()["router"][0])
 
 
 def split_line(level: dict) -> str:

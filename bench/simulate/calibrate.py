@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 
-from bench.serving.client import make_session, server_info, stream_completion
+from bench.serving.client import RequestRecord, make_session, server_info, stream_completion
 from bench.serving.engine_counters import STEP_COUNTERS, engine_counters
 from bench.serving.synth import PromptSynth
 from bench.serving.target import FreshServer, wait_ready
 from bench.serving.traces import load_traces
-from bench.simulate.profile import TERMS, Profile, StepCost, decode_key
+from bench.simulate.profile import MEASURED_TERMS, Profile, StepCost, decode_key
 from bench.simulate.system import engine_cfg, hisparse_admits, model_dir, services_of
 from engine.core.core import EngineCore
 from engine.core.request import Request
@@ -50,7 +50,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.frontend.core_factory import make_engine_core
 from services.launch import topology as topology_mod
 
-FIT_TERMS = (*TERMS, "chunk_ctx_s")  # what a calibrated step is fitted over (bench/simulate/profile.py)
+FIT_TERMS = MEASURED_TERMS  # what a calibrated step is fitted over (bench/simulate/profile.py)
 
 
 def _features(chunks) -> list[float]:
@@ -182,7 +182,8 @@ async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vo
     service overhead is then TTFT less the prefill's measured steps, the handoff the second token's delay less the
     decode's, not less a fitted step."""
     async with make_session() as http:
-        model = (await server_info(http, url))["model"]
+        info = await server_info(http, url)
+        model = info["model"]
 
         async def one(seed: int, n_out: int):
             rec = await stream_completion(http, url, model, _ids(prompt_len, seed, vocab), n_out)
@@ -215,8 +216,74 @@ async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vo
         for b in batches:
             recs = await asyncio.gather(*(one(100 * b + j, tokens) for j in range(b)))
             tpot[b] = statistics.median((r.t_end - r.t_first) / max(r.output_tokens - 1, 1) for r in recs)
+        under = []
+        if redis_url:
+            long = max((info.get("max_model_len") or 4096) - prompt_len - 1, tokens)
+            for k in sorted({max(max(batches) // 4, 1), max(batches)}):
+                under.append(await _overhead_under_streams(http, url, model, vocab, redis_url, k, prompt_len, long))
     return {"ttft_s": statistics.median(ttft), "second_token_s": statistics.median(second), "tpot_s": tpot,
-            "singles": measured}
+            "singles": measured, "under_streams": under}
+
+
+PROBES = 5  # probe requests per stream count (bench calibrate --through-services)
+SETTLE_S = 1.1  # the engines publish their step counters every 0.5 s: a read this long after a request has it
+
+
+async def _overhead_under_streams(http, url: str, model: str, vocab: int, redis_url: str, k: int, prompt_len: int,
+                                  long: int) -> dict:
+    """The service overhead of a request while `k` other requests stream their tokens: `k` long streams kept
+    going (each restarted when it ends), then PROBES single `prompt_len`-token requests one after another, each
+    one's TTFT less its own prefill steps (the prefill engine's step counters over the probe; a probe during
+    which a stream (re)started, whose prefill steps would be counted with it, is discarded and sent again). This
+    is the host work the streams put on the router, the services and the client, which an idle measurement
+    misses."""
+    stop = asyncio.Event()
+    starts: list[float] = []
+    live: list[RequestRecord] = []
+
+    async def stream(j: int) -> None:
+        n = 0
+        while not stop.is_set():
+            rec = RequestRecord(prompt_len=prompt_len, max_tokens=long)
+            live.append(rec)
+            starts.append(time.perf_counter())
+            await stream_completion(http, url, model, _ids(prompt_len, 700_000 + 1_000 * j + n, vocab), long, rec)
+            live.remove(rec)
+            n += 1
+            if rec.error:
+                raise RuntimeError(f"calibration stream failed: {rec.error}")
+
+    tasks = [asyncio.create_task(stream(j)) for j in range(k)]
+    try:
+        while sum(r.t_first > 0 for r in live) < k:  # every stream past its first token
+            if any(t.done() for t in tasks):
+                await asyncio.gather(*tasks)  # a failed stream's error
+            await asyncio.sleep(0.05)
+        got, seed = [], 800_000 + 10_000 * k
+        while len(got) < PROBES and seed < 800_000 + 10_000 * k + 4 * PROBES:
+            await asyncio.sleep(SETTLE_S)
+            t0 = time.perf_counter()
+            before = await asyncio.to_thread(engine_counters, redis_url, STEP_COUNTERS)
+            streaming = sum(r.t_first > 0 and r.t_end == 0.0 for r in live)
+            rec = await stream_completion(http, url, model, _ids(prompt_len, seed, vocab), 2)
+            seed += 1
+            await asyncio.sleep(SETTLE_S)
+            after = await asyncio.to_thread(engine_counters, redis_url, STEP_COUNTERS)
+            if rec.error:
+                raise RuntimeError(f"calibration probe failed: {rec.error}")
+            if any(t >= t0 - SETTLE_S for t in starts):  # a stream's prefill fell in the probe's window
+                continue
+            step = after["prefill"][STEP_COUNTERS[1]] - before["prefill"][STEP_COUNTERS[1]]
+            got.append((streaming, max(rec.ttft_s - step, 0.0), step))
+    finally:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if not got:
+        raise RuntimeError(f"calibration: no probe under {k} streams ran without a stream starting beside it")
+    return {"streams": statistics.median(g[0] for g in got), "overhead_s": statistics.median(g[1] for g in got),
+            "prefill_step_s": statistics.median(g[2] for g in got), "probes": len(got)}
 
 
 WINDOW_S = 8.0  # the shortest sharing window (bench calibrate --through-services)
@@ -566,6 +633,13 @@ def _calibrate_served(a, prof: dict) -> None:
     prof["request_overhead_s"] = {"value": overhead, "source": f"median over 5 single {prompt_len}-token requests "
                                   f"through the services (median TTFT {got['ttft_s'] * 1e3:.1f} ms) of TTFT less "
                                   f"{less[0]}"}
+    if got["under_streams"]:  # the same while other requests stream: the host work their tokens put on the path
+        under = got["under_streams"]
+        prof["request_overhead_s"].update(
+            by_streams=[[u["streams"], u["overhead_s"]] for u in under], under_streams=under,
+            source=prof["request_overhead_s"]["source"] + f"; by_streams: the median over {PROBES} such requests "
+            f"while {', '.join(str(u['streams']) for u in under)} other requests streamed their tokens (median "
+            f"streams during the probes), each TTFT less its prefill's steps (counters)")
     # the KV handoff: from the first token (prefill) to the second (the decode's first step), less that step
     prof["transfer"] = {"latency_s": handoff, "gbs": a.transfer_gbs,
                         "source": f"latency: median over 5 single {prompt_len}-token requests of the time from the "
@@ -573,6 +647,9 @@ def _calibrate_served(a, prof: dict) -> None:
                                   f"{less[1]}; bandwidth: {a.source}"}
     print(f"served decode: {_cost(coef)} median |error| {rel:.1%}; request overhead {overhead * 1e3:.1f} ms, "
           f"handoff {handoff * 1e3:.1f} ms", file=sys.stderr)
+    for u in got["under_streams"]:
+        print(f"request overhead with {u['streams']:g} streams: {u['overhead_s'] * 1e3:.1f} ms (prefill step "
+              f"{u['prefill_step_s'] * 1e3:.1f} ms, {u['probes']} probes)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

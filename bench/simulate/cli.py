@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", help="configuration name on plots (default: the topology's name)")
     p.add_argument("--output-dir", help="default: results/simulate-<label>-<time>")
     p.add_argument("--seed", type=int, default=0, help="trace order, prompt salt, acceptance draws, placement ties")
+    p.add_argument("--step-dispersion", action="store_true",
+                   help="draw each engine step around its cost as the profile's measured steps spread around their "
+                        "fit (entries that kept them: `measured`), instead of one cost per shape")
     return p
 
 
@@ -79,7 +82,7 @@ def _phases(recorded) -> dict[str, dict[str, float]]:
 
 async def _level(args, level_idx: int, concurrency: int, traces, specs, profile: Profile) -> dict:
     random.seed(args.seed * 1000 + level_idx)  # the router breaks placement ties with random()
-    system = SimSystem(specs, profile, args.seed)
+    system = SimSystem(specs, profile, args.seed, dispersion=args.step_dispersion)
     dec = next(s for s in specs if s.role == "decode")
     cfg = ReplayConfig(concurrency=concurrency, duration_s=args.duration, warmup_s=args.warmup,
                        think_time_scale=args.think_time_scale, max_think_s=args.max_think_time,

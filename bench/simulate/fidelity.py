@@ -76,8 +76,29 @@ def compare_levels(real: list[dict], sim: list[dict], bound: float) -> list[dict
         out.append({"concurrency": lv["concurrency"], "real_valid": lv.get("valid", True),
                     "sim_valid": s.get("valid", True), "figures": figs,
                     "within": sum(f["within"] for f in figs.values()), "of": len(figs),
-                    "bottleneck": s.get("sim", {}).get("bottleneck")})
+                    "bottleneck": s.get("sim", {}).get("bottleneck"), "ttft_split": ttft_split(lv, s)})
     return out
+
+
+def ttft_split(real: dict, sim: dict) -> dict | None:
+    """Where the mean TTFT went, measured against simulated (ms), when the measured level recorded its services'
+    figures (`server`, read by `bench agentx --fresh-server` at the measured window's edges): `before_prefill` is
+    the client's mean TTFT less the prefill service's own (HTTP, router, gRPC; simulated: the profile's service
+    overhead and any kvstore load), `prefill_service` the prefill service's (its queue and steps), `prefill_step`
+    the prefill engine's mean step."""
+    sv, phases = real.get("server"), sim.get("sim", {}).get("time_by_phase_s")
+    if not sv or not phases or sv.get("prefill_mean_ttft_ms") is None or real.get("mean_ttft_ms") is None:
+        return None
+    mean = {k: 1e3 * v["mean"] for k, v in phases.items()}
+    steps = sim["sim"]["steps"]
+    busy = sum(sim["sim"]["busy_fraction"].get(k.split("-")[0], 0.0) * sim["sim"]["simulated_s"]
+               for k in steps if k.startswith("prefill"))
+    n = sum(v for k, v in steps.items() if k.startswith("prefill"))
+    return {"before_prefill": {"real": real["mean_ttft_ms"] - sv["prefill_mean_ttft_ms"],
+                               "sim": mean["service"] + mean["kvstore_load"]},
+            "prefill_service": {"real": sv["prefill_mean_ttft_ms"], "sim": mean["prefill_queue"] + mean["prefill"]},
+            "prefill_step": {"real": sv.get("prefill_mean_step_ms"), "sim": 1e3 * busy / n if n else None},
+            "router": {"real": sv.get("router_mean_ttft_ms"), "sim": None}}
 
 
 def table(rows: list[dict], bound: float) -> str:
@@ -89,6 +110,12 @@ def table(rows: list[dict], bound: float) -> str:
             fmt = (lambda x: "-" if x is None else f"{x:,.1f}")
             lines.append(f"| {row['concurrency']} | {name} | {fmt(f['real'])} | {fmt(f['sim'])} | {ratio} |")
     lines.append(f"\nBold: within {bound:.0%}.")
+    for row in rows:
+        split = row.get("ttft_split")
+        if split:
+            fmt = (lambda x: "-" if x is None else f"{x:.1f}")
+            lines.append(f"c = {row['concurrency']}, mean TTFT ms, real / sim: " + ", ".join(
+                f"{k.replace('_', ' ')} {fmt(v['real'])} / {fmt(v['sim'])}" for k, v in split.items()))
     return "\n".join(lines)
 
 
@@ -101,6 +128,8 @@ def run(a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = a.sim_output_dir or tmp
         argv = simulate_argv(real, a.profile, out_dir, a.traces, a.config)
+        if a.step_dispersion:
+            argv.append("--step-dispersion")
         if cli.main(argv) != 0:
             raise RuntimeError("pdserve simulate failed (its error is above)")
         sim = json.loads((Path(out_dir) / "result.json").read_text())
@@ -126,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bound", type=float, default=0.15, help="relative bound per figure (default 0.15)")
     p.add_argument("--out", help="comparison JSON")
     p.add_argument("--sim-output-dir", help="keep the simulated run's outputs here")
+    p.add_argument("--step-dispersion", action="store_true", help="simulate with `--step-dispersion`")
     a = p.parse_args(argv)
     try:
         run(a)

@@ -8,7 +8,8 @@ figure the simulator is meant to predict.
                  "decode/dp1-hisparse": {...}},
      "transfer": {"latency_s": ..., "gbs": ..., "source": "..."},
      "kvstore": {"latency_s": ..., "gbs": ..., "source": "..."},      (where the topology has a kvstore)
-     "request_overhead_s": {"value": ..., "source": "..."},
+     "request_overhead_s": {"value": ..., "by_streams": [[streams, seconds], ...], "source": "..."},
+                                       (by_streams optional: the overhead while other requests stream)
      "shared_device": {"prefill": ..., "decode": ..., "source": "..."}}   (optional: engines sharing a device)
 
 One engine step of a scheduled batch costs
@@ -46,10 +47,13 @@ sharing a device are costed as if each had it alone, and the result says so.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
 TERMS = ("step_s", "token_s", "token_ctx_s", "request_s")
+# the terms a calibrated entry's `measured` rows give features for, in order (bench/simulate/calibrate.py)
+MEASURED_TERMS = (*TERMS, "chunk_ctx_s")
 
 
 class ProfileError(ValueError):
@@ -90,6 +94,20 @@ class StepCost:
         return out
 
 
+class DispersedCost:
+    """A step cost whose every step is drawn around it: the cost times one of `ratios` (Profile.dispersion), from
+    a seeded generator (the same seed, the same steps). A DP group's lock-step pass keeps the plain cost (its
+    ranks' draws would only add their maximum)."""
+
+    def __init__(self, cost: StepCost, ratios: list[float], seed: int):
+        self.base, self.ratios, self.rng = cost, ratios, random.Random(seed)
+
+    def __call__(self, chunks, group_tokens_per_rank: float | None = None) -> float:
+        if group_tokens_per_rank is not None:
+            return self.base(chunks, group_tokens_per_rank)
+        return self.base(chunks) * (self.rng.choice(self.ratios) if chunks else 1.0)
+
+
 @dataclass(frozen=True)
 class Profile:
     raw: dict
@@ -127,6 +145,29 @@ class Profile:
                         token_sel_s=float(sel), index_topk=int(topk or 0),
                         **{t: float(v) for t, v in extra.items()})
 
+    def dispersion(self, key: str) -> list[float] | None:
+        """How much an engine layout's steps of one shape vary: each measured step's seconds over its fitted cost
+        (the entry's `measured` rows: the calibration's features, then seconds), scaled to mean 1 so that the
+        draws add spread, not time; None where the entry kept no steps."""
+        entry = self.raw["engines"].get(key) or {}
+        rows = entry.get("measured")
+        if not rows:
+            return None
+        coef = [float(entry.get(t, 0.0)) for t in MEASURED_TERMS]
+        ratios = []
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == len(coef) + 1
+                    and all(isinstance(v, (int, float)) for v in row)):
+                raise ProfileError(f"profile {self.path}: {key}.measured rows must be [{', '.join(MEASURED_TERMS)} "
+                                   f"features..., seconds] (got {row!r})")
+            fitted = sum(c * f for c, f in zip(coef, row))
+            if fitted > 0 and row[-1] > 0:
+                ratios.append(row[-1] / fitted)
+        if not ratios:
+            return None
+        mean = sum(ratios) / len(ratios)
+        return [r / mean for r in ratios]
+
     def transfer_s(self, nbytes: float) -> float:
         """A KV handoff from a prefill to a decode."""
         t = self._entry("transfer", ("latency_s", "gbs"))
@@ -139,7 +180,32 @@ class Profile:
 
     @property
     def request_overhead_s(self) -> float:
+        """The services' time per request on an idle system."""
         return self._entry("request_overhead_s", ("value",))["value"]
+
+    def request_overhead(self, streams: int) -> float:
+        """The services' time per request while `streams` other requests stream their tokens: the entry's
+        `by_streams` points ([streams, seconds], measured) joined linearly from (0, value), flat past the last;
+        the idle value where the entry has none."""
+        entry = self._entry("request_overhead_s", ("value",))
+        points = [(0.0, float(entry["value"])), *self._overhead_points(entry)]
+        if streams <= 0 or len(points) == 1:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if streams <= x1:
+                return y0 + (y1 - y0) * (streams - x0) / (x1 - x0)
+        return points[-1][1]
+
+    def _overhead_points(self, entry: dict) -> list[tuple[float, float]]:
+        raw = entry.get("by_streams", [])
+        ok = isinstance(raw, list) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, (int, float)) for v in p)
+            and p[0] > 0 and p[1] >= 0 for p in raw)
+        xs = [p[0] for p in raw] if ok else []
+        if not ok or xs != sorted(set(xs)):
+            raise ProfileError(f"profile {self.path}: request_overhead_s.by_streams must be [streams > 0, seconds "
+                               f">= 0] pairs with the streams increasing (got {raw!r})")
+        return [(float(x), float(y)) for x, y in raw]
 
     @property
     def shared_device(self) -> dict[str, float] | None:

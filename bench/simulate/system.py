@@ -59,7 +59,7 @@ import yaml
 
 from bench.serving.client import RequestRecord
 from bench.simulate.engines import TOKEN, LockStep, SharedDevice, SimEngine
-from bench.simulate.profile import Profile, decode_key, prefill_key
+from bench.simulate.profile import DispersedCost, Profile, decode_key, prefill_key
 from engine.config.arg_utils import EngineArgs
 from engine.config.presets import PRESETS, preset
 from engine.core.request import Request
@@ -280,7 +280,7 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
                 acceptance = cfg.speculative.synthetic_acceptance_length or profile.raw.get("mtp_acceptance_length")
         profile.engine(key)  # a missing entry is an error before anything runs
         profile.transfer_s(0)
-        _ = profile.request_overhead_s
+        profile.request_overhead(0)
         ep = bool(spec.args.get("enable-expert-parallel")) or (kind == "prefill" and per == 1)
         blocks = _num_blocks(cfg, profile, max(ranks, per), ep, f"{kind} of {topo_path}")
         room = None
@@ -371,11 +371,18 @@ class _Registry:
 
 
 class SimSystem:
-    def __init__(self, specs: list[EngineSpec], profile: Profile, seed: int):
+    def __init__(self, specs: list[EngineSpec], profile: Profile, seed: int, dispersion: bool = False):
+        """`dispersion`: each step drawn around its cost as the profile's measured steps of the layout spread
+        around their fit (Profile.dispersion), seeded per engine; else every step of a shape costs the same."""
         self.loop = asyncio.get_running_loop()
         self.profile = profile
         self.specs = {s.instance_id: s for s in specs}
-        self.engines = {s.instance_id: SimEngine(s.instance_id, s.cfg, s.num_blocks, profile.engine(s.key),
+
+        def cost(s: EngineSpec, n: int):
+            ratios = profile.dispersion(s.key) if dispersion else None
+            return DispersedCost(profile.engine(s.key), ratios, seed * 1000 + n) if ratios else profile.engine(s.key)
+
+        self.engines = {s.instance_id: SimEngine(s.instance_id, s.cfg, s.num_blocks, cost(s, n),
                                                  self.loop, seed + n, s.acceptance_length,
                                                  *_offload(s, profile))
                         for n, s in enumerate(specs) if s.role != "kvstore"}
@@ -404,6 +411,7 @@ class SimSystem:
         self.transfer_s = 0.0  # virtual seconds of KV transfers, summed
         self.admission_waits = 0  # decode reservations that waited for room
         self.refusals = 0  # requests an engine refused (prompts no pool of it can hold)
+        self.streams = 0  # requests past their first token, still streaming (request_overhead's load)
         # where each request's time went: its record and seconds by phase (PHASES)
         self.phases: list[tuple[RequestRecord, dict[str, float]]] = []
 
@@ -422,7 +430,8 @@ class SimSystem:
         rid = f"sim-{next(self._ids)}"
         phases: dict[str, float] = {}
         self.phases.append((rec, phases))
-        await asyncio.sleep(self.profile.request_overhead_s)
+        # the services' time, with the host work of the tokens other requests are streaming meanwhile
+        await asyncio.sleep(self.profile.request_overhead(self.streams))
         phases["service"] = loop.time() - rec.t_start
         hashes = block_hashes(prompt, self.block_size)
         choice = await self.routing.pick_prefill(hashes, len(prompt))
@@ -457,7 +466,11 @@ class SimSystem:
             self._release_after(offload, prefill, rid)
             rec.t_end = rec.t_first
             return rec
-        await self._decode(rid, prompt, max_tokens, rec, prefill, phases, offload)
+        self.streams += 1  # from its first token to its last, a stream the services carry
+        try:
+            await self._decode(rid, prompt, max_tokens, rec, prefill, phases, offload)
+        finally:
+            self.streams -= 1
         return rec
 
     async def _from_kvstore(self, choice, prefill: SimEngine, req: Request, hashes: list[bytes], listener) -> bool:

@@ -41,3 +41,41 @@ def test_the_sharing_windows_prefill_load_replays_the_traces_turns_in_order(tmp_
     assert first[3][:64] == first[0][:64]  # the copy's last turn extends its first (their shared blocks)
     assert all(a[:64] != b[:64] for a, b in zip(first, again))  # a new copy each pass: nothing cached from the last
     assert [len(p) for p in itertools.islice(trace_prompts(traces, 4096, 0, 2), len(turns[0]))] == turns[0]
+
+
+def test_the_service_overhead_is_measured_again_while_other_requests_stream(monkeypatch):
+    """_overhead_under_streams: k long streams kept going, then single probes; each probe's TTFT less the prefill
+    seconds its window adds to the engine counters, with the number of streams live during it."""
+    import asyncio
+    import time
+
+    from bench.serving.client import make_session
+    from bench.serving.engine_counters import STEP_COUNTERS
+    from bench.simulate import calibrate
+    from tests.helpers.fake_openai import FakeOpenAI, RunningFake
+
+    fake = FakeOpenAI(decode_s_per_token=0.01, prefill_s_per_token=1e-4)  # a 128-token prompt: 12.8 ms to its token
+    step_s = 0.004  # what the fake "prefill engine" counts per request it has seen
+
+    def counters(redis_url, names):
+        assert redis_url == "redis://x" and names == STEP_COUNTERS
+        return {"prefill": {STEP_COUNTERS[1]: step_s * len(fake.log)}, "decode": {STEP_COUNTERS[1]: 0.0}}
+
+    monkeypatch.setattr(calibrate, "engine_counters", counters)
+    monkeypatch.setattr(calibrate, "SETTLE_S", 0.05)
+
+    async def go(url):
+        async with make_session() as http:
+            return await calibrate._overhead_under_streams(http, url, "fake-model", 4096, "redis://x", 3, 128, 4000)
+
+    with RunningFake(fake) as srv:
+        got = asyncio.run(go(srv.url))
+        deadline = time.monotonic() + 30
+        while fake.in_flight and time.monotonic() < deadline:  # the server sees the closed connections
+            time.sleep(0.01)
+        assert fake.in_flight == 0  # the streams end with the measurement
+    assert got["probes"] == calibrate.PROBES and got["streams"] == 3
+    assert abs(got["prefill_step_s"] - step_s) < 1e-9  # each window counted its probe alone
+    assert 0.0128 - step_s <= got["overhead_s"] < 1.0  # the probe's TTFT (at least its fake prefill) less that
+    long = [e for e in fake.log if e.max_tokens == 4000]
+    assert len(long) == 3 and len(fake.log) >= 3 + calibrate.PROBES

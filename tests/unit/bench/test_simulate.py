@@ -321,3 +321,62 @@ def test_a_shared_devices_slowdown_is_read_back_from_its_measured_steps():
     assert sharing_slowdown(1.0, 1.5, 0.5) == pytest.approx(3.0)
     assert sharing_slowdown(1.0, 1.5, 0.0) == 1.0 and sharing_slowdown(1.0, 0.9, 0.8) == 1.0
     assert sharing_slowdown(1.0, 5.0, 0.5) == 10.0
+
+
+def test_the_service_overhead_grows_with_the_streams_the_calibration_measured_it_under(traces, tmp_path):
+    """request_overhead_s.by_streams: measured points joined linearly from the idle value, flat past the last;
+    the simulation charges a request the overhead of the streams live at its arrival, so a busier level spends
+    more per request before its prefill; points out of order or at zero streams are refused."""
+    entry = {"value": 0.003, "by_streams": [[4, 0.005], [16, 0.011]]}
+    prof = Profile.load(_profile(tmp_path, request_overhead_s=entry))
+    assert [prof.request_overhead(k) for k in (0, 2, 4, 10, 16, 64)] == pytest.approx(
+        [0.003, 0.004, 0.005, 0.008, 0.011, 0.011])
+    assert Profile.load(_profile(tmp_path)).request_overhead(50) == 0.003  # no points: the idle value
+    for bad in ([[0, 0.004]], [[8, 0.005], [4, 0.006]], [[4, -1.0]], [4, 0.005]):
+        with pytest.raises(ProfileError, match="by_streams"):
+            Profile.load(_profile(tmp_path, request_overhead_s={"value": 0.003, "by_streams": bad})).request_overhead(1)
+
+    def service_ms(profile, out):
+        assert cli.main(_argv(traces, profile, out)) == 0
+        return [1e3 * lv["sim"]["time_by_phase_s"]["service"]["mean"]
+                for lv in json.loads((out / "result.json").read_text())["levels"]]
+
+    assert service_ms(_profile(tmp_path), tmp_path / "idle") == pytest.approx([3.0, 3.0])
+    low, high = service_ms(_profile(tmp_path, request_overhead_s=entry), tmp_path / "loaded")
+    assert 3.0 < low < high < 11.0  # c = 2 meets fewer live streams than c = 6
+
+
+def test_steps_can_be_drawn_around_their_cost_as_the_measured_steps_spread(traces, tmp_path):
+    """Profile.dispersion: each kept step's seconds over its fitted cost, scaled to mean 1; `--step-dispersion`
+    draws every step of an engine whose entry kept steps from them, seeded (the same run twice), adding spread to
+    the TTFTs but not time on average; entries without steps keep one cost per shape."""
+    from bench.simulate.profile import DispersedCost
+
+    pre = dict(PROFILE["engines"]["prefill/pcp1-dcp1"], token_ctx_s=0.0, chunk_ctx_s=0.0)  # 10 ms + 20 us a row
+    # features: 1, rows, rows x mean context, requests, context read; then seconds (fitted 12.5 ms: 0.48 / 1.44 /
+    # 0.96 of it, i.e. 0.5 / 1.5 / 1 of their mean)
+    pre["measured"] = [[1, 100, 0, 1, 100, 0.006], [1, 100, 0, 1, 100, 0.018], [1, 100, 0, 1, 100, 0.012]]
+    prof_path = _profile(tmp_path, engines={**PROFILE["engines"], "prefill/pcp1-dcp1": pre})
+    prof = Profile.load(prof_path)
+    assert prof.dispersion("prefill/pcp1-dcp1") == pytest.approx([0.5, 1.5, 1.0])
+    assert prof.dispersion("decode/dp1-hisparse") is None  # no steps kept
+    from bench.simulate.calibrate import _Chunk
+
+    chunk = [_Chunk(0, [1] * 100)]
+    draws = [[DispersedCost(prof.engine("prefill/pcp1-dcp1"), [0.5, 1.5, 1.0], 7)(chunk) for _ in range(5)]
+             for _ in range(2)]
+    # the same seed, the same draws; each the step's cost (12.5 ms with its request term) times a ratio
+    assert draws[0] == draws[1] and {round(d, 6) for d in draws[0]} <= {0.00625, 0.01875, 0.0125}
+
+    def run(out, *extra):
+        assert cli.main(_argv(traces, prof_path, out, *extra)) == 0
+        return json.loads((out / "result.json").read_text())["levels"]
+
+    plain, a, b = run(tmp_path / "p"), run(tmp_path / "a", "--step-dispersion"), run(tmp_path / "b",
+                                                                                      "--step-dispersion")
+    assert [lv["ttft_s"] for lv in a] == [lv["ttft_s"] for lv in b]
+    assert [lv["ttft_s"] for lv in a] != [lv["ttft_s"] for lv in plain]
+    with pytest.raises(ProfileError, match="measured rows"):
+        bad = dict(pre, measured=[[1, 2, 0.01]])
+        Profile.load(_profile(tmp_path / "p", engines={**PROFILE["engines"], "prefill/pcp1-dcp1": bad})).dispersion(
+            "prefill/pcp1-dcp1")

@@ -87,3 +87,28 @@ def test_the_measured_runs_mtp_acceptance_is_the_simulations(simulated, tmp_path
     base = json.loads(sim_path.read_text())["levels"][-1]
     assert got["simulated"]["levels"][-1]["p50_tpot_ms"] < base["p50_tpot_ms"]
     assert fidelity.measured_acceptance(_as_measured(json.loads(sim_path.read_text()), {})) is None
+
+
+def test_where_the_mean_ttft_went_is_set_beside_the_simulations_phases(simulated, tmp_path, capsys):
+    """With the services' figures a measured level recorded (`server`), the comparison splits the mean TTFT: before
+    the prefill service (the client's mean less the prefill service's) against the simulated service overhead and
+    kvstore load, the prefill service's own against the simulated queue and steps; without them, no split."""
+    prof, sim_path = simulated
+    sim = json.loads(sim_path.read_text())
+    real = _as_measured(sim, {})
+    for lv in real["levels"]:
+        lv["server"] = {"prefill_mean_ttft_ms": lv["mean_ttft_ms"] - 9.0, "prefill_mean_step_ms": 40.0,
+                        "router_mean_ttft_ms": lv["mean_ttft_ms"] - 2.0}
+    real_path = tmp_path / "real.json"
+    real_path.write_text(json.dumps(real))
+    out = tmp_path / "cmp.json"
+    assert fidelity.main(["--real", str(real_path), "--profile", str(prof), "--out", str(out)]) == 0
+    assert "mean TTFT ms, real / sim: before prefill 9.0 / 3.0" in capsys.readouterr().out
+    for row, lv in zip(json.loads(out.read_text())["levels"], sim["levels"]):
+        split, phases = row["ttft_split"], lv["sim"]["time_by_phase_s"]
+        assert split["before_prefill"] == {"real": pytest.approx(9.0), "sim": pytest.approx(3.0)}  # 3 ms overhead
+        assert split["prefill_service"]["sim"] == pytest.approx(
+            1e3 * (phases["prefill_queue"]["mean"] + phases["prefill"]["mean"]))
+        assert split["prefill_step"]["real"] == 40.0 and split["prefill_step"]["sim"] > 0
+    assert all(r["ttft_split"] is None for r in fidelity.compare_levels(_as_measured(sim, {})["levels"],
+                                                                        sim["levels"], 0.15))

@@ -145,9 +145,10 @@ def test_cli_missing_module_is_a_clear_error(monkeypatch):
         cli.main(["bench"])  # a group needs a subcommand
 
 
-def test_a_fresh_servers_levels_record_the_decodes_mtp_acceptance(trace_dir, tmp_path, monkeypatch):
+def test_a_fresh_servers_levels_record_the_mtp_acceptance_and_the_services_figures(trace_dir, tmp_path, monkeypatch):
     """With the deployment's Redis on the handle, each level reads the decode engines' MTP counters before and
-    after its replay and records the acceptance between them (the simulator's input in bench.simulate.fidelity)."""
+    after its replay and records the acceptance between them (the simulator's input in bench.simulate.fidelity),
+    and the services' own figures between two reads of their metrics (where the TTFT went)."""
     from bench.serving.engine_counters import MTP_COUNTERS
 
     class Handle:
@@ -167,6 +168,22 @@ def test_a_fresh_servers_levels_record_the_decodes_mtp_acceptance(trace_dir, tmp
     monkeypatch.setitem(sys.modules, "services.launch.launcher", types.SimpleNamespace(
         up=lambda topology: Handle(RunningFake(FakeOpenAI()).__enter__()), down=down))
     monkeypatch.setattr(agentx, "engine_counters", counters)
+    # the services' own TTFT histograms and step counters: before and after each level
+    scrapes = iter([(0, 0.0), (10, 0.3), (10, 0.3), (30, 0.7)])
+
+    def services(redis_url, router_url):
+        assert redis_url == "redis://x" and router_url.startswith("http://")
+        n, s = next(scrapes)
+        ttft = {"pdserve:time_to_first_token_seconds_count": n, "pdserve:time_to_first_token_seconds_sum": s}
+        return {"prefill": {**ttft, "pdserve:engine_steps_total": n, "pdserve:engine_step_seconds_total": s / 2},
+                "router": {"pdserve:time_to_first_token_seconds_count": n,
+                           "pdserve:time_to_first_token_seconds_sum": s * 1.5}}
+
+    monkeypatch.setattr(agentx, "scrape_services", services)
     out = agentx.run(agentx.build_parser().parse_args(_argv(["--fresh-server", "t.yaml"], trace_dir, tmp_path / "f")))
     assert [lv["decode_mtp"]["acceptance_length"] for lv in out["levels"]] == [2.5, 2.0]
     assert out["levels"][0]["decode_mtp"]["full_rounds"] == 40
+    first, second = (lv["server"] for lv in out["levels"])
+    assert first["prefill_mean_ttft_ms"] == pytest.approx(30.0)
+    assert second["prefill_mean_ttft_ms"] == pytest.approx(20.0)
+    assert first["router_mean_ttft_ms"] == pytest.approx(45.0) and second["prefill_mean_step_ms"] == pytest.approx(10.0)

@@ -30,7 +30,8 @@ def test_async_scheduling_reaches_the_decode_only(tmp_path):
 def test_split_from_the_services_counters():
     """The decode step by phase, its host time, and the per-delta delays of the decode service and the router,
     read from /metrics as the benchmark reads them."""
-    from bench.serving.gpu_system import _counters, server_side, split_line
+    from bench.serving.engine_counters import metric_values as _counters
+    from bench.serving.gpu_system import server_side, split_line
     from services.rpc.metrics import ServiceMetrics
 
     dec, router = ServiceMetrics("decode"), ServiceMetrics("router")
