@@ -11,12 +11,17 @@ two differ only in what the profile costs.
 For every level it sets the five figures the issue bounds side by side — TTFT p50 and p90, TPOT p50, throughput
 per GPU and interactivity — with sim / real and whether each is within `--bound` (0.15 on a GPU, 0.25 on the CPU
 topology). Writes the comparison (JSON, with the simulated run's result beside it) and prints a markdown table.
+
+`--real` takes several result.json files of one command (the same topology, traces, levels, flags and seed): each
+figure is then compared with their median, and the table shows the runs' own spread (largest / smallest), since a
+short level's tail figures may not repeat to the bound between two runs of the measurement itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -59,6 +64,42 @@ def measured_acceptance(real: dict) -> float | None:
     return sum(g["tokens"] for g in got) / rounds if rounds else None
 
 
+_SAME = ("fresh_server", "traces", "concurrency", *_FLAGS, "fit_traces")
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Several measured runs of one command as one: each level's figures (FIGURES, the mean TTFT, the services'
+    figures) the median over the runs, their values kept (`runs`), the MTP counters summed. ValueError when the
+    runs are not of one command."""
+    first = runs[0]
+    for r in runs[1:]:
+        diff = [k for k in _SAME if r["config"].get(k) != first["config"].get(k)]
+        if diff:
+            raise ValueError(f"--real: the runs are not of one command (they differ in {', '.join(diff)})")
+    if len(runs) == 1:
+        return first
+    levels = []
+    for i, lv in enumerate(first["levels"]):
+        group = [r["levels"][i] for r in runs]
+        out = dict(lv)
+        for key in [k for k, _ in FIGURES] + ["mean_ttft_ms"]:
+            vals = [g.get(key) for g in group]
+            out[key] = statistics.median(vals) if None not in vals else None
+            out.setdefault("runs", {})[key] = vals
+        servers = [g["server"] for g in group if g.get("server")]
+        if servers:
+            numeric = [k for k, v in servers[0].items()
+                       if isinstance(v, (int, float)) and all(isinstance(s.get(k), (int, float)) for s in servers)]
+            out["server"] = {k: statistics.median(s[k] for s in servers) for k in numeric}
+        mtp = [g["decode_mtp"] for g in group if g.get("decode_mtp")]
+        if mtp:
+            out["decode_mtp"] = {"full_rounds": sum(m["full_rounds"] for m in mtp),
+                                 "tokens": sum(m["tokens"] for m in mtp)}
+        out["valid"] = all(g.get("valid", True) for g in group)
+        levels.append(out)
+    return {**first, "levels": levels}
+
+
 def compare_levels(real: list[dict], sim: list[dict], bound: float) -> list[dict]:
     """Per concurrency present in both: {concurrency, figures: {key: {real, sim, ratio, within}}}."""
     by_c = {lv["concurrency"]: lv for lv in sim}
@@ -73,6 +114,9 @@ def compare_levels(real: list[dict], sim: list[dict], bound: float) -> list[dict
             ratio = v / r if r and v is not None else None
             figs[key] = {"real": r, "sim": v, "ratio": ratio,
                          "within": ratio is not None and abs(ratio - 1.0) <= bound}
+            runs = lv.get("runs", {}).get(key)
+            if runs and None not in runs and min(runs) > 0:  # the measurement's own spread over its runs
+                figs[key].update(runs=runs, spread=max(runs) / min(runs))
         out.append({"concurrency": lv["concurrency"], "real_valid": lv.get("valid", True),
                     "sim_valid": s.get("valid", True), "figures": figs,
                     "within": sum(f["within"] for f in figs.values()), "of": len(figs),
@@ -102,14 +146,18 @@ def ttft_split(real: dict, sim: dict) -> dict | None:
 
 
 def table(rows: list[dict], bound: float) -> str:
-    lines = ["| c | figure | real | simulated | sim / real |", "|---|---|---|---|---|"]
+    several = any("spread" in f for row in rows for f in row["figures"].values())
+    head = "| c | figure | real | simulated | sim / real |" + (" runs' spread |" if several else "")
+    lines = [head, "|---" * (6 if several else 5) + "|"]
     for row in rows:
         for key, name in FIGURES:
             f = row["figures"][key]
             ratio = "-" if f["ratio"] is None else (f"**{f['ratio']:.2f}**" if f["within"] else f"{f['ratio']:.2f}")
             fmt = (lambda x: "-" if x is None else f"{x:,.1f}")
-            lines.append(f"| {row['concurrency']} | {name} | {fmt(f['real'])} | {fmt(f['sim'])} | {ratio} |")
-    lines.append(f"\nBold: within {bound:.0%}.")
+            spread = (f" {f['spread']:.2f} |" if "spread" in f else " - |") if several else ""
+            lines.append(f"| {row['concurrency']} | {name} | {fmt(f['real'])} | {fmt(f['sim'])} | {ratio} |{spread}")
+    lines.append(f"\nBold: within {bound:.0%}." + (" Real: the median of the runs; spread: their largest over their "
+                                                      "smallest." if several else ""))
     for row in rows:
         split = row.get("ttft_split")
         if split:
@@ -122,9 +170,13 @@ def table(rows: list[dict], bound: float) -> str:
 def run(a: argparse.Namespace) -> dict:
     from bench.simulate import cli
 
-    real = json.loads(Path(a.real).read_text())
-    if real.get("simulated"):
-        raise ValueError(f"{a.real} is a simulated run; --real takes a measured `bench agentx` result")
+    runs = []
+    for path in a.real:
+        run = json.loads(Path(path).read_text())
+        if run.get("simulated"):
+            raise ValueError(f"{path} is a simulated run; --real takes a measured `bench agentx` result")
+        runs.append(run)
+    real = median_run(runs)
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = a.sim_output_dir or tmp
         argv = simulate_argv(real, a.profile, out_dir, a.traces, a.config)
@@ -148,7 +200,9 @@ def run(a: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.simulate.fidelity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--real", required=True, help="result.json of a measured `pdserve bench agentx --fresh-server` run")
+    p.add_argument("--real", required=True, nargs="+",
+                   help="result.json of a measured `pdserve bench agentx --fresh-server` run; several runs of one "
+                        "command: compared with their median")
     p.add_argument("--profile", required=True)
     p.add_argument("--traces", help="the trace folder, when it is not where the measured run read it")
     p.add_argument("--config", help="the topology, when the measured run's is not at its recorded path")

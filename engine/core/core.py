@@ -159,6 +159,12 @@ class EngineCore:
         return kv_exports(self.held_block_ids(req_id), pc.decode_context_parallel_size,
                           pc.cp_kv_cache_interleave_size)
 
+    def held_exports(self, req_ids: list[str]) -> dict[str, list[KVExport]]:
+        """`kv_exports` of those of `req_ids` whose KV is held for export (the others left out): read right after
+        the step that finished them, so a service exporting them needs no other call between two steps."""
+        held = self.scheduler.held
+        return {r: self.kv_exports(r) for r in req_ids if r in held}
+
     def release_held(self, req_id: str) -> bool:
         return self.scheduler.release_held(req_id)
 

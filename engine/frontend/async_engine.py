@@ -208,7 +208,10 @@ class AsyncEngine:
                 n, in_flight = core.num_steps, getattr(core, "in_flight", False)
                 outputs = core.step()
                 if outputs:
-                    self._post(self._dispatch, outputs, time.monotonic())
+                    done = [o.req_id for o in outputs if o.finish_reason is not None]
+                    # a finished request's held KV pages, read now: its export then waits for no later step
+                    exports = core.held_exports(done) if done else {}
+                    self._post(self._dispatch, outputs, time.monotonic(), exports)
                 elif core.num_steps == n and not in_flight:  # nothing could run (blocks a command frees): no spin
                     self._wake.wait(IDLE_POLL_S)
                     self._wake.clear()
@@ -255,7 +258,7 @@ class AsyncEngine:
             if fut is not None and not fut.done():
                 fut.set_exception(EngineDeadError(f"engine failed: {e!r}"))
 
-    def _dispatch(self, outputs, step_time: float) -> None:
+    def _dispatch(self, outputs, step_time: float, exports: dict | None = None) -> None:
         updated, to_abort = self.processor.process(outputs)
         for rid in to_abort:  # a stop string: the core stops the request at its next command pass
             self._submit(lambda core, rid=rid: core.abort(rid))
@@ -264,6 +267,8 @@ class AsyncEngine:
             if q is not None:
                 snap = _snapshot(out, self.cumulative)
                 snap.step_time = step_time
+                if exports and out.finished:
+                    snap.kv_exports = exports.get(out.req_id)
                 q.put_nowait(snap)
 
     def stats(self) -> EngineStats:

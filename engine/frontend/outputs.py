@@ -38,6 +38,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logits: object | None = None  # [len, vocab] tensor when asked for (LLM.prompt_logits)
     step_time: float | None = None  # AsyncEngine: when the engine step that produced this delta returned (monotonic)
+    # AsyncEngine, on a finished request whose KV the engine holds for export: its ranks and blocks (KVExport),
+    # read in the step that finished it
+    kv_exports: list | None = None
 
     @property
     def finished(self) -> bool:

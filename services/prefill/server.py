@@ -110,7 +110,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         elif wants_kv:
             try:
                 reply.kv.CopyFrom(await self._export(req_id, req.all_token_ids[: len(ids) + len(prior)], hashes,
-                                                     request.lease_ms, last.num_cached_tokens))
+                                                     request.lease_ms, last.num_cached_tokens, last.kv_exports))
             except BaseException:  # no lease was granted (the client left, or the export failed): free the KV
                 await asyncio.shield(self._release(req_id))
                 raise
@@ -167,8 +167,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                        hold_kv_on_finish=req.hold_kv_on_finish)
 
     async def _export(self, req_id: str, ids: list[int], hashes: list[bytes], lease_ms: int,
-                      num_cached: int) -> prefill_pb2.KVHandle:
-        pages = await self.exporter.rank_pages(req_id)
+                      num_cached: int, known: list | None = None) -> prefill_pb2.KVHandle:
+        pages = await self.exporter.rank_pages(req_id, known)
         lease = self.leases.grant(req_id, lease_ms / 1000.0 if lease_ms else None, pages[0].block_ids)
         if self.kvstore is not None and hashes and self.kvstore.ready:
             offload = self.kvstore.offload(hashes, list(pages[0].block_ids))

@@ -51,9 +51,11 @@ class KVExporter:
             return {"agent_name": self.agent.name, "agent_metadata": self.agent.metadata(), "tensors": self.tensors}
         return self.workers[rank]
 
-    async def rank_pages(self, req_id: str) -> list[RankExport]:
-        """Per rank holding a share of the held request's KV: its NIXL peer and blocks."""
-        exports = await self.engine.call(lambda c: c.kv_exports(req_id))
+    async def rank_pages(self, req_id: str, known: list | None = None) -> list[RankExport]:
+        """Per rank holding a share of the held request's KV: its NIXL peer and blocks. `known`: the request's
+        exports as its last output carried them (RequestOutput.kv_exports); else asked of the engine between
+        two steps, which waits for the step it is in."""
+        exports = known if known is not None else await self.engine.call(lambda c: c.kv_exports(req_id))
         return [RankExport(rank=e.rank, block_ids=e.block_ids, **self._peer(e.rank)) for e in exports]
 
     def kv_handle(self, lease, num_tokens: int, pages: list[RankExport], hashes: list[bytes],

@@ -139,3 +139,32 @@ def test_a_service_engine_streams_token_id_deltas(tiny_code):
     assert len(lps) == len(ref[3].logprobs) == 24
     assert [sorted(a) for a in lps] == [sorted(b) for b in ref[3].logprobs]
     assert all(abs(a[t] - b[t]) < 1e-4 for a, b in zip(lps, ref[3].logprobs) for t in a)
+
+
+def test_a_held_requests_last_output_carries_its_kv_pages(tiny_code):
+    """A request that finishes with its KV held for export (the prefill service's) gets its ranks and blocks on its
+    last output, read in the step that finished it, so the service's export waits for no later step; they are what
+    the core answers between steps; a request that holds nothing gets none."""
+    prompts = _prompts(LLM(str(tiny_code), **KW).tokenizer, 3)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        engine = AsyncEngine(EngineArgs(model=str(tiny_code), **KW), text=False, cumulative=False)
+        engine.start()
+        try:
+            long = engine.add_request(prompts[0], dataclasses.replace(first, max_tokens=40), req_id="busy")
+            held = engine.add_request(prompts[1], first, req_id="held", hold_kv_on_finish=True)
+            plain = engine.add_request(prompts[2], first, req_id="plain")
+            outs = await asyncio.gather(*[until_last(s) for s in (held, plain, long)])
+            asked = await engine.call(lambda core: core.kv_exports("held"))
+            await engine.call(lambda core: core.release_held("held"))
+            return outs, asked
+        finally:
+            await engine.shutdown()
+
+    async def until_last(stream):
+        return [out async for out in stream][-1]
+
+    (held, plain, long), asked = asyncio.run(run())
+    assert held.kv_exports == asked and asked and asked[0].block_ids
+    assert plain.kv_exports is None and long.kv_exports is None

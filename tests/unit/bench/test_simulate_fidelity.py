@@ -112,3 +112,26 @@ def test_where_the_mean_ttft_went_is_set_beside_the_simulations_phases(simulated
         assert split["prefill_step"]["real"] == 40.0 and split["prefill_step"]["sim"] > 0
     assert all(r["ttft_split"] is None for r in fidelity.compare_levels(_as_measured(sim, {})["levels"],
                                                                         sim["levels"], 0.15))
+
+
+def test_several_measured_runs_of_one_command_are_compared_by_their_median(simulated, tmp_path, capsys):
+    """--real with several runs: each figure against their median, with the runs' own spread beside it; runs of
+    different commands are refused."""
+    prof, sim_path = simulated
+    sim = json.loads(sim_path.read_text())
+    paths = []
+    for i, f in enumerate((1.0, 1.2, 1.5)):
+        paths.append(tmp_path / f"real{i}.json")
+        paths[-1].write_text(json.dumps(_as_measured(sim, {"p90_ttft_ms": f})))
+    out = tmp_path / "cmp.json"
+    assert fidelity.main(["--real", *map(str, paths), "--profile", str(prof), "--out", str(out)]) == 0
+    assert "runs' spread" in capsys.readouterr().out
+    for row in json.loads(out.read_text())["levels"]:
+        p90 = row["figures"]["p90_ttft_ms"]
+        assert p90["ratio"] == pytest.approx(1 / 1.2) and p90["spread"] == pytest.approx(1.5)  # median: x1.2
+        assert row["figures"]["p50_tpot_ms"]["spread"] == pytest.approx(1.0)
+    other = _as_measured(sim, {})
+    other["config"]["seed"] = 4
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert fidelity.main(["--real", str(paths[0]), str(tmp_path / "other.json"), "--profile", str(prof)]) == 2
+    assert "not of one command (they differ in seed)" in capsys.readouterr().err
