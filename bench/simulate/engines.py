@@ -60,6 +60,7 @@ class SimEngine:
         self.device: SharedDevice | None = None  # the device it shares with other engines (SharedDevice.add)
         self.role = ""  # its role on a shared device (the slowdown it takes there)
         self._step_t0 = 0.0
+        self._boundary: list[asyncio.Future] = []  # callers waiting for the step in progress to end
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, req: Request, listener: Callable[[EngineCoreOutput], None]) -> None:
@@ -144,9 +145,21 @@ class SimEngine:
         self._step_t0 = now
         self.num_steps += 1
 
+    async def between_steps(self) -> None:
+        """Until the step in progress ends (at once when there is none): where a service's call into its engine
+        runs (AsyncEngine.call applies it between two steps), e.g. a decode's reservation of an imported request."""
+        if self.busy:
+            fut = self.loop.create_future()
+            self._boundary.append(fut)
+            await fut
+
     def _finish(self, sched: SchedulerOutput | None) -> None:
         outs = self.scheduler.update(sched, self._result(sched)) if sched is not None else []
         self.busy = False
+        waiting, self._boundary = self._boundary, []
+        for fut in waiting:
+            if not fut.done():
+                fut.set_result(None)
         self.busy_s += self.loop.time() - self._step_t0  # as long as the step lasted (a shared device stretches it)
         for o in outs:
             listener = self.listeners.get(o.req_id)

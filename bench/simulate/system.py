@@ -544,6 +544,7 @@ class SimSystem:
         self.routing.started(did)
         try:
             try:
+                await decode.between_steps()  # the decode service reserves through an engine call
                 while (got := decode.reserve_import(req, len(prompt), on_output)) is None:
                     self.admission_waits += 1
                     await asyncio.sleep(max(decode.cost([]), 1e-3))  # the pool frees as its steps end

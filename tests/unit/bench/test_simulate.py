@@ -380,3 +380,32 @@ def test_steps_can_be_drawn_around_their_cost_as_the_measured_steps_spread(trace
         bad = dict(pre, measured=[[1, 2, 0.01]])
         Profile.load(_profile(tmp_path / "p", engines={**PROFILE["engines"], "prefill/pcp1-dcp1": bad})).dispersion(
             "prefill/pcp1-dcp1")
+
+
+def test_a_call_into_an_engine_waits_for_the_step_in_progress(tmp_path):
+    """SimEngine.between_steps, as AsyncEngine.call runs a service's call between two steps: at once on an idle
+    engine, else when the step in progress ends (the decode's reservation of an imported request waits so)."""
+    from bench.simulate.system import SimSystem, engine_specs
+    from engine.core.request import Request
+    from engine.core.sampling_params import SamplingParams
+
+    prof = Profile.load(_profile(tmp_path))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        system = SimSystem(engine_specs(CPU_TOPOLOGY, prof, None, tmp_path), prof, seed=0)
+        eng = next(e for e in system.engines.values() if e.instance_id.startswith("prefill"))
+        t0 = loop.time()
+        await eng.between_steps()
+        idle = loop.time() - t0
+        eng.add(Request("r", list(range(1, 101)), SamplingParams(max_tokens=1, ignore_eos=True)), lambda o: None)
+        assert eng.busy
+        await eng.between_steps()
+        waited = loop.time() - t0
+        await system.close()
+        return idle, waited
+
+    idle, waited = clock.run(main())
+    step = prof.engine("prefill/pcp1-dcp1")
+    assert idle == 0.0 and waited == pytest.approx(step.step_s + 100 * step.token_s + step.request_s
+                                                    + step.token_ctx_s * 100 * 50)
