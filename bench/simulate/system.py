@@ -379,8 +379,8 @@ class SimSystem:
         self.specs = {s.instance_id: s for s in specs}
 
         def cost(s: EngineSpec, n: int):
-            ratios = profile.dispersion(s.key) if dispersion else None
-            return DispersedCost(profile.engine(s.key), ratios, seed * 1000 + n) if ratios else profile.engine(s.key)
+            base, ratios = profile.engine(s.key), profile.dispersion(s.key) if dispersion else None
+            return DispersedCost(base, ratios, seed * 1000 + n) if ratios else base
 
         self.engines = {s.instance_id: SimEngine(s.instance_id, s.cfg, s.num_blocks, cost(s, n),
                                                  self.loop, seed + n, s.acceptance_length,
