@@ -18,7 +18,10 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+import torch
+
 from engine import LLM, SamplingParams
+from engine.runner.sampler import keyed_exponentials
 from services.launch import launcher
 from services.launch.topology import ROOT
 from services.rpc.procs import tie_to_parent
@@ -260,24 +263,44 @@ def expected(offline: LLM, bodies: list[dict]) -> list[str]:
 NEAR_TIE = 1e-2  # logits closer than this are a near-tie: batching the same math differently may flip the argmax
 
 
-def assert_greedy_matches(offline: LLM, body: dict, got: list[int], max_ties: int = 2) -> None:
-    """A served greedy stream's token ids against the undisturbed offline run. They may part only where the
-    reference's two candidates are a near-tie (logits within NEAR_TIE: a different batching of the same math
-    rounds differently); past each such step the reference continues from the served token and must match
-    again. Anything else (a different token at a clear margin, a lost or repeated token) fails."""
+def _race(offline: LLM, body: dict, tokens: list[int]) -> torch.Tensor:
+    """What picks the token after `tokens` (prompt and output so far), in logit units: the logits for a greedy
+    body; for a seeded one (temperature t, no other filter) t * (logits / t - log E), E the keyed exponentials at
+    that token's sequence position (engine/runner/sampler.py), whose argmax is the seeded draw."""
+    last = offline.prompt_logits(tokens)[-1].float()
+    t = body.get("temperature", 0.0)
+    if t == 0.0:
+        return last
+    seed, pos = torch.tensor([body["seed"]]), torch.tensor([len(tokens)])
+    return last - t * torch.log(keyed_exponentials(seed, pos, last.numel())[0])
+
+
+def assert_stream_matches(offline: LLM, body: dict, got: list[int], max_ties: int = 2) -> None:
+    """A served stream's token ids against the undisturbed offline run, greedy or seeded. They may part only
+    where the reference's choice was a near-tie: the two candidates' scores (`_race`: the logits, or a seeded
+    draw's race) within NEAR_TIE, which a different batching of the same math can flip; past each such step the
+    reference continues from the served token (a seeded draw is keyed on its position, so the continuation
+    draws what the served run drew) and must match again. Anything else (a different token at a clear margin,
+    a lost or repeated token) fails."""
+    unfiltered = all(body.get(k) in (None, 0, -1, 1.0, 0.0) for k in ("top_k", "top_p", "min_p"))
+    assert unfiltered and (body.get("temperature", 0.0) == 0.0 or "seed" in body), \
+        f"only greedy or seeded unfiltered streams can be checked against a near-tie: {body}"
     prompt, n = list(body["prompt"]), body["max_tokens"]
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    want = list(offline.generate([prompt], params)[0].token_ids)
+
+    def reference(head: list[int]) -> list[int]:
+        params = SamplingParams(max_tokens=n - len(head), temperature=body.get("temperature", 0.0),
+                                seed=body.get("seed"), ignore_eos=True)
+        return head + (list(offline.generate([prompt + head], params)[0].token_ids) if n - len(head) else [])
+
+    want = reference([])
     for _ in range(max_ties + 1):
         assert len(got) == n, f"served {len(got)} tokens, asked for {n}"
         p = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if p is None:
             return
-        last = offline.prompt_logits(prompt + got[:p])[-1]
-        gap = abs(float(last[got[p]]) - float(last[want[p]]))
+        score = _race(offline, body, prompt + got[:p])
+        gap = abs(float(score[got[p]]) - float(score[want[p]]))
         assert gap < NEAR_TIE, (f"token {p}: served {got[p]}, reference {want[p]} by a margin of {gap:.4g} "
                                 f"(not a near-tie)")
-        head = got[:p + 1]
-        rest = SamplingParams(max_tokens=n - p - 1, temperature=0.0, ignore_eos=True)
-        want = head + (list(offline.generate([prompt + head], rest)[0].token_ids) if n - p - 1 else [])
+        want = reference(got[:p + 1])
     raise AssertionError(f"more than {max_ties} near-ties in one stream: {got} against {want}")
