@@ -90,6 +90,10 @@ def server_side(before: dict, after: dict) -> dict:
     out["decode_mean_tpot_ms"] = 1e3 * delta("decode", "pdserve:time_per_output_token_seconds_sum") / n if n else None
     n = delta("prefill", "pdserve:time_to_first_token_seconds_count")
     out["prefill_mean_ttft_ms"] = 1e3 * delta("prefill", "pdserve:time_to_first_token_seconds_sum") / n if n else None
+    # a request's prefill steps: its engine steps over the requests it prefilled (a step that only hands finished
+    # requests to the runner, one after most lone requests, counts in the steps but takes no time)
+    out["prefill_requests"] = n
+    out["prefill_step_ms_per_request"] = 1e3 * delta("prefill", "pdserve:engine_step_seconds_total") / n if n else None
     n = delta("router", "pdserve:time_to_first_token_seconds_count")
     out["router_mean_ttft_ms"] = 1e3 * delta("router", "pdserve:time_to_first_token_seconds_sum") / n if n else None
     out["nixl_pulled_bytes"] = delta("decode", "pdserve:nixl_bytes_transferred_total")

@@ -226,6 +226,7 @@ async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vo
 
 
 PROBES = 5  # probe requests per stream count (bench calibrate --through-services)
+PROBE_LEN = 128  # their prompts' tokens
 SETTLE_S = 1.1  # the engines publish their step counters every 0.5 s: a read this long after a request has it
 
 
@@ -284,6 +285,36 @@ async def _overhead_under_streams(http, url: str, model: str, vocab: int, redis_
         raise RuntimeError(f"calibration: no probe under {k} streams ran without a stream starting beside it")
     return {"streams": statistics.median(g[0] for g in got), "overhead_s": statistics.median(g[1] for g in got),
             "prefill_step_s": statistics.median(g[2] for g in got), "probes": len(got)}
+
+
+def served_prefill(engines: dict, idle_step_s: float, under: list[dict], prompt_len: int) -> dict:
+    """The profile's `prefill_served` entry: a `prompt_len`-token probe's prefill step in the running services
+    (the engine's step counters), idle (`idle_step_s`) and under each stream count of `under`
+    (`_overhead_under_streams`), beside the same prompt's step on the engine alone: measured (`probe_alone_s` of
+    the prefill entry, `measure_probe_alone`), else what the entry's fit says it costs."""
+    entry = engines["prefill/pcp1-dcp1"]
+    alone = entry.get("probe_alone_s")
+    how = f"the median step of {PROBES} such prompts on the engine alone"
+    if alone is None:
+        alone = Profile({"version": 1, "engines": engines}).engine("prefill/pcp1-dcp1")([_Chunk(0, [0] * prompt_len)])
+        how = "the engine-alone fit of that step"
+    return {"alone_s": alone, "prompt_len": prompt_len,
+            "by_streams": [[0, idle_step_s], *([u["streams"], u["prefill_step_s"]] for u in under)],
+            "source": f"pdserve bench calibrate --through-services: the prefill engine's step counters over each "
+                      f"{prompt_len}-token probe (median of {PROBES}), idle and while "
+                      f"{', '.join(str(u['streams']) for u in under)} other requests streamed their tokens; "
+                      f"alone_s: {how}"}
+
+
+def measure_probe_alone(core: EngineCore, device: str, salt: int = 0) -> float:
+    """The median step of a fresh PROBE_LEN-token prompt alone on the engine, no service around it: what the
+    through-services probes' prefill steps are set beside (`served_prefill`)."""
+    vocab, times = core.cfg.model.vocab_size, []
+    for j in range(PROBES):
+        core.add_request(Request(f"probe{salt}-{j}", _ids(PROBE_LEN, 900_000 + 100 * salt + j, vocab),
+                                 SamplingParams(max_tokens=1, ignore_eos=True)))
+        times += [t for _, t in _timed_steps(core, device)]
+    return statistics.median(times)
 
 
 WINDOW_S = 8.0  # the shortest sharing window (bench calibrate --through-services)
@@ -561,6 +592,10 @@ def run(a: argparse.Namespace) -> dict:
             prof["engines"][key]["measured"] = [[*f, t] for f, t in rows]
             if grid:
                 prof["engines"][key]["grid"] = extrapolation(coef, grid)
+            if kind == "prefill" and a.through_services:  # the probes' prompt alone, set beside it in the services
+                if device.startswith("cuda"):
+                    measure_probe_alone(core, device, salt=1)
+                prof["engines"][key]["probe_alone_s"] = measure_probe_alone(core, device)
             print(f"{key}: {_cost(coef)} median |error| {rel:.1%} over {len(rows)} steps", file=sys.stderr)
             del core, cfg
             gc.collect()  # the next engine sizes its KV pool from the device's free memory
@@ -580,7 +615,7 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def _calibrate_served(a, prof: dict) -> None:
-    prompt_len, tokens = 128, 48
+    prompt_len, tokens = PROBE_LEN, 48
     batches = [int(x) for x in a.batches.split(",")]
     topo = topology_mod.load(a.config)
     shares = services_of([a.config])[4]
@@ -640,6 +675,12 @@ def _calibrate_served(a, prof: dict) -> None:
             source=prof["request_overhead_s"]["source"] + f"; by_streams: the median over {PROBES} such requests "
             f"while {', '.join(str(u['streams']) for u in under)} other requests streamed their tokens (median "
             f"streams during the probes), each TTFT less its prefill's steps (counters)")
+    if single and got["under_streams"]:  # the probes' own prefill steps, beside the engine-alone fit of that step
+        prof["prefill_served"] = served_prefill(prof["engines"], single["prefill_step_s"], got["under_streams"],
+                                                prompt_len)
+        print("served prefill step: " + ", ".join(f"{y * 1e3:.1f} ms at {x:g} streams"
+                                                   for x, y in prof["prefill_served"]["by_streams"])
+              + f" (engine alone: {prof['prefill_served']['alone_s'] * 1e3:.1f} ms)", file=sys.stderr)
     # the KV handoff: from the first token (prefill) to the second (the decode's first step), less that step
     prof["transfer"] = {"latency_s": handoff, "gbs": a.transfer_gbs,
                         "source": f"latency: median over 5 single {prompt_len}-token requests of the time from the "

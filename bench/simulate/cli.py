@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", help="configuration name on plots (default: the topology's name)")
     p.add_argument("--output-dir", help="default: results/simulate-<label>-<time>")
     p.add_argument("--seed", type=int, default=0, help="trace order, prompt salt, acceptance draws, placement ties")
+    p.add_argument("--no-served-prefill", action="store_true",
+                   help="cost each prefill step by its engine-alone fit only, leaving out the profile's "
+                        "`prefill_served` (what the running services added to a probe's step)")
     p.add_argument("--step-dispersion", action="store_true",
                    help="draw each engine step around its cost as the profile's measured steps spread around their "
                         "fit (entries that kept them: `measured`), instead of one cost per shape")
@@ -82,7 +85,8 @@ def _phases(recorded) -> dict[str, dict[str, float]]:
 
 async def _level(args, level_idx: int, concurrency: int, traces, specs, profile: Profile) -> dict:
     random.seed(args.seed * 1000 + level_idx)  # the router breaks placement ties with random()
-    system = SimSystem(specs, profile, args.seed, dispersion=args.step_dispersion)
+    system = SimSystem(specs, profile, args.seed, dispersion=args.step_dispersion,
+                       served_prefill=not args.no_served_prefill)
     dec = next(s for s in specs if s.role == "decode")
     cfg = ReplayConfig(concurrency=concurrency, duration_s=args.duration, warmup_s=args.warmup,
                        think_time_scale=args.think_time_scale, max_think_s=args.max_think_time,
@@ -111,7 +115,9 @@ async def _level(args, level_idx: int, concurrency: int, traces, specs, profile:
            "host_kv_tier": {iid: {"stored_blocks": st.num_stored, "loaded_blocks": st.num_loaded,
                                   "hit_tokens": st.hits, "usage": st.usage, "copies_in_steps": e.offload_copies}
                             for iid, e in system.engines.items() if (st := e.kv.offload_stats()) is not None},
-           "simulated_s": span}
+           "simulated_s": span,
+           "prefill_busy_s": sum(e.busy_s for iid, e in system.engines.items() if system.specs[iid].role == "prefill"),
+           "prefill_requests": sum("prefill" in p for _, p in system.phases)}
     sim["time_by_phase_s"] = _phases(system.phases)
     sim["bottleneck"] = _bottleneck(sim)
     window = measured_window(result.records, result.t_measure, result.t_stop)

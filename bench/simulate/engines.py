@@ -59,6 +59,7 @@ class SimEngine:
         self.group: LockStep | None = None  # the DP group it steps with (LockStep.add)
         self.device: SharedDevice | None = None  # the device it shares with other engines (SharedDevice.add)
         self.role = ""  # its role on a shared device (the slowdown it takes there)
+        self.served_extra: Callable[[], float] | None = None  # seconds the services add to each step it computes
         self._step_t0 = 0.0
         self._boundary: list[asyncio.Future] = []  # callers waiting for the step in progress to end
 
@@ -133,9 +134,10 @@ class SimEngine:
         self.pending_copies = 0
         self.offload_copies += copies
         chunks = sched.chunks if sched is not None else []
+        served = self.served_extra() if self.served_extra is not None and chunks else 0.0
         if group_tokens_per_rank is None:
-            return self.cost(chunks) + copies * self.copy_s
-        return self.cost(chunks, group_tokens_per_rank) + copies * self.copy_s
+            return self.cost(chunks) + copies * self.copy_s + served
+        return self.cost(chunks, group_tokens_per_rank) + copies * self.copy_s + served
 
     def _begin(self, sched: SchedulerOutput | None, seconds: float) -> None:
         now = self.loop.time()

@@ -128,20 +128,19 @@ def ttft_split(real: dict, sim: dict) -> dict | None:
     """Where the mean TTFT went, measured against simulated (ms), when the measured level recorded its services'
     figures (`server`, read by `bench agentx --fresh-server` at the measured window's edges): `before_prefill` is
     the client's mean TTFT less the prefill service's own (HTTP, router, gRPC; simulated: the profile's service
-    overhead and any kvstore load), `prefill_service` the prefill service's (its queue and steps), `prefill_step`
-    the prefill engine's mean step."""
+    overhead and any kvstore load), `prefill_service` the prefill service's (its queue and steps),
+    `prefill_steps_per_request` the prefill engine's step time over the requests it prefilled (the measured engine
+    also counts a step that only hands finished requests to the runner, so its mean step is no step's time)."""
     sv, phases = real.get("server"), sim.get("sim", {}).get("time_by_phase_s")
     if not sv or not phases or sv.get("prefill_mean_ttft_ms") is None or real.get("mean_ttft_ms") is None:
         return None
     mean = {k: 1e3 * v["mean"] for k, v in phases.items()}
-    steps = sim["sim"]["steps"]
-    busy = sum(sim["sim"]["busy_fraction"].get(k.split("-")[0], 0.0) * sim["sim"]["simulated_s"]
-               for k in steps if k.startswith("prefill"))
-    n = sum(v for k, v in steps.items() if k.startswith("prefill"))
+    busy, n = sim["sim"].get("prefill_busy_s"), sim["sim"].get("prefill_requests")
     return {"before_prefill": {"real": real["mean_ttft_ms"] - sv["prefill_mean_ttft_ms"],
                                "sim": mean["service"] + mean["kvstore_load"]},
             "prefill_service": {"real": sv["prefill_mean_ttft_ms"], "sim": mean["prefill_queue"] + mean["prefill"]},
-            "prefill_step": {"real": sv.get("prefill_mean_step_ms"), "sim": 1e3 * busy / n if n else None},
+            "prefill_steps_per_request": {"real": sv.get("prefill_step_ms_per_request"),
+                                          "sim": 1e3 * busy / n if n and busy is not None else None},
             "router": {"real": sv.get("router_mean_ttft_ms"), "sim": None}}
 
 
@@ -182,6 +181,8 @@ def run(a: argparse.Namespace) -> dict:
         argv = simulate_argv(real, a.profile, out_dir, a.traces, a.config)
         if a.step_dispersion:
             argv.append("--step-dispersion")
+        if a.no_served_prefill:
+            argv.append("--no-served-prefill")
         if cli.main(argv) != 0:
             raise RuntimeError("pdserve simulate failed (its error is above)")
         sim = json.loads((Path(out_dir) / "result.json").read_text())
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="comparison JSON")
     p.add_argument("--sim-output-dir", help="keep the simulated run's outputs here")
     p.add_argument("--step-dispersion", action="store_true", help="simulate with `--step-dispersion`")
+    p.add_argument("--no-served-prefill", action="store_true", help="simulate with `--no-served-prefill`")
     a = p.parse_args(argv)
     try:
         run(a)

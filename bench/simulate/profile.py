@@ -10,7 +10,9 @@ figure the simulator is meant to predict.
      "kvstore": {"latency_s": ..., "gbs": ..., "source": "..."},      (where the topology has a kvstore)
      "request_overhead_s": {"value": ..., "by_streams": [[streams, seconds], ...], "source": "..."},
                                        (by_streams optional: the overhead while other requests stream)
-     "shared_device": {"prefill": ..., "decode": ..., "source": "..."}}   (optional: engines sharing a device)
+     "shared_device": {"prefill": ..., "decode": ..., "source": "..."},   (optional: engines sharing a device)
+     "prefill_served": {"alone_s": ..., "by_streams": [[0, seconds], [streams, seconds], ...], "source": "..."}}
+                                       (optional: a prefill step as the running services take it)
 
 One engine step of a scheduled batch costs
 
@@ -42,6 +44,15 @@ bench/simulate/system.py).
 machine's CPU cores): each role's slowdown (>= 1) while the other engine is in a step too, measured by
 `pdserve bench calibrate --through-services` (bench/simulate/engines.py, SharedDevice). Without it, engines
 sharing a device are costed as if each had it alone, and the result says so.
+
+`prefill_served` is a lone prompt's prefill step as the running services take it (the prefill engine's own step
+counters over one probe request, `pdserve bench calibrate --through-services`), idle and while other requests
+stream their tokens, beside the same prompt's step on the engine alone (`alone_s`). On a GPU a host-bound prefill
+step takes longer in the service than alone (H100, tiny-code: 18.3 ms idle and 19-21 ms under 4-16 streams, against
+11.2 ms alone), and the engine-alone fit misses it. Each simulated prefill step then costs its fit plus the
+difference for the streams live at its start (joined linearly between the points, flat past the last, never
+below 0); the points under streams include the decode's share of the device, so the prefill's `shared_device`
+slowdown is not applied on top.
 """
 
 from __future__ import annotations
@@ -206,6 +217,35 @@ class Profile:
             raise ProfileError(f"profile {self.path}: request_overhead_s.by_streams must be [streams > 0, seconds "
                                f">= 0] pairs with the streams increasing (got {raw!r})")
         return [(float(x), float(y)) for x, y in raw]
+
+    def served_prefill_extra(self, streams: float) -> float:
+        """Seconds a prefill step takes in the running services beyond its engine-alone cost while `streams`
+        requests stream their tokens (`prefill_served`); 0 where the profile has no such entry."""
+        entry = self.raw.get("prefill_served")
+        if entry is None:
+            return 0.0
+        fit, raw = entry.get("alone_s") if isinstance(entry, dict) else None, \
+            entry.get("by_streams") if isinstance(entry, dict) else None
+        ok = isinstance(fit, (int, float)) and fit >= 0 and isinstance(raw, list) and raw and all(
+            isinstance(q, (list, tuple)) and len(q) == 2 and all(isinstance(v, (int, float)) for v in q)
+            and q[0] >= 0 and q[1] >= 0 for q in raw)
+        xs = [q[0] for q in raw] if ok else []
+        if not ok or xs[0] != 0 or xs != sorted(set(xs)):
+            raise ProfileError(f"profile {self.path}: prefill_served needs alone_s >= 0 and by_streams [streams, "
+                               f"seconds >= 0] pairs from 0 streams, increasing (got {entry!r})")
+        points = [(float(x), float(y)) for x, y in raw]
+        served = points[-1][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if streams <= x1:
+                served = y0 + (y1 - y0) * (max(streams, x0) - x0) / (x1 - x0)
+                break
+        if len(points) == 1 or streams <= 0:
+            served = points[0][1]
+        return max(served - float(fit), 0.0)
+
+    @property
+    def has_served_prefill(self) -> bool:
+        return self.raw.get("prefill_served") is not None
 
     @property
     def shared_device(self) -> dict[str, float] | None:

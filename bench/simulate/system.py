@@ -371,9 +371,12 @@ class _Registry:
 
 
 class SimSystem:
-    def __init__(self, specs: list[EngineSpec], profile: Profile, seed: int, dispersion: bool = False):
+    def __init__(self, specs: list[EngineSpec], profile: Profile, seed: int, dispersion: bool = False,
+                 served_prefill: bool = True):
         """`dispersion`: each step drawn around its cost as the profile's measured steps of the layout spread
-        around their fit (Profile.dispersion), seeded per engine; else every step of a shape costs the same."""
+        around their fit (Profile.dispersion), seeded per engine; else every step of a shape costs the same.
+        `served_prefill`: each prefill step costs what the running services added to it too, where the profile
+        measured that (`prefill_served`); else its engine-alone fit only."""
         self.loop = asyncio.get_running_loop()
         self.profile = profile
         self.specs = {s.instance_id: s for s in specs}
@@ -393,11 +396,22 @@ class SimSystem:
                 self.engines[s.instance_id].kv.device_footprint = DeviceFootprint(*s.device_room)
             if s.group is not None:  # a DP group's ranks step together
                 groups.setdefault(s.group, LockStep(self.loop)).add(self.engines[s.instance_id])
+        self.streams = 0  # requests past their first token, still streaming (request_overhead's load)
+        profile.served_prefill_extra(0)  # a malformed entry: an error before anything runs
+        slowdown = profile.shared_device
+        served_prefill = served_prefill and profile.has_served_prefill
+        if served_prefill:  # each prefill step as the services take it, at the streams live then
+            for s in specs:
+                if s.role == "prefill":
+                    self.engines[s.instance_id].served_extra = lambda: profile.served_prefill_extra(self.streams)
+            if slowdown is not None:  # its points under streams hold the decode's share of the device
+                slowdown = {**slowdown, "prefill": 1.0}
         sharing = [s for s in specs if s.shared_device and s.role != "kvstore"]
         # engines on one device take turns on it; without the profile's measured slowdowns, each as if alone
-        self.shared_device = {"engines": [s.instance_id for s in sharing], "slowdown": profile.shared_device}
-        if len({s.role for s in sharing}) > 1 and profile.shared_device is not None:
-            device = SharedDevice(self.loop, profile.shared_device)
+        self.shared_device = {"engines": [s.instance_id for s in sharing], "slowdown": slowdown,
+                              "served_prefill": served_prefill}
+        if len({s.role for s in sharing}) > 1 and slowdown is not None:
+            device = SharedDevice(self.loop, slowdown)
             for s in sharing:
                 device.add(self.engines[s.instance_id], s.role)
         self.routing = Routing(_Registry({**self.engines, **self.stores}, {s.instance_id: s.role for s in specs}),
@@ -411,7 +425,6 @@ class SimSystem:
         self.transfer_s = 0.0  # virtual seconds of KV transfers, summed
         self.admission_waits = 0  # decode reservations that waited for room
         self.refusals = 0  # requests an engine refused (prompts no pool of it can hold)
-        self.streams = 0  # requests past their first token, still streaming (request_overhead's load)
         # where each request's time went: its record and seconds by phase (PHASES)
         self.phases: list[tuple[RequestRecord, dict[str, float]]] = []
 

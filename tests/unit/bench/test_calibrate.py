@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config.arg_utils import EngineArgs
 from engine.frontend.core_factory import make_engine_core
 from tests.helpers.agent_traces import write_traces
@@ -79,3 +81,26 @@ def test_the_service_overhead_is_measured_again_while_other_requests_stream(monk
     assert 0.0128 - step_s <= got["overhead_s"] < 1.0  # the probe's TTFT (at least its fake prefill) less that
     long = [e for e in fake.log if e.max_tokens == 4000]
     assert len(long) == 3 and len(fake.log) >= 3 + calibrate.PROBES
+
+
+def test_the_served_prefill_step_is_kept_beside_the_same_prompts_step_on_the_engine_alone(tiny_code):
+    """served_prefill: the probes' own prefill steps (idle, then per stream count) beside the probe's prompt on the
+    engine alone: measured (measure_probe_alone, on the real engine here), else what the entry's fit says."""
+    from bench.simulate.calibrate import PROBE_LEN, measure_probe_alone, served_prefill
+    from bench.simulate.profile import Profile
+
+    engines = {"prefill/pcp1-dcp1": {"step_s": 0.010, "token_s": 1e-5, "token_ctx_s": 0.0, "request_s": 0.0}}
+    under = [{"streams": 4, "prefill_step_s": 0.021, "overhead_s": 0.006, "probes": 5},
+             {"streams": 16, "prefill_step_s": 0.019, "overhead_s": 0.006, "probes": 5}]
+    entry = served_prefill(engines, 0.018, under, 128)
+    assert entry["alone_s"] == pytest.approx(0.010 + 128e-5) and "fit" in entry["source"]
+    assert entry["by_streams"] == [[0, 0.018], [4, 0.021], [16, 0.019]]
+    prof = Profile({"version": 1, "engines": engines, "prefill_served": entry})
+    assert prof.served_prefill_extra(4) == pytest.approx(0.021 - 0.01128)
+
+    core = make_engine_core(EngineArgs(model=str(tiny_code), device="cpu", num_blocks=64).create_engine_config())
+    alone = measure_probe_alone(core, "cpu")
+    assert 0 < alone < 10 and not core.has_unfinished()
+    measured = {"prefill/pcp1-dcp1": {**engines["prefill/pcp1-dcp1"], "probe_alone_s": alone}}
+    entry = served_prefill(measured, 0.018, under, PROBE_LEN)
+    assert entry["alone_s"] == alone and "engine alone" in entry["source"]

@@ -409,3 +409,34 @@ def test_a_call_into_an_engine_waits_for_the_step_in_progress(tmp_path):
     step = prof.engine("prefill/pcp1-dcp1")
     assert idle == 0.0 and waited == pytest.approx(step.step_s + 100 * step.token_s + step.request_s
                                                     + step.token_ctx_s * 100 * 50)
+
+
+def test_a_prefill_step_costs_what_the_running_services_took_for_it_beyond_its_fit(traces, tmp_path, capsys):
+    """prefill_served: a probe's prefill step in the services (idle, under streams) beside the engine-alone fit of
+    that step; each simulated prefill step adds the difference for the streams live at its start (linear between
+    the points, flat past the last, never negative); malformed entries are refused before anything runs."""
+    entry = {"alone_s": 0.010, "by_streams": [[0, 0.015], [8, 0.035]]}
+    prof = Profile.load(_profile(tmp_path, prefill_served=entry))
+    assert [prof.served_prefill_extra(k) for k in (0, 4, 8, 20)] == pytest.approx([0.005, 0.015, 0.025, 0.025])
+    below = Profile.load(_profile(tmp_path, prefill_served={"alone_s": 0.02, "by_streams": [[0, 0.015]]}))
+    assert below.served_prefill_extra(3) == 0.0
+    assert Profile.load(_profile(tmp_path)).served_prefill_extra(5) == 0.0  # no entry: the fit alone
+    for bad in ({"alone_s": 0.01, "by_streams": [[4, 0.02]]}, {"alone_s": 0.01, "by_streams": [[0, 0.02], [0, 0.03]]},
+                {"alone_s": -1, "by_streams": [[0, 0.02]]}, {"by_streams": [[0, 0.02]]}, [0, 0.02]):
+        with pytest.raises(ProfileError, match="prefill_served"):
+            Profile.load(_profile(tmp_path, prefill_served=bad)).served_prefill_extra(1)
+    bad = _profile(tmp_path, prefill_served={"alone_s": 0.01, "by_streams": []})
+    assert cli.main(_argv(traces, bad, tmp_path / "x")) != 0  # the simulation refuses it up front
+    assert "prefill_served" in capsys.readouterr().err and not (tmp_path / "x" / "result.json").exists()
+
+    def prefill_ms(profile, out, *extra):
+        assert cli.main(_argv(traces, profile, out, *extra)) == 0
+        return [1e3 * lv["sim"]["time_by_phase_s"]["prefill"]["mean"]
+                for lv in json.loads((out / "result.json").read_text())["levels"]]
+
+    alone = prefill_ms(_profile(tmp_path), tmp_path / "alone")
+    served = prefill_ms(_profile(tmp_path, prefill_served=entry), tmp_path / "served")
+    left_out = prefill_ms(_profile(tmp_path, prefill_served=entry), tmp_path / "left-out", "--no-served-prefill")
+    assert left_out == pytest.approx(alone)  # --no-served-prefill: the engine-alone fit only
+    assert all(s > a + 4.0 for a, s in zip(alone, served)), (alone, served)  # at least the idle 5 ms a step
+    assert served[1] - alone[1] > served[0] - alone[0]  # c = 6 meets more live streams than c = 2

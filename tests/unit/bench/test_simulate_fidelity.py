@@ -97,7 +97,8 @@ def test_where_the_mean_ttft_went_is_set_beside_the_simulations_phases(simulated
     sim = json.loads(sim_path.read_text())
     real = _as_measured(sim, {})
     for lv in real["levels"]:
-        lv["server"] = {"prefill_mean_ttft_ms": lv["mean_ttft_ms"] - 9.0, "prefill_mean_step_ms": 40.0,
+        lv["server"] = {"prefill_mean_ttft_ms": lv["mean_ttft_ms"] - 9.0, "prefill_mean_step_ms": 20.0,
+                        "prefill_step_ms_per_request": 40.0,
                         "router_mean_ttft_ms": lv["mean_ttft_ms"] - 2.0}
     real_path = tmp_path / "real.json"
     real_path.write_text(json.dumps(real))
@@ -109,7 +110,10 @@ def test_where_the_mean_ttft_went_is_set_beside_the_simulations_phases(simulated
         assert split["before_prefill"] == {"real": pytest.approx(9.0), "sim": pytest.approx(3.0)}  # 3 ms overhead
         assert split["prefill_service"]["sim"] == pytest.approx(
             1e3 * (phases["prefill_queue"]["mean"] + phases["prefill"]["mean"]))
-        assert split["prefill_step"]["real"] == 40.0 and split["prefill_step"]["sim"] > 0
+        per_request = split["prefill_steps_per_request"]
+        assert per_request["real"] == 40.0  # not the mean step: the engine counts steps that compute nothing
+        assert per_request["sim"] == pytest.approx(1e3 * lv["sim"]["prefill_busy_s"] / lv["sim"]["prefill_requests"])
+        assert 0 < per_request["sim"] < 1e3 * lv["sim"]["prefill_busy_s"]
     assert all(r["ttft_split"] is None for r in fidelity.compare_levels(_as_measured(sim, {})["levels"],
                                                                         sim["levels"], 0.15))
 

@@ -175,7 +175,8 @@ def test_a_fresh_servers_levels_record_the_mtp_acceptance_and_the_services_figur
         assert redis_url == "redis://x" and router_url.startswith("http://")
         n, s = next(scrapes)
         ttft = {"pdserve:time_to_first_token_seconds_count": n, "pdserve:time_to_first_token_seconds_sum": s}
-        return {"prefill": {**ttft, "pdserve:engine_steps_total": n, "pdserve:engine_step_seconds_total": s / 2},
+        # two engine steps a request: its prefill, and one that only hands it (finished) to the runner
+        return {"prefill": {**ttft, "pdserve:engine_steps_total": 2 * n, "pdserve:engine_step_seconds_total": s / 2},
                 "router": {"pdserve:time_to_first_token_seconds_count": n,
                            "pdserve:time_to_first_token_seconds_sum": s * 1.5}}
 
@@ -186,4 +187,5 @@ def test_a_fresh_servers_levels_record_the_mtp_acceptance_and_the_services_figur
     first, second = (lv["server"] for lv in out["levels"])
     assert first["prefill_mean_ttft_ms"] == pytest.approx(30.0)
     assert second["prefill_mean_ttft_ms"] == pytest.approx(20.0)
-    assert first["router_mean_ttft_ms"] == pytest.approx(45.0) and second["prefill_mean_step_ms"] == pytest.approx(10.0)
+    assert first["router_mean_ttft_ms"] == pytest.approx(45.0) and second["prefill_mean_step_ms"] == pytest.approx(5.0)
+    assert second["prefill_requests"] == 20 and second["prefill_step_ms_per_request"] == pytest.approx(10.0)
