@@ -211,6 +211,7 @@ async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vo
                                                         for r, w in zip(singles, work)),
                         "handoff_s": statistics.median(max(s - w["decode"], 0.0) for s, w in zip(second, work)),
                         "prefill_step_s": statistics.median(w["prefill"] for w in work),
+                        "prefill_steps_s": [w["prefill"] for w in work],
                         "decode_step_s": statistics.median(w["decode"] for w in work)}
         tpot = {}
         for b in batches:
@@ -284,22 +285,27 @@ async def _overhead_under_streams(http, url: str, model: str, vocab: int, redis_
     if not got:
         raise RuntimeError(f"calibration: no probe under {k} streams ran without a stream starting beside it")
     return {"streams": statistics.median(g[0] for g in got), "overhead_s": statistics.median(g[1] for g in got),
-            "prefill_step_s": statistics.median(g[2] for g in got), "probes": len(got)}
+            "prefill_step_s": statistics.median(g[2] for g in got), "prefill_steps_s": [g[2] for g in got],
+            "probes": len(got)}
 
 
-def served_prefill(engines: dict, idle_step_s: float, under: list[dict], prompt_len: int) -> dict:
+def served_prefill(engines: dict, idle_step_s: float, under: list[dict], prompt_len: int,
+                   idle_steps_s: list[float] | None = None) -> dict:
     """The profile's `prefill_served` entry: a `prompt_len`-token probe's prefill step in the running services
     (the engine's step counters), idle (`idle_step_s`) and under each stream count of `under`
     (`_overhead_under_streams`), beside the same prompt's step on the engine alone: measured (`probe_alone_s` of
-    the prefill entry, `measure_probe_alone`), else what the entry's fit says it costs."""
+    the prefill entry, `measure_probe_alone`), else what the entry's fit says it costs. Each probe's own step is
+    kept too (`probe_steps_s`, by stream count), where it was measured: how much a lone step spreads."""
     entry = engines["prefill/pcp1-dcp1"]
     alone = entry.get("probe_alone_s")
     how = f"the median step of {PROBES} such prompts on the engine alone"
     if alone is None:
         alone = Profile({"version": 1, "engines": engines}).engine("prefill/pcp1-dcp1")([_Chunk(0, [0] * prompt_len)])
         how = "the engine-alone fit of that step"
+    steps = {"0": idle_steps_s, **{f"{u['streams']:g}": u.get("prefill_steps_s") for u in under}}
     return {"alone_s": alone, "prompt_len": prompt_len,
             "by_streams": [[0, idle_step_s], *([u["streams"], u["prefill_step_s"]] for u in under)],
+            "probe_steps_s": {k: v for k, v in steps.items() if v},
             "source": f"pdserve bench calibrate --through-services: the prefill engine's step counters over each "
                       f"{prompt_len}-token probe (median of {PROBES}), idle and while "
                       f"{', '.join(str(u['streams']) for u in under)} other requests streamed their tokens; "
@@ -677,7 +683,7 @@ def _calibrate_served(a, prof: dict) -> None:
             f"streams during the probes), each TTFT less its prefill's steps (counters)")
     if single and got["under_streams"]:  # the probes' own prefill steps, beside the engine-alone fit of that step
         prof["prefill_served"] = served_prefill(prof["engines"], single["prefill_step_s"], got["under_streams"],
-                                                prompt_len)
+                                                prompt_len, single["prefill_steps_s"])
         print("served prefill step: " + ", ".join(f"{y * 1e3:.1f} ms at {x:g} streams"
                                                    for x, y in prof["prefill_served"]["by_streams"])
               + f" (engine alone: {prof['prefill_served']['alone_s'] * 1e3:.1f} ms)", file=sys.stderr)

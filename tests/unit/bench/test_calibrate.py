@@ -78,6 +78,7 @@ def test_the_service_overhead_is_measured_again_while_other_requests_stream(monk
         assert fake.in_flight == 0  # the streams end with the measurement
     assert got["probes"] == calibrate.PROBES and got["streams"] == 3
     assert abs(got["prefill_step_s"] - step_s) < 1e-9  # each window counted its probe alone
+    assert got["prefill_steps_s"] == pytest.approx([step_s] * calibrate.PROBES)  # and each probe's own is kept
     assert 0.0128 - step_s <= got["overhead_s"] < 1.0  # the probe's TTFT (at least its fake prefill) less that
     long = [e for e in fake.log if e.max_tokens == 4000]
     assert len(long) == 3 and len(fake.log) >= 3 + calibrate.PROBES
@@ -94,6 +95,7 @@ def test_the_served_prefill_step_is_kept_beside_the_same_prompts_step_on_the_eng
              {"streams": 16, "prefill_step_s": 0.019, "overhead_s": 0.006, "probes": 5}]
     entry = served_prefill(engines, 0.018, under, 128)
     assert entry["alone_s"] == pytest.approx(0.010 + 128e-5) and "fit" in entry["source"]
+    assert entry["probe_steps_s"] == {}  # no probe's own step was given
     assert entry["by_streams"] == [[0, 0.018], [4, 0.021], [16, 0.019]]
     prof = Profile({"version": 1, "engines": engines, "prefill_served": entry})
     assert prof.served_prefill_extra(4) == pytest.approx(0.021 - 0.01128)
@@ -102,5 +104,7 @@ def test_the_served_prefill_step_is_kept_beside_the_same_prompts_step_on_the_eng
     alone = measure_probe_alone(core, "cpu")
     assert 0 < alone < 10 and not core.has_unfinished()
     measured = {"prefill/pcp1-dcp1": {**engines["prefill/pcp1-dcp1"], "probe_alone_s": alone}}
-    entry = served_prefill(measured, 0.018, under, PROBE_LEN)
+    under[0]["prefill_steps_s"] = [0.020, 0.021, 0.025]
+    entry = served_prefill(measured, 0.018, under, PROBE_LEN, [0.017, 0.018, 0.030])
     assert entry["alone_s"] == alone and "engine alone" in entry["source"]
+    assert entry["probe_steps_s"] == {"0": [0.017, 0.018, 0.030], "4": [0.020, 0.021, 0.025]}
