@@ -440,6 +440,27 @@ async def _sharing(url: str, redis_url: str, vocab: int, prompts: list[Iterator[
     return out
 
 
+CONTEXT_TERMS = ("token_ctx_s", "chunk_ctx_s")  # the step cost's terms that grow with the context
+
+
+def served_decode_fit(rows: list[tuple[list[float], float]], engine_only: dict | None) -> tuple[list[float], float]:
+    """The served decode steps' fit: `rows` (served_decode_rows) are all at one context, so they cannot tell a
+    per-request cost from one that grows with the context (their features are proportional). The context terms
+    are taken from the engine-alone fit (`engine_only`, measured at several contexts) and the other terms fitted
+    to what remains; without it, all terms are fitted. -> (coefficients in FIT_TERMS order, the median relative
+    error over the rows)."""
+    if not engine_only:
+        return nnls_fit(rows)
+    fixed = {t: float(engine_only.get(t, 0.0)) for t in CONTEXT_TERMS}
+    free = [i for i, t in enumerate(FIT_TERMS) if t not in fixed]
+    ctx = [(i, fixed[t]) for i, t in enumerate(FIT_TERMS) if t in fixed]
+    rest = [([f[i] for i in free], max(t - sum(f[i] * c for i, c in ctx), 0.0)) for f, t in rows]
+    part, _ = nnls_fit(rest)
+    coef = [fixed[t] if t in fixed else part[free.index(i)] for i, t in enumerate(FIT_TERMS)]
+    rel = statistics.median(abs(sum(c * x for c, x in zip(coef, f)) - t) / t for f, t in rows)
+    return coef, rel
+
+
 def served_decode_rows(tpot: dict[int, float], k: int, acceptance: float, context: int) -> list:
     """A served decode step of B requests, from its TPOT: step = TPOT x tokens per step per request."""
     chunk = _Chunk(context, [0] * (1 + k))  # each request's rows: its token and its drafts
@@ -654,11 +675,14 @@ def _calibrate_served(a, prof: dict) -> None:
     acceptance = (cfg.speculative.synthetic_acceptance_length if cfg.speculative else None) or \
         prof.get("mtp_acceptance_length") or 1.0
     rows = served_decode_rows(got["tpot_s"], k, acceptance, prompt_len + tokens // 2)
-    coef, rel = nnls_fit(rows)
+    engine_only = prof["engines"].get(key)
+    coef, rel = served_decode_fit(rows, engine_only)
     prof["engines"][key] = {**dict(zip(FIT_TERMS, coef)), "median_relative_error": rel, "steps": len(rows),
-                            "engine_only": prof["engines"].get(key),
+                            "measured": [[*f, t] for f, t in rows], "engine_only": engine_only,
                             "source": f"pdserve bench calibrate --through-services: TPOT of 1-{max(batches)} "
-                                      f"concurrent streams x {acceptance:.2f} tokens per step"}
+                                      f"concurrent streams x {acceptance:.2f} tokens per step, at one context "
+                                      f"({prompt_len + tokens // 2} tokens); the context terms are the engine-alone "
+                                      f"fit's"}
     single = got["singles"]
     if single:  # each request's own engine steps, read from the engines' counters
         overhead, handoff = single["overhead_s"], single["handoff_s"]

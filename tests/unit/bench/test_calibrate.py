@@ -108,3 +108,24 @@ def test_the_served_prefill_step_is_kept_beside_the_same_prompts_step_on_the_eng
     entry = served_prefill(measured, 0.018, under, PROBE_LEN, [0.017, 0.018, 0.030])
     assert entry["alone_s"] == alone and "engine alone" in entry["source"]
     assert entry["probe_steps_s"] == {"0": [0.017, 0.018, 0.030], "4": [0.020, 0.021, 0.025]}
+
+
+def test_the_served_decode_fit_takes_its_context_terms_from_the_engine_alone_fit():
+    """served_decode_fit: the served steps are all at one context, where a per-request cost and one growing with
+    the context look alike; the context terms come from the engine-alone fit (measured at several contexts), the
+    rest is fitted to the served steps, so a long context costs what the engine alone says it adds."""
+    from bench.simulate.calibrate import FIT_TERMS, _Chunk, _features, served_decode_fit, served_decode_rows
+
+    truth = {"step_s": 0.007, "token_s": 2e-5, "token_ctx_s": 1e-8, "request_s": 1e-4, "chunk_ctx_s": 0.0}
+    cost = (lambda f: sum(truth[t] * x for t, x in zip(FIT_TERMS, f)))
+    k, acceptance, context = 3, 2.0, 152
+    tpot = {b: cost(_features([_Chunk(context, [0] * (1 + k))] * b)) / acceptance for b in (1, 2, 4, 8, 16)}
+    rows = served_decode_rows(tpot, k, acceptance, context)
+    engine_only = {"step_s": 0.005, "token_s": 1e-5, "token_ctx_s": 1e-8, "request_s": 0.0, "chunk_ctx_s": 0.0}
+    coef, rel = served_decode_fit(rows, engine_only)
+    got = dict(zip(FIT_TERMS, coef))
+    assert got["token_ctx_s"] == 1e-8 and got["chunk_ctx_s"] == 0.0 and rel < 1e-6
+    long = _features([_Chunk(4000, [0] * (1 + k))] * 4)  # four requests at a 4K context
+    assert sum(c * x for c, x in zip(coef, long)) == pytest.approx(cost(long), rel=1e-6)
+    plain, _ = served_decode_fit(rows, None)  # no engine-alone fit: every term fitted to the one context
+    assert sum(c * x for c, x in zip(plain, rows[2][0])) == pytest.approx(rows[2][1], rel=1e-3)
