@@ -218,9 +218,29 @@ class Profile:
                                f">= 0] pairs with the streams increasing (got {raw!r})")
         return [(float(x), float(y)) for x, y in raw]
 
-    def served_prefill_extra(self, streams: float) -> float:
+    def served_prefill_spread(self) -> list[float] | None:
+        """How much a lone prefill step in the services varies: each probe's step (`prefill_served.probe_steps_s`)
+        over the median of its stream count's probes, scaled to mean 1; None where the entry kept no probe's own."""
+        entry = self.raw.get("prefill_served") or {}
+        sets = entry.get("probe_steps_s") if isinstance(entry, dict) else None
+        if not sets:
+            return None
+        if not isinstance(sets, dict) or not all(
+                isinstance(v, list) and v and all(isinstance(x, (int, float)) and x > 0 for x in v)
+                for v in sets.values()):
+            raise ProfileError(f"profile {self.path}: prefill_served.probe_steps_s must map stream counts to lists "
+                               f"of positive seconds (got {sets!r})")
+        ratios = []
+        for steps in sets.values():
+            mid = sorted(steps)[len(steps) // 2]
+            ratios += [x / mid for x in steps]
+        mean = sum(ratios) / len(ratios)
+        return [r / mean for r in ratios]
+
+    def served_prefill_extra(self, streams: float, ratio: float = 1.0) -> float:
         """Seconds a prefill step takes in the running services beyond its engine-alone cost while `streams`
-        requests stream their tokens (`prefill_served`); 0 where the profile has no such entry."""
+        requests stream their tokens (`prefill_served`); 0 where the profile has no such entry. `ratio`: the
+        served step drawn at that multiple of its median (served_prefill_spread)."""
         entry = self.raw.get("prefill_served")
         if entry is None:
             return 0.0
@@ -241,7 +261,7 @@ class Profile:
                 break
         if len(points) == 1 or streams <= 0:
             served = points[0][1]
-        return max(served - float(fit), 0.0)
+        return max(served * ratio - float(fit), 0.0)
 
     @property
     def has_served_prefill(self) -> bool:

@@ -53,6 +53,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import random
 from pathlib import Path
 
 import yaml
@@ -401,9 +402,16 @@ class SimSystem:
         slowdown = profile.shared_device
         served_prefill = served_prefill and profile.has_served_prefill
         if served_prefill:  # each prefill step as the services take it, at the streams live then
-            for s in specs:
-                if s.role == "prefill":
-                    self.engines[s.instance_id].served_extra = lambda: profile.served_prefill_extra(self.streams)
+            spread = profile.served_prefill_spread() if dispersion else None
+            for n, s in enumerate(specs):
+                if s.role != "prefill":
+                    continue
+                if spread:  # with dispersion, each step's served part drawn as the probes' own steps spread
+                    rng = random.Random(seed * 1000 + 500 + n)
+                    extra = (lambda rng=rng: profile.served_prefill_extra(self.streams, rng.choice(spread)))
+                else:
+                    extra = (lambda: profile.served_prefill_extra(self.streams))
+                self.engines[s.instance_id].served_extra = extra
             if slowdown is not None:  # its points under streams hold the decode's share of the device
                 slowdown = {**slowdown, "prefill": 1.0}
         sharing = [s for s in specs if s.shared_device and s.role != "kvstore"]

@@ -440,3 +440,30 @@ def test_a_prefill_step_costs_what_the_running_services_took_for_it_beyond_its_f
     assert left_out == pytest.approx(alone)  # --no-served-prefill: the engine-alone fit only
     assert all(s > a + 4.0 for a, s in zip(alone, served)), (alone, served)  # at least the idle 5 ms a step
     assert served[1] - alone[1] > served[0] - alone[0]  # c = 6 meets more live streams than c = 2
+
+
+def test_with_dispersion_the_served_prefill_step_spreads_as_the_probes_did(traces, tmp_path):
+    """prefill_served.probe_steps_s: each probe's own served step; `--step-dispersion` draws each prefill step's
+    served part at one of their ratios to their stream count's median (scaled to mean 1), seeded: the prefill's
+    time spreads further (a longer p90 over p50), the same run twice gives the same figures."""
+    entry = {"alone_s": 0.010, "by_streams": [[0, 0.030]],
+             "probe_steps_s": {"0": [0.015, 0.030, 0.030, 0.030, 0.075]}}
+    prof = Profile.load(_profile(tmp_path, prefill_served=entry))
+    assert prof.served_prefill_spread() == pytest.approx([0.5 / 1.2, 1 / 1.2, 1 / 1.2, 1 / 1.2, 2.5 / 1.2])
+    assert prof.served_prefill_extra(0, 2.0) == pytest.approx(0.05)
+    assert Profile.load(_profile(tmp_path, prefill_served={"alone_s": 0.01, "by_streams": [[0, 0.02]]})) \
+        .served_prefill_spread() is None  # no probe's own step kept
+    with pytest.raises(ProfileError, match="probe_steps_s"):
+        Profile.load(_profile(tmp_path, prefill_served={**entry, "probe_steps_s": {"0": [0.01, -1]}})) \
+            .served_prefill_spread()
+
+    def prefill_phase(out, *extra):
+        assert cli.main(_argv(traces, _profile(tmp_path, prefill_served=entry), out, *extra)) == 0
+        levels = json.loads((out / "result.json").read_text())["levels"]
+        return [lv["sim"]["time_by_phase_s"]["prefill"] for lv in levels]
+
+    plain = prefill_phase(tmp_path / "plain")
+    spread = prefill_phase(tmp_path / "spread", "--step-dispersion")
+    assert spread == prefill_phase(tmp_path / "again", "--step-dispersion")
+    for p, s in zip(plain, spread):
+        assert s["p90"] / s["p50"] > p["p90"] / p["p50"], (plain, spread)
