@@ -60,6 +60,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 TERMS = ("step_s", "token_s", "token_ctx_s", "request_s")
@@ -199,13 +200,7 @@ class Profile:
         `by_streams` points ([streams, seconds], measured) joined linearly from (0, value), flat past the last;
         the idle value where the entry has none."""
         entry = self._entry("request_overhead_s", ("value",))
-        points = [(0.0, float(entry["value"])), *self._overhead_points(entry)]
-        if streams <= 0 or len(points) == 1:
-            return points[0][1]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            if streams <= x1:
-                return y0 + (y1 - y0) * (streams - x0) / (x1 - x0)
-        return points[-1][1]
+        return _linear([(0.0, float(entry["value"])), *self._overhead_points(entry)], streams)
 
     def _overhead_points(self, entry: dict) -> list[tuple[float, float]]:
         raw = entry.get("by_streams", [])
@@ -241,27 +236,26 @@ class Profile:
         """Seconds a prefill step takes in the running services beyond its engine-alone cost while `streams`
         requests stream their tokens (`prefill_served`); 0 where the profile has no such entry. `ratio`: the
         served step drawn at that multiple of its median (served_prefill_spread)."""
+        if self._served_points is None:
+            return 0.0
+        alone, points = self._served_points
+        return max(_linear(points, streams) * ratio - alone, 0.0)
+
+    @cached_property
+    def _served_points(self) -> tuple[float, list[tuple[float, float]]] | None:
+        """`prefill_served` read and checked once: (alone_s, its [streams, seconds] points)."""
         entry = self.raw.get("prefill_served")
         if entry is None:
-            return 0.0
-        fit, raw = entry.get("alone_s") if isinstance(entry, dict) else None, \
-            entry.get("by_streams") if isinstance(entry, dict) else None
-        ok = isinstance(fit, (int, float)) and fit >= 0 and isinstance(raw, list) and raw and all(
+            return None
+        alone, raw = (entry.get("alone_s"), entry.get("by_streams")) if isinstance(entry, dict) else (None, None)
+        ok = isinstance(alone, (int, float)) and alone >= 0 and isinstance(raw, list) and raw and all(
             isinstance(q, (list, tuple)) and len(q) == 2 and all(isinstance(v, (int, float)) for v in q)
             and q[0] >= 0 and q[1] >= 0 for q in raw)
         xs = [q[0] for q in raw] if ok else []
         if not ok or xs[0] != 0 or xs != sorted(set(xs)):
             raise ProfileError(f"profile {self.path}: prefill_served needs alone_s >= 0 and by_streams [streams, "
                                f"seconds >= 0] pairs from 0 streams, increasing (got {entry!r})")
-        points = [(float(x), float(y)) for x, y in raw]
-        served = points[-1][1]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            if streams <= x1:
-                served = y0 + (y1 - y0) * (max(streams, x0) - x0) / (x1 - x0)
-                break
-        if len(points) == 1 or streams <= 0:
-            served = points[0][1]
-        return max(served * ratio - float(fit), 0.0)
+        return float(alone), [(float(x), float(y)) for x, y in raw]
 
     @property
     def has_served_prefill(self) -> bool:
@@ -290,6 +284,16 @@ class Profile:
         if name in ("transfer", "kvstore") and entry["gbs"] <= 0:
             raise ProfileError(f"profile {self.path}: {name}.gbs must be > 0")
         return entry
+
+
+def _linear(points: list[tuple[float, float]], x: float) -> float:
+    """y at x on (x, y) points (x increasing) joined linearly, flat before the first and past the last."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
 
 
 def prefill_key(pcp: int, dcp: int, dp: int = 1) -> str:

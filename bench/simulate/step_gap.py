@@ -91,6 +91,9 @@ async def _thread_probes(core, config, prompts: list[list[int]], gap_s: float, p
 
 
 def run(a: argparse.Namespace) -> dict:
+    unknown = [m for m in a.modes.split(",") if m not in MODES]
+    if unknown:  # before any engine is built
+        raise ValueError(f"unknown mode {unknown[0]!r}: choose from {', '.join(MODES)}")
     topo = topology_mod.load(a.config)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,10 +116,8 @@ def run(a: argparse.Namespace) -> dict:
             for i, p in enumerate(prompts):
                 time.sleep(a.gap_s)
                 got.append(_core_probe(core, p, f"g{i}"))
-        elif mode in ("engine_thread", "polling"):
+        else:  # engine_thread, polling
             got = asyncio.run(_thread_probes(core, cfg, prompts, a.gap_s, a.poll_s if mode == "polling" else None))
-        else:
-            raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(MODES)}")  # main checks it first
         ms = sorted(1e3 * s for s in got)
         out["modes"][mode] = {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1], "steps_ms": ms}
         print(f"{mode:>14}: median {statistics.median(ms):.2f} ms (min {ms[0]:.2f}, max {ms[-1]:.2f})",
@@ -147,10 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         if v < 1:
             print(f"step_gap: error: {name} must be at least 1, got {v}", file=sys.stderr)
             return 2
-    unknown = [m for m in a.modes.split(",") if m not in MODES]
-    if unknown:
-        print(f"step_gap: error: unknown mode {unknown[0]!r}: choose from {', '.join(MODES)}", file=sys.stderr)
-        return 2
     try:
         run(a)
     except ValueError as e:
