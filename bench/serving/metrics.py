@@ -128,6 +128,10 @@ def summarize(records: Sequence[RequestRecord], window: Window, *, num_gpus: int
     out.update(latency_stats("ttft", [r.ttft_s for r in ok], percentiles))
     out.update(latency_stats("tpot", [t for t in map(tpot_s, ok) if t is not None], percentiles))
     out.update(latency_stats("itl", [x for r in ok for x in r.itl_s], percentiles))
+    # the ITL in two: the first gap (prefill's first token to the decode's first output, across the KV handoff)
+    # and the decode's own gaps after it; the TPOT of short outputs is much of the first
+    out.update(latency_stats("handoff", [r.itl_s[0] for r in ok if r.itl_s], percentiles))
+    out.update(latency_stats("decode_itl", [x for r in ok for x in r.itl_s[1:]], percentiles))
     out.update(latency_stats("e2el", [r.e2e_s for r in ok], percentiles))
     reasons = validity(counts)
     out["valid"], out["invalid_reasons"] = not reasons, reasons

@@ -69,8 +69,8 @@ _SAME = ("fresh_server", "traces", "concurrency", *_FLAGS, "fit_traces")
 
 def median_run(runs: list[dict]) -> dict:
     """Several measured runs of one command as one: each level's figures (FIGURES, the mean TTFT, the services'
-    figures) the median over the runs, their values kept (`runs`), the MTP counters summed. ValueError when the
-    runs are not of one command."""
+    figures, the TPOT's parts) the median over the runs, their values kept (`runs`), the MTP counters summed.
+    ValueError when the runs are not of one command."""
     first = runs[0]
     for r in runs[1:]:
         diff = [k for k in _SAME if r["config"].get(k) != first["config"].get(k)]
@@ -82,7 +82,7 @@ def median_run(runs: list[dict]) -> dict:
     for i, lv in enumerate(first["levels"]):
         group = [r["levels"][i] for r in runs]
         out = dict(lv)
-        for key in [k for k, _ in FIGURES] + ["mean_ttft_ms"]:
+        for key in [k for k, _ in FIGURES] + ["mean_ttft_ms", *TPOT_PARTS]:
             vals = [g.get(key) for g in group]
             out[key] = statistics.median(vals) if None not in vals else None
             out.setdefault("runs", {})[key] = vals
@@ -120,8 +120,21 @@ def compare_levels(real: list[dict], sim: list[dict], bound: float) -> list[dict
         out.append({"concurrency": lv["concurrency"], "real_valid": lv.get("valid", True),
                     "sim_valid": s.get("valid", True), "figures": figs,
                     "within": sum(f["within"] for f in figs.values()), "of": len(figs),
-                    "bottleneck": s.get("sim", {}).get("bottleneck"), "ttft_split": ttft_split(lv, s)})
+                    "bottleneck": s.get("sim", {}).get("bottleneck"), "ttft_split": ttft_split(lv, s),
+                    "tpot_split": tpot_split(lv, s)})
     return out
+
+
+TPOT_PARTS = ("p50_handoff_ms", "p90_handoff_ms", "p50_decode_itl_ms", "p90_decode_itl_ms")
+
+
+def tpot_split(real: dict, sim: dict) -> dict | None:
+    """Where a request's TPOT went, measured against simulated (ms): the first gap after the first token (the KV
+    handoff to the decode and its first step) and the decode's gaps after it, p50 and p90; None when the measured
+    level predates these figures."""
+    if any(real.get(k) is None for k in TPOT_PARTS):
+        return None
+    return {k.removesuffix("_ms"): {"real": real[k], "sim": sim.get(k)} for k in TPOT_PARTS}
 
 
 def ttft_split(real: dict, sim: dict) -> dict | None:
@@ -162,6 +175,11 @@ def table(rows: list[dict], bound: float) -> str:
         if split:
             fmt = (lambda x: "-" if x is None else f"{x:.1f}")
             lines.append(f"c = {row['concurrency']}, mean TTFT ms, real / sim: " + ", ".join(
+                f"{k.replace('_', ' ')} {fmt(v['real'])} / {fmt(v['sim'])}" for k, v in split.items()))
+        split = row.get("tpot_split")
+        if split:
+            fmt = (lambda x: "-" if x is None else f"{x:.1f}")
+            lines.append(f"c = {row['concurrency']}, TPOT's parts ms, real / sim: " + ", ".join(
                 f"{k.replace('_', ' ')} {fmt(v['real'])} / {fmt(v['sim'])}" for k, v in split.items()))
     return "\n".join(lines)
 

@@ -118,6 +118,31 @@ def test_where_the_mean_ttft_went_is_set_beside_the_simulations_phases(simulated
                                                                         sim["levels"], 0.15))
 
 
+def test_the_tpot_is_split_into_the_handoff_and_the_decodes_own_gaps(simulated, tmp_path, capsys):
+    """Both runs record each request's first gap after the first token (the KV handoff and the decode's first step)
+    apart from the decode's later gaps; the comparison sets them side by side, and leaves them out for a measured
+    run that predates them."""
+    prof, sim_path = simulated
+    sim = json.loads(sim_path.read_text())
+    for lv in sim["levels"]:
+        assert 0 < lv["p50_handoff_ms"] <= lv["p90_handoff_ms"] and 0 < lv["p50_decode_itl_ms"]
+    real = _as_measured(sim, {"p90_handoff_ms": 2.0})
+    real_path = tmp_path / "real.json"
+    real_path.write_text(json.dumps(real))
+    out = tmp_path / "cmp.json"
+    assert fidelity.main(["--real", str(real_path), "--profile", str(prof), "--out", str(out)]) == 0
+    assert "TPOT's parts ms, real / sim: p50 handoff" in capsys.readouterr().out
+    for row, lv in zip(json.loads(out.read_text())["levels"], sim["levels"]):
+        split = row["tpot_split"]
+        assert split["p90_handoff"] == {"real": pytest.approx(2 * lv["p90_handoff_ms"]), "sim": lv["p90_handoff_ms"]}
+        assert split["p50_decode_itl"]["real"] == pytest.approx(split["p50_decode_itl"]["sim"])
+    old = _as_measured(sim, {})
+    for lv in old["levels"]:
+        for k in fidelity.TPOT_PARTS:
+            lv.pop(k)
+    assert all(r["tpot_split"] is None for r in fidelity.compare_levels(old["levels"], sim["levels"], 0.15))
+
+
 def test_several_measured_runs_of_one_command_are_compared_by_their_median(simulated, tmp_path, capsys):
     """--real with several runs: each figure against their median, with the runs' own spread beside it; runs of
     different commands are refused."""

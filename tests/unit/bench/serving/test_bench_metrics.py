@@ -52,6 +52,18 @@ def test_summary_matches_hand_derivation(log):
     assert not m["valid"] and len(m["invalid_reasons"]) == 2
 
 
+def test_the_first_gap_after_the_first_token_is_told_apart_from_the_decodes_own(log):
+    """The ITL in two: each request's first gap (across the KV handoff to the decode) and the decode's gaps after
+    it; together they are every ITL."""
+    log[0].itl_s = [0.45] + [0.05] * 8  # 0.9 s after the first token, as before: a slow handoff, then fast steps
+    m = summarize(log, measured_window(log, t_measure=0.0, t_stop=3.0))
+    # first gaps sorted [1/19, 0.25, 0.45]: median 250 ms, P90 = 0.25 + 0.8 * 0.2 = 0.41 s
+    assert m["median_handoff_ms"] == pytest.approx(250) and m["p90_handoff_ms"] == pytest.approx(410)
+    # the rest: 8 x 0.05, 3 x 0.25, 18 x 1/19
+    assert m["mean_decode_itl_ms"] == pytest.approx(1000 * (8 * 0.05 + 3 * 0.25 + 18 / 19) / 29)
+    assert m["mean_itl_ms"] == pytest.approx((3 * m["mean_handoff_ms"] + 29 * m["mean_decode_itl_ms"]) / 32)
+
+
 def test_hit_rate_is_none_when_the_server_does_not_report_it(log):
     for r in log:
         r.cached_tokens = None
