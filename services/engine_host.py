@@ -58,6 +58,7 @@ class EngineHost:
         self._phases_seen: dict[str, float] = {}
         self._offload_seen = (0, 0, 0, 0)
         self._count_from(engine.stats())
+        engine.drain_step_times()  # the start-up warm-up's steps are not counted either
 
     def _count_from(self, st) -> None:
         """The service's counters start from the engine's figures now: what it did before serving (the start-up
@@ -140,6 +141,10 @@ class EngineHost:
             for phase, secs in st.step_phase_seconds.items():
                 m.engine_step_phase_seconds.labels(phase=phase).inc(max(secs - self._phases_seen.get(phase, 0.0), 0.0))
             self._phases_seen = dict(st.step_phase_seconds)
+            for secs, gap in self.engine.drain_step_times():
+                m.engine_step_duration_seconds.observe(secs)
+                if gap is not None:
+                    m.engine_step_gap_seconds.observe(gap)
             if hasattr(m, "prefix_cache_queries"):
                 q, h = st.prefix_queries, st.prefix_hits
                 m.prefix_cache_queries.inc(max(q - self._prefix_seen[0], 0))

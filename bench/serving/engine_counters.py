@@ -11,14 +11,19 @@ import urllib.request
 
 STEP_COUNTERS = ("pdserve:engine_steps_total", "pdserve:engine_step_seconds_total")
 MTP_COUNTERS = ("pdserve:spec_decode_num_full_rounds_total", "pdserve:spec_decode_num_full_round_tokens_total")
-# what `server_side` reads from every service: engine steps and their phases, the TTFT / TPOT / delta histograms
+# the engines' step and between-steps histograms (services/rpc/metrics.py, STEP_BUCKETS): (series, short name)
+STEP_HISTOGRAMS = (("pdserve:engine_step_duration_seconds_bucket", "step"),
+                   ("pdserve:engine_step_gap_seconds_bucket", "gap"))
+# what `server_side` reads from every service: engine steps, their phases and their spread, the TTFT / TPOT / delta
+# histograms
 SERVER_COUNTERS = ("pdserve:engine_steps_total", "pdserve:engine_step_seconds_total",
                    "pdserve:engine_step_phase_seconds_total",
                    "pdserve:time_per_output_token_seconds_sum", "pdserve:time_per_output_token_seconds_count",
                    "pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
                    "pdserve:token_delta_delay_seconds_sum", "pdserve:token_delta_delay_seconds_count",
-                   "pdserve:nixl_bytes_transferred_total")
+                   "pdserve:nixl_bytes_transferred_total", *(h for h, _ in STEP_HISTOGRAMS))
 PHASES = ("schedule", "launch", "device_wait", "read_back", "update")  # engine.core.core.STEP_PHASES
+LABELLED = ("pdserve:engine_step_phase_seconds_total", *(h for h, _ in STEP_HISTOGRAMS))  # kept with their labels
 
 
 def engine_counters(redis_url: str, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
@@ -63,7 +68,7 @@ def scrape_services(redis_url: str, router_url: str) -> dict[str, dict[str, floa
 
 def metric_values(address: str) -> dict[str, float]:
     """{name: value} of SERVER_COUNTERS at a metrics address; a labelled series is `name{labels}` (the engine
-    step's phases)."""
+    step's phases, the step histograms' buckets)."""
     url = address if address.startswith("http") else f"http://{address}"
     text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
     got = {}
@@ -71,7 +76,7 @@ def metric_values(address: str) -> dict[str, float]:
         name, labels, value = m.groups()
         if name not in SERVER_COUNTERS:
             continue
-        key = name + labels if labels and name == "pdserve:engine_step_phase_seconds_total" else name
+        key = name + labels if labels and name in LABELLED else name
         got.setdefault(key, float(value))
     return got
 
@@ -105,7 +110,35 @@ def server_side(before: dict, after: dict) -> dict:
             out[f"{role}_phase_ms"] = phases
             if out[f"{role}_mean_step_ms"] is not None:
                 out[f"{role}_host_ms"] = out[f"{role}_mean_step_ms"] - phases["device_wait"]
+    for role in ("prefill", "decode"):  # the steps' own spread, and the engine thread's time between two steps
+        for series, short in STEP_HISTOGRAMS:
+            buckets = sorted((_le(k), delta(role, k)) for k in set(after.get(role, {})) | set(before.get(role, {}))
+                             if k.startswith(series + "{"))
+            for q in (50, 90, 99):
+                v = histogram_quantile(q / 100, buckets)
+                out[f"{role}_{short}_p{q}_ms"] = None if v is None else 1e3 * v
     for role in ("decode", "router"):  # per token delta: engine step -> gRPC sent; gRPC read -> SSE written
         n = delta(role, "pdserve:token_delta_delay_seconds_count")
         out[f"{role}_delta_delay_ms"] = 1e3 * delta(role, "pdserve:token_delta_delay_seconds_sum") / n if n else None
     return out
+
+
+def _le(series: str) -> float:
+    """The upper bound of a histogram bucket's series, `name{le="0.005"}`."""
+    return float(re.search(r'le="([^"]+)"', series).group(1))
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of a histogram from its cumulative buckets [(upper bound, count)], ascending, as Prometheus's
+    histogram_quantile: linear within the bucket the rank falls in (from 0 for the first); in the +Inf bucket, the
+    largest finite bound. None without observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank, lo, below = q * buckets[-1][1], 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * ((rank - below) / (count - below) if count > below else 1.0)
+        lo, below = le, count
+    return lo

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.serving import results
 from bench.serving.agentx import COPIES_PER_LEVEL, add_replay_args, select_traces, write_outputs
-from bench.serving.metrics import measured_window, summarize
+from bench.serving.metrics import measured_window, percentile, summarize
 from bench.serving.replay import ReplayConfig, Replayer
 from bench.serving.traces import load_traces
 from bench.simulate import clock
@@ -83,6 +83,17 @@ def _phases(recorded) -> dict[str, dict[str, float]]:
     return out
 
 
+def _step_quantiles(system: SimSystem, window) -> dict[str, dict[str, float | None]]:
+    """Per role, the p50 / p90 / p99 (ms) of the steps that ran a forward and ended in the measured window: what a
+    measured run reads from the services' step histograms (`server`: `decode_step_p90_ms`, ...)."""
+    out = {}
+    for role in ("prefill", "decode"):
+        secs = [s for iid, e in system.engines.items() if system.specs[iid].role == role
+                for end, s in e.step_log if window.start <= end <= window.end]
+        out[role] = {f"p{q}": 1e3 * percentile(secs, q) if secs else None for q in (50, 90, 99)}
+    return out
+
+
 async def _level(args, level_idx: int, concurrency: int, traces, specs, profile: Profile) -> dict:
     random.seed(args.seed * 1000 + level_idx)  # the router breaks placement ties with random()
     system = SimSystem(specs, profile, args.seed, dispersion=args.step_dispersion,
@@ -121,6 +132,7 @@ async def _level(args, level_idx: int, concurrency: int, traces, specs, profile:
     sim["time_by_phase_s"] = _phases(system.phases)
     sim["bottleneck"] = _bottleneck(sim)
     window = measured_window(result.records, result.t_measure, result.t_stop)
+    sim["step_ms"] = _step_quantiles(system, window)
     level = {"concurrency": concurrency, **summarize(result.records, window, num_gpus=system.num_gpus,
                                                     percentiles=args.percentiles)}
     level.update(sessions_started=len(result.sessions), num_traces=len(used), model=str(dec.cfg.model_path),

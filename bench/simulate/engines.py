@@ -53,6 +53,7 @@ class SimEngine:
         self.busy = False
         self.num_steps = 0
         self.busy_s = 0.0  # virtual seconds spent in steps
+        self.step_log: list[tuple[float, float]] = []  # (end, seconds) of each step that ran a forward
         self.tokens = 0  # tokens computed (prompt rows and verified drafts)
         self.offload_copies = 0  # host KV tier block copies run in steps
         self.first_step: dict[str, float] = {}  # request -> when its first chunk's step began (the caller pops it)
@@ -162,7 +163,10 @@ class SimEngine:
         for fut in waiting:
             if not fut.done():
                 fut.set_result(None)
-        self.busy_s += self.loop.time() - self._step_t0  # as long as the step lasted (a shared device stretches it)
+        now = self.loop.time()
+        self.busy_s += now - self._step_t0  # as long as the step lasted (a shared device stretches it)
+        if sched is not None and sched.chunks:  # as the services' step histogram counts them
+            self.step_log.append((now, now - self._step_t0))
         for o in outs:
             listener = self.listeners.get(o.req_id)
             if o.finish_reason is not None:

@@ -121,8 +121,19 @@ def compare_levels(real: list[dict], sim: list[dict], bound: float) -> list[dict
                     "sim_valid": s.get("valid", True), "figures": figs,
                     "within": sum(f["within"] for f in figs.values()), "of": len(figs),
                     "bottleneck": s.get("sim", {}).get("bottleneck"), "ttft_split": ttft_split(lv, s),
-                    "tpot_split": tpot_split(lv, s)})
+                    "tpot_split": tpot_split(lv, s), "steps": step_split(lv, s)})
     return out
+
+
+def step_split(real: dict, sim: dict) -> dict | None:
+    """The engines' steps that ran a forward, p50 and p90 (ms), measured (the services' step histograms over the
+    measured window, `server`) against simulated (`sim.step_ms`); None when the measured level predates them."""
+    sv, steps = real.get("server") or {}, sim.get("sim", {}).get("step_ms") or {}
+    keys = [(role, q) for role in ("prefill", "decode") for q in (50, 90)]
+    if all(sv.get(f"{role}_step_p{q}_ms") is None for role, q in keys):
+        return None
+    return {f"{role}_p{q}": {"real": sv.get(f"{role}_step_p{q}_ms"), "sim": steps.get(role, {}).get(f"p{q}")}
+            for role, q in keys}
 
 
 TPOT_PARTS = ("p50_handoff_ms", "p90_handoff_ms", "p50_decode_itl_ms", "p90_decode_itl_ms")
@@ -170,17 +181,13 @@ def table(rows: list[dict], bound: float) -> str:
             lines.append(f"| {row['concurrency']} | {name} | {fmt(f['real'])} | {fmt(f['sim'])} | {ratio} |{spread}")
     lines.append(f"\nBold: within {bound:.0%}." + (" Real: the median of the runs; spread: their largest over their "
                                                       "smallest." if several else ""))
+    fmt = (lambda x: "-" if x is None else f"{x:.1f}")
     for row in rows:
-        split = row.get("ttft_split")
-        if split:
-            fmt = (lambda x: "-" if x is None else f"{x:.1f}")
-            lines.append(f"c = {row['concurrency']}, mean TTFT ms, real / sim: " + ", ".join(
-                f"{k.replace('_', ' ')} {fmt(v['real'])} / {fmt(v['sim'])}" for k, v in split.items()))
-        split = row.get("tpot_split")
-        if split:
-            fmt = (lambda x: "-" if x is None else f"{x:.1f}")
-            lines.append(f"c = {row['concurrency']}, TPOT's parts ms, real / sim: " + ", ".join(
-                f"{k.replace('_', ' ')} {fmt(v['real'])} / {fmt(v['sim'])}" for k, v in split.items()))
+        for name, split in (("mean TTFT", row.get("ttft_split")), ("TPOT's parts", row.get("tpot_split")),
+                            ("engine steps", row.get("steps"))):
+            if split:
+                lines.append(f"c = {row['concurrency']}, {name} ms, real / sim: " + ", ".join(
+                    f"{k.replace('_', ' ')} {fmt(v['real'])} / {fmt(v['sim'])}" for k, v in split.items()))
     return "\n".join(lines)
 
 

@@ -87,6 +87,7 @@ class EngineCore:
         self.scheduler = AsyncScheduler(cfg.scheduler, self.kv, cfg.num_spec_tokens)
         self._inflight = None  # async scheduling: (SchedulerOutput, the runner's StepHandle) still running
         self.num_steps, self.step_seconds = 0, 0.0
+        self.last_step_forward = False
         self.step_phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
 
     def new_offload_tier(self) -> OffloadTier | None:
@@ -220,6 +221,7 @@ class EngineCore:
         t4 = clock()
         if sched is not None:
             self.num_steps += 1
+        self.last_step_forward = sched is not None and not sched.is_empty  # not a step that only drops finished ids
         self.step_seconds += t4 - t0
         ph = self.step_phase_seconds
         for name, secs in zip(STEP_PHASES, (t1 - t0, t2 - t1, wait, t3 - t2 - wait, t4 - t3)):

@@ -15,6 +15,7 @@ every STATS_PERIOD_S while it is busy (reading some of it, HiSparse's counters, 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import threading
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 0.05  # how stale stats() may be while the engine is busy
 IDLE_POLL_S = 0.005  # with requests that cannot be scheduled yet, how often the engine thread looks again
+STEP_LOG_LEN = 1 << 16  # steps kept for `drain_step_times` (a reader every 0.5 s leaves far fewer)
 
 
 class EngineDeadError(RuntimeError):
@@ -73,6 +75,10 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.last_stats: EngineStats = self.core.stats()
         self._stats_at = 0.0
+        # (seconds of a step that ran, seconds since the one before it ended or None after idle): each step's own
+        # time and the engine thread's time between two steps while it had work (commands, posting outputs, waiting
+        # for the interpreter lock), appended by the engine thread, read by `drain_step_times`
+        self._step_log: collections.deque[tuple[float, float | None]] = collections.deque(maxlen=STEP_LOG_LEN)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -190,8 +196,17 @@ class AsyncEngine:
         self._wake.set()
 
     # ---- the engine thread ----------------------------------------------------------------------
+    def drain_step_times(self) -> list[tuple[float, float | None]]:
+        """The steps that ran a forward since the last call: (step seconds, seconds between the previous step's end
+        and this step's start, None when the engine idled in between)."""
+        out, log_ = [], self._step_log
+        while log_:
+            out.append(log_.popleft())
+        return out
+
     def _run(self) -> None:
         core = self.core
+        clock, last_end = time.perf_counter, None
         try:
             while not self._stop:
                 self._apply_commands()
@@ -204,9 +219,16 @@ class AsyncEngine:
                         idle = not self._commands
                     if idle and not self._stop:
                         self._wake.wait()
+                    last_end = None
                     continue
                 n, in_flight = core.num_steps, getattr(core, "in_flight", False)
+                t0 = clock()
                 outputs = core.step()
+                t1 = clock()
+                if core.num_steps != n:
+                    if getattr(core, "last_step_forward", True):  # a step that only drops finished ids: not logged
+                        self._step_log.append((t1 - t0, None if last_end is None else t0 - last_end))
+                    last_end = t1
                 if outputs:
                     done = [o.req_id for o in outputs if o.finish_reason is not None]
                     # a finished request's held KV pages, read now: its export then waits for no later step
@@ -215,6 +237,7 @@ class AsyncEngine:
                 elif core.num_steps == n and not in_flight:  # nothing could run (blocks a command frees): no spin
                     self._wake.wait(IDLE_POLL_S)
                     self._wake.clear()
+                    last_end = None
                 if time.monotonic() - self._stats_at >= STATS_PERIOD_S:
                     self._take_stats()
         except BaseException as e:  # every stream must learn that the engine died

@@ -33,6 +33,9 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+# an engine step and the engine thread's time between two steps (seconds)
+STEP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DELAY_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -65,6 +68,11 @@ METRICS: tuple[MetricDef, ...] = (
               ENGINES),
     MetricDef("engine_step_phase_seconds", Counter, "That wall time by phase (schedule, launch, device_wait, "
               "read_back, update; one-rank engines), summed.", ENGINES, labels=("phase",)),
+    MetricDef("engine_step_duration_seconds", Histogram, "Wall time of each engine step that ran a forward (its tail: "
+              "steps stretched by the other engine on a shared device, or by host work).", ENGINES, STEP_BUCKETS),
+    MetricDef("engine_step_gap_seconds", Histogram, "The engine thread's time between one step's end and the next "
+              "one's start while it had work (commands between steps, handing outputs over, waiting for the "
+              "interpreter lock); not counted after an idle wait.", ENGINES, STEP_BUCKETS),
     MetricDef("token_delta_delay_seconds", Histogram, "Decode: from the engine step that produced a token delta "
               "to its gRPC message sent; router: from a decode message received to its chunk written to the client.",
               ("router", "decode"), DELAY_BUCKETS),

@@ -168,3 +168,38 @@ def test_a_held_requests_last_output_carries_its_kv_pages(tiny_code):
     (held, plain, long), asked = asyncio.run(run())
     assert held.kv_exports == asked and asked and asked[0].block_ids
     assert plain.kv_exports is None and long.kv_exports is None
+
+
+def test_each_forward_step_is_logged_with_the_threads_gap_before_it(tiny_code):
+    """`drain_step_times`: one entry per step that ran a forward (not the step that only hands finished requests to
+    the runner), its seconds and the engine thread's seconds since the previous step ended; None after an idle
+    wait. The steps' seconds are the core's own step counter's."""
+    prompts = _prompts(LLM(str(tiny_code), **KW).tokenizer, 2)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        engine = AsyncEngine(EngineArgs(model=str(tiny_code), **KW), text=False, cumulative=False)
+        engine.start()
+        try:
+            engine.drain_step_times()
+            logs, forwards = [], []
+            for i, p in enumerate(prompts):  # one request at a time, the engine idle in between
+                before, steps = engine.core.step_seconds, engine.core.num_steps
+                async for _ in engine.add_request(p, params, req_id=f"r{i}"):
+                    pass
+                await until(lambda: not engine.core.has_finished_to_drop(), "the drop step")
+                await engine.call(lambda core: None)  # between two steps: the drop step has ended
+                forwards.append((engine.core.step_seconds - before, engine.core.num_steps - steps))
+                logs.append(engine.drain_step_times())
+            return logs, forwards
+        finally:
+            await engine.shutdown()
+
+    logs, forwards = asyncio.run(run())
+    for log, (total, steps) in zip(logs, forwards):
+        assert len(log) == steps - 1 >= 2, "every step but the one that only drops the finished request"
+        assert log[0][1] is None, "the first step after idle has no gap"
+        assert all(secs > 0 for secs, _ in log) and all(gap is not None and gap >= 0 for _, gap in log[1:])
+        # the drop step is left out: the logged steps take what the core counted, less that one short step
+        assert sum(secs for secs, _ in log) <= total + 1e-3
+        assert sum(secs for secs, _ in log) >= 0.5 * total

@@ -164,3 +164,28 @@ def test_several_measured_runs_of_one_command_are_compared_by_their_median(simul
     (tmp_path / "other.json").write_text(json.dumps(other))
     assert fidelity.main(["--real", str(paths[0]), str(tmp_path / "other.json"), "--profile", str(prof)]) == 2
     assert "not of one command (they differ in seed)" in capsys.readouterr().err
+
+
+def test_the_engines_steps_spread_is_set_beside_the_simulated_steps(simulated, tmp_path, capsys):
+    """The simulation keeps each engine's forward steps in the measured window (`sim.step_ms`: p50 <= p90 <= p99);
+    the comparison sets them beside the services' step histograms a measured level recorded (`server`)."""
+    prof, sim_path = simulated
+    sim = json.loads(sim_path.read_text())
+    for lv in sim["levels"]:
+        for role in ("prefill", "decode"):
+            q = lv["sim"]["step_ms"][role]
+            assert 0 < q["p50"] <= q["p90"] <= q["p99"]
+    real = _as_measured(sim, {})
+    for lv in real["levels"]:
+        lv["server"] = {"decode_step_p50_ms": 3.0, "decode_step_p90_ms": 21.0, "prefill_step_p50_ms": None}
+    real_path = tmp_path / "real.json"
+    real_path.write_text(json.dumps(real))
+    out = tmp_path / "cmp.json"
+    assert fidelity.main(["--real", str(real_path), "--profile", str(prof), "--out", str(out)]) == 0
+    assert "engine steps ms, real / sim: prefill p50 - / " in capsys.readouterr().out
+    for row, lv in zip(json.loads(out.read_text())["levels"], sim["levels"]):
+        steps = row["steps"]
+        assert steps["decode_p90"] == {"real": 21.0, "sim": lv["sim"]["step_ms"]["decode"]["p90"]}
+        assert steps["prefill_p50"]["real"] is None
+    assert all(r["steps"] is None for r in fidelity.compare_levels(_as_measured(sim, {})["levels"], sim["levels"],
+                                                                   0.15))

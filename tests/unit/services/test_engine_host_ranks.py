@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+from prometheus_client import generate_latest
+
 from engine.core.core import EngineStats
 from services.cluster.redis_state import InstanceInfo
 from services.engine_host import EngineHost
@@ -23,6 +25,11 @@ class _Engine:
     def __init__(self, events):
         self.events, self.num_drains = events, 0  # a pass of the events loop drains once, then publishes
         self.ranks = (replace(_ZERO, num_running=2, num_free_blocks=5), replace(_ZERO, num_waiting=1, kv_usage=0.5))
+        self.step_times: list[tuple[float, float | None]] = []
+
+    def drain_step_times(self):
+        out, self.step_times = self.step_times, []
+        return out
 
     def stats(self):
         return replace(_ZERO, num_running=2, num_waiting=1, dp_ranks=self.ranks)
@@ -80,10 +87,12 @@ def test_the_service_counts_from_after_the_start_up_warm_up():
     before = replace(_ZERO, num_steps=280, step_seconds=12.0, prefix_queries=5000, prefix_hits=400,
                      step_phase_seconds={"launch": 10.0})
     engine.stats = lambda: before
+    engine.step_times = [(0.5, None)] * 280  # the warm-up's steps
     metrics = ServiceMetrics("decode")
     host = EngineHost(engine, InstanceInfo("decode", "d-0", "h:1"), _State(), metrics)
     engine.stats = lambda: replace(before, num_steps=283, step_seconds=12.5, prefix_queries=5100, prefix_hits=420,
                                    step_phase_seconds={"launch": 10.4})
+    engine.step_times = [(0.004, None), (0.0045, 0.0003), (0.4915, 0.02)]  # after an idle wait, then back to back
 
     async def one_round():
         task = asyncio.create_task(host._gauges_loop(period_s=0.0))
@@ -93,3 +102,10 @@ def test_the_service_counts_from_after_the_start_up_warm_up():
     assert metrics.engine_steps._value.get() == 3
     assert metrics.engine_step_seconds._value.get() == 0.5
     assert metrics.prefix_cache_queries._value.get() == 100 and metrics.prefix_cache_hits._value.get() == 20
+    # each step's own time and the gaps between back-to-back steps, as histograms (the warm-up's left out)
+    text = generate_latest(metrics.registry).decode()
+    assert 'pdserve:engine_step_duration_seconds_count 3.0' in text
+    assert 'pdserve:engine_step_duration_seconds_bucket{le="0.005"} 2.0' in text
+    assert 'pdserve:engine_step_duration_seconds_bucket{le="0.5"} 3.0' in text
+    assert 'pdserve:engine_step_gap_seconds_count 2.0' in text
+    assert 'pdserve:engine_step_gap_seconds_bucket{le="0.0005"} 1.0' in text

@@ -56,3 +56,31 @@ def test_split_from_the_services_counters():
     assert abs(sv["decode_delta_delay_ms"] - 2.0) < 1e-9 and abs(sv["router_delta_delay_ms"] - 1.0) < 1e-9
     line = split_line({"concurrency": 32, "median_tpot_ms": 14.0, "server": sv})
     assert "device wait 5.00 + host 5.00" in line and "router 1.00 ms per chunk" in line
+
+
+def test_the_steps_spread_comes_from_the_services_histograms():
+    """The decode's step and between-steps quantiles over a window: the histograms' bucket differences, read from
+    /metrics as the benchmark reads them, interpolated within a bucket as Prometheus does; steps before the window
+    do not count."""
+    from bench.serving.engine_counters import histogram_quantile, metric_values, server_side
+    from services.rpc.metrics import ServiceMetrics
+
+    dec = ServiceMetrics("decode")
+    port = dec.serve()
+    try:
+        for _ in range(50):  # before the window
+            dec.engine_step_duration_seconds.observe(0.9)
+        before = {"decode": metric_values(f"127.0.0.1:{port}")}
+        for secs in [0.004] * 8 + [0.04] * 2:  # 8 steps in (0.003, 0.005], 2 in (0.03, 0.05]
+            dec.engine_step_duration_seconds.observe(secs)
+        dec.engine_step_gap_seconds.observe(0.0001)
+        after = {"decode": metric_values(f"127.0.0.1:{port}")}
+    finally:
+        dec.close()
+    sv = server_side(before, after)
+    assert abs(sv["decode_step_p50_ms"] - (3.0 + 2.0 * 5 / 8)) < 1e-9  # rank 5 of the 8 in (3, 5] ms
+    assert abs(sv["decode_step_p90_ms"] - 40.0) < 1e-9  # rank 9: half way through (30, 50] ms
+    assert abs(sv["decode_gap_p50_ms"] - 0.1) < 1e-9  # rank 0.5 of 1 in (0, 0.2] ms
+    assert sv["prefill_step_p50_ms"] is None  # no prefill engine read
+    assert histogram_quantile(0.5, []) is None
+    assert histogram_quantile(0.99, [(0.1, 1.0), (float("inf"), 3.0)]) == 0.1  # past the last finite bound
