@@ -276,7 +276,10 @@ async def _overhead_under_streams(http, url: str, model: str, vocab: int, redis_
             if any(t >= t0 - SETTLE_S for t in starts):  # a stream's prefill fell in the probe's window
                 continue
             step = after["prefill"][STEP_COUNTERS[1]] - before["prefill"][STEP_COUNTERS[1]]
-            got.append((streaming, max(rec.ttft_s - step, 0.0), step))
+            dec = {n: after["decode"][n] - before["decode"][n] for n in STEP_COUNTERS}
+            got.append((streaming, max(rec.ttft_s - step, 0.0), step,
+                        handoff_latency(rec.t_end - rec.t_first, dec[STEP_COUNTERS[1]], dec[STEP_COUNTERS[0]],
+                                        time.perf_counter() - t0)))
     finally:
         stop.set()
         for t in tasks:
@@ -286,7 +289,20 @@ async def _overhead_under_streams(http, url: str, model: str, vocab: int, redis_
         raise RuntimeError(f"calibration: no probe under {k} streams ran without a stream starting beside it")
     return {"streams": statistics.median(g[0] for g in got), "overhead_s": statistics.median(g[1] for g in got),
             "prefill_step_s": statistics.median(g[2] for g in got), "prefill_steps_s": [g[2] for g in got],
-            "probes": len(got)}
+            "handoff_s": statistics.median(g[3] for g in got), "probes": len(got)}
+
+
+def handoff_latency(second_token_s: float, decode_secs: float, decode_steps: float, window_s: float) -> float:
+    """The KV handoff's own latency from one 2-token probe while other requests stream: the delay of its second
+    token (the decode's first output) less what the simulation adds to that latency on its own, the wait for the
+    decode's step in progress (reserving the import, then joining a step: each half a step on average, at the
+    decode's busy fraction u) and the probe's first decode step, i.e. (1 + u) mean steps. The mean step and u come
+    from the decode's step counters over the probe's window. (The bytes' time, a 128-token prompt's, is left in.)"""
+    if decode_steps <= 0 or window_s <= 0:
+        return max(second_token_s, 0.0)
+    step = decode_secs / decode_steps
+    busy = min(decode_secs / window_s, 1.0)
+    return max(second_token_s - (1.0 + busy) * step, 0.0)
 
 
 def served_prefill(engines: dict, idle_step_s: float, under: list[dict], prompt_len: int,
@@ -716,11 +732,17 @@ def _calibrate_served(a, prof: dict) -> None:
                         "source": f"latency: median over 5 single {prompt_len}-token requests of the time from the "
                                   f"first to the second token ({got['second_token_s'] * 1e3:.1f} ms median) less "
                                   f"{less[1]}; bandwidth: {a.source}"}
+    if got["under_streams"]:  # the same latency while other requests stream (handoff_latency)
+        prof["transfer"]["by_streams"] = [[u["streams"], u["handoff_s"]] for u in got["under_streams"]]
+        prof["transfer"]["source"] += (f"; by_streams: the median over {PROBES} such requests while other requests "
+                                       f"streamed, each second token's delay less (1 + u) of the decode's mean step "
+                                       f"over its window (u: the decode's busy fraction there; step counters)")
     print(f"served decode: {_cost(coef)} median |error| {rel:.1%}; request overhead {overhead * 1e3:.1f} ms, "
           f"handoff {handoff * 1e3:.1f} ms", file=sys.stderr)
     for u in got["under_streams"]:
         print(f"request overhead with {u['streams']:g} streams: {u['overhead_s'] * 1e3:.1f} ms (prefill step "
-              f"{u['prefill_step_s'] * 1e3:.1f} ms, {u['probes']} probes)", file=sys.stderr)
+              f"{u['prefill_step_s'] * 1e3:.1f} ms, handoff {u['handoff_s'] * 1e3:.1f} ms, {u['probes']} probes)",
+              file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@ figure the simulator is meant to predict.
      "engines": {"prefill/pcp1-dcp1": {"step_s": ..., "token_s": ..., "token_ctx_s": ..., "request_s": ...,
                                        "chunk_ctx_s": ..., "source": "..."},
                  "decode/dp1-hisparse": {...}},
-     "transfer": {"latency_s": ..., "gbs": ..., "source": "..."},
+     "transfer": {"latency_s": ..., "gbs": ..., "by_streams": [[streams, seconds], ...], "source": "..."},
+                                       (by_streams optional: the handoff's latency while other requests stream)
      "kvstore": {"latency_s": ..., "gbs": ..., "source": "..."},      (where the topology has a kvstore)
      "request_overhead_s": {"value": ..., "by_streams": [[streams, seconds], ...], "source": "..."},
                                        (by_streams optional: the overhead while other requests stream)
@@ -180,10 +181,13 @@ class Profile:
         mean = sum(ratios) / len(ratios)
         return [r / mean for r in ratios]
 
-    def transfer_s(self, nbytes: float) -> float:
-        """A KV handoff from a prefill to a decode."""
+    def transfer_s(self, nbytes: float, streams: float = 0) -> float:
+        """A KV handoff from a prefill to a decode while `streams` other requests stream their tokens: the entry's
+        latency (its `by_streams` points joined linearly from (0, latency_s), flat past the last, where it has
+        them) plus the bytes at its bandwidth."""
         t = self._entry("transfer", ("latency_s", "gbs"))
-        return t["latency_s"] + nbytes / (t["gbs"] * 1e9)
+        latency = _linear([(0.0, float(t["latency_s"])), *self._stream_points(t, "transfer")], streams)
+        return latency + nbytes / (t["gbs"] * 1e9)
 
     def kvstore_s(self, nbytes: float) -> float:
         """A load from or an offload to a kvstore (required where the topology has one)."""
@@ -200,17 +204,18 @@ class Profile:
         `by_streams` points ([streams, seconds], measured) joined linearly from (0, value), flat past the last;
         the idle value where the entry has none."""
         entry = self._entry("request_overhead_s", ("value",))
-        return _linear([(0.0, float(entry["value"])), *self._overhead_points(entry)], streams)
+        return _linear([(0.0, float(entry["value"])), *self._stream_points(entry, "request_overhead_s")], streams)
 
-    def _overhead_points(self, entry: dict) -> list[tuple[float, float]]:
+    def _stream_points(self, entry: dict, name: str) -> list[tuple[float, float]]:
+        """An entry's `by_streams` points ([streams > 0, seconds >= 0], streams increasing); none where absent."""
         raw = entry.get("by_streams", [])
         ok = isinstance(raw, list) and all(
             isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, (int, float)) for v in p)
             and p[0] > 0 and p[1] >= 0 for p in raw)
         xs = [p[0] for p in raw] if ok else []
         if not ok or xs != sorted(set(xs)):
-            raise ProfileError(f"profile {self.path}: request_overhead_s.by_streams must be [streams > 0, seconds "
-                               f">= 0] pairs with the streams increasing (got {raw!r})")
+            raise ProfileError(f"profile {self.path}: {name}.by_streams must be [streams > 0, seconds >= 0] pairs "
+                               f"with the streams increasing (got {raw!r})")
         return [(float(x), float(y)) for x, y in raw]
 
     def served_prefill_spread(self) -> list[float] | None:

@@ -574,7 +574,10 @@ class SimSystem:
                 self._refused(rec, f"decode {did} failed: INVALID_ARGUMENT: {e}")
                 return
             _, n_local = got
-            seconds = self.profile.transfer_s((len(prompt) - n_local) * self.kv_bytes_per_token)
+            # the handoff's latency for the other requests streaming meanwhile (this one counts itself from its
+            # first token on)
+            seconds = self.profile.transfer_s((len(prompt) - n_local) * self.kv_bytes_per_token,
+                                              max(self.streams - 1, 0))
             self.transfer_s += seconds
             await asyncio.sleep(seconds)
             self._release_after(offload, prefill, rid)

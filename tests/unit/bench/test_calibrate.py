@@ -47,7 +47,8 @@ def test_the_sharing_windows_prefill_load_replays_the_traces_turns_in_order(tmp_
 
 def test_the_service_overhead_is_measured_again_while_other_requests_stream(monkeypatch):
     """_overhead_under_streams: k long streams kept going, then single probes; each probe's TTFT less the prefill
-    seconds its window adds to the engine counters, with the number of streams live during it."""
+    seconds its window adds to the engine counters, with the number of streams live during it; and each probe's
+    handoff, its second token's delay less the decode steps it waited for (none counted here: the whole delay)."""
     import asyncio
     import time
 
@@ -61,7 +62,8 @@ def test_the_service_overhead_is_measured_again_while_other_requests_stream(monk
 
     def counters(redis_url, names):
         assert redis_url == "redis://x" and names == STEP_COUNTERS
-        return {"prefill": {STEP_COUNTERS[1]: step_s * len(fake.log)}, "decode": {STEP_COUNTERS[1]: 0.0}}
+        return {"prefill": {STEP_COUNTERS[1]: step_s * len(fake.log)},
+                "decode": {STEP_COUNTERS[0]: 0.0, STEP_COUNTERS[1]: 0.0}}
 
     monkeypatch.setattr(calibrate, "engine_counters", counters)
     monkeypatch.setattr(calibrate, "SETTLE_S", 0.05)
@@ -80,6 +82,7 @@ def test_the_service_overhead_is_measured_again_while_other_requests_stream(monk
     assert abs(got["prefill_step_s"] - step_s) < 1e-9  # each window counted its probe alone
     assert got["prefill_steps_s"] == pytest.approx([step_s] * calibrate.PROBES)  # and each probe's own is kept
     assert 0.0128 - step_s <= got["overhead_s"] < 1.0  # the probe's TTFT (at least its fake prefill) less that
+    assert 0.01 <= got["handoff_s"] < 1.0  # the fake's second token comes a token's 10 ms after the first
     long = [e for e in fake.log if e.max_tokens == 4000]
     assert len(long) == 3 and len(fake.log) >= 3 + calibrate.PROBES
 

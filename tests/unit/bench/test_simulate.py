@@ -346,6 +346,46 @@ def test_the_service_overhead_grows_with_the_streams_the_calibration_measured_it
     assert 3.0 < low < high < 11.0  # c = 2 meets fewer live streams than c = 6
 
 
+def test_the_kv_handoff_latency_grows_with_the_streams_the_calibration_measured_it_under(traces, tmp_path, capsys):
+    """transfer.by_streams: the handoff's latency at each measured stream count, joined linearly from the idle
+    latency_s and flat past the last, plus the bytes at the bandwidth; the simulation takes it at the other
+    requests streaming when a request's handoff starts, so a busier level's handoff (its first gap after the first
+    token) is longer; malformed points are refused before anything runs."""
+    transfer = dict(PROFILE["transfer"], latency_s=0.002, by_streams=[[2, 0.012], [8, 0.05]])
+    prof = Profile.load(_profile(tmp_path, transfer=transfer))
+    per_byte = 1 / (transfer["gbs"] * 1e9)
+    assert [prof.transfer_s(0, k) for k in (0, 1, 2, 5, 8, 20)] == pytest.approx(
+        [0.002, 0.007, 0.012, 0.031, 0.05, 0.05])
+    assert prof.transfer_s(1e6, 8) == pytest.approx(0.05 + 1e6 * per_byte)
+    assert prof.transfer_s(0) == 0.002
+    for bad in ([[0, 0.004]], [[8, 0.005], [4, 0.006]], [[4, -1.0]]):
+        with pytest.raises(ProfileError, match="transfer.by_streams"):
+            Profile.load(_profile(tmp_path, transfer=dict(transfer, by_streams=bad))).transfer_s(0)
+    bad = _profile(tmp_path, transfer=dict(transfer, by_streams=[[0, 1.0]]))
+    assert cli.main(_argv(traces, bad, tmp_path / "bad")) == 2  # refused before the simulation starts
+    assert "transfer.by_streams" in capsys.readouterr().err and not (tmp_path / "bad" / "result.json").exists()
+
+    def handoff_ms(profile, out):
+        assert cli.main(_argv(traces, profile, out)) == 0
+        return [lv["p50_handoff_ms"] for lv in json.loads((out / "result.json").read_text())["levels"]]
+
+    idle = handoff_ms(_profile(tmp_path, transfer=dict(transfer, by_streams=[])), tmp_path / "idle")
+    loaded = handoff_ms(_profile(tmp_path, transfer=transfer), tmp_path / "loaded")
+    assert all(b > a for a, b in zip(idle, loaded))
+    assert loaded[1] - idle[1] > loaded[0] - idle[0]  # c = 6 meets more live streams than c = 2
+
+
+def test_a_handoffs_own_latency_is_its_second_token_less_the_decode_steps_it_waited_for():
+    """calibrate.handoff_latency: a probe's second-token delay less (1 + u) mean decode steps (u: the decode's busy
+    fraction over the probe's window), never below 0; the whole delay when the decode did not step."""
+    from bench.simulate.calibrate import handoff_latency
+
+    # 40 steps of 10 ms in a 2-s window: u = 0.2, so 1.2 steps = 12 ms come off a 30-ms delay
+    assert handoff_latency(0.030, 0.4, 40, 2.0) == pytest.approx(0.018)
+    assert handoff_latency(0.030, 0.0, 0, 2.0) == 0.030
+    assert handoff_latency(0.005, 2.0, 100, 2.0) == 0.0  # a busy decode's 2 steps exceed the delay
+
+
 def test_steps_can_be_drawn_around_their_cost_as_the_measured_steps_spread(traces, tmp_path):
     """Profile.dispersion: each kept step's seconds over its fitted cost, scaled to mean 1; `--step-dispersion`
     draws every step of an engine whose entry kept steps from them, seeded (the same run twice), adding spread to
