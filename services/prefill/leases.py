@@ -11,6 +11,12 @@ request, and it must recompute instead of decoding from them.
 
     grant ─ export(gens g) ─ decode READ ─ confirm(g) ─▶ intact: release, gens g+1
                  └─ lease expires ─▶ release, gens g+1 ─ (page reused) ─ confirm(g) ─▶ not intact
+
+A release is two things: the table's (the lease gone, the pages' generations moved on) and the engine's (its
+held blocks back in its pool, an engine call that runs between two of its steps). `confirm` and `pulled` with
+`wait=False` (the ReleaseKV RPC) do the table's at once and leave the engine's to run on its own: the puller has its
+copy and its answer, and need not wait for the prefill's step in progress (a prefill step under load, on a decode's
+KV handoff path). No page can be reused before the engine's release, which follows the generations' move.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class LeaseTable:
         self._holders: Counter[int] = Counter()  # block id -> live leases holding it
         self.generations = PageGenerations()
         self._task: asyncio.Task | None = None
+        self._releasing: set[asyncio.Task] = set()  # the engine's releases left to run on their own (wait=False)
 
     def grant(self, req_id: str, lease_s: float | None = None, block_ids=()) -> Lease:
         s = self.default_s if not lease_s else min(lease_s, self.max_s)
@@ -71,14 +78,14 @@ class LeaseTable:
         self._holders.update(lease.block_ids)
         return lease
 
-    async def confirm(self, lease_id: str, generations) -> bool:
+    async def confirm(self, lease_id: str, generations, *, wait: bool = True) -> bool:
         """A puller finished its READ: True when what it copied is this lease's KV (lease live, every
-        page at the generation the handle gave). The lease is released either way."""
+        page at the generation the handle gave). The lease is released either way (`wait`: see `pulled`)."""
         lease = self.leases.get(lease_id)
         intact = (lease is not None and not lease.expired
                   and self.generations.of(lease.block_ids) == tuple(generations) == lease.generations)
         if lease is not None:
-            await self.pulled(lease_id)
+            await self.pulled(lease_id, wait=wait)
         return intact
 
     def renew(self, lease_id: str, extend_s: float) -> Lease | None:
@@ -92,12 +99,14 @@ class LeaseTable:
         lease.readers.add(task)
         task.add_done_callback(lambda t: self._reader_done(lease, t))
 
-    async def pulled(self, lease_id: str) -> bool:
+    async def pulled(self, lease_id: str, *, wait: bool = True) -> bool:
+        """The lease's KV is no longer needed by its puller: released once no reader holds it. `wait` False: the
+        table's part now, the engine's left to run on its own (it waits for the engine's step in progress)."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.expired:
             return False
         lease.pulled = True
-        await self._maybe_release(lease)
+        await self._maybe_release(lease, wait=wait)
         return True
 
     def by_request(self, req_id: str) -> Lease | None:
@@ -108,7 +117,7 @@ class LeaseTable:
         if lease.pulled or lease.expired:
             asyncio.get_running_loop().create_task(self._maybe_release(lease))
 
-    async def _maybe_release(self, lease: Lease) -> None:
+    async def _maybe_release(self, lease: Lease, wait: bool = True) -> None:
         if lease.readers or lease.lease_id not in self.leases:
             return
         del self.leases[lease.lease_id]
@@ -118,7 +127,17 @@ class LeaseTable:
             del self._holders[b]
         # before the engine may hand the pages to anyone else; a page another lease holds stays where it is
         self.generations.bump(freed)
-        await self._release(lease.req_id)
+        if wait:
+            await self._release(lease.req_id)
+            return
+        task = asyncio.get_running_loop().create_task(self._release(lease.req_id))
+        self._releasing.add(task)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task) -> None:
+        self._releasing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("releasing KV blocks in the engine failed: %r", task.exception())
 
     # ---- expiry ----------------------------------------------------------------------------------
     def start(self, period_s: float = 0.1) -> None:
@@ -128,6 +147,7 @@ class LeaseTable:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        await asyncio.gather(*self._releasing, return_exceptions=True)  # the engine's releases still running
 
     async def _expire_loop(self, period_s: float) -> None:
         while True:

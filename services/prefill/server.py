@@ -118,10 +118,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     @grpc_errors
     async def ReleaseKV(self, request, context):
+        # answered once the lease table has decided: the engine frees the blocks at its next step boundary, which
+        # the decode (its KV handoff waits for this answer) need not wait for
         if request.block_generations:
-            intact = await self.leases.confirm(request.lease_id, request.block_generations)
+            intact = await self.leases.confirm(request.lease_id, request.block_generations, wait=False)
             return prefill_pb2.ReleaseKVResponse(released=intact, intact=intact)
-        return prefill_pb2.ReleaseKVResponse(released=await self.leases.pulled(request.lease_id))
+        return prefill_pb2.ReleaseKVResponse(released=await self.leases.pulled(request.lease_id, wait=False))
 
     @grpc_errors
     async def RenewLease(self, request, context):

@@ -101,3 +101,27 @@ def test_a_block_shared_by_live_leases_moves_on_only_with_the_last():
         c = t.grant("c", block_ids=[1])  # reused once free: c's READ sees the new generation
         assert c.generations == (1,) and engine.released == ["a", "b"]
     asyncio.run(run())
+
+
+def test_a_puller_is_answered_without_waiting_for_the_engines_release():
+    """wait=False (the ReleaseKV RPC): the table decides and releases at once (lease gone, generations moved on),
+    and the engine's release, which waits for the engine's step in progress, runs on its own; a second confirm
+    finds the lease gone; stop() lets the pending release finish."""
+    async def run():
+        gate, released = asyncio.Event(), []
+
+        async def slow_release(req_id: str) -> None:  # the engine mid-step: its call runs at the step's end
+            await gate.wait()
+            released.append(req_id)
+
+        t = LeaseTable(slow_release, default_s=30.0, max_s=60.0)
+        lease = t.grant("r1", block_ids=[4, 5])
+        assert await asyncio.wait_for(t.confirm(lease.lease_id, lease.generations, wait=False), timeout=5)
+        assert not t.leases and t.generations.of([4, 5]) == (1, 1) and released == []
+        assert not await t.confirm(lease.lease_id, lease.generations, wait=False)
+        other = t.grant("r2", block_ids=[6])
+        assert await asyncio.wait_for(t.pulled(other.lease_id, wait=False), timeout=5)
+        gate.set()
+        await t.stop()
+        assert sorted(released) == ["r1", "r2"]  # each once
+    asyncio.run(run())
