@@ -32,6 +32,14 @@ def _as_measured(sim: dict, scale: dict[str, float]) -> dict:
     return real
 
 
+def _compared(real: dict, prof, tmp_path) -> list[dict]:
+    """`fidelity` of a dressed measured run against the profile: the comparison's rows."""
+    real_path, out = tmp_path / "real.json", tmp_path / "cmp.json"
+    real_path.write_text(json.dumps(real))
+    assert fidelity.main(["--real", str(real_path), "--profile", str(prof), "--out", str(out)]) == 0
+    return json.loads(out.read_text())["levels"]
+
+
 def test_the_comparison_replays_the_measured_runs_flags_and_bounds_each_figure(simulated, tmp_path):
     prof, sim_path = simulated
     sim = json.loads(sim_path.read_text())
@@ -100,12 +108,9 @@ def test_where_the_mean_ttft_went_is_set_beside_the_simulations_phases(simulated
         lv["server"] = {"prefill_mean_ttft_ms": lv["mean_ttft_ms"] - 9.0, "prefill_mean_step_ms": 20.0,
                         "prefill_step_ms_per_request": 40.0,
                         "router_mean_ttft_ms": lv["mean_ttft_ms"] - 2.0}
-    real_path = tmp_path / "real.json"
-    real_path.write_text(json.dumps(real))
-    out = tmp_path / "cmp.json"
-    assert fidelity.main(["--real", str(real_path), "--profile", str(prof), "--out", str(out)]) == 0
+    rows = _compared(real, prof, tmp_path)
     assert "mean TTFT ms, real / sim: before prefill 9.0 / 3.0" in capsys.readouterr().out
-    for row, lv in zip(json.loads(out.read_text())["levels"], sim["levels"]):
+    for row, lv in zip(rows, sim["levels"]):
         split, phases = row["ttft_split"], lv["sim"]["time_by_phase_s"]
         assert split["before_prefill"] == {"real": pytest.approx(9.0), "sim": pytest.approx(3.0)}  # 3 ms overhead
         assert split["prefill_service"]["sim"] == pytest.approx(
@@ -126,13 +131,9 @@ def test_the_tpot_is_split_into_the_handoff_and_the_decodes_own_gaps(simulated, 
     sim = json.loads(sim_path.read_text())
     for lv in sim["levels"]:
         assert 0 < lv["p50_handoff_ms"] <= lv["p90_handoff_ms"] and 0 < lv["p50_decode_itl_ms"]
-    real = _as_measured(sim, {"p90_handoff_ms": 2.0})
-    real_path = tmp_path / "real.json"
-    real_path.write_text(json.dumps(real))
-    out = tmp_path / "cmp.json"
-    assert fidelity.main(["--real", str(real_path), "--profile", str(prof), "--out", str(out)]) == 0
+    rows = _compared(_as_measured(sim, {"p90_handoff_ms": 2.0}), prof, tmp_path)
     assert "TPOT's parts ms, real / sim: p50 handoff" in capsys.readouterr().out
-    for row, lv in zip(json.loads(out.read_text())["levels"], sim["levels"]):
+    for row, lv in zip(rows, sim["levels"]):
         split = row["tpot_split"]
         assert split["p90_handoff"] == {"real": pytest.approx(2 * lv["p90_handoff_ms"]), "sim": lv["p90_handoff_ms"]}
         assert split["p50_decode_itl"]["real"] == pytest.approx(split["p50_decode_itl"]["sim"])
@@ -178,12 +179,9 @@ def test_the_engines_steps_spread_is_set_beside_the_simulated_steps(simulated, t
     real = _as_measured(sim, {})
     for lv in real["levels"]:
         lv["server"] = {"decode_step_p50_ms": 3.0, "decode_step_p90_ms": 21.0, "prefill_step_p50_ms": None}
-    real_path = tmp_path / "real.json"
-    real_path.write_text(json.dumps(real))
-    out = tmp_path / "cmp.json"
-    assert fidelity.main(["--real", str(real_path), "--profile", str(prof), "--out", str(out)]) == 0
+    rows = _compared(real, prof, tmp_path)
     assert "engine steps ms, real / sim: prefill p50 - / " in capsys.readouterr().out
-    for row, lv in zip(json.loads(out.read_text())["levels"], sim["levels"]):
+    for row, lv in zip(rows, sim["levels"]):
         steps = row["steps"]
         assert steps["decode_p90"] == {"real": 21.0, "sim": lv["sim"]["step_ms"]["decode"]["p90"]}
         assert steps["prefill_p50"]["real"] is None
