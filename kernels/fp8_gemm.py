@@ -95,7 +95,8 @@ def gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 
 def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                           out_dtype: torch.dtype | None = None,
-                          config: SplitKConfig | tuple | None = None, impl: str | None = None) -> torch.Tensor:
+                          config: SplitKConfig | tuple | None = None, impl: str | None = None,
+                          x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight * scales)^T, x quantized per token per 128 channels on the fly.
 
     x: bf16/fp16/fp32 [M, K] (any strides); weight float8_e4m3fn [N, K] with unit K stride;
@@ -106,7 +107,9 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
     (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) the prefill kernel, at any M.
     On Hopper, bf16 outputs of the prefill shapes (and of the widest projections at 129-256 rows) go to
     cuBLAS's block-scaled GEMM instead (kernels.fp8_cublas.use_dense); `impl` "triton" or "cublas" forces
-    one (cublas: where cuBLAS takes the shape)."""
+    one (cublas: where cuBLAS takes the shape). `x_quant`: x's codes and scales as `quant_act(x)` gives them,
+    made elsewhere (kernels.norm.rms_norm_quant writes them with the norm x comes from): the Triton paths take
+    them in place of their own quantization; cuBLAS, whose scales are laid out its own way, quantizes x itself."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit [M, K] x [N, K]")
     if weight.dtype != torch.float8_e4m3fn:
@@ -118,6 +121,8 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
         raise ValueError(f"weight_scale_inv must be fp32 {want} for weight {tuple(weight.shape)}, got "
                          f"{weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}")
     check_device(x, weight, weight_scale_inv)
+    if x_quant is not None:
+        _check_x_quant(x_quant, x)
     out_dtype = out_dtype or x.dtype
     if M == 0:
         return torch.empty((0, N), dtype=out_dtype, device=x.device)
@@ -137,11 +142,23 @@ def w8a8_block_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
         else:
             config = split_decode_config(M, N, K, num_sms(x.device))
     if isinstance(config, SplitKConfig):
-        if config.fuse_quant:
+        if config.fuse_quant and x_quant is None:
             return splitk_gemm(x, None, weight, weight_scale_inv, out_dtype, config)
-        return splitk_gemm(*quant_act(x), weight, weight_scale_inv, out_dtype, config)
-    x_q, x_s = quant_act(x)
+        return splitk_gemm(*(x_quant or quant_act(x)), weight, weight_scale_inv, out_dtype, config)
+    x_q, x_s = x_quant or quant_act(x)
     return _gemm(x_q, x_s, weight, weight_scale_inv, out_dtype, config)
+
+
+def _check_x_quant(x_quant: tuple, x: torch.Tensor) -> None:
+    """x's codes e4m3 [M, K] with unit K stride and scales fp32 [M, ceil(K/128)] with unit column stride."""
+    q, s = x_quant
+    M, K = x.shape
+    if (q.dtype != torch.float8_e4m3fn or tuple(q.shape) != (M, K) or q.stride(1) != 1 or s.dtype != torch.float32
+            or tuple(s.shape) != (M, triton.cdiv(K, BLOCK)) or s.stride(1) != 1):
+        raise ValueError(f"x_quant must be float8_e4m3fn [{M}, {K}] codes (unit K stride) and fp32 "
+                         f"[{M}, {triton.cdiv(K, BLOCK)}] scales, got {q.dtype} {tuple(q.shape)} and {s.dtype} "
+                         f"{tuple(s.shape)}")
+    check_device(x, q, s)
 
 
 def _gemm(a, a_s, b, b_s, out_dtype, config) -> torch.Tensor:

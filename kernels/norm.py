@@ -8,6 +8,10 @@ runs): the normalised row is rounded to x's dtype before the weight multiplies i
 dtype of weight and x. The eager module is eight kernels (upcast, square, mean, add, rsqrt, multiply,
 downcast, weight); on a decode step of a 78-layer model that is about 2,500 launches. This is one launch.
 Against the reference it differs only in the order of the fp32 sum of squares.
+
+`rms_norm_quant` also writes y's FP8 activation quantization (kernels.fp8_quant: e4m3 codes and one fp32 scale
+per token per 128 channels, of y as stored), the bits `quant_act(y)` gives, in the same launch: the FP8 projection
+after a norm then skips its own quantization launch (kernels.fp8_gemm's `x_quant`).
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from kernels.triton_support import check_device, interpreting, jit, next_pow2, on_bf16_grid, to_bf16
+from kernels.triton_support import check_device, interpreting, jit, next_pow2, on_bf16_grid, quant_e4m3_rows, to_bf16
 
 
 @jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, sx, sr, sy, ss,
-                     BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """One row per program: y[row] = w * cast(s / rms(s)), s = x[row] (+ res[row], stored to sum[row])."""
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, q_ptr, qs_ptr, D, eps, sx, sr, sy, ss, sq, sqs,
+                     BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """One row per program: y[row] = w * cast(s / rms(s)), s = x[row] (+ res[row], stored to sum[row]); with
+    QUANT, y's e4m3 codes and per-128-channel scales (of y as stored) to q[row] and qs[row]."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     m = d < D
@@ -41,9 +46,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, sx, sr, sy, 
         xn = xn.to(x_ptr.dtype.element_ty).to(tl.float32)
     y = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32) * xn
     if y_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(y_ptr + row * sy + d, to_bf16(y, ROUND_FIRST), mask=m)
+        y = to_bf16(y, ROUND_FIRST)
     else:
-        tl.store(y_ptr + row * sy + d, y.to(y_ptr.dtype.element_ty), mask=m)
+        y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * sy + d, y, mask=m)
+    if QUANT:  # the stored values, 128 channels a group (lanes past D are 0: their weight loads as 0)
+        q, scale = quant_e4m3_rows(tl.reshape(y.to(tl.float32), (BLOCK_D // 128, 128)), ROUND_FIRST)
+        tl.store(q_ptr + row * sq + d, tl.reshape(q, (BLOCK_D,)), mask=m)
+        g = tl.arange(0, BLOCK_D // 128)
+        tl.store(qs_ptr + row * sqs + g, scale, mask=g * 128 < D)
 
 
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
@@ -59,24 +70,57 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     With `residual` (x's shape and dtype) returns (norm(x + residual), x + residual), the sum rounded to
     x's dtype as an eager `x + residual` would be; without it, norm(x)."""
     D = x.shape[-1]
+    _check(x, weight, residual)
+    x2 = _rows(x, D)
+    rows = x2.shape[0]
+    y = torch.empty((rows, D), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    s = torch.empty((rows, D), dtype=x.dtype, device=x.device) if residual is not None else y
+    r2 = _rows(residual, D) if residual is not None else None
+    _launch(x2, r2, weight, y, s, None, eps)
+    y = y.view(*x.shape[:-1], D)
+    return y if residual is None else (y, s.view(*x.shape[:-1], D))
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, ...]:
+    """`rms_norm`, and in the same launch y's FP8 activation quantization: (y, (y_q, y_s)), or with `residual`
+    (y, x + residual, (y_q, y_s)); y_q float8_e4m3fn [rows, D], y_s fp32 [rows, ceil(D/128)] (rows: x's
+    leading dimensions flattened), bit for bit `quant_act(y.reshape(-1, D))`."""
+    D = x.shape[-1]
+    _check(x, weight, residual)
+    x2 = _rows(x, D)
+    rows = x2.shape[0]
+    y = torch.empty((rows, D), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    s = torch.empty((rows, D), dtype=x.dtype, device=x.device) if residual is not None else y
+    q = torch.empty((rows, D), dtype=torch.uint8, device=x.device)
+    qs = torch.empty((rows, -(-D // 128)), dtype=torch.float32, device=x.device)
+    _launch(x2, _rows(residual, D) if residual is not None else None, weight, y, s, (q, qs), eps)
+    quant = (q.view(torch.float8_e4m3fn), qs)
+    y = y.view(*x.shape[:-1], D)
+    return (y, quant) if residual is None else (y, s.view(*x.shape[:-1], D), quant)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"weight {tuple(weight.shape)} must be [{D}] for x {tuple(x.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
     check_device(x, weight, *(() if residual is None else (residual,)))
-    x2 = _rows(x, D)
-    rows = x2.shape[0]
-    y = torch.empty((rows, D), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    s = torch.empty((rows, D), dtype=x.dtype, device=x.device) if residual is not None else y
-    r2 = _rows(residual, D) if residual is not None else x2
-    if rows:
-        block = next_pow2(D)
-        _rms_norm_kernel[(rows,)](
-            x2, r2, weight, y, s, D, float(eps), x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
-            BLOCK_D=block, HAS_RES=residual is not None, ROUND_FIRST=interpreting(),
-            num_warps=max(1, min(16, block // 512)))
-    y = y.view(*x.shape[:-1], D)
-    return y if residual is None else (y, s.view(*x.shape[:-1], D))
+
+
+def _launch(x2, r2, weight, y, s, quant, eps: float) -> None:
+    """One program a row: y (and s = x + residual with `r2`, and y's codes and scales with `quant`)."""
+    rows, D = x2.shape
+    if not rows:
+        return
+    block = max(next_pow2(D), 128) if quant is not None else next_pow2(D)  # whole 128-channel groups
+    q, qs = quant if quant is not None else (y, y)  # unread without QUANT
+    res = r2 if r2 is not None else x2  # unread without HAS_RES
+    _rms_norm_kernel[(rows,)](
+        x2, res, weight, y, s, q, qs, D, float(eps), x2.stride(0), res.stride(0), y.stride(0), s.stride(0),
+        q.stride(0), qs.stride(0), BLOCK_D=block, HAS_RES=r2 is not None, QUANT=quant is not None,
+        ROUND_FIRST=interpreting(), num_warps=max(1, min(16, block // 512)))
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -2,6 +2,7 @@
 
     python -m bench.kernels.fp8_gemm --out results.json [--quick] [--no-sweep] [--decode-only | --moe-only]
         [--only q_a_proj,kv_a_proj,packed_x --rows 4,64,256,8192] [--moe-tokens 8192,2048,256,64]
+    python -m bench.kernels.fp8_gemm --out results.json --norm-quant [--rows 4,16,64,256]
 
 Ceilings, measured in the same run: copy bandwidth (bytes read + written), dense bf16 matmul and dense
 FP8 `torch._scaled_mm` (per-tensor scales) at 8192^3. Then, at GLM-5.3's projection shapes:
@@ -27,6 +28,11 @@ experts the batch touches, `touched_frac_copy_bw`).
 stages, then the down GEMM's column tile, warps and stages, per row tile); `best_config` names the fastest.
 `packed_x` / `packed_q_resid` are the packed projections the model runs (engine.model.projections) beside
 their members' rows; `--only` / `--rows` pick projections and M values (GEMM rows only).
+`--norm-quant` times the projections that follow an RMSNorm (the packed x and query-residual projections, the
+shared and dense gate+up) at decode rows (`--rows`, default 4,16,64,256) two ways, each as CUDA-graph replays of
+the norm and the GEMM: the norm, then the GEMM quantizing its input itself (`separate_us`), against the norm
+writing the quantization with its output (kernels.norm.rms_norm_quant) and the GEMM taking it (`fused_us`); the
+pair's weight bytes over the time against copy bandwidth (`*_frac_copy_bw`).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from kernels.fp8_moe import fused_moe_fp8, merge_gate_up_scales
 from kernels.fp8_quant import quant_act, quantize_weight_ref
 from kernels.fp8_splitk import SplitKConfig, splitk_config
 from kernels.moe import fused_moe
+from kernels.norm import rms_norm, rms_norm_quant
 from kernels.triton_support import num_sms
 
 # (name, N, K) of GLM-5.3's quantized projections (hidden 6144, q_lora 2048, 64 heads, dense width 12288)
@@ -64,6 +71,11 @@ MOE_SWEEP = [(32, 64, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4)
 # decode sizes below 64 tokens (B = 1 / 4 with MTP3: 4 / 16 rows): smaller row tiles, fewer stages (more CTAs a SM)
 MOE_SMALL_SWEEP = [(16, 64, 4, 4), (16, 64, 4, 2), (16, 32, 4, 4), (16, 128, 4, 3), (32, 64, 4, 2), (32, 32, 4, 4),
                    (32, 128, 4, 3), (16, 64, 2, 4), (16, 32, 2, 3)]
+
+
+# `--norm-quant`: (name, N, K) of the projections whose input an RMSNorm makes (input_layernorm -> the packed x
+# projections, q_a_layernorm -> the packed query-residual ones, post_attention_layernorm -> shared / dense gate+up)
+NORM_FED = ("packed_x", "packed_q_resid", "shared_gate_up", "dense_gate_up")
 
 
 # `--moe-split-sweep`: the two GEMMs' launches apart (kernels.fp8_moe._launches' 6-tuples): per row tile, the up
@@ -172,6 +184,32 @@ def bench_gemm(dev, ceil, name, M, N, K, sweep: bool) -> dict:
             "best_frac_copy_bw": _frac_bw(N * K, best, ceil), "sweep_us": tried}
 
 
+def bench_norm_quant(dev, ceil, name, M, N, K) -> dict:
+    """An RMSNorm and the FP8 projection after it, with the input's quantization in the GEMM's path (quant_act or
+    the split-K prologue, as the launcher picks) or written by the norm (`x_quant`)."""
+    sets = num_sets(N * K, at_most=8)
+    ws = _weights(N, K, dev, sets)
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    nw = torch.randn(K, device=dev, dtype=torch.bfloat16)
+
+    def separate(w):
+        return w8a8_block_fp8_matmul(rms_norm(x, nw, 1e-6), w[1], w[2])
+
+    def fused(w):
+        y, quant = rms_norm_quant(x, nw, 1e-6)
+        return w8a8_block_fp8_matmul(y, w[1], w[2], x_quant=quant)
+
+    out = {"name": name, "M": M, "N": N, "K": K,
+           "config": dataclasses.asdict(splitk_config(M, N, K, num_sms(dev))),
+           "norm_us": time_rotating([lambda: rms_norm(x, nw, 1e-6)], dev) * 1e6,
+           "norm_quant_us": time_rotating([lambda: rms_norm_quant(x, nw, 1e-6)], dev) * 1e6}
+    for key, fn in (("separate", separate), ("fused", fused)):
+        us = time_rotating([lambda w=w, fn=fn: fn(w) for w in ws], dev) * 1e6
+        out[f"{key}_us"], out[f"{key}_frac_copy_bw"] = us, _frac_bw(N * K, us, ceil)
+    out["saved_us"] = out["separate_us"] - out["fused_us"]
+    return out
+
+
 def _frac_bw(weight_bytes: int, us: float, ceil: dict) -> float:
     return weight_bytes / us * 1e6 / 1e12 / ceil["copy_tbps"]
 
@@ -271,6 +309,8 @@ def main() -> None:
     p.add_argument("--rows", default=None, metavar="MS", help="comma-separated M values (default 8192,64,256)")
     p.add_argument("--moe-split-sweep", action="store_true",
                    help="also sweep the MoE's up and down GEMM launches apart (6-tuple configs)")
+    p.add_argument("--norm-quant", action="store_true",
+                   help="the norm-fed projections with the input's quantization written by the norm, against not")
     p.add_argument("--moe-tokens", default="8192,2048,256,64", metavar="TS",
                    help="comma-separated token counts of the grouped MoE rows (4 / 16: B = 1 / 4 with MTP3)")
     a = p.parse_args()
@@ -282,6 +322,14 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%d", time.gmtime()), "ceilings": ceil, "gemm": [], "moe": []}
     import triton
     res["triton"] = triton.__version__
+    if a.norm_quant:
+        res["norm_quant"] = []
+        for M in [int(m) for m in a.rows.split(",")] if a.rows else (4, 16, 64, 256):
+            for name, N, K in [s for s in SHAPES if s[0] in NORM_FED]:
+                r = bench_norm_quant(dev, ceil, name, M, N, K)
+                res["norm_quant"].append(r)
+                _save(a.out, res, r)
+        return
     shapes = SHAPES[:3] if a.quick else SHAPES
     if a.only:
         names = a.only.split(",")

@@ -1,4 +1,5 @@
-"""rms_norm (with and without the residual add) and rope / rope_cat against their eager references."""
+"""rms_norm (with and without the residual add, and with its output's FP8 quantization) and rope / rope_cat against
+their eager references."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from engine.model.layers import rope_cos_sin, rope_inv_freq
-from kernels.norm import rms_norm, rms_norm_ref
+from kernels.fp8_quant import quant_act
+from kernels.norm import rms_norm, rms_norm_quant, rms_norm_ref
 from kernels.rope import rope, rope_cat, rope_cat_ref, rope_fits, rope_ref
 from tests.helpers.kernel_inputs import gpu, interp, randn
 
@@ -48,6 +50,57 @@ def test_rms_norm_promotes_like_the_module_interp():
         rms_norm(x, torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="residual"):
         rms_norm(x, w, 1e-6, residual=torch.zeros(3, 16))
+
+
+def check_norm_quant(T: int, D: int, dtype, device, strided: bool = False):
+    """rms_norm_quant: the norm of rms_norm, bit for bit, and the codes and scales quant_act gives for it."""
+    gen = torch.Generator().manual_seed(T * 3 + D)
+    base = randn(gen, T, D + 64 if strided else D, dtype=dtype, device=device, scale=3.0)
+    x = base[:, :D] if strided else base
+    w = randn(gen, D, dtype=dtype, device=device)
+    res = randn(gen, T, D, dtype=dtype, device=device)
+    if T > 1:
+        w[:128] = 0.0  # a zero group: codes 0 with the all-zero block's scale
+    y, (q, s) = rms_norm_quant(x, w, 1e-6)
+    assert torch.equal(y, rms_norm(x, w, 1e-6))
+    want_q, want_s = quant_act(y.reshape(-1, D))
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (T, -(-D // 128))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    y2, sum2, (q2, s2) = rms_norm_quant(x, w, 1e-6, residual=res)
+    want_y2, want_sum2 = rms_norm(x, w, 1e-6, residual=res)
+    assert torch.equal(y2, want_y2) and torch.equal(sum2, want_sum2)
+    want_q2, want_s2 = quant_act(y2.reshape(-1, D))
+    assert torch.equal(q2.view(torch.uint8), want_q2.view(torch.uint8)) and torch.equal(s2, want_s2)
+
+
+@interp
+@pytest.mark.parametrize("T,D,dtype,strided", [(4, 256, torch.bfloat16, False), (3, 300, torch.bfloat16, True),
+                                               (2, 48, torch.float32, False), (0, 256, torch.bfloat16, False)])
+def test_rms_norm_quant_interp(T, D, dtype, strided):
+    check_norm_quant(T, D, dtype, "cpu", strided)
+
+
+@interp
+def test_rms_norm_quant_feeds_the_fp8_gemm_as_its_own_quantization_interp():
+    """The codes and scales written with the norm, given to the GEMM (`x_quant`), give the bits of the GEMM
+    quantizing the norm's output itself, on the split-K path (quantizing in the kernel or with quant_act) and
+    the tiled one; a malformed x_quant is refused."""
+    from kernels.fp8_gemm import w8a8_block_fp8_matmul
+    from kernels.fp8_quant import quantize_weight_ref
+    from kernels.fp8_splitk import SplitKConfig
+
+    gen = torch.Generator().manual_seed(11)
+    x, w = randn(gen, 6, 384, dtype=torch.bfloat16, device="cpu", scale=3.0), randn(gen, 384, dtype=torch.bfloat16,
+                                                                                     device="cpu")
+    wq, ws = quantize_weight_ref(torch.randn(200, 384, generator=gen))
+    y, quant = rms_norm_quant(x, w, 1e-6)
+    for config in (SplitKConfig(16, 64, 2), SplitKConfig(16, 64, 2, fuse_quant=False), (16, 64, 1, 4, 2)):
+        assert torch.equal(w8a8_block_fp8_matmul(y, wq, ws, torch.float32, config=config, x_quant=quant),
+                           w8a8_block_fp8_matmul(y, wq, ws, torch.float32, config=config)), config
+    q, s = quant
+    for bad in ((q.view(torch.uint8), s), (q, s[:, :2]), (q[:4], s[:4]), (q, s.t().contiguous().t())):
+        with pytest.raises(ValueError, match="x_quant"):
+            w8a8_block_fp8_matmul(y, wq, ws, config=SplitKConfig(16, 64, 2), x_quant=bad)
 
 
 def angles(T: int, d: int, device, gen):
@@ -126,4 +179,5 @@ def test_norm_rope_gpu(mark):
         check_rope(T, 64, 192 + 64, 64, True, torch.bfloat16, "cuda")
         check_rope(T, 32, 128, 64, False, torch.bfloat16, "cuda")
         check_rope_cat(T, 64, 512, 64, torch.bfloat16, "cuda")
+        check_norm_quant(T, 6144, torch.bfloat16, "cuda")
     check_norm(7, 6144, torch.float32, "cuda")
