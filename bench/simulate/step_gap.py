@@ -57,7 +57,7 @@ from services.launch import topology as topology_mod
 
 MODES = ("back_to_back", "idle_gap", "engine_thread", "polling", "beside_services", "served")
 SERVICE_MODES = ("beside_services", "served")  # the topology started for these
-SETTLE_S = 1.1  # the services publish their step counters every 0.5 s: a read this long after a request has it
+SETTLE_S = 1.1  # the least idle before a served probe (as `bench calibrate --through-services` leaves its probes)
 PHASE_COUNTERS = tuple(f'pdserve:engine_step_phase_seconds_total{{phase="{p}"}}' for p in PHASES)
 
 
@@ -120,11 +120,24 @@ async def _served_probes(url: str, redis_url: str, prompts: list[list[int]], gap
             rec = await stream_completion(http, url, model, p, 2)
             if rec.error:
                 raise RuntimeError(f"step_gap: a served probe failed: {rec.error}")
-            await asyncio.sleep(SETTLE_S)
-            after = (await asyncio.to_thread(engine_counters, redis_url, names))["prefill"]
+            after = await _counted(redis_url, names, before[STEP_COUNTERS[0]] + 2)
             steps.append(after[STEP_COUNTERS[1]] - before[STEP_COUNTERS[1]])
             phases.append({ph: after[n] - before[n] for ph, n in zip(PHASES, PHASE_COUNTERS)})
     return steps, phases
+
+
+async def _counted(redis_url: str, names: tuple[str, ...], steps: float, timeout_s: float = 60.0) -> dict:
+    """The prefill's counters once they count `steps` steps (a probe's prefill and the step that hands it to the
+    runner; the services publish their counters every 0.5 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = (await asyncio.to_thread(engine_counters, redis_url, names))["prefill"]
+        if got[STEP_COUNTERS[0]] >= steps:
+            return got
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"step_gap: the prefill's step counters stayed at {got[STEP_COUNTERS[0]]:g} steps "
+                               f"for {timeout_s:g} s, waiting for {steps:g}")
+        await asyncio.sleep(0.1)
 
 
 def _py_spy(pid: int, out: str) -> subprocess.Popen | None:

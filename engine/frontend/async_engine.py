@@ -195,7 +195,6 @@ class AsyncEngine:
             self._commands.append((fn, fut))
         self._wake.set()
 
-    # ---- the engine thread ----------------------------------------------------------------------
     def drain_step_times(self) -> list[tuple[float, float | None]]:
         """The steps that ran a forward since the last call: (step seconds, seconds between the previous step's end
         and this step's start, None when the engine idled in between)."""
@@ -204,6 +203,7 @@ class AsyncEngine:
             out.append(log_.popleft())
         return out
 
+    # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         core = self.core
         clock, last_end = time.perf_counter, None
