@@ -1,7 +1,8 @@
 """Projections of one input as one GEMM: `pack_projections` and `project`.
 
 MLA reads the hidden states x three times (q_a_proj, kv_a_proj_with_mqa and the indexer's wk) and the
-query residual twice (q_b_proj and the indexer's wq_b). Packed, their weights are rows of one [N, K] matrix
+query residual twice (q_b_proj and the indexer's wq_b); a gated MLP (the dense layers' and the MoE's shared
+expert) reads its input twice (gate_proj, up_proj). Packed, their weights are rows of one [N, K] matrix
 (each module's `weight`, and `weight_scale_inv` for FP8, becomes a view of it), so each input is read,
 quantized (FP8) and multiplied once: one launch instead of two or three at decode, where these small
 projections are latency-bound (q_a_proj, kv_a_proj and wk stream 12.6 + 3.5 + 0.8 MB of GLM-5.3 FP8
@@ -31,8 +32,8 @@ from kernels.fp8_quant import BLOCK
 @runtime_checkable
 class HasProjectionGroups(Protocol):
     """A layer that reads some inputs several times: it names, per input, the projections of it (None for one
-    it lacks), and `project`s each input through them. The layer knows its groups; this module only packs them,
-    so it never needs to import the layer (engine.model.mla.MLAttention is the one such layer)."""
+    it lacks), and runs each input through its pack where it has one. The layer knows its groups; this module only
+    packs them, so it never needs to import the layer (engine.model.mla.MLAttention, engine.model.layers.GatedMLP)."""
 
     def projection_groups(self) -> list[list[nn.Module | None]]: ...
 

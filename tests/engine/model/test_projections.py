@@ -110,8 +110,8 @@ def _llm(monkeypatch, packed: bool, *args, **kw) -> LLM:
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_engine_packed_equals_unpacked(tiny_code, quantization, monkeypatch):
-    """tiny-code (fp32, and FP8 quantized at load): every layer's packs made, weight bytes unchanged, the
-    prompt's logits the same bits as with nothing packed."""
+    """tiny-code (fp32, and FP8 quantized at load): every layer's packs made (MLA's, the gated MLPs'), weight bytes
+    unchanged, the prompt's logits the same bits as with nothing packed."""
     ids = list(range(300, 600))
     kw = {"num_blocks": 16, **({"quantization": quantization} if quantization else {})}
     runs = {}
@@ -128,16 +128,20 @@ def test_engine_packed_equals_unpacked(tiny_code, quantization, monkeypatch):
     assert (getattr(attn.indexer.wk, "pack", None) is attn.q_a_proj.pack) == (quantization is None)
     assert pack_projections(model) == 0  # packed once
     packs = {id(m.pack) for m in model.modules() if getattr(m, "pack", None) is not None}
-    # x's projections in every layer; the query residual's where the layer has its own indexer (wq_b)
+    # x's projections in every layer; the query residual's where the layer has its own indexer (wq_b); every gated
+    # MLP's gate and up projections (the dense layers', the shared experts')
     attns = [m for m in model.modules() if type(m).__name__ == "MLAttention"]
-    assert len(packs) == sum(1 + (a.indexer is not None) for a in attns) > len(attns)
+    mlps = [m for m in model.modules() if type(m).__name__ == "GatedMLP"]
+    assert mlps and all(m.gate_proj.pack is m.up_proj.pack is not None for m in mlps)
+    assert len(packs) == sum(1 + (a.indexer is not None) for a in attns) + len(mlps) > len(attns) + len(mlps)
 
 
 @gpu
 @pytest.mark.parametrize("M", [4, 64, 256, 8192])
 def test_glm_packs_equal_their_members_gpu(M):
     gen = torch.Generator().manual_seed(3)
-    for widths, K in (((2048, 128, 576), 6144), ((16384, 4096), 2048)):
+    # MLA's packs of x and of the query residual; the shared expert's and a dense layer's gate + up
+    for widths, K in (((2048, 128, 576), 6144), ((16384, 4096), 2048), ((2048, 2048), 6144), ((12288, 12288), 6144)):
         mods = [_fp8(n, K, gen, "cuda") for n in widths]
         x = (torch.randn(M, K, generator=gen) * 2).cuda().bfloat16()
         alone = [m(x) for m in mods]
