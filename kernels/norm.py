@@ -46,12 +46,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, q_ptr, qs_ptr, D, ep
         xn = xn.to(x_ptr.dtype.element_ty).to(tl.float32)
     y = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32) * xn
     if y_ptr.dtype.element_ty == tl.bfloat16:
-        y = to_bf16(y, ROUND_FIRST)
+        yo = to_bf16(y, ROUND_FIRST)
     else:
-        y = y.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * sy + d, y, mask=m)
+        yo = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * sy + d, yo, mask=m)
     if QUANT:  # the stored values, 128 channels a group (lanes past D are 0: their weight loads as 0)
-        q, scale = quant_e4m3_rows(tl.reshape(y.to(tl.float32), (BLOCK_D // 128, 128)), ROUND_FIRST)
+        q, scale = quant_e4m3_rows(tl.reshape(yo.to(tl.float32), (BLOCK_D // 128, 128)), ROUND_FIRST)
         tl.store(q_ptr + row * sq + d, tl.reshape(q, (BLOCK_D,)), mask=m)
         g = tl.arange(0, BLOCK_D // 128)
         tl.store(qs_ptr + row * sqs + g, scale, mask=g * 128 < D)

@@ -44,12 +44,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ (weight * block scales)^T -> [..., N] in x's dtype: the w8a8 GEMM on CUDA, its fp32
-    reference elsewhere."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+               x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [..., K] @ (weight * block scales)^T -> [..., N] in x's dtype: the w8a8 GEMM on CUDA (with `x_quant`, x's
+    codes and scales made with x, in place of its own quantization), its fp32 reference elsewhere."""
     x2 = x.reshape(-1, weight.shape[1])
-    gemm = w8a8_block_fp8_matmul if x2.is_cuda else w8a8_block_fp8_matmul_ref
-    return gemm(x2, weight, weight_scale_inv, x.dtype).view(*x.shape[:-1], weight.shape[0])
+    if not x2.is_cuda:
+        return w8a8_block_fp8_matmul_ref(x2, weight, weight_scale_inv, x.dtype).view(*x.shape[:-1], weight.shape[0])
+    return w8a8_block_fp8_matmul(x2, weight, weight_scale_inv, x.dtype, x_quant=x_quant).view(
+        *x.shape[:-1], weight.shape[0])
 
 
 class Fp8Linear(nn.Module):
@@ -63,8 +66,8 @@ class Fp8Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(torch.empty(cdiv(out_features, BLOCK), cdiv(in_features, BLOCK),
                                                          dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale_inv)
+    def forward(self, x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale_inv, x_quant)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block 128x128"

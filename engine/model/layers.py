@@ -7,9 +7,10 @@ by `engine.loading.loader.use_kernels`); their arithmetic is the eager one (kern
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels import fp8_cublas
+from kernels.act import silu_mul, silu_mul_ref
 from kernels.norm import rms_norm, rms_norm_ref
 from kernels.rope import rope_ref
 
@@ -52,7 +53,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) — the dense layers and the shared expert."""
+    """down(silu(gate(x)) * up(x)) — the dense layers and the shared expert. Fused (CUDA): the activation is one
+    launch (kernels.act), which also quantizes its output for an FP8 down projection."""
+
+    fused = False
 
     def __init__(self, hidden: int, inner: int):
         super().__init__()
@@ -72,4 +76,14 @@ class GatedMLP(nn.Module):
             gate, up = pack.part(y, self.gate_proj), pack.part(y, self.up_proj)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        if not self.fused:
+            return self.down_proj(silu_mul_ref(gate, up))
+        shape, gate, up = gate.shape, gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+        down = self.down_proj
+        # the activation's FP8 quantization with it, where the down projection is FP8 on the Triton path (cuBLAS,
+        # at prefill sizes, lays its scales out its own way and quantizes itself)
+        if getattr(down, "weight_scale_inv", None) is not None and gate.is_cuda and not fp8_cublas.use_dense(
+                gate.shape[0], down.out_features, down.in_features, gate.dtype, gate.device):
+            h, quant = silu_mul(gate, up, quant=True)
+            return down(h, x_quant=quant).view(*shape[:-1], down.out_features)
+        return down(silu_mul(gate, up)).view(*shape[:-1], down.out_features)

@@ -82,9 +82,11 @@ def test_sparse_mla_kernel_with_trim_compiles_for_sm90():
 
 
 def test_small_fused_kernels_compile_for_sm90():
-    """The norm (also with the FP8 quantization of its output), RoPE and MoE-routing kernels at the launches a
-    GLM-5.3 decode step makes (bitonic sort, histogram and barrier in the one-program expert sort among them)."""
+    """The norm and the gated MLP's activation (each also with the FP8 quantization of its output), RoPE and
+    MoE-routing kernels at the launches a GLM-5.3 decode step makes (bitonic sort, histogram and barrier in the
+    one-program expert sort among them)."""
     out = compile_sm90('''
+        from kernels.act import _silu_mul_kernel
         from kernels.moe_routing import _align_kernel, _combine_kernel, _route_kernel
         from kernels.norm import _rms_norm_kernel
         from kernels.rope import _rope_cat_kernel, _rope_kernel
@@ -95,6 +97,10 @@ def test_small_fused_kernels_compile_for_sm90():
                   "y_ptr": "*bf16", "sum_ptr": "*bf16", "q_ptr": "*u8", "qs_ptr": "*fp32", "D": i, "eps": "fp32",
                   "sx": i, "sr": i, "sy": i, "ss": i, "sq": i, "sqs": i},
                   dict(BLOCK_D=block, HAS_RES=res, QUANT=quant, ROUND_FIRST=False), num_warps=max(1, block // 512)))
+        for quant in (False, True):
+            print("silu_mul", build(_silu_mul_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "h_ptr": "*bf16",
+                  "q_ptr": "*u8", "qs_ptr": "*fp32", **{k: i for k in "inter sg su sh sq sqs".split()}},
+                  dict(BLOCK=512, QUANT=quant, ROUND_FIRST=False)))
         for inter, bh in ((True, 32), (False, 16)):
             print("rope", build(_rope_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32",
                   "sin_ptr": "*fp32", "H": i, "sx_t": i, "sx_h": i, "so_t": i, "so_h": i, "sc_t": i},
@@ -113,7 +119,7 @@ def test_small_fused_kernels_compile_for_sm90():
               **{k: i for k in "H top_k num_experts offset sy_a so_t".split()}}, dict(BLOCK_H=1024, ROUND_FIRST=False)))
     ''')
     sizes = [line.split() for line in out.splitlines()]
-    assert len(sizes) == 11 and all(int(s[1]) > 0 for s in sizes), out
+    assert len(sizes) == 13 and all(int(s[1]) > 0 for s in sizes), out
 
 
 def test_threshold_select_kernel_compiles_for_sm90():
