@@ -58,6 +58,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
+from engine.model.layers import GatedMLP
 from engine.model.moe import MoE
 
 
@@ -423,6 +424,9 @@ def main(argv=None) -> dict:
     p.add_argument("--roofline-only", metavar="COPY_TBPS,BF16_TFLOPS", default=None,
                    help="with --standin: only the floors, from the model on meta and these ceilings (no GPU)")
     p.add_argument("--contexts", default=None, help="--roofline-only's contexts (default: what a timed run has)")
+    p.add_argument("--fused-activation", action="store_true",
+                   help="the gated MLPs' activation as one launch with its FP8 quantization (kernels.act; off by "
+                        "default until timed)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.roofline_only:
@@ -445,6 +449,8 @@ def main(argv=None) -> dict:
         ceil = ceilings(torch.device(device))
         print(f"copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s", flush=True)
     graph_kw = {"enforce_eager": False, "cuda_graph_sizes": sorted(set(batches))}
+    if a.fused_activation:  # before the engine is built: its graphs capture the model as it runs then
+        GatedMLP.fused = True
     hs_kw = {"hisparse": {"host_pool_gib": a.hisparse_pool_gib}} if a.hisparse_pool_gib else None
     if hs_kw and a.hisparse_buffer:
         hs_kw["hisparse"]["device_buffer_size"] = a.hisparse_buffer

@@ -53,8 +53,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) — the dense layers and the shared expert. Fused (CUDA): the activation is one
-    launch (kernels.act), which also quantizes its output for an FP8 down projection."""
+    """down(silu(gate(x)) * up(x)) — the dense layers and the shared expert. Fused: the activation is one launch
+    (kernels.act), which also quantizes its output for an FP8 down projection. Off by default, also on CUDA, until
+    its GPU test and timing have run (`GatedMLP.fused = True` before the engine is built turns it on:
+    `python -m bench.decode_step --fused-activation`)."""
 
     fused = False
 
