@@ -69,16 +69,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     With `residual` (x's shape and dtype) returns (norm(x + residual), x + residual), the sum rounded to
     x's dtype as an eager `x + residual` would be; without it, norm(x)."""
-    D = x.shape[-1]
-    _check(x, weight, residual)
-    x2 = _rows(x, D)
-    rows = x2.shape[0]
-    y = torch.empty((rows, D), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    s = torch.empty((rows, D), dtype=x.dtype, device=x.device) if residual is not None else y
-    r2 = _rows(residual, D) if residual is not None else None
-    _launch(x2, r2, weight, y, s, None, eps)
-    y = y.view(*x.shape[:-1], D)
-    return y if residual is None else (y, s.view(*x.shape[:-1], D))
+    y, s, _ = _norm(x, weight, eps, residual, quant=False)
+    return y if residual is None else (y, s)
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -86,18 +78,24 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     """`rms_norm`, and in the same launch y's FP8 activation quantization: (y, (y_q, y_s)), or with `residual`
     (y, x + residual, (y_q, y_s)); y_q float8_e4m3fn [rows, D], y_s fp32 [rows, ceil(D/128)] (rows: x's
     leading dimensions flattened), bit for bit `quant_act(y.reshape(-1, D))`."""
+    y, s, quant = _norm(x, weight, eps, residual, quant=True)
+    return (y, quant) if residual is None else (y, s, quant)
+
+
+def _norm(x, weight, eps: float, residual, quant: bool):
+    """(y, the sum or None, the codes and scales or None), y and the sum in x's shape."""
     D = x.shape[-1]
     _check(x, weight, residual)
     x2 = _rows(x, D)
     rows = x2.shape[0]
     y = torch.empty((rows, D), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     s = torch.empty((rows, D), dtype=x.dtype, device=x.device) if residual is not None else y
-    q = torch.empty((rows, D), dtype=torch.uint8, device=x.device)
-    qs = torch.empty((rows, -(-D // 128)), dtype=torch.float32, device=x.device)
-    _launch(x2, _rows(residual, D) if residual is not None else None, weight, y, s, (q, qs), eps)
-    quant = (q.view(torch.float8_e4m3fn), qs)
-    y = y.view(*x.shape[:-1], D)
-    return (y, quant) if residual is None else (y, s.view(*x.shape[:-1], D), quant)
+    codes = (torch.empty((rows, D), dtype=torch.uint8, device=x.device),
+             torch.empty((rows, -(-D // 128)), dtype=torch.float32, device=x.device)) if quant else None
+    _launch(x2, _rows(residual, D) if residual is not None else None, weight, y, s, codes, eps)
+    shape = (*x.shape[:-1], D)
+    return (y.view(shape), s.view(shape) if residual is not None else None,
+            (codes[0].view(torch.float8_e4m3fn), codes[1]) if quant else None)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:

@@ -13,12 +13,16 @@ from kernels.rope import rope, rope_cat, rope_cat_ref, rope_fits, rope_ref
 from tests.helpers.kernel_inputs import gpu, interp, randn
 
 
-def check_norm(T: int, D: int, dtype, device, strided: bool = False):
-    gen = torch.Generator().manual_seed(T * 7 + D)
+def norm_inputs(T: int, D: int, dtype, device, strided: bool, seed: int):
+    """(x, weight, residual); x a row-strided view with `strided`, as kv_a's latent part."""
+    gen = torch.Generator().manual_seed(seed)
     base = randn(gen, T, D + 64 if strided else D, dtype=dtype, device=device, scale=3.0)
-    x = base[:, :D] if strided else base  # a row-strided view, as kv_a's latent part
-    w = randn(gen, D, dtype=dtype, device=device)
-    res = randn(gen, T, D, dtype=dtype, device=device)
+    x = base[:, :D] if strided else base
+    return x, randn(gen, D, dtype=dtype, device=device), randn(gen, T, D, dtype=dtype, device=device)
+
+
+def check_norm(T: int, D: int, dtype, device, strided: bool = False):
+    x, w, res = norm_inputs(T, D, dtype, device, strided, seed=T * 7 + D)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     y = rms_norm(x, w, 1e-6)
     want = rms_norm_ref(x, w, 1e-6)
@@ -54,11 +58,7 @@ def test_rms_norm_promotes_like_the_module_interp():
 
 def check_norm_quant(T: int, D: int, dtype, device, strided: bool = False):
     """rms_norm_quant: the norm of rms_norm, bit for bit, and the codes and scales quant_act gives for it."""
-    gen = torch.Generator().manual_seed(T * 3 + D)
-    base = randn(gen, T, D + 64 if strided else D, dtype=dtype, device=device, scale=3.0)
-    x = base[:, :D] if strided else base
-    w = randn(gen, D, dtype=dtype, device=device)
-    res = randn(gen, T, D, dtype=dtype, device=device)
+    x, w, res = norm_inputs(T, D, dtype, device, strided, seed=T * 3 + D)
     if T > 1:
         w[:128] = 0.0  # a zero group: codes 0 with the all-zero block's scale
     y, (q, s) = rms_norm_quant(x, w, 1e-6)
