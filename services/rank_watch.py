@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 from engine import settings
 from engine.frontend.async_engine import AsyncEngine
+from engine.parallel.worker import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -83,3 +86,15 @@ async def serve_until_stopped(server, drain, engine: AsyncEngine, host, role: st
         logging.shutdown()
         os._exit(1)
     return 1
+
+
+def exit_service(code: int, world_size: int) -> NoReturn:
+    """A service's exit with `code`. A multi-rank engine's rank 0 out of service because a rank is gone (code != 0)
+    leaves without the interpreter's teardown: the process group's C++ threads, their peer dead, can still be
+    joinable there and abort the process ("terminate called without an active exception"), which would turn the
+    exit code 1 a restart keys on into a SIGABRT. A normal exit keeps the teardown (its atexit tells the other
+    ranks to stop)."""
+    if world_size > 1 and code != 0:
+        logging.shutdown()
+        exit_now(code)
+    sys.exit(code)

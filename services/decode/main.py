@@ -14,7 +14,6 @@ import argparse
 import logging
 import os
 import secrets
-import sys
 
 from engine.config.arg_utils import EngineArgs
 from engine.frontend.async_engine import AsyncEngine
@@ -24,7 +23,7 @@ from services.cluster.redis_state import InstanceInfo, RedisState
 from services.decode.faults import with_faults
 from services.decode.server import SERVICE_NAME, DecodeRank, DecodeServicer
 from services.engine_host import EngineHost, model_info
-from services.rank_watch import serve_until_stopped
+from services.rank_watch import exit_service, serve_until_stopped
 from services.rpc.admission import Admission
 from services.rpc.drain import Drain
 from services.rpc.grpc_server import GrpcServer, run
@@ -140,4 +139,4 @@ def main(argv: list[str] | None = None) -> None:
         if args.rank > 0:
             worker_main()
             exit_now(0)  # past the process group's teardown: no C++ thread left joinable at exit
-    sys.exit(run(lambda: serve(args)))
+    exit_service(run(lambda: serve(args)), args.world_size)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from engine.config.arg_utils import EngineArgs
 from engine.frontend.async_engine import AsyncEngine
@@ -18,7 +17,7 @@ from proto.pdserve.v1 import prefill_pb2_grpc
 from services.cluster.redis_state import InstanceInfo, RedisState
 from services.engine_host import EngineHost, model_info
 from services.prefill.server import SERVICE_NAME, PrefillServicer
-from services.rank_watch import serve_until_stopped
+from services.rank_watch import exit_service, serve_until_stopped
 from services.rpc.admission import Admission
 from services.rpc.drain import Drain
 from services.rpc.grpc_server import GrpcServer, run
@@ -119,4 +118,4 @@ def main(argv: list[str] | None = None) -> None:
         if args.rank > 0:
             worker_main()
             exit_now(0)  # past the process group's teardown: no C++ thread left joinable at exit
-    sys.exit(run(lambda: serve(args)))
+    exit_service(run(lambda: serve(args)), args.world_size)
