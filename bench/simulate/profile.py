@@ -49,8 +49,9 @@ sharing a device are costed as if each had it alone, and the result says so.
 `prefill_served` is a lone prompt's prefill step as the running services take it (the prefill engine's own step
 counters over one probe request, `pdserve bench calibrate --through-services`), idle and while other requests
 stream their tokens, beside the same prompt's step on the engine alone (`alone_s`). On a GPU a host-bound prefill
-step takes longer in the service than alone (H100, tiny-code: 18.3 ms idle and 19-21 ms under 4-16 streams, against
-11.2 ms alone), and the engine-alone fit misses it. Each simulated prefill step then costs its fit plus the
+step takes longer in the service than alone (H100, measured the same day: tiny-code 15.9 ms idle and 14.6-19.9 ms
+under 4-16 streams against 13.9 ms alone; GLM-5.3 widths 18.4 and 23.6-24.1 against 12.0 ms), and the engine-alone
+fit misses it. Each simulated prefill step then costs its fit plus the
 difference for the streams live at its start (joined linearly between the points, flat past the last, never
 below 0); the points under streams include the decode's share of the device, so the prefill's `shared_device`
 slowdown is not applied on top.
