@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 
+import yaml
+
 from bench.simulate import step_gap
+from tests.helpers import ROOT, system
 
 CPU_TOPOLOGY = "configs/topology.cpu.yaml"
 
@@ -36,8 +39,12 @@ def test_bad_flags_are_refused_with_a_reason(tmp_path, capsys):
 def test_the_service_modes_time_the_probe_beside_and_through_the_running_topology(tmp_path):
     """The topology started once: the engine alone beside it, then requests through its router, each timed by the
     prefill service's own step counters and split by phase (the phases add up to the step)."""
+    topo = system.topology(tmp_path / "run")  # free ports and a Redis of its own, beside other tests
+    topo["model"] = str(ROOT / "checkpoints" / "tiny-code")
+    config = tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(topo))
     out = tmp_path / "gap.json"
-    assert step_gap.main(["--config", CPU_TOPOLOGY, "--out", str(out), "--prompt-len", "24", "--probes", "2",
+    assert step_gap.main(["--config", str(config), "--out", str(out), "--prompt-len", "24", "--probes", "2",
                           "--gap-s", "0.01", "--modes", "beside_services,served"]) == 0
     got = json.loads(out.read_text())["modes"]
     assert list(got) == ["beside_services", "served"]
