@@ -58,7 +58,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
-from engine.model.layers import GatedMLP
+from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.moe import MoE
 
 
@@ -348,6 +348,26 @@ def standin_roofline(batches: list[int], contexts: list[int], copy_tbps: float, 
     return out
 
 
+SWITCHES = {"fused_activation": (GatedMLP, "fused"), "norm_quant": (RMSNorm, "quantize")}
+
+
+def set_switches(variant: str, apply: bool = False) -> str:
+    """Check a `--switch-variants` entry ('+'-joined SWITCHES names, or none); with `apply`, set exactly those."""
+    names = set() if variant == "none" else set(variant.split("+"))
+    unknown = names - set(SWITCHES)
+    if unknown:
+        raise SystemExit(f"--switch-variants: unknown switch(es) {sorted(unknown)}; known: {sorted(SWITCHES)}, none")
+    if apply:
+        for name, (cls, attr) in SWITCHES.items():
+            setattr(cls, attr, name in names)
+    return variant
+
+
+def tag(rows: list[dict]) -> list[dict]:
+    """The rows with the switches they ran under."""
+    return [dict(r, switches={name: getattr(cls, attr) for name, (cls, attr) in SWITCHES.items()}) for r in rows]
+
+
 def run_modes(core, modes: list[str], batches: list[int], a, ceil: dict, label: str) -> list[dict]:
     runner = core.runner
     static = runner.static
@@ -393,6 +413,8 @@ def main(argv=None) -> dict:
     src.add_argument("--model", default="checkpoints/tiny-code")
     src.add_argument("--random-model", type=int, metavar="LAYERS", help="GLM-5.3 widths, LAYERS layers, random")
     src.add_argument("--standin", action="store_true", help="one EP8 rank of the full GLM-5.3 in FP8 (random)")
+    p.add_argument("--standin-layers", type=int, default=None, metavar="N",
+                   help="the stand-in cut to N layers (the full one needs 105 GiB: an 80 GB card takes about 36)")
     p.add_argument("--experts", type=int, default=32, help="routed experts of --random-model")
     p.add_argument("--device", default=None)
     p.add_argument("--batches", default="1,16,64")
@@ -424,9 +446,15 @@ def main(argv=None) -> dict:
     p.add_argument("--roofline-only", metavar="COPY_TBPS,BF16_TFLOPS", default=None,
                    help="with --standin: only the floors, from the model on meta and these ceilings (no GPU)")
     p.add_argument("--contexts", default=None, help="--roofline-only's contexts (default: what a timed run has)")
+    p.add_argument("--norm-quant", action="store_true",
+                   help="the norms before FP8 projections quantize their output in their launch (RMSNorm.quantize)")
     p.add_argument("--fused-activation", action="store_true",
                    help="the gated MLPs' activation as one launch with its FP8 quantization (kernels.act; off by "
                         "default until timed)")
+    p.add_argument("--switch-variants", default=None, metavar="V,V",
+                   help="time the resident engine once per variant, one engine each on the same model, side by side "
+                        "in this process: '+'-joined switches of fused_activation, norm_quant, or none "
+                        "(e.g. none,fused_activation,fused_activation+norm_quant)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.roofline_only:
@@ -449,8 +477,13 @@ def main(argv=None) -> dict:
         ceil = ceilings(torch.device(device))
         print(f"copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s", flush=True)
     graph_kw = {"enforce_eager": False, "cuda_graph_sizes": sorted(set(batches))}
-    if a.fused_activation:  # before the engine is built: its graphs capture the model as it runs then
+    variants = [set_switches(v) for v in a.switch_variants.split(",")] if a.switch_variants else []
+    if variants:  # before each engine is built: its graphs capture the model as it runs then
+        set_switches(a.switch_variants.split(",")[0], apply=True)
+    if a.fused_activation:
         GatedMLP.fused = True
+    if a.norm_quant:
+        RMSNorm.quantize = True
     hs_kw = {"hisparse": {"host_pool_gib": a.hisparse_pool_gib}} if a.hisparse_pool_gib else None
     if hs_kw and a.hisparse_buffer:
         hs_kw["hisparse"]["device_buffer_size"] = a.hisparse_buffer
@@ -464,7 +497,8 @@ def main(argv=None) -> dict:
             sa = argparse.Namespace(device=device, kv_cache_dtype="fp8_ds_mla", gpu_memory_utilization=0.9,
                                     prefill_tokens=max(a.prompt_len, hs_prompt) + 64 * a.steps, chunk=8192,
                                     batches=batches, num_blocks=a.num_blocks)
-            path = standin.rank_config_dir(Path(tmp))
+            path = standin.rank_config_dir(Path(tmp), **({"num_hidden_layers": a.standin_layers}
+                                                          if a.standin_layers else {}))
             t0 = time.perf_counter()
             core, info = standin._engine(sa, path, **graph_kw)
             info["build_s"] = time.perf_counter() - t0
@@ -472,6 +506,9 @@ def main(argv=None) -> dict:
 
             def make_hisparse():
                 return standin._engine(sa, path, model=model, **hs_kw, **graph_kw)[0]
+
+            def make_resident():
+                return standin._engine(sa, path, model=model, **graph_kw)[0]
         else:
             path = a.model
             kw = {"num_blocks": a.num_blocks, "max_num_seqs": max(batches), "device": device,
@@ -488,6 +525,9 @@ def main(argv=None) -> dict:
 
             def make_hisparse():
                 return LLM(path, **kw, **hs_kw, **graph_kw).core
+
+            def make_resident():
+                return LLM(path, **kw, **graph_kw).core
         st = core.runner.static
         dd = core.runner.device_decode
         if a.per_forward_graphs and dd is not None:
@@ -508,7 +548,18 @@ def main(argv=None) -> dict:
         if a.modes:
             modes = [m for m in modes if m in a.modes.split(",")]
         if batches and not a.hisparse_only:
-            rows += run_modes(core, modes, batches, a, ceil, "resident")
+            rows += tag(run_modes(core, modes, batches, a, ceil, "resident"))
+            for v in a.switch_variants.split(",")[1:] if variants else []:
+                del core, st
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                set_switches(v, apply=True)
+                print(f"switches: {v}", flush=True)
+                llm = None  # the LLM path's engine goes with it
+                core = make_resident()
+                st = core.runner.static
+                rows += tag(run_modes(core, modes, batches, a, ceil, "resident"))
         if hs_kw and batches:
             del core, st
             gc.collect()
@@ -523,7 +574,8 @@ def main(argv=None) -> dict:
             if a.modes:
                 hs_modes = [m for m in hs_modes if m in a.modes.split(",") or (m == "static" and "graphs" in a.modes)]
             rows += run_modes(core, hs_modes, hs_batches, a, ceil, "hisparse")
-    result = {"model": "standin" if a.standin else (f"random-{a.random_model}" if a.random_model else a.model),
+    name = "standin" + (f"-{a.standin_layers}-layers" if a.standin_layers else "")
+    result = {"model": name if a.standin else (f"random-{a.random_model}" if a.random_model else a.model),
               "spec": a.spec, "device": device, "ceilings": ceil, "info": info, "rows": rows,
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     if a.out:

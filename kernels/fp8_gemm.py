@@ -178,8 +178,12 @@ def _gemm(a, a_s, b, b_s, out_dtype, config) -> torch.Tensor:
 # ---- references (fp32) ------------------------------------------------------------------------------
 
 def w8a8_block_fp8_matmul_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                              out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """fp32 reference: quantize x as the kernel does, dequantize both operands, one fp32 matmul."""
-    q, s = quant_act_ref(x)
+                              out_dtype: torch.dtype | None = None,
+                              x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """fp32 reference: quantize x as the kernel does (or take `x_quant`, x's codes and scales made elsewhere,
+    checked as the kernel checks them), dequantize both operands, one fp32 matmul."""
+    if x_quant is not None:
+        _check_x_quant(x_quant, x)
+    q, s = x_quant if x_quant is not None else quant_act_ref(x)
     y = dequant_act_ref(q, s) @ dequantize_weight_ref(weight, weight_scale_inv).t()
     return y.to(out_dtype or x.dtype)

@@ -47,10 +47,12 @@ def cdiv(a: int, b: int) -> int:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] @ (weight * block scales)^T -> [..., N] in x's dtype: the w8a8 GEMM on CUDA (with `x_quant`, x's
-    codes and scales made with x, in place of its own quantization), its fp32 reference elsewhere."""
+    codes and scales made with x, in place of its own quantization), its fp32 reference elsewhere (which takes
+    `x_quant` too: the CPU tests check what a model passes)."""
     x2 = x.reshape(-1, weight.shape[1])
     if not x2.is_cuda:
-        return w8a8_block_fp8_matmul_ref(x2, weight, weight_scale_inv, x.dtype).view(*x.shape[:-1], weight.shape[0])
+        return w8a8_block_fp8_matmul_ref(x2, weight, weight_scale_inv, x.dtype, x_quant=x_quant).view(
+            *x.shape[:-1], weight.shape[0])
     return w8a8_block_fp8_matmul(x2, weight, weight_scale_inv, x.dtype, x_quant=x_quant).view(
         *x.shape[:-1], weight.shape[0])
 

@@ -11,14 +11,19 @@ from torch import nn
 
 from kernels import fp8_cublas
 from kernels.act import silu_mul, silu_mul_ref
-from kernels.norm import rms_norm, rms_norm_ref
+from kernels.norm import rms_norm, rms_norm_quant, rms_norm_ref
 from kernels.rope import rope_ref
 
 
 class RMSNorm(nn.Module):
-    """y = w · x / rms(x), computed in fp32 and cast back before the weight (HF's order of operations)."""
+    """y = w · x / rms(x), computed in fp32 and cast back before the weight (HF's order of operations).
+
+    `quantize` (a class switch, off by default until its GPU timing): a fused norm whose output feeds FP8
+    projections on their Triton path also writes that output's FP8 activation quantization in its launch
+    (`forward_quant`), and the projections take it in place of their own quantization launch."""
 
     fused = False
+    quantize = False
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -31,6 +36,17 @@ class RMSNorm(nn.Module):
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add and the norm after it, one launch when fused."""
         return (rms_norm if self.fused else rms_norm_ref)(x, self.weight, self.eps, residual=residual)
+
+    def forward_quant(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+        """(norm(s), s or None, s's norm as FP8 codes and per-128-channel scales), s = x (+ residual), in one
+        launch (kernels.norm.rms_norm_quant; the fused kernels only: CUDA, or Triton's interpreter)."""
+        if not self.fused:
+            raise RuntimeError("RMSNorm.forward_quant runs the fused kernel: the module's `fused` is off")
+        if residual is None:
+            y, quant = rms_norm_quant(x, self.weight, self.eps)
+            return y, None, quant
+        return rms_norm_quant(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(rope_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
@@ -71,11 +87,14 @@ class GatedMLP(nn.Module):
         activation quantization (FP8) instead of two each."""
         return [[self.gate_proj, self.up_proj]]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x_quant: x's FP8 codes and scales, made with x (RMSNorm.forward_quant), for FP8 projections of x."""
         pack = getattr(self.gate_proj, "pack", None)
         if pack is not None and getattr(self.up_proj, "pack", None) is pack:
-            y = pack(x)
+            y = pack(x, x_quant)
             gate, up = pack.part(y, self.gate_proj), pack.part(y, self.up_proj)
+        elif x_quant is not None and getattr(self.gate_proj, "weight_scale_inv", None) is not None:  # FP8
+            gate, up = self.gate_proj(x, x_quant=x_quant), self.up_proj(x, x_quant=x_quant)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         if not self.fused:

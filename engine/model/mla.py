@@ -100,14 +100,19 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.latent)
         return w[:, : self.nope], w[:, self.nope:]
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext,
-                prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, prev_topk: torch.Tensor | None,
+                x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x_quant: x's FP8 codes and scales made with x (RMSNorm.forward_quant); the query residual's norm then
+        quantizes its output too."""
         T = x.shape[0]
         idx = self.indexer
         # each input read (and quantized) once: one GEMM per pack (engine.model.projections)
-        q_a, idx_k, kv = project(x, self.q_a_proj, idx.wk if idx else None, self.kv_a_proj_with_mqa)
-        q_resid = self.q_a_layernorm(q_a)
-        q, idx_q = project(q_resid, self.q_b_proj, idx.wq_b if idx else None)
+        q_a, idx_k, kv = project(x, self.q_a_proj, idx.wk if idx else None, self.kv_a_proj_with_mqa, x_quant=x_quant)
+        if x_quant is not None:
+            q_resid, _, q_quant = self.q_a_layernorm.forward_quant(q_a)
+        else:
+            q_resid, q_quant = self.q_a_layernorm(q_a), None
+        q, idx_q = project(q_resid, self.q_b_proj, idx.wq_b if idx else None, x_quant=q_quant)
         q = q.view(T, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
         latent = self.kv_a_layernorm(kv[:, : self.latent])

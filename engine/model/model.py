@@ -11,9 +11,11 @@ from torch import nn
 
 from engine.config.model_config import ModelConfig
 from engine.model.context import ForwardContext
+from engine.model.fp8 import Fp8Linear
 from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.mla import MLAttention
 from engine.model.moe import MoE
+from kernels.fp8_gemm import DECODE_MAX_M
 
 
 class DecoderLayer(nn.Module):
@@ -26,10 +28,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._quantizes(x):  # each norm's launch also quantizes its output for the FP8 projections after it
+            h, _, h_quant = self.input_layernorm.forward_quant(x)
+            attn, topk = self.self_attn(h, ctx, prev_topk, x_quant=h_quant)
+            h, x, h_quant = self.post_attention_layernorm.forward_quant(attn, x)
+            return x + self.mlp(h, h_quant), topk
         attn, topk = self.self_attn(self.input_layernorm(x), ctx, prev_topk)
         h, x = self.post_attention_layernorm.forward_add(attn, x)  # x + attn, then its norm
         x = x + self.mlp(h)
         return x, topk
+
+    def _quantizes(self, x: torch.Tensor) -> bool:
+        """RMSNorm.quantize applies: fused norms, FP8 attention projections, decode-sized batches (the Triton
+        GEMMs, which take the norm's codes; cuBLAS at prefill sizes lays its scales out its own way)."""
+        return (RMSNorm.quantize and self.input_layernorm.fused and x.shape[0] <= DECODE_MAX_M
+                and isinstance(self.self_attn.q_a_proj, Fp8Linear))
 
 
 class Backbone(nn.Module):

@@ -89,12 +89,16 @@ class MoE(nn.Module):
                                if cfg.n_shared_experts else None)
         self.dispatcher = None  # set by expert parallelism: moves tokens to the ranks owning their experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x_quant: x's FP8 codes and scales made with x (RMSNorm.forward_quant): the shared expert's projections
+        and experts on the Triton kernel take them (an EP dispatcher quantizes what it sends itself)."""
         weights, ids = self.gate(x)
         if self.dispatcher is not None:
             routed = self.dispatcher(x, weights, ids, self.experts)
+        elif x_quant is not None and self.experts.takes_fp8_rows:
+            routed = self.experts(x, weights, ids, x_quantized=x_quant)
         else:
             routed = self.experts(x, weights, ids)
         if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x)
+            routed = routed + self.shared_experts(x, x_quant)
         return routed

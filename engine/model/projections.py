@@ -69,9 +69,10 @@ class Pack:
                     self.weight_scale_inv[a // BLOCK: a // BLOCK + m.weight_scale_inv.shape[0]], requires_grad=False)
             m.pack = self
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] (every member's output side by side)."""
-        return fp8_linear(x, self.weight, self.weight_scale_inv) if self.fp8 else F.linear(x, self.weight)
+    def __call__(self, x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N] (every member's output side by side); x_quant: x's FP8 codes and scales made
+        with x (an FP8 pack takes them in place of its own quantization; a bf16 one ignores them)."""
+        return fp8_linear(x, self.weight, self.weight_scale_inv, x_quant) if self.fp8 else F.linear(x, self.weight)
 
     def part(self, y: torch.Tensor, m: nn.Module) -> torch.Tensor:
         """Member m's columns of the packed output y (a view: rows keep the packed stride)."""
@@ -113,17 +114,19 @@ def pack_projections(model: nn.Module) -> int:
     return made
 
 
-def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
+def project(x: torch.Tensor, *mods: nn.Module,
+            x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """[mod(x) for mod in mods] (None for a None mod), with as few GEMMs and quantizations as it can: one
     per pack whose members are all asked for (views of its output), and, for the others, x quantized once
-    when every one is an Fp8Linear that cuBLAS serves at this size (kernels.fp8_cublas)."""
+    when every one is an Fp8Linear that cuBLAS serves at this size (kernels.fp8_cublas). x_quant: x's FP8
+    codes and scales made with x (RMSNorm.forward_quant), which every FP8 GEMM here takes in place of its own."""
     outs: list[torch.Tensor | None] = [None] * len(mods)
     asked = {id(m) for m in mods if m is not None}
     for i, m in enumerate(mods):
         pk = getattr(m, "pack", None)
         if outs[i] is not None or pk is None or any(id(o) not in asked for o in pk.members):
             continue
-        y = pk(x)
+        y = pk(x, x_quant)
         for j, o in enumerate(mods):
             if o is not None and getattr(o, "pack", None) is pk:
                 outs[j] = pk.part(y, o)
@@ -140,5 +143,6 @@ def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
                 *x.shape[:-1], m.out_features)
     else:
         for i in rest:
-            outs[i] = mods[i](x)
+            m = mods[i]
+            outs[i] = m(x, x_quant=x_quant) if x_quant is not None and isinstance(m, Fp8Linear) else m(x)
     return outs

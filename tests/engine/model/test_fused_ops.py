@@ -12,6 +12,7 @@ import torch
 
 import engine.model.layers as layers
 import engine.model.mla as attention
+import engine.model.model as model_module
 import engine.model.moe as moe
 from engine.frontend.llm import LLM
 from engine.model.layers import RMSNorm
@@ -52,3 +53,41 @@ def test_fused_small_ops_equal_the_eager_model(tiny_code, dtype, monkeypatch):
         assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.95
         cos = torch.nn.functional.cosine_similarity(fused, eager, dim=-1)
         assert cos.min() > 0.999, cos.min()
+
+
+def test_norms_quantizing_for_fp8_projections_equal_their_own_quantization(tiny_code, monkeypatch):
+    """RMSNorm.quantize: the fused norms before FP8 projections write their output's codes in the same launch
+    (kernels.norm.rms_norm_quant) and the projections take them. tiny-code quantized to FP8 at load gives the same
+    logits bits as with each projection quantizing its input itself, and the codes do reach the GEMMs: the
+    input norm's (the attention's pack; the MLP's shared expert and dense layers), the query residual's."""
+    from engine.model import fp8 as fp8_mod
+    from kernels import fp8_gemm
+
+    llm = LLM(str(tiny_code), num_blocks=8, quantization="fp8")
+    for m in llm.core.runner.model.modules():
+        if isinstance(m, (RMSNorm, MLAttention, Indexer, MoEGate)):
+            m.fused = True
+    ids = llm.tokenizer.encode(DATA.read_text())[:12]
+    own = llm.prompt_logits(ids)
+    given = {"with": 0, "without": 0}
+    ref = fp8_gemm.w8a8_block_fp8_matmul_ref
+
+    def counted(x, w, s, out_dtype=None, x_quant=None):
+        given["with" if x_quant is not None else "without"] += 1
+        return ref(x, w, s, out_dtype, x_quant=x_quant)
+
+    monkeypatch.setattr(fp8_mod, "w8a8_block_fp8_matmul_ref", counted)
+    monkeypatch.setattr(RMSNorm, "quantize", True)
+    norms: dict = {}
+    _counted(monkeypatch, layers, "rms_norm_quant", norms)
+    quantized = llm.prompt_logits(ids)
+    assert torch.equal(quantized, own)
+    model = llm.core.runner.model
+    n_layers = len(model.model.layers) + len(getattr(model, "mtp_layers", []) or [])
+    # per decoder layer: the input norm, the post-attention norm, the query residual's norm
+    assert norms["rms_norm_quant"] >= 3 * len(model.model.layers), norms
+    assert given["with"] >= 3 * len(model.model.layers) and given["without"] > 0, (given, n_layers)
+    # prefill-sized batches keep the projections' own quantization (cuBLAS lays its scales out its own way)
+    monkeypatch.setattr(model_module, "DECODE_MAX_M", 4)
+    norms.clear()
+    assert torch.equal(llm.prompt_logits(ids), own) and not norms

@@ -89,7 +89,7 @@ def test_project_uses_a_pack_only_when_all_its_members_are_asked_for(monkeypatch
     pk = Pack([a, b, c])
     calls = []
     real = Pack.__call__
-    monkeypatch.setattr(Pack, "__call__", lambda self, x: calls.append(self) or real(self, x))
+    monkeypatch.setattr(Pack, "__call__", lambda self, x, q=None: calls.append(self) or real(self, x, q))
     out = project(x, a, None, b, c)
     assert out[1] is None and calls == [pk]
     assert all(torch.allclose(y, r, atol=1e-6) for y, r in zip((out[0], out[2], out[3]), alone))
@@ -162,3 +162,23 @@ def test_fp8_engine_packed_equals_unpacked_gpu(tiny_code, monkeypatch):
     top1 = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
     cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1).min().item()
     assert top1 >= 0.99 and cos >= 0.999, (top1, cos)
+
+
+@gpu
+def test_fp8_engine_norm_quantization_gpu(tiny_code, monkeypatch):
+    """RMSNorm.quantize on CUDA: the norms' codes are `quant_act`'s bits, so the FP8 engine's prompt logits (eager)
+    and its greedy tokens (decode graphs captured with the switch on) are the same as with the projections
+    quantizing their inputs themselves."""
+    from engine import SamplingParams
+    from engine.model.layers import RMSNorm
+
+    ids = list(range(300, 500))  # 200 rows: the Triton GEMMs' sizes
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(RMSNorm, "quantize", on)
+        llm = LLM(str(tiny_code), num_blocks=64, device="cuda", quantization="fp8")
+        out = llm.generate([ids[:40], ids[100:130]], SamplingParams(max_tokens=24, temperature=0.0))
+        runs.append((llm.prompt_logits(ids).float().cpu(), [o.token_ids for o in out]))
+        del llm
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]

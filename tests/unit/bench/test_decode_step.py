@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from bench.decode_step import busy_seconds, main
@@ -80,3 +81,18 @@ def test_standin_roofline_without_a_gpu(tmp_path):
     assert 25 < short["floor_ms"] < 32  # 105 GiB of FP8 weights, experts at their touched share, at 4.27 TB/s
     assert long["roofline_ms"]["target_attention"] > 5 * short["roofline_ms"]["target_attention"]
     assert long["roofline_ms"]["total"] > long["floor_ms"]
+
+
+def test_switch_variants_time_one_engine_each(tiny_code, monkeypatch):
+    """--switch-variants: each variant's rows carry the switches they ran under, set before its engine was built;
+    an unknown switch is refused with the known ones named."""
+    from engine.model.layers import GatedMLP, RMSNorm
+
+    monkeypatch.setattr(GatedMLP, "fused", False)
+    monkeypatch.setattr(RMSNorm, "quantize", False)
+    res = main(["--model", str(tiny_code), "--batches", "1", "--steps", "1", "--warmup", "1", "--prompt-len", "16",
+                "--num-blocks", "64", "--modes", "eager", "--switch-variants", "none,norm_quant"])
+    assert [r["switches"] for r in res["rows"]] == [{"fused_activation": False, "norm_quant": False},
+                                                    {"fused_activation": False, "norm_quant": True}]
+    with pytest.raises(SystemExit, match="known: .*fused_activation"):
+        main(["--model", str(tiny_code), "--switch-variants", "none,fast"])
