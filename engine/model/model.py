@@ -26,17 +26,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext,
-                prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, prev_topk: torch.Tensor | None,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual stream is x, or x + delta (the last layer's MLP output, added here inside the input norm's
+        launch: one launch fewer a layer). Returns (the stream before this layer's MLP output, that output, the
+        top-k): the next layer, or the final norm, adds them."""
         if self._quantizes(x):  # each norm's launch also quantizes its output for the FP8 projections after it
-            h, _, h_quant = self.input_layernorm.forward_quant(x)
+            h, s, h_quant = self.input_layernorm.forward_quant(x, delta)
+            x = x if s is None else s
             attn, topk = self.self_attn(h, ctx, prev_topk, x_quant=h_quant)
             h, x, h_quant = self.post_attention_layernorm.forward_quant(attn, x)
-            return x + self.mlp(h, h_quant), topk
-        attn, topk = self.self_attn(self.input_layernorm(x), ctx, prev_topk)
+            return x, self.mlp(h, h_quant), topk
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm.forward_add(delta, x)  # x + delta, then its norm
+        attn, topk = self.self_attn(h, ctx, prev_topk)
         h, x = self.post_attention_layernorm.forward_add(attn, x)  # x + attn, then its norm
-        x = x + self.mlp(h)
-        return x, topk
+        return x, self.mlp(h), topk
 
     def _quantizes(self, x: torch.Tensor) -> bool:
         """RMSNorm.quantize applies: fused norms, FP8 attention projections, decode-sized batches (the Triton
@@ -77,8 +84,8 @@ class MTPLayer(nn.Module):
 
     def forward(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         u = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
-        h, _ = self.layer(u, ctx, None)
-        return self.shared_head.norm(h)
+        x, delta, _ = self.layer(u, ctx, None)
+        return self.shared_head.norm.forward_add(delta, x)[0]
 
 
 class GlmDsaForCausalLM(nn.Module):
@@ -92,10 +99,10 @@ class GlmDsaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final normed hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        topk = None
+        topk = delta = None
         for layer in self.model.layers:
-            x, topk = layer(x, ctx, topk)
-        return self.model.norm(x)
+            x, delta, topk = layer(x, ctx, topk, delta)
+        return self.model.norm(x) if delta is None else self.model.norm.forward_add(delta, x)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
