@@ -100,6 +100,13 @@ def busy_seconds(prof) -> float:
     return total / 1e6
 
 
+def kernel_totals(prof, steps: int) -> tuple[float, float]:
+    """(CUDA kernels per step, their summed duration in ms per step) in a torch.profiler session."""
+    ts = [(e.time_range.end - e.time_range.start) / 1e3 for e in prof.events()
+          if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+    return len(ts) / steps, sum(ts) / steps
+
+
 def kernel_table(prof, steps: int, top: int) -> list[dict]:
     """The `top` CUDA kernels by total time in a torch.profiler session: name, launches and ms per step."""
     per: dict[str, list[float]] = {}
@@ -134,7 +141,7 @@ def time_steps(core, batch: int, a, tag: str) -> dict:
         tokens += sum(len(o.new_token_ids) for o in outs)
     occupancy = {"decoding_requests": [decoding0, _decoding(core)], "waiting_requests": len(core.scheduler.waiting),
                  "preemptions": core.scheduler.num_preemptions - preempted0}  # a batch that did not hold says so
-    busy, kernels = [], []
+    busy, kernels, totals = [], [], []
     if torch.cuda.is_available() and profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
@@ -146,6 +153,7 @@ def time_steps(core, batch: int, a, tag: str) -> dict:
                     core.step()
                 _sync()
             busy.append(busy_seconds(prof) / n)
+            totals.append(kernel_totals(prof, n))
             if getattr(a, "top_kernels", 0) and not kernels:
                 kernels = kernel_table(prof, n, a.top_kernels)
     for r in rids:
@@ -161,6 +169,8 @@ def time_steps(core, batch: int, a, tag: str) -> dict:
         row["wall_over_busy"] = wall / statistics.median(busy)
     if kernels:
         row["kernels"] = kernels
+    if totals:  # how many kernels a step runs, and their summed time (the busy union less their overlap)
+        row["kernels_per_step"], row["kernel_ms_sum"] = totals[0]
     return row
 
 
