@@ -59,6 +59,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.request import Request
 from engine.model.layers import GatedMLP, RMSNorm
+from engine.model.mla import MLAttention
 from engine.model.moe import MoE
 
 
@@ -358,7 +359,8 @@ def standin_roofline(batches: list[int], contexts: list[int], copy_tbps: float, 
     return out
 
 
-SWITCHES = {"fused_activation": (GatedMLP, "fused"), "norm_quant": (RMSNorm, "quantize")}
+SWITCHES = {"fused_activation": (GatedMLP, "fused"), "norm_quant": (RMSNorm, "quantize"),
+            "absorbed_in_place": (MLAttention, "absorbed_in_place")}
 
 
 def set_switches(variant: str, apply: bool = False) -> str:
@@ -463,8 +465,8 @@ def main(argv=None) -> dict:
                         "default until timed)")
     p.add_argument("--switch-variants", default=None, metavar="V,V",
                    help="time the resident engine once per variant, one engine each on the same model, side by side "
-                        "in this process: '+'-joined switches of fused_activation, norm_quant, or none "
-                        "(e.g. none,fused_activation,fused_activation+norm_quant)")
+                        "in this process: '+'-joined switches (fused_activation, norm_quant, absorbed_in_place) or "
+                        "none (e.g. none,fused_activation,fused_activation+norm_quant)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.roofline_only:

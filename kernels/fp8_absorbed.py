@@ -8,6 +8,14 @@ blocks (nope + v = 448 for GLM-5.3), so it runs as bf16 batched matmuls on a deq
 temporary the caching allocator hands from layer to layer. Storage stays FP8 (engine/model/fp8.py says why).
 
 Each program dequantizes a [BLOCK_R, 128] tile inside one 128 x 128 scale block: one scale per program.
+
+At decode sizes the pass and the bf16 copy it writes cost more than the matmuls: per GLM-5.3 layer the copy is
+14.7 MB read and 29.4 MB written, then 29.4 MB read again, for a handful of rows. `absorbed_matmul` instead reads
+the FP8 rows where it multiplies them: program (h, n-tile) loads head h's [k, n] (W_UK) or [n, k] (W_UV) tiles,
+dequantizes each to the bf16 values the copy would hold (one scale a tile: 64 rows starting at a multiple of 64
+lie in one 128-row block where nope and v are multiples of 64, as GLM-5.3's are; else a scale per element),
+and multiplies them into fp32 sums for every row of x. Against the copy and a bf16 matmul the result differs
+only in the order of the sums.
 """
 
 from __future__ import annotations
@@ -63,3 +71,103 @@ def absorbed_weights(weight: torch.Tensor, scale: torch.Tensor, num_heads: int, 
 
 def dequantize_fp8_ref(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return dequantize_weight_ref(weight, scale, dtype)
+
+
+@jit
+def _absorbed_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, row0, rows_per_head, sx_t, sx_h, so_t, so_h, sw, ss,
+                     TRANS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ONE_SCALE: tl.constexpr, DOT_F32: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """out[t, h, n] = sum_k x[t, h, k] * W_h[k, n] with W_h the dequantized rows row0 + h * rows_per_head + ...:
+    TRANS_W False (W_UK) those rows are k and the columns n; TRANS_W True (W_UV) the rows are n, the columns k.
+    ONE_SCALE: every tile lies in one 128 x 128 scale block (one scale load); else a scale per element."""
+    h = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    base = row0 + h * rows_per_head
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = t < T
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            xv = tl.load(x_ptr + t[:, None].to(tl.int64) * sx_t + h * sx_h + k[None, :],
+                         mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            wk = k_ok[:, None] & n_ok[None, :]
+            if TRANS_W:  # the tile [k, n] from weight rows base + n, columns k
+                rows = (base + n).to(tl.int64)
+                w = tl.load(w_ptr + rows[None, :] * sw + k[:, None], mask=wk, other=0.0)
+                if ONE_SCALE:
+                    s = tl.load(s_ptr + ((base + pid_n * BLOCK_N) // 128) * ss + k0 // 128)
+                else:
+                    s = tl.load(s_ptr + (rows // 128)[None, :] * ss + (k // 128)[:, None], mask=wk, other=0.0)
+            else:  # the tile [k, n] from weight rows base + k, columns n
+                rows = (base + k).to(tl.int64)
+                w = tl.load(w_ptr + rows[:, None] * sw + n[None, :], mask=wk, other=0.0)
+                if ONE_SCALE:
+                    s = tl.load(s_ptr + ((base + k0) // 128) * ss + (pid_n * BLOCK_N) // 128)
+                else:
+                    s = tl.load(s_ptr + (rows // 128)[:, None] * ss + (n // 128)[None, :], mask=wk, other=0.0)
+            wd = to_bf16(w.to(tl.float32) * s, ROUND_FIRST)  # the bf16 copy's values
+            if DOT_F32:
+                acc += tl.dot(xv.to(tl.float32), wd.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xv, wd)
+        tl.store(out_ptr + t[:, None].to(tl.int64) * so_t + h * so_h + n[None, :],
+                 to_bf16(acc, ROUND_FIRST), mask=t_ok[:, None] & n_ok[None, :])
+
+
+ABSORBED_MAX_ROWS = 256  # decode sizes: above, the copy and a batched bf16 matmul (the rows amortise the copy)
+
+
+def absorbed_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, num_heads: int, nope: int,
+                    which: str) -> torch.Tensor:
+    """MLA's absorbed matmul with kv_b_proj's FP8 rows read in place (Triton, bf16).
+
+    which "uk": x = q_nope [T, H, nope] -> q_lat [T, H, R] (einsum thn,hnr->thr with W_UK);
+    which "uv": x = the attention's latent output [T, H, R] -> [T, H, v] (einsum thr,hvr->thv with W_UV).
+    x: bf16 (any strides); weight, scale: kv_b_proj's
+    float8_e4m3fn [H (nope + v), R] and fp32 [ceil(H (nope + v) / 128), ceil(R / 128)]."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D float8_e4m3fn tensor, got {weight.dtype} {tuple(weight.shape)}")
+    rows_per_head, R = weight.shape[0] // num_heads, weight.shape[1]
+    v = rows_per_head - nope
+    if rows_per_head * num_heads != weight.shape[0] or v <= 0 or nope <= 0:
+        raise ValueError(f"kv_b_proj {tuple(weight.shape)} does not split into {num_heads} heads of {nope} + v rows")
+    want = (triton.cdiv(weight.shape[0], BLOCK), triton.cdiv(R, BLOCK))
+    if tuple(scale.shape) != want or scale.dtype != torch.float32:
+        raise ValueError(f"scale must be fp32 {list(want)}, got {scale.dtype} {tuple(scale.shape)}")
+    if which not in ("uk", "uv"):
+        raise ValueError(f"which must be 'uk' or 'uv', got {which!r}")
+    K, N, row0 = (nope, R, 0) if which == "uk" else (R, v, nope)
+    if x.dim() != 3 or x.shape[1:] != (num_heads, K) or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [T, {num_heads}, {K}], got {x.dtype} {tuple(x.shape)}")
+    check_device(x, weight, scale)
+    x = x if x.stride(2) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    scale = scale.contiguous()
+    T = x.shape[0]
+    out = torch.empty((T, num_heads, N), dtype=torch.bfloat16, device=x.device)
+    if T == 0:
+        return out
+    block_t = min(64, max(16, triton.next_power_of_2(T)))
+    block_n, block_k = 64, 64 if which == "uk" else 128
+    # one scale a tile where head rows, tiles and 128-blocks line up (GLM-5.3: nope 192, v 256, R 512)
+    one_scale = nope % 64 == 0 and v % 64 == 0 and R % 128 == 0
+    grid = (num_heads, triton.cdiv(N, block_n))
+    _absorbed_kernel[grid](x, weight, scale, out, T, N, K, row0, rows_per_head, x.stride(0), x.stride(1),
+                           out.stride(0), out.stride(1), weight.stride(0), scale.stride(0), TRANS_W=which == "uv",
+                           BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, ONE_SCALE=one_scale,
+                           DOT_F32=interpreting(), ROUND_FIRST=interpreting(), num_warps=4)
+    return out
+
+
+def absorbed_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, num_heads: int, nope: int,
+                        which: str) -> torch.Tensor:
+    """The semantics: the bf16 copy's W_UK / W_UV and the einsum in fp32, rounded to bf16."""
+    w_uk, w_uv = absorbed_weights(weight.cpu(), scale.cpu(), num_heads, nope, torch.bfloat16)
+    xf = x.float().cpu()
+    y = torch.einsum("thn,hnr->thr", xf, w_uk.float()) if which == "uk" else torch.einsum("thr,hvr->thv", xf,
+                                                                                           w_uv.float())
+    return y.to(torch.bfloat16).to(x.device)

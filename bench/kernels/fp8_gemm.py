@@ -47,7 +47,7 @@ import torch
 
 from bench.kernels.timing import ceilings, num_sets, time_plain, time_rotating
 from kernels import fp8_cublas
-from kernels.fp8_absorbed import dequantize_fp8
+from kernels.fp8_absorbed import absorbed_matmul, dequantize_fp8
 from kernels.fp8_gemm import gemm_config, split_decode_config, w8a8_block_fp8_matmul
 from kernels.fp8_moe import _config as moe_config
 from kernels.fp8_moe import fused_moe_fp8, merge_gate_up_scales
@@ -277,24 +277,42 @@ def bench_moe(dev, ceil, T, E, H, inner, k, sweep: bool, split_sweep: bool = Fal
             "sweep_us": tried}
 
 
-def bench_absorbed(dev, T, H=64, nope=192, v=256, R=512) -> dict:
-    """MLA's absorbed matmuls on bf16 W_UK / W_UV, and the FP8 path: dequantize kv_b_proj, then the same."""
-    w = torch.randn(H * (nope + v), R, device=dev, dtype=torch.bfloat16) * R ** -0.5
-    wq, ws = quantize_weight_ref(w)
-    w3 = w.view(H, nope + v, R)
+def bench_absorbed(dev, T, H=64, nope=192, v=256, R=512, ceil: dict | None = None) -> dict:
+    """MLA's absorbed matmuls on bf16 W_UK / W_UV; the FP8 path the model takes by default (dequantize kv_b_proj,
+    then the same einsums); and the FP8 rows read in place (kernels.fp8_absorbed.absorbed_matmul). Decode sizes
+    (T < 1,024) replay every case over several weight copies, so the weights come from HBM as in a step."""
+    sets = num_sets(H * (nope + v) * R, at_most=8) if T < 1024 else 1
+    ws_ = []
+    for _ in range(sets):
+        w = torch.randn(H * (nope + v), R, device=dev, dtype=torch.bfloat16) * R ** -0.5
+        ws_.append((w, *quantize_weight_ref(w)))
     q = torch.randn(T, H, nope, device=dev, dtype=torch.bfloat16)
     o = torch.randn(T, H, R, device=dev, dtype=torch.bfloat16)
-    def fp8_both():
+
+    def fp8_both(wq, ws):
         wd = dequantize_fp8(wq, ws).view(H, nope + v, R)
         torch.einsum("thn,hnr->thr", q, wd[:, :nope])
         torch.einsum("thr,hvr->thv", o, wd[:, nope:])
 
-    cases = {"bf16_uk": lambda: torch.einsum("thn,hnr->thr", q, w3[:, :nope]),
-             "bf16_uv": lambda: torch.einsum("thr,hvr->thv", o, w3[:, nope:]),
-             "fp8_dequant": lambda: dequantize_fp8(wq, ws), "fp8_dequant_uk_uv": fp8_both}
-    out = {"T": T, "bf16_bytes": w.numel() * 2, "fp8_bytes": w.numel()}
+    def in_place_both(wq, ws):
+        absorbed_matmul(q, wq, ws, H, nope, "uk")
+        absorbed_matmul(o, wq, ws, H, nope, "uv")
+
+    cases = {"bf16_uk": lambda w, wq, ws: torch.einsum("thn,hnr->thr", q, w.view(H, nope + v, R)[:, :nope]),
+             "bf16_uv": lambda w, wq, ws: torch.einsum("thr,hvr->thv", o, w.view(H, nope + v, R)[:, nope:]),
+             "fp8_dequant": lambda w, wq, ws: dequantize_fp8(wq, ws),
+             "fp8_dequant_uk_uv": lambda w, wq, ws: fp8_both(wq, ws),
+             "fp8_in_place_uk": lambda w, wq, ws: absorbed_matmul(q, wq, ws, H, nope, "uk"),
+             "fp8_in_place_uv": lambda w, wq, ws: absorbed_matmul(o, wq, ws, H, nope, "uv"),
+             "fp8_in_place_uk_uv": lambda w, wq, ws: in_place_both(wq, ws)}
+    fp8_bytes = H * (nope + v) * R
+    out = {"T": T, "weight_sets": sets, "bf16_bytes": 2 * fp8_bytes, "fp8_bytes": fp8_bytes}
     for name, fn in cases.items():
-        out[name + "_us"] = (time_rotating([fn], dev) if T < 1024 else time_plain(fn, dev, rep_ms=50)) * 1e6
+        calls = [lambda w=w: fn(*w) for w in ws_]
+        out[name + "_us"] = (time_rotating(calls, dev) if T < 1024 else time_plain(calls[0], dev, rep_ms=50)) * 1e6
+    if ceil and ceil.get("copy_tbps"):  # the in-place pair against reading the FP8 bytes once at copy speed
+        tbps = fp8_bytes / (out["fp8_in_place_uk_uv_us"] * 1e-6) / 1e12
+        out["fp8_in_place_frac_copy_bw"] = tbps / ceil["copy_tbps"]
     return out
 
 
@@ -311,6 +329,8 @@ def main() -> None:
                    help="also sweep the MoE's up and down GEMM launches apart (6-tuple configs)")
     p.add_argument("--norm-quant", action="store_true",
                    help="the norm-fed projections with the input's quantization written by the norm, against not")
+    p.add_argument("--absorbed-only", action="store_true",
+                   help="MLA's absorbed matmuls alone (copy vs FP8 read in place) at --rows (default 4,16,64,256,8192)")
     p.add_argument("--moe-tokens", default="8192,2048,256,64", metavar="TS",
                    help="comma-separated token counts of the grouped MoE rows (4 / 16: B = 1 / 4 with MTP3)")
     a = p.parse_args()
@@ -322,6 +342,13 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%d", time.gmtime()), "ceilings": ceil, "gemm": [], "moe": []}
     import triton
     res["triton"] = triton.__version__
+    if a.absorbed_only:
+        res["absorbed"] = []
+        for T in [int(m) for m in a.rows.split(",")] if a.rows else (4, 16, 64, 256, 8192):
+            r = bench_absorbed(dev, T, ceil=ceil)
+            res["absorbed"].append(r)
+            _save(a.out, res, r)
+        return
     if a.norm_quant:
         res["norm_quant"] = []
         for M in [int(m) for m in a.rows.split(",")] if a.rows else (4, 16, 64, 256):
@@ -351,7 +378,7 @@ def main() -> None:
         _save(a.out, res, r)
     if a.moe_only:
         return
-    res["absorbed"] = [bench_absorbed(dev, T) for T in (64, 256, 8192)]
+    res["absorbed"] = [bench_absorbed(dev, T, ceil=ceil) for T in (64, 256, 8192)]
     _save(a.out, res, {"absorbed": res["absorbed"]})
 
 

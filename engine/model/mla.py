@@ -17,7 +17,7 @@ from engine.model.context import ForwardContext
 from engine.model.fp8 import Fp8Linear
 from engine.model.layers import RMSNorm, apply_rope
 from engine.model.projections import project
-from kernels.fp8_absorbed import absorbed_weights
+from kernels.fp8_absorbed import ABSORBED_MAX_ROWS, absorbed_matmul, absorbed_weights
 from kernels.rope import rope, rope_cat, rope_fits
 
 
@@ -62,6 +62,9 @@ class Indexer(nn.Module):
 
 class MLAttention(nn.Module):
     fused = False  # RoPE, and RoPE with the query's concatenation, as one launch each (kernels.rope)
+    # a class switch, off until its GPU timing: with the fused kernels, at decode sizes, the absorbed matmuls read
+    # an FP8 kv_b_proj's rows in place (kernels.fp8_absorbed.absorbed_matmul) instead of a dequantized copy
+    absorbed_in_place = False
 
     def __init__(self, cfg: ModelConfig, layer_id: int, has_indexer: bool):
         super().__init__()
@@ -129,9 +132,19 @@ class MLAttention(nn.Module):
         else:
             topk = prev_topk
 
-        w_uk, w_uv = self._absorbed(x.dtype)
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        kv_b = self.kv_b_proj
+        in_place = (self.absorbed_in_place and self.fused and isinstance(kv_b, Fp8Linear) and T <= ABSORBED_MAX_ROWS
+                    and x.dtype == torch.bfloat16)
+        if in_place:
+            q_lat = absorbed_matmul(q_nope, kv_b.weight, kv_b.weight_scale_inv, self.num_heads, self.nope, "uk")
+        else:
+            w_uk, w_uv = self._absorbed(x.dtype)
+            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q_full = rope_cat(q_lat, q_pe, ctx.cos, ctx.sin) if fused else torch.cat([q_lat, q_pe], dim=-1)
         out_lat, _ = ctx.backend.sparse_mla(ctx.kv_cache, self.layer_id, q_full, topk, ctx.meta, self.scale)
-        o = torch.einsum("thr,hvr->thv", out_lat.to(x.dtype), w_uv).reshape(T, self.num_heads * self.v_dim)
-        return self.o_proj(o), topk
+        if in_place:
+            o = absorbed_matmul(out_lat.to(x.dtype), kv_b.weight, kv_b.weight_scale_inv, self.num_heads, self.nope,
+                                "uv")
+        else:
+            o = torch.einsum("thr,hvr->thv", out_lat.to(x.dtype), w_uv)
+        return self.o_proj(o.reshape(T, self.num_heads * self.v_dim)), topk

@@ -91,3 +91,30 @@ def test_norms_quantizing_for_fp8_projections_equal_their_own_quantization(tiny_
     monkeypatch.setattr(model_module, "DECODE_MAX_M", 4)
     norms.clear()
     assert torch.equal(llm.prompt_logits(ids), own) and not norms
+
+
+def test_absorbed_matmuls_reading_fp8_in_place_equal_the_dequantized_copy(tiny_code, monkeypatch):
+    """MLAttention.absorbed_in_place: the absorbed matmuls read the FP8 kv_b_proj where they multiply it
+    (kernels.fp8_absorbed.absorbed_matmul) instead of a dequantized bf16 copy and two einsums. The same bf16
+    weight values, sums in another order: tiny-code in bf16, FP8 at load, agrees with the copy's logits."""
+    from kernels import fp8_absorbed
+
+    llm = LLM(str(tiny_code), num_blocks=8, quantization="fp8", dtype="bfloat16")
+    for m in llm.core.runner.model.modules():
+        if isinstance(m, (RMSNorm, MLAttention, Indexer, MoEGate)):
+            m.fused = True
+    ids = llm.tokenizer.encode(DATA.read_text())[:12]
+    copy = llm.prompt_logits(ids)
+    calls: dict = {}
+    _counted(monkeypatch, attention, "absorbed_matmul", calls)
+    monkeypatch.setattr(MLAttention, "absorbed_in_place", True)
+    in_place = llm.prompt_logits(ids)
+    assert calls["absorbed_matmul"] >= 2 * len(llm.core.runner.model.model.layers), calls  # W_UK's and W_UV's
+    assert (in_place.argmax(-1) == copy.argmax(-1)).float().mean() >= 0.95
+    cos = torch.nn.functional.cosine_similarity(in_place.float(), copy.float(), dim=-1)
+    assert cos.min() > 0.999, cos.min()
+    # above decode sizes the copy again
+    monkeypatch.setattr(attention, "ABSORBED_MAX_ROWS", 4)
+    calls.clear()
+    assert torch.equal(llm.prompt_logits(ids), copy) and not calls
+    assert fp8_absorbed.ABSORBED_MAX_ROWS == 256

@@ -182,3 +182,21 @@ def test_fp8_engine_norm_quantization_gpu(tiny_code, monkeypatch):
         del llm
     assert torch.equal(runs[0][0], runs[1][0])
     assert runs[0][1] == runs[1][1]
+
+
+@gpu
+def test_fp8_engine_absorbed_in_place_gpu(tiny_code, monkeypatch):
+    """MLAttention.absorbed_in_place on CUDA: the FP8 engine's decode-sized prompt logits with kv_b_proj read in
+    place agree with the dequantized copy's (the same bf16 weight values, sums in another order)."""
+    from engine.model.mla import MLAttention
+
+    ids = list(range(300, 500))
+    logits = []
+    for on in (False, True):
+        monkeypatch.setattr(MLAttention, "absorbed_in_place", on)
+        llm = LLM(str(tiny_code), num_blocks=64, device="cuda", quantization="fp8")
+        logits.append(llm.prompt_logits(ids).float().cpu())
+        del llm
+    top1 = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
+    cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1).min().item()
+    assert top1 >= 0.99 and cos >= 0.999, (top1, cos)

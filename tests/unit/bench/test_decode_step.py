@@ -92,7 +92,8 @@ def test_switch_variants_time_one_engine_each(tiny_code, monkeypatch):
     monkeypatch.setattr(RMSNorm, "quantize", False)
     res = main(["--model", str(tiny_code), "--batches", "1", "--steps", "1", "--warmup", "1", "--prompt-len", "16",
                 "--num-blocks", "64", "--modes", "eager", "--switch-variants", "none,norm_quant"])
-    assert [r["switches"] for r in res["rows"]] == [{"fused_activation": False, "norm_quant": False},
-                                                    {"fused_activation": False, "norm_quant": True}]
+    assert [r["switches"] for r in res["rows"]] == [
+        {"fused_activation": False, "norm_quant": False, "absorbed_in_place": False},
+        {"fused_activation": False, "norm_quant": True, "absorbed_in_place": False}]
     with pytest.raises(SystemExit, match="known: .*fused_activation"):
         main(["--model", str(tiny_code), "--switch-variants", "none,fast"])
