@@ -188,14 +188,19 @@ def test_fp8_engine_norm_quantization_gpu(tiny_code, monkeypatch):
 def test_fp8_engine_absorbed_in_place_gpu(tiny_code, monkeypatch):
     """MLAttention.absorbed_in_place on CUDA: the FP8 engine's decode-sized prompt logits with kv_b_proj read in
     place agree with the dequantized copy's (the same bf16 weight values, sums in another order)."""
+    import engine.model.mla as mla
     from engine.model.mla import MLAttention
 
+    calls = []
+    real = mla.absorbed_matmul
+    monkeypatch.setattr(mla, "absorbed_matmul", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
     ids = list(range(300, 500))
     logits = []
     for on in (False, True):
         monkeypatch.setattr(MLAttention, "absorbed_in_place", on)
-        llm = LLM(str(tiny_code), num_blocks=64, device="cuda", quantization="fp8")
+        llm = LLM(str(tiny_code), num_blocks=64, device="cuda", quantization="fp8", dtype="bfloat16")
         logits.append(llm.prompt_logits(ids).float().cpu())
+        assert bool(calls) == on  # the in-place kernel ran with the switch only
         del llm
     top1 = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
     cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1).min().item()
