@@ -6,10 +6,9 @@
   scores, ties to the lower expert id.
 - `align_by_expert_small`: `align_by_expert`'s result (assignments sorted by local expert,
   each expert padded to a multiple of BLOCK_M rows; the padded block -> expert table) in one program, for
-  the decode sizes (at most 8,192 assignments). A counting sort in chunks of the assignments (a cumulative sum
-  of each chunk's assignment x expert one-hot matrix) gives each row its place, in assignment order within its
-  expert (a bitonic sort of (expert, assignment) keys did it before: 21 us at 2,048 assignments on the H200).
-  The eager form is a radix argsort plus about ten small kernels (30 us of sort alone at 2,048 assignments).
+  the decode sizes (at most 8,192 assignments). One bitonic sort of (expert, assignment) keys gives the
+  stable order; a row's place is its sorted position plus the padding of the experts before its own. The
+  eager form is a radix argsort plus about ten small kernels (30 us of sort alone at 2,048 assignments).
 - `align_by_expert_many`: the same blocks for more assignments than one program sorts quickly (the static
   EP dispatch hands an expert rank every row of the group: D times a rank's own assignments, most of them
   another rank's): a counting sort in three launches over many programs. An atomic counter per expert gives
@@ -31,8 +30,6 @@ import triton.language as tl
 from kernels.triton_support import check_device, interpreting, jit, next_pow2, to_bf16
 
 MAX_SMALL_ASSIGNMENTS = 8192
-# `align_by_expert_small` counts (one-hot chunks) up to this many experts' slots (a power of two), sorts above
-ALIGN_COUNT_MAX_E = 64
 # above this many assignments the counting sort over many programs beats the one-program sort (H100 timing,
 # bench/kernels/moe_align.py)
 MANY_MIN_ASSIGNMENTS = 1024
@@ -91,13 +88,9 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top
 @jit(do_not_specialize=["A", "max_rows", "num_blocks"])
 def _align_kernel(ids_ptr, rows_ptr, block_expert_ptr, scratch_ptr, A, num_experts, offset, max_rows, num_blocks,
                   BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """One program. scratch [3 BLOCK_E] int32: per expert, its padded start, its padded end (and, sorting, its
-    first sorted position).
-    CHUNK > 0, a counting sort: the assignments in chunks of CHUNK, in order; an assignment's place is its
-    expert's padded start, plus the expert's assignments in earlier chunks, plus those before it in its chunk (a
-    cumulative sum of the chunk's one-hot [CHUNK, BLOCK_E] matrix). CHUNK = 0 (many experts: wide one-hot rows),
-    a bitonic sort of (expert, assignment) keys. Either way the order within an expert is assignment order."""
+                  BLOCK_M: tl.constexpr):
+    """One program. scratch [2 BLOCK_E] int32: per expert, (padded rows before it - its first sorted
+    position), then its padded end."""
     a = tl.arange(0, BLOCK_A)
     am = a < A
     key = tl.load(ids_ptr + a, mask=am, other=0).to(tl.int32) - offset
@@ -108,32 +101,19 @@ def _align_kernel(ids_ptr, rows_ptr, block_expert_ptr, scratch_ptr, A, num_exper
     local_counts = tl.where(e < num_experts, counts, 0)
     padded = (local_counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, axis=0)
-    tl.store(scratch_ptr + e, pad_end - padded)
+    start = tl.cumsum(local_counts, axis=0) - local_counts
+    tl.store(scratch_ptr + e, pad_end - padded - start)
     tl.store(scratch_ptr + BLOCK_E + e, pad_end)
     r = tl.arange(0, BLOCK_R)
     tl.store(rows_ptr + r, tl.full([BLOCK_R], -1, tl.int32), mask=r < max_rows)
     tl.debug_barrier()
-    if CHUNK > 0:
-        seen = pad_end - padded  # per expert: its padded start plus its assignments placed so far
-        for c0 in range(0, A, CHUNK):
-            c = c0 + tl.arange(0, CHUNK)
-            k = tl.load(ids_ptr + c, mask=c < A, other=0).to(tl.int32) - offset
-            ok = (c < A) & (k >= 0) & (k < num_experts)
-            hot = (k[:, None] == e[None, :]) & ok[:, None]  # [CHUNK, BLOCK_E]
-            before = tl.cumsum(hot.to(tl.int32), axis=0) - 1 + seen[None, :]
-            place = tl.sum(tl.where(hot, before, 0), axis=1)
-            tl.store(rows_ptr + place, c.to(tl.int32), mask=ok)
-            seen += tl.sum(hot.to(tl.int32), axis=0)
-    else:
-        packed = tl.sort(key * BLOCK_A + a)  # stable by construction: ties broken by the assignment id
-        s_key = packed // BLOCK_A
-        ok = s_key < num_experts
-        # a row's place: its sorted position, less its expert's first sorted position, plus the padded start
-        tl.store(scratch_ptr + 2 * BLOCK_E + e, tl.cumsum(local_counts, axis=0) - local_counts)
-        tl.debug_barrier()
-        at = tl.where(ok, s_key, 0)
-        start = tl.load(scratch_ptr + at, mask=ok, other=0) - tl.load(scratch_ptr + 2 * BLOCK_E + at, mask=ok, other=0)
-        tl.store(rows_ptr + a + start, packed % BLOCK_A, mask=ok)
+    packed = tl.sort(key * BLOCK_A + a)  # stable by construction: ties broken by the assignment id
+    s_key = packed // BLOCK_A
+    s_a = packed % BLOCK_A
+    p = tl.arange(0, BLOCK_A)
+    ok = s_key < num_experts
+    extra = tl.load(scratch_ptr + tl.where(ok, s_key, 0), mask=ok, other=0)
+    tl.store(rows_ptr + p + extra, s_a, mask=ok)
     b = tl.arange(0, BLOCK_B)
     block_start = b * BLOCK_M
     expert = tl.zeros([BLOCK_B], tl.int32)
@@ -155,14 +135,13 @@ def align_by_expert_small(ids: torch.Tensor, num_experts: int, expert_offset: in
     num_blocks = max_rows // block_m
     block_expert = torch.empty((num_blocks,), dtype=torch.int32, device=ids.device)
     block_e = next_pow2(num_experts + 2)
-    scratch = torch.empty((3 * block_e,), dtype=torch.int32, device=ids.device)
+    scratch = torch.empty((2 * block_e,), dtype=torch.int32, device=ids.device)
     if A:
         flat = ids.reshape(-1)
         flat = flat if flat.is_contiguous() else flat.contiguous()
         _align_kernel[(1,)](flat, rows, block_expert, scratch, A, num_experts, expert_offset, max_rows, num_blocks,
                             BLOCK_A=max(16, next_pow2(A)), BLOCK_E=block_e, BLOCK_R=next_pow2(max_rows),
-                            BLOCK_B=max(16, next_pow2(num_blocks)), BLOCK_M=block_m,
-                            CHUNK=8192 // block_e if block_e <= ALIGN_COUNT_MAX_E else 0, num_warps=8)
+                            BLOCK_B=max(16, next_pow2(num_blocks)), BLOCK_M=block_m, num_warps=8)
     return rows, block_expert
 
 

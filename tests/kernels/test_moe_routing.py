@@ -55,9 +55,7 @@ def check_align(T: int, k: int, E_total: int, E: int, offset: int, block_m: int,
 
 @interp
 @pytest.mark.parametrize("T,k,E_total,E,offset,block_m", [(13, 2, 8, 8, 0, 4), (29, 4, 16, 4, 4, 8),
-                                                          (1, 8, 32, 32, 0, 16), (7, 3, 12, 3, 9, 2),
-                                                          (300, 2, 64, 30, 3, 16),  # counted in 3 chunks
-                                                          (40, 4, 200, 100, 50, 8)])  # sorted (128 expert slots)
+                                                          (1, 8, 32, 32, 0, 16), (7, 3, 12, 3, 9, 2)])
 def test_align_small_equals_align_interp(T, k, E_total, E, offset, block_m):
     check_align(T, k, E_total, E, offset, block_m, "cpu", seed=T)
 
