@@ -359,7 +359,7 @@ def standin_roofline(batches: list[int], contexts: list[int], copy_tbps: float, 
     return out
 
 
-SWITCHES = {"fused_activation": (GatedMLP, "fused"), "norm_quant": (RMSNorm, "quantize"),
+SWITCHES = {"fused_activation": (GatedMLP, "fused_activation"), "norm_quant": (RMSNorm, "quantize"),
             "absorbed_in_place": (MLAttention, "absorbed_in_place")}
 
 
@@ -458,11 +458,6 @@ def main(argv=None) -> dict:
     p.add_argument("--roofline-only", metavar="COPY_TBPS,BF16_TFLOPS", default=None,
                    help="with --standin: only the floors, from the model on meta and these ceilings (no GPU)")
     p.add_argument("--contexts", default=None, help="--roofline-only's contexts (default: what a timed run has)")
-    p.add_argument("--norm-quant", action="store_true",
-                   help="the norms before FP8 projections quantize their output in their launch (RMSNorm.quantize)")
-    p.add_argument("--fused-activation", action="store_true",
-                   help="the gated MLPs' activation as one launch with its FP8 quantization (kernels.act; off by "
-                        "default until timed)")
     p.add_argument("--switch-variants", default=None, metavar="V,V",
                    help="time the resident engine once per variant, one engine each on the same model, side by side "
                         "in this process: '+'-joined switches (fused_activation, norm_quant, absorbed_in_place) or "
@@ -492,10 +487,6 @@ def main(argv=None) -> dict:
     variants = [set_switches(v) for v in a.switch_variants.split(",")] if a.switch_variants else []
     if variants:  # before each engine is built: its graphs capture the model as it runs then
         set_switches(a.switch_variants.split(",")[0], apply=True)
-    if a.fused_activation:
-        GatedMLP.fused = True
-    if a.norm_quant:
-        RMSNorm.quantize = True
     hs_kw = {"hisparse": {"host_pool_gib": a.hisparse_pool_gib}} if a.hisparse_pool_gib else None
     if hs_kw and a.hisparse_buffer:
         hs_kw["hisparse"]["device_buffer_size"] = a.hisparse_buffer

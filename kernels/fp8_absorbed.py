@@ -118,7 +118,9 @@ def _absorbed_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, row0, rows_per_head,
                  to_bf16(acc, ROUND_FIRST), mask=t_ok[:, None] & n_ok[None, :])
 
 
-ABSORBED_MAX_ROWS = 256  # decode sizes: above, the copy and a batched bf16 matmul (the rows amortise the copy)
+# up to this many rows the in-place read wins (H100: 14.0 / 13.9 / 15.9 us against 24.8 / 26.1 / 31.2 us for the
+# copy and the two einsums at 4 / 16 / 64 rows); at 256 rows they tie (48.2 / 47.0 us), above the copy wins
+ABSORBED_MAX_ROWS = 64
 
 
 def absorbed_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, num_heads: int, nope: int,

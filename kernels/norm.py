@@ -50,10 +50,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, q_ptr, qs_ptr, D, ep
     else:
         yo = y.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * sy + d, yo, mask=m)
-    if QUANT:  # the stored values, 128 channels a group (lanes past D are 0: their weight loads as 0)
-        q, scale = quant_e4m3_rows(tl.reshape(yo.to(tl.float32), (BLOCK_D // 128, 128)), ROUND_FIRST)
-        tl.store(q_ptr + row * sq + d, tl.reshape(q, (BLOCK_D,)), mask=m)
+    if QUANT:  # the stored values, read back as [groups, 128] (reshaping yo in registers would let the compiler
+        # lay x out for it, and the sum of squares above would add in another order than rms_norm's)
+        tl.debug_barrier()
         g = tl.arange(0, BLOCK_D // 128)
+        c = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+        yv = tl.load(y_ptr + row * sy + c, mask=c < D, other=0.0).to(tl.float32)
+        q, scale = quant_e4m3_rows(yv, ROUND_FIRST)
+        tl.store(q_ptr + row * sq + c, q, mask=c < D)
         tl.store(qs_ptr + row * sqs + g, scale, mask=g * 128 < D)
 
 

@@ -12,7 +12,7 @@ from engine.loading.weight_reader import read_index
 from engine.loading.weights import FP32_PARAMS, fp8_modules, load_weights
 from engine.model import GlmDsaForCausalLM
 from engine.model.fp8 import convert_to_fp8
-from engine.model.layers import RMSNorm
+from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.mla import Indexer, MLAttention
 from engine.model.moe import Experts, MoE, MoEGate
 from kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_ref
@@ -96,5 +96,5 @@ def use_kernels(model: GlmDsaForCausalLM, on: bool, fused: bool = True) -> None:
             kernel = fused_moe_fp8 if m.fp8 else fused_moe
             m.impl = (kernel if small else partial(kernel, small_routing=False)) if on else (
                 fused_moe_fp8_ref if m.fp8 else fused_moe_ref)
-        elif isinstance(m, (RMSNorm, MLAttention, Indexer, MoEGate)):
+        elif isinstance(m, (RMSNorm, MLAttention, Indexer, MoEGate, GatedMLP)):
             m.fused = small

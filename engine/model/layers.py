@@ -18,12 +18,12 @@ from kernels.rope import rope_ref
 class RMSNorm(nn.Module):
     """y = w · x / rms(x), computed in fp32 and cast back before the weight (HF's order of operations).
 
-    `quantize` (a class switch, off by default until its GPU timing): a fused norm whose output feeds FP8
-    projections on their Triton path also writes that output's FP8 activation quantization in its launch
-    (`forward_quant`), and the projections take it in place of their own quantization launch."""
+    `quantize` (a class switch, on): a fused norm whose output feeds FP8 projections on their Triton path also
+    writes that output's FP8 activation quantization in its launch (`forward_quant`), and the projections take it
+    in place of their own quantization launch."""
 
     fused = False
-    quantize = False
+    quantize = True
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -69,12 +69,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) — the dense layers and the shared expert. Fused: the activation is one launch
-    (kernels.act), which also quantizes its output for an FP8 down projection. Off by default, also on CUDA, until
-    its GPU test and timing have run (`GatedMLP.fused = True` before the engine is built turns it on:
-    `python -m bench.decode_step --fused-activation`)."""
+    """down(silu(gate(x)) * up(x)) — the dense layers and the shared expert. Fused (CUDA, set by
+    engine.loading.loader.use_kernels): the activation is one launch (kernels.act), which also quantizes its output
+    for an FP8 down projection. `fused_activation` (a class switch, on) lets a benchmark time the step without it
+    (`python -m bench.decode_step --switch-variants`)."""
 
     fused = False
+    fused_activation = True
 
     def __init__(self, hidden: int, inner: int):
         super().__init__()
@@ -97,7 +98,7 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_proj(x, x_quant=x_quant), self.up_proj(x, x_quant=x_quant)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if not self.fused:
+        if not (self.fused and self.fused_activation):
             return self.down_proj(silu_mul_ref(gate, up))
         shape, gate, up = gate.shape, gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
         down = self.down_proj

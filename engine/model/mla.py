@@ -62,9 +62,9 @@ class Indexer(nn.Module):
 
 class MLAttention(nn.Module):
     fused = False  # RoPE, and RoPE with the query's concatenation, as one launch each (kernels.rope)
-    # a class switch, off until its GPU timing: with the fused kernels, at decode sizes, the absorbed matmuls read
-    # an FP8 kv_b_proj's rows in place (kernels.fp8_absorbed.absorbed_matmul) instead of a dequantized copy
-    absorbed_in_place = False
+    # a class switch (on): with the fused kernels, at decode sizes, the absorbed matmuls read an FP8 kv_b_proj's
+    # rows in place (kernels.fp8_absorbed.absorbed_matmul) instead of a dequantized copy
+    absorbed_in_place = True
 
     def __init__(self, cfg: ModelConfig, layer_id: int, has_indexer: bool):
         super().__init__()

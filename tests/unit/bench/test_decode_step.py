@@ -87,9 +87,12 @@ def test_switch_variants_time_one_engine_each(tiny_code, monkeypatch):
     """--switch-variants: each variant's rows carry the switches they ran under, set before its engine was built;
     an unknown switch is refused with the known ones named."""
     from engine.model.layers import GatedMLP, RMSNorm
+    from engine.model.mla import MLAttention
 
-    monkeypatch.setattr(GatedMLP, "fused", False)
-    monkeypatch.setattr(RMSNorm, "quantize", False)
+    # the variants set the class switches: restored after the test
+    monkeypatch.setattr(GatedMLP, "fused_activation", True)
+    monkeypatch.setattr(RMSNorm, "quantize", True)
+    monkeypatch.setattr(MLAttention, "absorbed_in_place", True)
     res = main(["--model", str(tiny_code), "--batches", "1", "--steps", "1", "--warmup", "1", "--prompt-len", "16",
                 "--num-blocks", "64", "--modes", "eager", "--switch-variants", "none,norm_quant"])
     assert [r["switches"] for r in res["rows"]] == [

@@ -8,12 +8,12 @@ import pytest
 
 from engine.config.presets import preset
 from engine.loading.loader import build_model, use_kernels
-from engine.model.layers import RMSNorm
+from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.mla import Indexer, MLAttention
 from engine.model.moe import Experts, MoEGate
 from kernels.moe import fused_moe, fused_moe_ref
 
-SMALL_OPS = (RMSNorm, MLAttention, Indexer, MoEGate)
+SMALL_OPS = (RMSNorm, MLAttention, Indexer, MoEGate, GatedMLP)
 
 
 def _flags(model) -> set[bool]:
