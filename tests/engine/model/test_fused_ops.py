@@ -55,6 +55,15 @@ def test_fused_small_ops_equal_the_eager_model(tiny_code, dtype, monkeypatch):
         assert cos.min() > 0.999, cos.min()
 
 
+def _fused_fp8(tiny_code, **kw) -> tuple[LLM, list[int]]:
+    """tiny-code quantized to FP8 at load, its small ops fused (run in the interpreter), and a 12-token prompt."""
+    llm = LLM(str(tiny_code), num_blocks=8, quantization="fp8", **kw)
+    for m in llm.core.runner.model.modules():
+        if isinstance(m, (RMSNorm, MLAttention, Indexer, MoEGate)):
+            m.fused = True
+    return llm, llm.tokenizer.encode(DATA.read_text())[:12]
+
+
 def test_norms_quantizing_for_fp8_projections_equal_their_own_quantization(tiny_code, monkeypatch):
     """RMSNorm.quantize: the fused norms before FP8 projections write their output's codes in the same launch
     (kernels.norm.rms_norm_quant) and the projections take them. tiny-code quantized to FP8 at load gives the same
@@ -63,11 +72,7 @@ def test_norms_quantizing_for_fp8_projections_equal_their_own_quantization(tiny_
     from engine.model import fp8 as fp8_mod
     from kernels import fp8_gemm
 
-    llm = LLM(str(tiny_code), num_blocks=8, quantization="fp8")
-    for m in llm.core.runner.model.modules():
-        if isinstance(m, (RMSNorm, MLAttention, Indexer, MoEGate)):
-            m.fused = True
-    ids = llm.tokenizer.encode(DATA.read_text())[:12]
+    llm, ids = _fused_fp8(tiny_code)
     monkeypatch.setattr(RMSNorm, "quantize", False)
     own = llm.prompt_logits(ids)
     given = {"with": 0, "without": 0}
@@ -100,11 +105,7 @@ def test_absorbed_matmuls_reading_fp8_in_place_equal_the_dequantized_copy(tiny_c
     weight values, sums in another order: tiny-code in bf16, FP8 at load, agrees with the copy's logits."""
     from kernels import fp8_absorbed
 
-    llm = LLM(str(tiny_code), num_blocks=8, quantization="fp8", dtype="bfloat16")
-    for m in llm.core.runner.model.modules():
-        if isinstance(m, (RMSNorm, MLAttention, Indexer, MoEGate)):
-            m.fused = True
-    ids = llm.tokenizer.encode(DATA.read_text())[:12]
+    llm, ids = _fused_fp8(tiny_code, dtype="bfloat16")
     monkeypatch.setattr(MLAttention, "absorbed_in_place", False)
     copy = llm.prompt_logits(ids)
     calls: dict = {}
