@@ -45,6 +45,11 @@ from kernels.triton_support import interpreting, jit, next_pow2, quant_e4m3_rows
 MAX_M = 256  # rows up to which kernels.fp8_gemm takes this path
 MAX_SPLIT = 8  # bounds the last split's reads (S partial tiles); the H200 sweep never chose more
 MIN_KB_PER_SPLIT = 12  # a split streams >= 12 k-blocks (H200 sweep: shorter splits lose to the partials' cost)
+# at <= 16 rows (one 16-row tile) the partials are small and >= 4 k-blocks a split win (H200 sweep at 4 and 16 rows:
+# shared down 9.3 against 13.4 us, packed x 10.9 against 12.4, q_a 9.9 against 11.8); there a split that still
+# streams >= MIN_KB_PER_SPLIT k-blocks takes 4 pipeline stages (o_proj 32.6 against 34.1 us, dense gate+up 45.3
+# against 48.1)
+MIN_KB_PER_SPLIT_SMALL = 4
 PROGRAMS_PER_SM = 3  # splits stop at 3 programs per multiprocessor (H200 sweep: 4 x 96 tiles won, 6 x 96 lost)
 
 
@@ -75,12 +80,16 @@ def splitk_config(M: int, N: int, K: int, num_sms: int) -> SplitKConfig:
 
     Rows: one tile of the next power of two up to 64 (M = 256: four row tiles, one weight read from HBM).
     Columns: 64 (64-column tiles beat 128 at 19 of 20 shapes). Splits: as many as keep the grid within
-    PROGRAMS_PER_SM programs per multiprocessor, at most MAX_SPLIT, with >= MIN_KB_PER_SPLIT k-blocks each;
+    PROGRAMS_PER_SM programs per multiprocessor, at most MAX_SPLIT, with >= MIN_KB_PER_SPLIT k-blocks each
+    (MIN_KB_PER_SPLIT_SMALL at <= 16 rows, where long splits also take 4 stages: the sweep at 4 and 16 rows);
     a grid of 3 x num_sms tiles or more is not split. The activation is quantized by `quant_act` first."""
     block_m = min(64, max(16, next_pow2(M)))
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
-    split = max(1, min(PROGRAMS_PER_SM * num_sms // tiles, MAX_SPLIT, triton.cdiv(K, 128) // MIN_KB_PER_SPLIT))
-    return SplitKConfig(block_m, 64, split, fuse_quant=False)
+    num_kb = triton.cdiv(K, 128)
+    min_kb = MIN_KB_PER_SPLIT_SMALL if block_m == 16 else MIN_KB_PER_SPLIT
+    split = max(1, min(PROGRAMS_PER_SM * num_sms // tiles, MAX_SPLIT, num_kb // min_kb))
+    stages = 4 if block_m == 16 and num_kb // split >= MIN_KB_PER_SPLIT else 3
+    return SplitKConfig(block_m, 64, split, num_stages=stages, fuse_quant=False)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
