@@ -8,6 +8,7 @@ graphs on CUDA), with the GPU's busy time and the step's memory floor beside the
     ... --temperature 0.8 --top-p 0.95 --seeded    # sampled requests instead of greedy ones
     ... --per-forward-graphs --modes graphs,async --top-kernels 25   # no whole-step graphs; the heaviest kernels
     python -m bench.decode_step --standin --roofline-only 4.27,679 --contexts 320,4096 --batches 1,16,64  # CPU
+    ... --standin-layers 36 --switch-variants none,fused_activation+norm_quant+absorbed_in_place  # A/B, 80 GB card
 
 One engine per model serves every mode, so the weights are built once: `eager` runs the plain path
 (`runner.static` off), `graphs` the padded static path, captured on CUDA at start-up (on the CPU the
