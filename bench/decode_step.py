@@ -487,7 +487,7 @@ def main(argv=None) -> dict:
     graph_kw = {"enforce_eager": False, "cuda_graph_sizes": sorted(set(batches))}
     variants = [set_switches(v) for v in a.switch_variants.split(",")] if a.switch_variants else []
     if variants:  # before each engine is built: its graphs capture the model as it runs then
-        set_switches(a.switch_variants.split(",")[0], apply=True)
+        set_switches(variants[0], apply=True)
     hs_kw = {"hisparse": {"host_pool_gib": a.hisparse_pool_gib}} if a.hisparse_pool_gib else None
     if hs_kw and a.hisparse_buffer:
         hs_kw["hisparse"]["device_buffer_size"] = a.hisparse_buffer
@@ -553,7 +553,7 @@ def main(argv=None) -> dict:
             modes = [m for m in modes if m in a.modes.split(",")]
         if batches and not a.hisparse_only:
             rows += tag(run_modes(core, modes, batches, a, ceil, "resident"))
-            for v in a.switch_variants.split(",")[1:] if variants else []:
+            for v in variants[1:]:
                 del core, st
                 gc.collect()
                 if torch.cuda.is_available():
