@@ -220,6 +220,17 @@ def nixl_idle_poll_s() -> float:
     return value
 
 
+def switch_interval_ms() -> float | None:
+    """`PDSERVE_SWITCH_INTERVAL_MS`: the interpreter's thread switch interval of a service process, milliseconds
+    in (0, 1000] (default unset: Python's 5 ms). Applied at a service's start (services/rpc/grpc_server.py)."""
+    if _raw("PDSERVE_SWITCH_INTERVAL_MS") is None:
+        return None
+    value = _float("PDSERVE_SWITCH_INTERVAL_MS", 0.0)
+    if not 0 < value <= 1000:  # also refuses nan
+        raise ValueError(f"environment variable PDSERVE_SWITCH_INTERVAL_MS must lie in (0, 1000] ms, got {value}")
+    return value
+
+
 def rank_hang_timeout_s() -> float:
     """`PDSERVE_RANK_HANG_TIMEOUT_S`: a multi-rank engine (a PCP prefill, a DP decode group) whose ranks complete
     no collective for this long (a worker hung, not dead) goes out of service and exits for a restart (default

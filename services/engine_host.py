@@ -56,6 +56,7 @@ class EngineHost:
         self._hisparse_seen = (0, 0, 0)
         self._steps_seen = (0, 0.0)
         self._phases_seen: dict[str, float] = {}
+        self._cpu_seen: dict[str, float] = {}
         self._offload_seen = (0, 0, 0, 0)
         self._count_from(engine.stats())
         engine.drain_step_times()  # the start-up warm-up's steps are not counted either
@@ -66,6 +67,7 @@ class EngineHost:
         self._prefix_seen = (st.prefix_queries, st.prefix_hits)
         self._steps_seen = (st.num_steps, st.step_seconds)
         self._phases_seen = dict(st.step_phase_seconds)
+        self._cpu_seen = dict(st.step_phase_cpu_seconds)
         if st.hisparse is not None:
             self._hisparse_seen = (st.hisparse.hits, st.hisparse.misses, st.hisparse.h2d_bytes)
         off = st.kv_offload
@@ -141,6 +143,9 @@ class EngineHost:
             for phase, secs in st.step_phase_seconds.items():
                 m.engine_step_phase_seconds.labels(phase=phase).inc(max(secs - self._phases_seen.get(phase, 0.0), 0.0))
             self._phases_seen = dict(st.step_phase_seconds)
+            for phase, secs in st.step_phase_cpu_seconds.items():
+                m.engine_step_phase_cpu_seconds.labels(phase=phase).inc(max(secs - self._cpu_seen.get(phase, 0.0), 0.0))
+            self._cpu_seen = dict(st.step_phase_cpu_seconds)
             for secs, gap in self.engine.drain_step_times():
                 m.engine_step_duration_seconds.observe(secs)
                 if gap is not None:

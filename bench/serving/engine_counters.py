@@ -17,13 +17,16 @@ STEP_HISTOGRAMS = (("pdserve:engine_step_duration_seconds_bucket", "step"),
 # what `server_side` reads from every service: engine steps, their phases and their spread, the TTFT / TPOT / delta
 # histograms
 SERVER_COUNTERS = ("pdserve:engine_steps_total", "pdserve:engine_step_seconds_total",
-                   "pdserve:engine_step_phase_seconds_total",
+                   "pdserve:engine_step_phase_seconds_total", "pdserve:engine_step_phase_cpu_seconds_total",
                    "pdserve:time_per_output_token_seconds_sum", "pdserve:time_per_output_token_seconds_count",
                    "pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
                    "pdserve:token_delta_delay_seconds_sum", "pdserve:token_delta_delay_seconds_count",
                    "pdserve:nixl_bytes_transferred_total", *(h for h, _ in STEP_HISTOGRAMS))
 PHASES = ("schedule", "launch", "device_wait", "read_back", "update")  # engine.core.core.STEP_PHASES
-LABELLED = ("pdserve:engine_step_phase_seconds_total", *(h for h, _ in STEP_HISTOGRAMS))  # kept with their labels
+CPU_PHASES = ("schedule", "launch", "update")  # engine.core.core.CPU_PHASES
+# kept with their labels
+LABELLED = ("pdserve:engine_step_phase_seconds_total", "pdserve:engine_step_phase_cpu_seconds_total",
+            *(h for h, _ in STEP_HISTOGRAMS))
 
 
 def engine_counters(redis_url: str, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
@@ -110,6 +113,10 @@ def server_side(before: dict, after: dict) -> dict:
             out[f"{role}_phase_ms"] = phases
             if out[f"{role}_mean_step_ms"] is not None:
                 out[f"{role}_host_ms"] = out[f"{role}_mean_step_ms"] - phases["device_wait"]
+            # the engine thread's CPU time in the phases it computes in (wall above it: the thread did not run)
+            out[f"{role}_phase_cpu_ms"] = {
+                p: 1e3 * delta(role, f'pdserve:engine_step_phase_cpu_seconds_total{{phase="{p}"}}') / steps
+                for p in CPU_PHASES}
     for role in ("prefill", "decode"):  # the steps' own spread, and the engine thread's time between two steps
         for series, short in STEP_HISTOGRAMS:
             buckets = sorted((_le(k), delta(role, k)) for k in set(after.get(role, {})) | set(before.get(role, {}))

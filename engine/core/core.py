@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 # device_wait (blocked on the device for a step's read-back: the device's time not hidden behind the host's),
 # read_back (the step's tokens to host lists and outputs), update (the scheduler applies them)
 STEP_PHASES = ("schedule", "launch", "device_wait", "read_back", "update")
+# the engine thread's CPU time (time.thread_time) in the phases it computes in; a phase's wall time above its CPU
+# time is time the thread did not run (waiting for the interpreter lock, descheduled, blocked in a call)
+CPU_PHASES = ("schedule", "launch", "update")
 
 
 @dataclass
@@ -48,6 +51,7 @@ class EngineStats:
     # that wall time by phase, summed (STEP_PHASES; docs/async_scheduling.md, "Where a step's host time goes"):
     # one-rank engines only (zeros for the multi-rank core, empty for a DP group)
     step_phase_seconds: dict = field(default_factory=dict)
+    step_phase_cpu_seconds: dict = field(default_factory=dict)  # CPU_PHASES: the engine thread's CPU time, summed
     dp_ranks: tuple = ()  # a DP group (engine/parallel/dp.py): each rank's own EngineStats; the fields above
     # are then the group's (counts summed, kv_usage the mean)
     dp_steps: dict = field(default_factory=dict)  # a DP x EP group's steps by kind: planned / dynamic
@@ -89,6 +93,7 @@ class EngineCore:
         self.num_steps, self.step_seconds = 0, 0.0
         self.last_step_forward = False
         self.step_phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
+        self.step_phase_cpu_seconds = dict.fromkeys(CPU_PHASES, 0.0)
 
     def new_offload_tier(self) -> OffloadTier | None:
         """The bookkeeping of the runner's KV offload buffer (one per KV manager), None without one. Every
@@ -192,33 +197,34 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One step: schedule, run, apply. With async scheduling the step scheduled now is launched first
         and the outputs returned are the previous step's (docs/async_scheduling.md)."""
-        clock = time.perf_counter
-        t0 = clock()
+        clock, cpu = time.perf_counter, time.thread_time
+        t0, c0 = clock(), cpu()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             sched = None
-        t1 = clock()
+        t1, c1 = clock(), cpu()
         if not self.async_scheduling:
             if sched is None:
                 return []
             handle = self.runner.execute_async(sched)
-            t2 = clock()
+            t2, c2 = clock(), cpu()
             result, wait = _read_back(handle)
-            t3 = clock()
+            t3, c3 = clock(), cpu()
             out = self.scheduler.update(sched, result)
         else:
             if sched is None and self._inflight is None:
                 return []
             launched = (sched, self.runner.execute_async(sched)) if sched is not None else None
-            t2 = t3 = clock()
+            t2, c2 = clock(), cpu()
+            t3, c3 = t2, c2
             out, wait = [], 0.0
             if self._inflight is not None:  # N+1 is queued behind it: reading N's tokens keeps the GPU busy
                 prev_sched, handle = self._inflight
                 result, wait = _read_back(handle)
-                t3 = clock()
+                t3, c3 = clock(), cpu()
                 out = self.scheduler.update(prev_sched, result)
             self._inflight = launched
-        t4 = clock()
+        t4, c4 = clock(), cpu()
         if sched is not None:
             self.num_steps += 1
         self.last_step_forward = sched is not None and not sched.is_empty  # not a step that only drops finished ids
@@ -226,6 +232,9 @@ class EngineCore:
         ph = self.step_phase_seconds
         for name, secs in zip(STEP_PHASES, (t1 - t0, t2 - t1, wait, t3 - t2 - wait, t4 - t3)):
             ph[name] += secs
+        pc = self.step_phase_cpu_seconds
+        for name, secs in zip(CPU_PHASES, (c1 - c0, c2 - c1, c4 - c3)):
+            pc[name] += secs
         return out
 
     def stats(self) -> EngineStats:
@@ -234,6 +243,7 @@ class EngineCore:
         st.weight_bytes = tuple(r["weight_bytes"] for r in self.weight_reports())
         st.num_steps, st.step_seconds = self.num_steps, self.step_seconds
         st.step_phase_seconds = dict(self.step_phase_seconds)
+        st.step_phase_cpu_seconds = dict(self.step_phase_cpu_seconds)
         return st
 
     def weight_reports(self) -> list[dict]:

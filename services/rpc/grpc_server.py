@@ -18,6 +18,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine import settings
 from services.rpc.grpc_parse import parse_checked
 from services.rpc.net import PORT_IN_USE_EXIT, PortInUse, bind_listener
 
@@ -180,6 +182,17 @@ class GrpcServer:
         await self.server.stop(grace)
 
 
+def switch_interval() -> float:
+    """Apply PDSERVE_SWITCH_INTERVAL_MS (engine.settings.switch_interval_ms) as `sys.setswitchinterval`; the
+    interval in force, seconds. An engine service steps its engine in a thread beside the event loop that serves
+    its RPCs: a thread that wants the interpreter lock waits up to this interval (Python's default 5 ms) before
+    the holder is asked to give it up."""
+    ms = settings.switch_interval_ms()
+    if ms is not None:
+        sys.setswitchinterval(ms / 1000.0)
+    return sys.getswitchinterval()
+
+
 def retry_after_s(exc: grpc.aio.AioRpcError, default: float = 1.0) -> float:
     """The `retry-after-ms` an overloaded server sent with RESOURCE_EXHAUSTED (else `default`)."""
     for key, value in exc.trailing_metadata() or ():
@@ -190,7 +203,9 @@ def retry_after_s(exc: grpc.aio.AioRpcError, default: float = 1.0) -> float:
 
 def run(main: Callable[[], Awaitable[Any]]) -> Any:
     """Run a service's async main on uvloop (falls back to asyncio when uvloop is missing). A port it could
-    not listen on returns PORT_IN_USE_EXIT (for `sys.exit`), so that a launcher can tell it apart."""
+    not listen on returns PORT_IN_USE_EXIT (for `sys.exit`), so that a launcher can tell it apart.
+    PDSERVE_SWITCH_INTERVAL_MS sets the interpreter's thread switch interval first (`switch_interval`)."""
+    switch_interval()
     try:
         import uvloop  # optional at import: the fallback below keeps a service running where it is missing
         runner = uvloop.run

@@ -68,6 +68,9 @@ METRICS: tuple[MetricDef, ...] = (
               ENGINES),
     MetricDef("engine_step_phase_seconds", Counter, "That wall time by phase (schedule, launch, device_wait, "
               "read_back, update; one-rank engines), summed.", ENGINES, labels=("phase",)),
+    MetricDef("engine_step_phase_cpu_seconds", Counter, "The engine thread's CPU time in the phases it computes in "
+              "(schedule, launch, update; one-rank engines), summed: the wall time above it is time the thread did "
+              "not run (the interpreter lock, the OS scheduler, a blocking call).", ENGINES, labels=("phase",)),
     MetricDef("engine_step_duration_seconds", Histogram, "Wall time of each engine step that ran a forward (its tail: "
               "steps stretched by the other engine on a shared device, or by host work).", ENGINES, STEP_BUCKETS),
     MetricDef("engine_step_gap_seconds", Histogram, "The engine thread's time between one step's end and the next "

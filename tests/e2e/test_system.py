@@ -155,6 +155,7 @@ def test_health_metrics_and_models(url, instances):
     assert rounds > 0 and rounds <= tokens <= 4 * rounds  # MTP3: 1-4 tokens a full round
     # the decode time split: the engine step by phase, each token delta's delay in the decode and the router
     assert 'pdserve:engine_step_phase_seconds_total{phase="launch"}' in decode_text
+    assert 'pdserve:engine_step_phase_cpu_seconds_total{phase="launch"}' in decode_text
     assert system.metric(instances["decode"].metrics_address, "pdserve:token_delta_delay_seconds_count") > 0
     assert system.metric(url.removeprefix("http://"), "pdserve:token_delta_delay_seconds_count") > 0
 

@@ -93,6 +93,10 @@ def test_async_equals_sync(tiny_code, spec, static):
     if spec:
         assert llm.get_stats().spec_accepted > 0
         assert llm.get_stats().spec_accepted == sync.get_stats().spec_accepted
+    for core in (sync.core, llm.core):  # the engine thread's CPU time: counted, and never above the phase's wall
+        cpu, wall = core.stats().step_phase_cpu_seconds, core.stats().step_phase_seconds
+        assert set(cpu) == {"schedule", "launch", "update"} and cpu["launch"] > 0
+        assert all(0 <= cpu[p] <= wall[p] + 1e-4 for p in cpu), (cpu, wall)
 
 
 def test_async_preemption_equals_sync(tiny_code):

@@ -42,6 +42,7 @@ def test_values_are_read_when_asked(monkeypatch):
     ("PDSERVE_NIXL_PROGRESS_THREAD", "maybe", settings.nixl_progress_thread),
     ("PDSERVE_NIXL_IDLE_POLL_S", "2", settings.nixl_idle_poll_s),
     ("PDSERVE_RANK_HANG_TIMEOUT_S", "-1", settings.rank_hang_timeout_s),
+    ("PDSERVE_SWITCH_INTERVAL_MS", "0", settings.switch_interval_ms),
     ("PDSERVE_FAULT_NIXL_FAIL_FIRST_N", "x", settings.fault_nixl_fail_first_n),
 ])
 def test_a_bad_value_names_its_variable(monkeypatch, name, value, read):

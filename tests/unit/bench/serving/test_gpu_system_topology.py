@@ -43,6 +43,7 @@ def test_split_from_the_services_counters():
         for phase, secs in (("schedule", 0.01), ("launch", 0.02), ("device_wait", 0.05), ("read_back", 0.005),
                             ("update", 0.015)):
             dec.engine_step_phase_seconds.labels(phase=phase).inc(secs)
+        dec.engine_step_phase_cpu_seconds.labels(phase="launch").inc(0.012)
         for _ in range(4):
             dec.token_delta_delay_seconds.observe(0.002)
             router.token_delta_delay_seconds.observe(0.001)
@@ -53,6 +54,8 @@ def test_split_from_the_services_counters():
     sv = server_side(before, after)
     assert sv["decode_mean_step_ms"] == 10.0 and abs(sv["decode_host_ms"] - 5.0) < 1e-9
     assert abs(sv["decode_phase_ms"]["launch"] - 2.0) < 1e-9
+    # the engine thread ran 1.2 of the launch's 2.0 ms a step; no CPU time counted in the other phases
+    assert abs(sv["decode_phase_cpu_ms"]["launch"] - 1.2) < 1e-9 and sv["decode_phase_cpu_ms"]["update"] == 0.0
     assert abs(sv["decode_delta_delay_ms"] - 2.0) < 1e-9 and abs(sv["router_delta_delay_ms"] - 1.0) < 1e-9
     line = split_line({"concurrency": 32, "median_tpot_ms": 14.0, "server": sv})
     assert "device wait 5.00 + host 5.00" in line and "router 1.00 ms per chunk" in line
