@@ -328,6 +328,24 @@ def served_prefill(engines: dict, idle_step_s: float, under: list[dict], prompt_
                       f"alone_s: {how}"}
 
 
+def busy_prefill(engines: dict, busy_s: float | None, longest: int | None, load: str) -> dict | None:
+    """`prefill_served`'s busy window: the prefill's mean step while kept busy through the services (`_sharing`'s
+    window with the prefill alone, `busy_s`), beside the same prompts' step on the engine alone (`busy_alone_s`):
+    the traces' turns' median step there (the prefill entry's `median_step_s`, measured on them) or, for fresh
+    `longest`-token prompts, what the entry's fit says such a prompt costs. None where either is missing."""
+    entry = engines.get("prefill/pcp1-dcp1") or {}
+    if longest is None:
+        alone, how = entry.get("median_step_s"), "the median of the same turns' steps on the engine alone"
+    else:
+        alone = Profile({"version": 1, "engines": engines}).engine("prefill/pcp1-dcp1")([_Chunk(0, [0] * longest)])
+        how = f"the engine-alone fit of a {longest}-token prompt"
+    if not busy_s or not alone:
+        return None
+    return {"busy_s": busy_s, "busy_alone_s": alone,
+            "busy_source": f"busy_s: the prefill engine's mean step while kept busy through the services ({load}; "
+                           f"the shared_device window with the decode idle); busy_alone_s: {how}"}
+
+
 def measure_probe_alone(core: EngineCore, device: str, salt: int = 0) -> float:
     """The median step of a fresh PROBE_LEN-token prompt alone on the engine, no service around it: what the
     through-services probes' prefill steps are set beside (`served_prefill`)."""
@@ -662,6 +680,7 @@ def _calibrate_served(a, prof: dict) -> None:
     batches = [int(x) for x in a.batches.split(",")]
     topo = topology_mod.load(a.config)
     shares = services_of([a.config])[4]
+    busy = None  # the prefill's step while kept busy through the services (busy_prefill), where measured
     with FreshServer(a.config) as ep:
         info = asyncio.run(wait_ready(ep.url))
         vocab = info.get("vocab_size") or 4096
@@ -677,6 +696,8 @@ def _calibrate_served(a, prof: dict) -> None:
                 load = f"two loops of {longest}-token prompts"
             sharing = asyncio.run(_sharing(ep.url, ep.handle.redis_url, vocab, prompts, max(batches) // 2 or 1,
                                            tokens))
+            busy = busy_prefill(prof["engines"], sharing["measurements"]["prefill_alone"]["prefill"]["mean_step_s"],
+                                None if a.traces else longest, load)
             prof["shared_device"] = {"prefill": sharing["prefill"], "decode": sharing["decode"],
                                      "measurements": sharing["measurements"],
                                      "source": f"pdserve bench calibrate --through-services: each engine's mean "
@@ -724,6 +745,8 @@ def _calibrate_served(a, prof: dict) -> None:
     if single and got["under_streams"]:  # the probes' own prefill steps, beside the engine-alone fit of that step
         prof["prefill_served"] = served_prefill(prof["engines"], single["prefill_step_s"], got["under_streams"],
                                                 prompt_len, single["prefill_steps_s"])
+        if busy is not None:
+            prof["prefill_served"].update(busy)
         print("served prefill step: " + ", ".join(f"{y * 1e3:.1f} ms at {x:g} streams"
                                                    for x, y in prof["prefill_served"]["by_streams"])
               + f" (engine alone: {prof['prefill_served']['alone_s'] * 1e3:.1f} ms)", file=sys.stderr)

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-served-prefill", action="store_true",
                    help="cost each prefill step by its engine-alone fit only, leaving out the profile's "
                         "`prefill_served` (what the running services added to a probe's step)")
+    p.add_argument("--served-prefill-by-streams", action="store_true",
+                   help="cost what the services add to a prefill step as the lone probes under the streams live "
+                        "at its start, even where the profile measured a busy prefill's step (`prefill_served.busy_s`)")
     p.add_argument("--step-dispersion", action="store_true",
                    help="draw each engine step around its cost as the profile's measured steps spread around their "
                         "fit (entries that kept them: `measured`), instead of one cost per shape")
@@ -97,7 +100,7 @@ def _step_quantiles(system: SimSystem, window) -> dict[str, dict[str, float | No
 async def _level(args, level_idx: int, concurrency: int, traces, specs, profile: Profile) -> dict:
     random.seed(args.seed * 1000 + level_idx)  # the router breaks placement ties with random()
     system = SimSystem(specs, profile, args.seed, dispersion=args.step_dispersion,
-                       served_prefill=not args.no_served_prefill)
+                       served_prefill=not args.no_served_prefill, served_by_streams=args.served_prefill_by_streams)
     dec = next(s for s in specs if s.role == "decode")
     cfg = ReplayConfig(concurrency=concurrency, duration_s=args.duration, warmup_s=args.warmup,
                        think_time_scale=args.think_time_scale, max_think_s=args.max_think_time,

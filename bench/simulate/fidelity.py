@@ -208,6 +208,8 @@ def run(a: argparse.Namespace) -> dict:
             argv.append("--step-dispersion")
         if a.no_served_prefill:
             argv.append("--no-served-prefill")
+        if a.served_prefill_by_streams:
+            argv.append("--served-prefill-by-streams")
         if cli.main(argv) != 0:
             raise RuntimeError("pdserve simulate failed (its error is above)")
         sim = json.loads((Path(out_dir) / "result.json").read_text())
@@ -237,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-output-dir", help="keep the simulated run's outputs here")
     p.add_argument("--step-dispersion", action="store_true", help="simulate with `--step-dispersion`")
     p.add_argument("--no-served-prefill", action="store_true", help="simulate with `--no-served-prefill`")
+    p.add_argument("--served-prefill-by-streams", action="store_true",
+                   help="simulate with `--served-prefill-by-streams`")
     a = p.parse_args(argv)
     try:
         run(a)

@@ -12,7 +12,8 @@ figure the simulator is meant to predict.
      "request_overhead_s": {"value": ..., "by_streams": [[streams, seconds], ...], "source": "..."},
                                        (by_streams optional: the overhead while other requests stream)
      "shared_device": {"prefill": ..., "decode": ..., "source": "..."},   (optional: engines sharing a device)
-     "prefill_served": {"alone_s": ..., "by_streams": [[0, seconds], [streams, seconds], ...], "source": "..."}}
+     "prefill_served": {"alone_s": ..., "by_streams": [[0, seconds], [streams, seconds], ...], "source": "...",
+                        "busy_s": ..., "busy_alone_s": ...}}   (busy_s, busy_alone_s optional: the busy window's)
                                        (optional: a prefill step as the running services take it)
 
 One engine step of a scheduled batch costs
@@ -51,10 +52,14 @@ counters over one probe request, `pdserve bench calibrate --through-services`), 
 stream their tokens, beside the same prompt's step on the engine alone (`alone_s`). On a GPU a host-bound prefill
 step takes longer in the service than alone (H100, measured the same day: tiny-code 15.9 ms idle and 14.6-19.9 ms
 under 4-16 streams against 13.9 ms alone; GLM-5.3 widths 18.4 and 23.6-24.1 against 12.0 ms), and the engine-alone
-fit misses it. Each simulated prefill step then costs its fit plus the
-difference for the streams live at its start (joined linearly between the points, flat past the last, never
-below 0); the points under streams include the decode's share of the device, so the prefill's `shared_device`
-slowdown is not applied on top.
+fit misses it. Where the calibration also kept the prefill busy through the services (its `shared_device`
+window, the traces' turns), the entry holds that window's mean step (`busy_s`) beside the same turns' median step on
+the engine alone (`busy_alone_s`): each simulated prefill step then costs its fit plus `busy_s - busy_alone_s`
+(the services' cost of a step under load, whatever the streams; measured runs' steps are as long as the busy
+window's, longer than a lone probe's: bench/data/simulate/NOTES.md, fourteenth session). Without `busy_s` (or with
+`pdserve simulate --served-prefill-by-streams`) it costs its fit plus the lone probe's difference for the streams
+live at its start (joined linearly between the points, flat past the last, never below 0). Both include the
+decode's share of the device, so the prefill's `shared_device` slowdown is not applied on top.
 """
 
 from __future__ import annotations
@@ -238,14 +243,30 @@ class Profile:
         mean = sum(ratios) / len(ratios)
         return [r / mean for r in ratios]
 
-    def served_prefill_extra(self, streams: float, ratio: float = 1.0) -> float:
-        """Seconds a prefill step takes in the running services beyond its engine-alone cost while `streams`
-        requests stream their tokens (`prefill_served`); 0 where the profile has no such entry. `ratio`: the
-        served step drawn at that multiple of its median (served_prefill_spread)."""
+    def served_prefill_extra(self, streams: float, ratio: float = 1.0, by_streams: bool = False) -> float:
+        """Seconds a prefill step takes in the running services beyond its engine-alone cost (`prefill_served`):
+        the busy window's (`busy_s` less `busy_alone_s`) where the entry has it and `by_streams` is False, else the
+        lone probe's while `streams` requests stream their tokens; 0 where the profile has no such entry. `ratio`:
+        the served step drawn at that multiple of its median (served_prefill_spread)."""
         if self._served_points is None:
             return 0.0
         alone, points = self._served_points
+        busy = self.served_prefill_busy
+        if busy is not None and not by_streams:
+            return max(busy[0] * ratio - busy[1], 0.0)
         return max(_linear(points, streams) * ratio - alone, 0.0)
+
+    @cached_property
+    def served_prefill_busy(self) -> tuple[float, float] | None:
+        """(`busy_s`, `busy_alone_s`) of `prefill_served`, None where the entry has no busy window."""
+        entry = self.raw.get("prefill_served")
+        if not isinstance(entry, dict) or "busy_s" not in entry and "busy_alone_s" not in entry:
+            return None
+        busy, alone = entry.get("busy_s"), entry.get("busy_alone_s")
+        if not all(isinstance(v, (int, float)) and v > 0 for v in (busy, alone)):
+            raise ProfileError(f"profile {self.path}: prefill_served needs busy_s > 0 and busy_alone_s > 0 together "
+                               f"(got busy_s {busy!r}, busy_alone_s {alone!r})")
+        return float(busy), float(alone)
 
     @cached_property
     def _served_points(self) -> tuple[float, list[tuple[float, float]]] | None:

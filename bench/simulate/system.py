@@ -373,11 +373,12 @@ class _Registry:
 
 class SimSystem:
     def __init__(self, specs: list[EngineSpec], profile: Profile, seed: int, dispersion: bool = False,
-                 served_prefill: bool = True):
+                 served_prefill: bool = True, served_by_streams: bool = False):
         """`dispersion`: each step drawn around its cost as the profile's measured steps of the layout spread
         around their fit (Profile.dispersion), seeded per engine; else every step of a shape costs the same.
         `served_prefill`: each prefill step costs what the running services added to it too, where the profile
-        measured that (`prefill_served`); else its engine-alone fit only."""
+        measured that (`prefill_served`: under load where it has the busy window, else the lone probe's at the
+        streams live, or that always with `served_by_streams`); else its engine-alone fit only."""
         self.loop = asyncio.get_running_loop()
         self.profile = profile
         self.specs = {s.instance_id: s for s in specs}
@@ -399,6 +400,7 @@ class SimSystem:
                 groups.setdefault(s.group, LockStep(self.loop)).add(self.engines[s.instance_id])
         self.streams = 0  # requests past their first token, still streaming (request_overhead's load)
         profile.served_prefill_extra(0)  # a malformed entry: an error before anything runs
+        profile.served_prefill_extra(0, by_streams=True)
         slowdown = profile.shared_device
         served_prefill = served_prefill and profile.has_served_prefill
         if served_prefill:  # each prefill step as the services take it, at the streams live then
@@ -408,16 +410,19 @@ class SimSystem:
                     continue
                 if spread:  # with dispersion, each step's served part drawn as the probes' own steps spread
                     rng = random.Random(seed * 1000 + 500 + n)
-                    extra = (lambda rng=rng: profile.served_prefill_extra(self.streams, rng.choice(spread)))
+                    extra = (lambda rng=rng: profile.served_prefill_extra(self.streams, rng.choice(spread),
+                                                                          served_by_streams))
                 else:
-                    extra = (lambda: profile.served_prefill_extra(self.streams))
+                    extra = (lambda: profile.served_prefill_extra(self.streams, by_streams=served_by_streams))
                 self.engines[s.instance_id].served_extra = extra
             if slowdown is not None:  # its points under streams hold the decode's share of the device
                 slowdown = {**slowdown, "prefill": 1.0}
         sharing = [s for s in specs if s.shared_device and s.role != "kvstore"]
         # engines on one device take turns on it; without the profile's measured slowdowns, each as if alone
         self.shared_device = {"engines": [s.instance_id for s in sharing], "slowdown": slowdown,
-                              "served_prefill": served_prefill}
+                              "served_prefill": served_prefill and (
+                                  "by streams" if served_by_streams or profile.served_prefill_busy is None
+                                  else "busy")}
         if len({s.role for s in sharing}) > 1 and slowdown is not None:
             device = SharedDevice(self.loop, slowdown)
             for s in sharing:

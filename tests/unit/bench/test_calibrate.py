@@ -113,6 +113,23 @@ def test_the_served_prefill_step_is_kept_beside_the_same_prompts_step_on_the_eng
     assert entry["probe_steps_s"] == {"0": [0.017, 0.018, 0.030], "4": [0.020, 0.021, 0.025]}
 
 
+def test_the_busy_prefill_window_is_set_beside_the_same_prompts_on_the_engine_alone():
+    """busy_prefill: the prefill's mean step while kept busy through the services, beside the traces' turns' median
+    step on the engine alone (the entry measured it on them) or the fit of the fresh prompts it was kept busy
+    with; nothing where either is missing."""
+    from bench.simulate.calibrate import busy_prefill
+
+    engines = {"prefill/pcp1-dcp1": {"step_s": 0.010, "token_s": 1e-5, "token_ctx_s": 0.0, "request_s": 0.0,
+                                     "median_step_s": 0.0115}}
+    got = busy_prefill(engines, 0.016, None, "the turns of 70 traces")
+    assert (got["busy_s"], got["busy_alone_s"]) == (0.016, 0.0115) and "same turns" in got["busy_source"]
+    got = busy_prefill(engines, 0.016, 512, "two loops of 512-token prompts")
+    assert got["busy_alone_s"] == pytest.approx(0.010 + 512e-5) and "512-token" in got["busy_source"]
+    assert busy_prefill(engines, None, None, "x") is None
+    assert busy_prefill({"prefill/pcp1-dcp1": {**engines["prefill/pcp1-dcp1"], "median_step_s": None}}, 0.016,
+                        None, "x") is None
+
+
 def test_the_served_decode_fit_takes_its_context_terms_from_the_engine_alone_fit():
     """served_decode_fit: the served steps are all at one context, where a per-request cost and one growing with
     the context look alike; the context terms come from the engine-alone fit (measured at several contexts), the

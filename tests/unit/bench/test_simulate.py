@@ -482,6 +482,38 @@ def test_a_prefill_step_costs_what_the_running_services_took_for_it_beyond_its_f
     assert served[1] - alone[1] > served[0] - alone[0]  # c = 6 meets more live streams than c = 2
 
 
+def test_with_a_busy_window_a_prefill_step_costs_the_services_share_under_load(traces, tmp_path):
+    """prefill_served.busy_s / busy_alone_s: the prefill's mean step while the calibration kept it busy through the
+    services, beside the same turns' step on the engine alone. Each simulated prefill step then adds that difference
+    whatever the streams (measured runs' steps are as long as the busy window's); `--served-prefill-by-streams`
+    keeps the lone probes' points; a half-given or non-positive window is refused."""
+    entry = {"alone_s": 0.010, "by_streams": [[0, 0.012], [8, 0.016]], "busy_s": 0.030, "busy_alone_s": 0.012}
+    prof = Profile.load(_profile(tmp_path, prefill_served=entry))
+    assert prof.served_prefill_busy == (0.030, 0.012)
+    assert [prof.served_prefill_extra(k) for k in (0, 4, 20)] == pytest.approx([0.018] * 3)
+    assert prof.served_prefill_extra(4, by_streams=True) == pytest.approx(0.004)
+    assert prof.served_prefill_extra(0, 0.5) == pytest.approx(0.003)  # a drawn ratio scales the served step
+    assert Profile.load(_profile(tmp_path, prefill_served={**entry, "busy_s": 0.001})).served_prefill_extra(0) == 0
+    for bad in ({"busy_s": 0.03}, {"busy_alone_s": 0.01}, {"busy_s": 0.03, "busy_alone_s": -1.0},
+                {"busy_s": "x", "busy_alone_s": 0.01}):
+        with pytest.raises(ProfileError, match="busy_s"):
+            Profile.load(_profile(tmp_path, prefill_served={"alone_s": 0.01, "by_streams": [[0, 0.012]], **bad})) \
+                .served_prefill_extra(0)
+
+    def run(out, *extra):
+        assert cli.main(_argv(traces, _profile(tmp_path, prefill_served=entry), out, *extra)) == 0
+        levels = json.loads((out / "result.json").read_text())["levels"]
+        return [1e3 * lv["sim"]["time_by_phase_s"]["prefill"]["mean"] for lv in levels], levels
+
+    busy, levels = run(tmp_path / "busy")
+    streams, levels_s = run(tmp_path / "streams", "--served-prefill-by-streams")
+    alone, _ = run(tmp_path / "alone", "--no-served-prefill")
+    assert levels[0]["sim"]["shared_device"]["served_prefill"] == "busy"
+    assert levels_s[0]["sim"]["shared_device"]["served_prefill"] == "by streams"
+    for a, b, s in zip(alone, busy, streams):  # at least the 18 ms a step beyond the fit; the probes' 2-6 ms less
+        assert b > a + 17.0 and a + 1.5 < s < b - 10.0, (alone, busy, streams)
+
+
 def test_with_dispersion_the_served_prefill_step_spreads_as_the_probes_did(traces, tmp_path):
     """prefill_served.probe_steps_s: each probe's own served step; `--step-dispersion` draws each prefill step's
     served part at one of their ratios to their stream count's median (scaled to mean 1), seeded: the prefill's
