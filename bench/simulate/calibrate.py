@@ -436,6 +436,23 @@ async def _sharing(url: str, redis_url: str, vocab: int, prompts: list[Iterator[
                              "busy": secs / wall}
             return out
 
+        async def busy_handoffs() -> dict:
+            """PROBES single PROBE_LEN-token requests of two tokens while the prefill is kept busy (the decode idle
+            besides): each one's second-token delay less the decode's step seconds over it (its counters), as
+            `_served` measures the handoff in the idle services."""
+            handoffs = []
+            for j in range(PROBES):
+                await asyncio.sleep(SETTLE_S)
+                before = await asyncio.to_thread(read)
+                rec = await stream_completion(http, url, model, _ids(PROBE_LEN, 800_000 + j, vocab), 2)
+                if rec.error:
+                    raise RuntimeError(f"calibration request failed: {rec.error}")
+                await asyncio.sleep(SETTLE_S)
+                after = await asyncio.to_thread(read)
+                decode = after["decode"][STEP_COUNTERS[1]] - before["decode"][STEP_COUNTERS[1]]
+                handoffs.append(max(rec.t_end - rec.t_first - decode, 0.0))
+            return {"median_s": statistics.median(handoffs), "handoffs_s": handoffs}
+
         stop, stop_streams = asyncio.Event(), asyncio.Event()
 
         async def prefill_loop(source: Iterator[list[int]]) -> None:
@@ -451,6 +468,7 @@ async def _sharing(url: str, redis_url: str, vocab: int, prompts: list[Iterator[
         load = [asyncio.create_task(prefill_loop(p)) for p in prompts]
         await steps_after("prefill", 2, load)
         got["prefill_alone"] = await window({"prefill": 6}, load)
+        got["handoff_busy"] = await busy_handoffs()
         stop.set()
         await asyncio.gather(*load)
         streams = [asyncio.create_task(stream_loop()) for _ in range(batch)]
@@ -680,7 +698,7 @@ def _calibrate_served(a, prof: dict) -> None:
     batches = [int(x) for x in a.batches.split(",")]
     topo = topology_mod.load(a.config)
     shares = services_of([a.config])[4]
-    busy = None  # the prefill's step while kept busy through the services (busy_prefill), where measured
+    busy = busy_handoff = None  # the prefill kept busy through the services: its step, a handoff then
     with FreshServer(a.config) as ep:
         info = asyncio.run(wait_ready(ep.url))
         vocab = info.get("vocab_size") or 4096
@@ -698,6 +716,7 @@ def _calibrate_served(a, prof: dict) -> None:
                                            tokens))
             busy = busy_prefill(prof["engines"], sharing["measurements"]["prefill_alone"]["prefill"]["mean_step_s"],
                                 None if a.traces else longest, load)
+            busy_handoff = sharing["measurements"].pop("handoff_busy", None)
             prof["shared_device"] = {"prefill": sharing["prefill"], "decode": sharing["decode"],
                                      "measurements": sharing["measurements"],
                                      "source": f"pdserve bench calibrate --through-services: each engine's mean "
@@ -755,6 +774,13 @@ def _calibrate_served(a, prof: dict) -> None:
                         "source": f"latency: median over 5 single {prompt_len}-token requests of the time from the "
                                   f"first to the second token ({got['second_token_s'] * 1e3:.1f} ms median) less "
                                   f"{less[1]}; bandwidth: {a.source}"}
+    if busy_handoff is not None:  # measured beside the busy window; the simulation does not read it (yet)
+        prof["transfer"]["busy_s"] = busy_handoff["median_s"]
+        prof["transfer"]["busy_handoffs_s"] = busy_handoff["handoffs_s"]
+        prof["transfer"]["source"] += (f"; busy_s (recorded, not simulated): the median over {PROBES} such "
+                                       f"requests' handoffs while the prefill was kept busy (the shared_device "
+                                       f"window's load), each less the decode's step seconds over it")
+        print(f"handoff while the prefill is busy: {busy_handoff['median_s'] * 1e3:.1f} ms", file=sys.stderr)
     if got["under_streams"]:  # the same latency while other requests stream (handoff_latency)
         prof["transfer"]["by_streams"] = [[u["streams"], u["handoff_s"]] for u in got["under_streams"]]
         prof["transfer"]["source"] += (f"; by_streams: the median over {PROBES} such requests while other requests "

@@ -7,7 +7,8 @@ figure the simulator is meant to predict.
                                        "chunk_ctx_s": ..., "source": "..."},
                  "decode/dp1-hisparse": {...}},
      "transfer": {"latency_s": ..., "gbs": ..., "by_streams": [[streams, seconds], ...], "source": "..."},
-                                       (by_streams optional: the handoff's latency while other requests stream)
+                                       (by_streams optional: the handoff's latency while other requests stream;
+                                        busy_s, recorded only: a handoff while the prefill is kept busy)
      "kvstore": {"latency_s": ..., "gbs": ..., "source": "..."},      (where the topology has a kvstore)
      "request_overhead_s": {"value": ..., "by_streams": [[streams, seconds], ...], "source": "..."},
                                        (by_streams optional: the overhead while other requests stream)
