@@ -399,8 +399,7 @@ class SimSystem:
             if s.group is not None:  # a DP group's ranks step together
                 groups.setdefault(s.group, LockStep(self.loop)).add(self.engines[s.instance_id])
         self.streams = 0  # requests past their first token, still streaming (request_overhead's load)
-        profile.served_prefill_extra(0)  # a malformed entry: an error before anything runs
-        profile.served_prefill_extra(0, by_streams=True)
+        _ = profile.served_prefill_busy, profile.served_prefill_extra(0, by_streams=True)  # malformed: refused now
         slowdown = profile.shared_device
         served_prefill = served_prefill and profile.has_served_prefill
         if served_prefill:  # each prefill step as the services take it, at the streams live then
