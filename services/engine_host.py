@@ -140,8 +140,12 @@ class EngineHost:
             m.engine_steps.inc(max(st.num_steps - self._steps_seen[0], 0))
             m.engine_step_seconds.inc(max(st.step_seconds - self._steps_seen[1], 0.0))
             self._steps_seen = (st.num_steps, st.step_seconds)
-            self._phases_seen = _inc_phases(m.engine_step_phase_seconds, st.step_phase_seconds, self._phases_seen)
-            self._cpu_seen = _inc_phases(m.engine_step_phase_cpu_seconds, st.step_phase_cpu_seconds, self._cpu_seen)
+            for phase, secs in st.step_phase_seconds.items():
+                m.engine_step_phase_seconds.labels(phase=phase).inc(max(secs - self._phases_seen.get(phase, 0.0), 0.0))
+            self._phases_seen = dict(st.step_phase_seconds)
+            for phase, secs in st.step_phase_cpu_seconds.items():
+                m.engine_step_phase_cpu_seconds.labels(phase=phase).inc(max(secs - self._cpu_seen.get(phase, 0.0), 0.0))
+            self._cpu_seen = dict(st.step_phase_cpu_seconds)
             for secs, gap in self.engine.drain_step_times():
                 m.engine_step_duration_seconds.observe(secs)
                 if gap is not None:
@@ -173,10 +177,3 @@ class EngineHost:
             counter.inc(max(cur - seen, 0))
         self._offload_seen = now
         m.kv_offload_cpu_cache_usage_perc.set(off.usage)
-
-
-def _inc_phases(counter, now: dict[str, float], seen: dict[str, float]) -> dict[str, float]:
-    """A per-phase counter brought up to the engine's sums `now` from those last `seen`; returns the new seen."""
-    for phase, secs in now.items():
-        counter.labels(phase=phase).inc(max(secs - seen.get(phase, 0.0), 0.0))
-    return dict(now)
