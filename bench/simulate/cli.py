@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-prefill-by-streams", action="store_true",
                    help="cost what the services add to a prefill step as the lone probes under the streams live "
                         "at its start, even where the profile measured a busy prefill's step (`prefill_served.busy_s`)")
+    p.add_argument("--busy-handoff", action="store_true",
+                   help="cost a handoff whose prefill has more work when it starts at the profile's busy handoff "
+                        "(`transfer.busy_s`, measured by `bench calibrate --through-services` with the prefill kept "
+                        "busy), where the profile has it")
     p.add_argument("--step-dispersion", action="store_true",
                    help="draw each engine step around its cost as the profile's measured steps spread around their "
                         "fit (entries that kept them: `measured`), instead of one cost per shape")
@@ -100,7 +104,8 @@ def _step_quantiles(system: SimSystem, window) -> dict[str, dict[str, float | No
 async def _level(args, level_idx: int, concurrency: int, traces, specs, profile: Profile) -> dict:
     random.seed(args.seed * 1000 + level_idx)  # the router breaks placement ties with random()
     system = SimSystem(specs, profile, args.seed, dispersion=args.step_dispersion,
-                       served_prefill=not args.no_served_prefill, served_by_streams=args.served_prefill_by_streams)
+                       served_prefill=not args.no_served_prefill, served_by_streams=args.served_prefill_by_streams,
+                       busy_handoff=args.busy_handoff)
     dec = next(s for s in specs if s.role == "decode")
     cfg = ReplayConfig(concurrency=concurrency, duration_s=args.duration, warmup_s=args.warmup,
                        think_time_scale=args.think_time_scale, max_think_s=args.max_think_time,
@@ -122,7 +127,8 @@ async def _level(args, level_idx: int, concurrency: int, traces, specs, profile:
            "kv_usage_end": {iid: e.kv.usage() for iid, e in system.engines.items()},
            "prefix_hit_rate": {iid: e.kv.prefix_hits / e.kv.prefix_queries if e.kv.prefix_queries else None
                                for iid, e in system.engines.items() if system.specs[iid].role == "prefill"},
-           "transfer_s": system.transfer_s, "decode_admission_waits": system.admission_waits,
+           "transfer_s": system.transfer_s, "busy_handoffs": system.busy_handoffs if system.busy_handoff else None,
+           "decode_admission_waits": system.admission_waits,
            "refused": system.refusals, "shared_device": system.shared_device,
            "kvstore": {i: {"usage": st.pool.usage, "loaded_blocks": st.loaded_blocks,
                            "offloaded_blocks": st.offloaded_blocks} for i, st in system.stores.items()},

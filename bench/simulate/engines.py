@@ -87,6 +87,10 @@ class SimEngine:
     def load(self) -> dict[str, float]:
         return load_figures(scheduler_stats(self.scheduler))
 
+    def has_work(self) -> bool:
+        """A step under way or requests waiting or running (a prefill's finished, held requests do not count)."""
+        return self.busy or self.scheduler.has_unfinished
+
     def cached_prefix(self, hashes: list[bytes]) -> int:
         """Leading blocks of `hashes` this instance's pool holds (what the router's KV-event index says)."""
         n = 0

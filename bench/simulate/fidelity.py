@@ -210,6 +210,8 @@ def run(a: argparse.Namespace) -> dict:
             argv.append("--no-served-prefill")
         if a.served_prefill_by_streams:
             argv.append("--served-prefill-by-streams")
+        if a.busy_handoff:
+            argv.append("--busy-handoff")
         if cli.main(argv) != 0:
             raise RuntimeError("pdserve simulate failed (its error is above)")
         sim = json.loads((Path(out_dir) / "result.json").read_text())
@@ -241,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-served-prefill", action="store_true", help="simulate with `--no-served-prefill`")
     p.add_argument("--served-prefill-by-streams", action="store_true",
                    help="simulate with `--served-prefill-by-streams`")
+    p.add_argument("--busy-handoff", action="store_true", help="simulate with `--busy-handoff`")
     a = p.parse_args(argv)
     try:
         run(a)

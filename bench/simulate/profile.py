@@ -8,7 +8,7 @@ figure the simulator is meant to predict.
                  "decode/dp1-hisparse": {...}},
      "transfer": {"latency_s": ..., "gbs": ..., "by_streams": [[streams, seconds], ...], "source": "..."},
                                        (by_streams optional: the handoff's latency while other requests stream;
-                                        busy_s, recorded only: a handoff while the prefill is kept busy)
+                                        busy_s optional: a handoff while the prefill is kept busy)
      "kvstore": {"latency_s": ..., "gbs": ..., "source": "..."},      (where the topology has a kvstore)
      "request_overhead_s": {"value": ..., "by_streams": [[streams, seconds], ...], "source": "..."},
                                        (by_streams optional: the overhead while other requests stream)
@@ -188,13 +188,27 @@ class Profile:
         mean = sum(ratios) / len(ratios)
         return [r / mean for r in ratios]
 
-    def transfer_s(self, nbytes: float, streams: float = 0) -> float:
+    def transfer_s(self, nbytes: float, streams: float = 0, prefill_busy: bool = False) -> float:
         """A KV handoff from a prefill to a decode while `streams` other requests stream their tokens: the entry's
         latency (its `by_streams` points joined linearly from (0, latency_s), flat past the last, where it has
-        them) plus the bytes at its bandwidth."""
+        them) plus the bytes at its bandwidth. `prefill_busy`: the prefill that computed it has more work, and the
+        entry measured a handoff then (`busy_s`, see `busy_handoff_s`): that latency instead."""
         t = self._entry("transfer", ("latency_s", "gbs"))
-        latency = _linear([(0.0, float(t["latency_s"])), *self._stream_points(t, "transfer")], streams)
+        busy = self.busy_handoff_s if prefill_busy else None
+        latency = busy if busy is not None else \
+            _linear([(0.0, float(t["latency_s"])), *self._stream_points(t, "transfer")], streams)
         return latency + nbytes / (t["gbs"] * 1e9)
+
+    @property
+    def busy_handoff_s(self) -> float | None:
+        """The handoff's latency while its prefill is kept busy (`transfer.busy_s`, written by `bench calibrate
+        --through-services`), None where the profile did not measure it."""
+        busy = self._entry("transfer", ("latency_s", "gbs")).get("busy_s")
+        if busy is None:
+            return None
+        if not isinstance(busy, (int, float)) or isinstance(busy, bool) or busy <= 0:
+            raise ProfileError(f"profile {self.path}: transfer.busy_s must be seconds > 0 (got {busy!r})")
+        return float(busy)
 
     def kvstore_s(self, nbytes: float) -> float:
         """A load from or an offload to a kvstore (required where the topology has one)."""

@@ -281,6 +281,7 @@ def engine_specs(topo_paths: str | list[str], profile: Profile, model: str | Non
                 acceptance = cfg.speculative.synthetic_acceptance_length or profile.raw.get("mtp_acceptance_length")
         profile.engine(key)  # a missing entry is an error before anything runs
         profile.transfer_s(0)
+        _ = profile.busy_handoff_s
         profile.request_overhead(0)
         ep = bool(spec.args.get("enable-expert-parallel")) or (kind == "prefill" and per == 1)
         blocks = _num_blocks(cfg, profile, max(ranks, per), ep, f"{kind} of {topo_path}")
@@ -373,12 +374,14 @@ class _Registry:
 
 class SimSystem:
     def __init__(self, specs: list[EngineSpec], profile: Profile, seed: int, dispersion: bool = False,
-                 served_prefill: bool = True, served_by_streams: bool = False):
+                 served_prefill: bool = True, served_by_streams: bool = False, busy_handoff: bool = False):
         """`dispersion`: each step drawn around its cost as the profile's measured steps of the layout spread
         around their fit (Profile.dispersion), seeded per engine; else every step of a shape costs the same.
         `served_prefill`: each prefill step costs what the running services added to it too, where the profile
         measured that (`prefill_served`: under load where it has the busy window, else the lone probe's at the
-        streams live, or that always with `served_by_streams`); else its engine-alone fit only."""
+        streams live, or that always with `served_by_streams`); else its engine-alone fit only.
+        `busy_handoff`: a handoff whose prefill has more work when it starts costs the profile's busy handoff
+        (`transfer.busy_s`, where measured), else the latency under the streams live."""
         self.loop = asyncio.get_running_loop()
         self.profile = profile
         self.specs = {s.instance_id: s for s in specs}
@@ -399,6 +402,8 @@ class SimSystem:
             if s.group is not None:  # a DP group's ranks step together
                 groups.setdefault(s.group, LockStep(self.loop)).add(self.engines[s.instance_id])
         self.streams = 0  # requests past their first token, still streaming (request_overhead's load)
+        self.busy_handoff = busy_handoff and profile.busy_handoff_s is not None
+        self.busy_handoffs = 0  # handoffs costed at the busy handoff's latency
         _ = profile.served_prefill_busy, profile.served_prefill_extra(0, by_streams=True)  # malformed: refused now
         slowdown = profile.shared_device
         served_prefill = served_prefill and profile.has_served_prefill
@@ -580,8 +585,10 @@ class SimSystem:
             _, n_local = got
             # the handoff's latency for the other requests streaming meanwhile (this one counts itself from its
             # first token on)
+            busy = self.busy_handoff and prefill.has_work()
+            self.busy_handoffs += busy
             seconds = self.profile.transfer_s((len(prompt) - n_local) * self.kv_bytes_per_token,
-                                              max(self.streams - 1, 0))
+                                              max(self.streams - 1, 0), prefill_busy=busy)
             self.transfer_s += seconds
             await asyncio.sleep(seconds)
             self._release_after(offload, prefill, rid)

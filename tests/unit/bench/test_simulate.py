@@ -375,6 +375,33 @@ def test_the_kv_handoff_latency_grows_with_the_streams_the_calibration_measured_
     assert loaded[1] - idle[1] > loaded[0] - idle[0]  # c = 6 meets more live streams than c = 2
 
 
+def test_with_busy_handoff_a_handoff_behind_prefill_work_costs_the_busy_latency(traces, tmp_path, capsys):
+    """transfer.busy_s: a handoff measured while the prefill was kept busy. `--busy-handoff` costs a handoff at it
+    when its prefill engine has a step under way or requests waiting or running as the handoff starts (the other
+    handoffs as before), counts those handoffs, and leaves a profile without it as it was; a non-positive one is
+    refused before anything runs."""
+    transfer = dict(PROFILE["transfer"], latency_s=0.002, busy_s=0.040)
+    prof = Profile.load(_profile(tmp_path, transfer=transfer))
+    assert prof.busy_handoff_s == 0.040
+    assert prof.transfer_s(0, 3) == 0.002 and prof.transfer_s(0, 3, prefill_busy=True) == 0.040
+    assert Profile.load(_profile(tmp_path)).transfer_s(0, prefill_busy=True) == 0.002  # not measured: as before
+    bad = _profile(tmp_path, transfer=dict(transfer, busy_s=0))
+    assert cli.main(_argv(traces, bad, tmp_path / "bad")) == 2
+    assert "transfer.busy_s" in capsys.readouterr().err and not (tmp_path / "bad" / "result.json").exists()
+
+    def run(out, *extra):
+        assert cli.main(_argv(traces, _profile(tmp_path, transfer=transfer), out, *extra)) == 0
+        return json.loads((out / "result.json").read_text())["levels"]
+
+    plain, busy = run(tmp_path / "plain"), run(tmp_path / "busy", "--busy-handoff")
+    assert [lv["sim"]["busy_handoffs"] for lv in plain] == [None, None]
+    counted = [lv["sim"]["busy_handoffs"] for lv in busy]
+    assert counted[1] > counted[0] > 0, counted  # c = 6 finds its prefill busy more often than c = 2
+    for p, b, n in zip(plain, busy, counted):  # each of those handoffs took 38 ms more, the others the same
+        assert b["sim"]["transfer_s"] - p["sim"]["transfer_s"] == pytest.approx(n * 0.038, rel=0.05)
+        assert b["mean_handoff_ms"] > p["mean_handoff_ms"]
+
+
 def test_a_handoffs_own_latency_is_its_second_token_less_the_decode_steps_it_waited_for():
     """calibrate.handoff_latency: a probe's second-token delay less (1 + u) mean decode steps (u: the decode's busy
     fraction over the probe's window), never below 0; the whole delay when the decode did not step."""
