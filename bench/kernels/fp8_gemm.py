@@ -82,9 +82,11 @@ NORM_FED = ("packed_x", "packed_q_resid", "shared_gate_up", "dense_gate_up")
 # GEMM's (warps, stages) with the down GEMM as the pick launches it, then the down GEMM's (BLOCK_N, warps, stages)
 # under the best up launch
 MOE_SPLIT_BLOCK_M = (32, 64, 128)
-MOE_UP_LAUNCHES = [(4, 3), (4, 4), (4, 5), (8, 3), (8, 4), (8, 5)]
-MOE_DOWN_LAUNCHES = [(64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 3), (128, 4, 4), (128, 8, 3), (128, 8, 4),
-                     (256, 8, 3), (256, 8, 4), (32, 4, 4)]
+# two stages: a program small enough in shared memory for two to share a multiprocessor, one's MMA and scale
+# promotion beside the other's loads (one program of three or more stages fills it alone)
+MOE_UP_LAUNCHES = [(4, 2), (4, 3), (4, 4), (4, 5), (8, 2), (8, 3), (8, 4), (8, 5)]
+MOE_DOWN_LAUNCHES = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 2), (128, 4, 3), (128, 4, 4),
+                     (128, 8, 2), (128, 8, 3), (128, 8, 4), (256, 8, 3), (256, 8, 4), (32, 4, 4)]
 
 
 def moe_split_sweep(timed, pick: tuple) -> dict:
