@@ -96,6 +96,7 @@ def moe_split_sweep(timed, pick: tuple) -> dict:
     def run(cfg):
         if str(cfg) not in tried:
             tried.update(_sweep(timed, [cfg]))
+            print(f"moe split sweep {cfg}: {tried[str(cfg)]}", flush=True)  # a run cut short keeps what it timed
         v = tried[str(cfg)]
         return v if isinstance(v, float) else float("inf")
 
