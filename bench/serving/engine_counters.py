@@ -119,14 +119,36 @@ def server_side(before: dict, after: dict) -> dict:
                 for p in CPU_PHASES}
     for role in ("prefill", "decode"):  # the steps' own spread, and the engine thread's time between two steps
         for series, short in STEP_HISTOGRAMS:
-            buckets = sorted((_le(k), delta(role, k)) for k in set(after.get(role, {})) | set(before.get(role, {}))
-                             if k.startswith(series + "{"))
-            for q in (50, 90, 99):
-                v = histogram_quantile(q / 100, buckets)
+            for q, v in histogram_quantiles(before.get(role, {}), after.get(role, {}), series).items():
                 out[f"{role}_{short}_p{q}_ms"] = None if v is None else 1e3 * v
     for role in ("decode", "router"):  # per token delta: engine step -> gRPC sent; gRPC read -> SSE written
         n = delta(role, "pdserve:token_delta_delay_seconds_count")
         out[f"{role}_delta_delay_ms"] = 1e3 * delta(role, "pdserve:token_delta_delay_seconds_sum") / n if n else None
+    return out
+
+
+def histogram_quantiles(before: dict[str, float], after: dict[str, float], series: str,
+                        qs: tuple[int, ...] = (50, 90, 99)) -> dict[int, float | None]:
+    """{q: seconds} of a histogram's observations between two reads ({`series{le=...}`: cumulative count})."""
+    buckets = sorted((_le(k), after.get(k, 0.0) - before.get(k, 0.0)) for k in set(after) | set(before)
+                     if k.startswith(series + "{"))
+    return {q: histogram_quantile(q / 100, buckets) for q in qs}
+
+
+def step_histograms(redis_url: str) -> dict[str, dict[str, float]]:
+    """{role: {bucket series: cumulative count}} of the registered engines' step-duration histogram, summed over
+    a role's instances."""
+    from services.cluster.redis_state import registered_instances  # the services' registry: only when asked
+
+    series = STEP_HISTOGRAMS[0][0] + "{"
+    out: dict[str, dict[str, float]] = {}
+    for inst in registered_instances(redis_url):
+        if inst.role not in ("prefill", "decode"):
+            continue
+        got = out.setdefault(inst.role, {})
+        for k, v in metric_values(inst.metrics_address).items():
+            if k.startswith(series):
+                got[k] = got.get(k, 0.0) + v
     return out
 
 

@@ -38,7 +38,13 @@ from pathlib import Path
 import torch
 
 from bench.serving.client import RequestRecord, make_session, server_info, stream_completion
-from bench.serving.engine_counters import STEP_COUNTERS, engine_counters
+from bench.serving.engine_counters import (
+    STEP_COUNTERS,
+    STEP_HISTOGRAMS,
+    engine_counters,
+    histogram_quantiles,
+    step_histograms,
+)
 from bench.serving.synth import PromptSynth
 from bench.serving.target import FreshServer, wait_ready
 from bench.serving.traces import load_traces
@@ -421,6 +427,7 @@ async def _sharing(url: str, redis_url: str, vocab: int, prompts: list[Iterator[
                 await asyncio.sleep(0.05)
 
         async def window(need: dict[str, int], tasks: list) -> dict:
+            hist = await asyncio.to_thread(step_histograms, redis_url)
             before, t0 = await asyncio.to_thread(read), time.monotonic()
             while True:
                 await asyncio.sleep(0.05)
@@ -429,11 +436,15 @@ async def _sharing(url: str, redis_url: str, vocab: int, prompts: list[Iterator[
                 ended = any(t.done() for t in tasks)
                 if ended or (wall >= WINDOW_S and all(ran[r] >= n for r, n in need.items())):
                     break
+            hist_after = await asyncio.to_thread(step_histograms, redis_url)
             out = {"wall_s": wall, "load_ended_early": ended}
             for role in ("prefill", "decode"):
                 secs = after[role][STEP_COUNTERS[1]] - before[role][STEP_COUNTERS[1]]
                 out[role] = {"steps": ran[role], "mean_step_s": secs / ran[role] if ran[role] else None,
-                             "busy": secs / wall}
+                             "busy": secs / wall,
+                             # the steps' spread in the window (the step histogram's buckets; recorded only)
+                             "step_quantiles_s": {f"p{q}": v for q, v in histogram_quantiles(
+                                 hist.get(role, {}), hist_after.get(role, {}), STEP_HISTOGRAMS[0][0]).items()}}
             return out
 
         async def busy_handoffs() -> dict:
@@ -724,6 +735,11 @@ def _calibrate_served(a, prof: dict) -> None:
                                                f"({load}; {max(batches) // 2 or 1} decode streams)"}
             print(f"shared device: prefill x{sharing['prefill']:.2f}, decode x{sharing['decode']:.2f}",
                   file=sys.stderr)
+            for name, w in sharing["measurements"].items():  # the steps' spread in each window (recorded only)
+                spread = {r: w[r]["step_quantiles_s"] for r in ("prefill", "decode") if w[r]["steps"]}
+                print(f"{name} window steps: " + "; ".join(
+                    f"{r} " + " ".join(f"{q} {v * 1e3:.1f} ms" for q, v in qs.items() if v is not None)
+                    for r, qs in spread.items()), file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = engine_cfg(topo.service("decode"), model_dir(a.model or topo.model, Path(a.config), Path(tmp)))
     k = cfg.num_spec_tokens if cfg.with_mtp else 0

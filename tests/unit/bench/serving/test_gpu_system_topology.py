@@ -87,3 +87,37 @@ def test_the_steps_spread_comes_from_the_services_histograms():
     assert sv["prefill_step_p50_ms"] is None  # no prefill engine read
     assert histogram_quantile(0.5, []) is None
     assert histogram_quantile(0.99, [(0.1, 1.0), (float("inf"), 3.0)]) == 0.1  # past the last finite bound
+
+
+def test_the_calibrations_windows_read_each_roles_step_histogram_summed_over_its_instances(monkeypatch):
+    """engine_counters.step_histograms: the step-duration buckets of every registered engine, summed per role (two
+    decode ranks here; the router left out); histogram_quantiles of two such reads gives the window's quantiles."""
+    import types
+
+    from bench.serving.engine_counters import STEP_HISTOGRAMS, histogram_quantiles, step_histograms
+    from services.cluster import redis_state
+    from services.rpc.metrics import ServiceMetrics
+
+    engines = [ServiceMetrics("decode"), ServiceMetrics("decode"), ServiceMetrics("prefill")]
+    ports = [m.serve() for m in engines]
+    insts = [types.SimpleNamespace(role=r, metrics_address=f"127.0.0.1:{p}")
+             for p, r in zip(ports, ("decode", "decode", "prefill"))]
+    insts.append(types.SimpleNamespace(role="router", metrics_address="127.0.0.1:1"))  # never read
+    monkeypatch.setattr(redis_state, "registered_instances", lambda url: insts)
+    try:
+        before = step_histograms("redis://x")
+        for secs in [0.004] * 4:
+            engines[0].engine_step_duration_seconds.observe(secs)
+        for secs in [0.004] * 4 + [0.04] * 2:
+            engines[1].engine_step_duration_seconds.observe(secs)
+        engines[2].engine_step_duration_seconds.observe(0.2)
+        after = step_histograms("redis://x")
+    finally:
+        for m in engines:
+            m.close()
+    assert set(after) == {"decode", "prefill"}
+    got = histogram_quantiles(before["decode"], after["decode"], STEP_HISTOGRAMS[0][0])
+    assert abs(got[50] - (0.003 + 0.002 * 5 / 8)) < 1e-12  # rank 5 of the 8 in (3, 5] ms, both ranks' steps
+    assert abs(got[90] - 0.04) < 1e-12  # rank 9 of 10: half way through (30, 50] ms
+    assert histogram_quantiles(before["prefill"], after["prefill"], STEP_HISTOGRAMS[0][0], (50,))[50] == \
+        0.1 + 0.15 * 0.5  # the one prefill step, in (0.1, 0.25]
