@@ -127,11 +127,17 @@ def server_side(before: dict, after: dict) -> dict:
     return out
 
 
+def histogram_buckets(before: dict[str, float], after: dict[str, float], series: str) -> list[tuple[float, float]]:
+    """[(upper bound, cumulative count)], ascending, of a histogram's observations between two reads
+    ({`series{le=...}`: cumulative count})."""
+    return sorted((_le(k), after.get(k, 0.0) - before.get(k, 0.0)) for k in set(after) | set(before)
+                  if k.startswith(series + "{"))
+
+
 def histogram_quantiles(before: dict[str, float], after: dict[str, float], series: str,
                         qs: tuple[int, ...] = (50, 90, 99)) -> dict[int, float | None]:
-    """{q: seconds} of a histogram's observations between two reads ({`series{le=...}`: cumulative count})."""
-    buckets = sorted((_le(k), after.get(k, 0.0) - before.get(k, 0.0)) for k in set(after) | set(before)
-                     if k.startswith(series + "{"))
+    """{q: seconds} of a histogram's observations between two reads (histogram_buckets)."""
+    buckets = histogram_buckets(before, after, series)
     return {q: histogram_quantile(q / 100, buckets) for q in qs}
 
 

@@ -42,6 +42,7 @@ from bench.serving.engine_counters import (
     STEP_COUNTERS,
     STEP_HISTOGRAMS,
     engine_counters,
+    histogram_buckets,
     histogram_quantiles,
     step_histograms,
 )
@@ -334,11 +335,14 @@ def served_prefill(engines: dict, idle_step_s: float, under: list[dict], prompt_
                       f"alone_s: {how}"}
 
 
-def busy_prefill(engines: dict, busy_s: float | None, longest: int | None, load: str) -> dict | None:
+def busy_prefill(engines: dict, busy_s: float | None, longest: int | None, load: str,
+                 buckets: list | None = None) -> dict | None:
     """`prefill_served`'s busy window: the prefill's mean step while kept busy through the services (`_sharing`'s
     window with the prefill alone, `busy_s`), beside the same prompts' step on the engine alone (`busy_alone_s`):
     the traces' turns' median step there (the prefill entry's `median_step_s`, measured on them) or, for fresh
-    `longest`-token prompts, what the entry's fit says such a prompt costs. None where either is missing."""
+    `longest`-token prompts, what the entry's fit says such a prompt costs. None where either is missing.
+    `buckets`: the window's step histogram ([upper bound or None for +Inf, cumulative count]), kept as
+    `busy_step_buckets` where it counted steps (the busy step's spread, Profile.served_prefill_spread)."""
     entry = engines.get("prefill/pcp1-dcp1") or {}
     if longest is None:
         alone, how = entry.get("median_step_s"), "the median of the same turns' steps on the engine alone"
@@ -347,9 +351,13 @@ def busy_prefill(engines: dict, busy_s: float | None, longest: int | None, load:
         how = f"the engine-alone fit of a {longest}-token prompt"
     if not busy_s or not alone:
         return None
-    return {"busy_s": busy_s, "busy_alone_s": alone,
-            "busy_source": f"busy_s: the prefill engine's mean step while kept busy through the services ({load}; "
-                           f"the shared_device window with the decode idle); busy_alone_s: {how}"}
+    out = {"busy_s": busy_s, "busy_alone_s": alone,
+           "busy_source": f"busy_s: the prefill engine's mean step while kept busy through the services ({load}; "
+                          f"the shared_device window with the decode idle); busy_alone_s: {how}"}
+    if buckets and buckets[-1][1] > 0:
+        out["busy_step_buckets"] = buckets
+        out["busy_source"] += "; busy_step_buckets: that window's step-duration histogram (steps that ran a forward)"
+    return out
 
 
 def measure_probe_alone(core: EngineCore, device: str, salt: int = 0) -> float:
@@ -442,9 +450,12 @@ async def _sharing(url: str, redis_url: str, vocab: int, prompts: list[Iterator[
                 secs = after[role][STEP_COUNTERS[1]] - before[role][STEP_COUNTERS[1]]
                 out[role] = {"steps": ran[role], "mean_step_s": secs / ran[role] if ran[role] else None,
                              "busy": secs / wall,
-                             # the steps' spread in the window (the step histogram's buckets; recorded only)
+                             # the steps' spread in the window (the step histogram: its quantiles, and its
+                             # buckets, [upper bound, cumulative count] with +Inf written as null)
                              "step_quantiles_s": {f"p{q}": v for q, v in histogram_quantiles(
-                                 hist.get(role, {}), hist_after.get(role, {}), STEP_HISTOGRAMS[0][0]).items()}}
+                                 hist.get(role, {}), hist_after.get(role, {}), STEP_HISTOGRAMS[0][0]).items()},
+                             "step_buckets": [[None if le == float("inf") else le, n] for le, n in histogram_buckets(
+                                 hist.get(role, {}), hist_after.get(role, {}), STEP_HISTOGRAMS[0][0])]}
             return out
 
         async def busy_handoffs() -> dict:
@@ -725,8 +736,9 @@ def _calibrate_served(a, prof: dict) -> None:
                 load = f"two loops of {longest}-token prompts"
             sharing = asyncio.run(_sharing(ep.url, ep.handle.redis_url, vocab, prompts, max(batches) // 2 or 1,
                                            tokens))
-            busy = busy_prefill(prof["engines"], sharing["measurements"]["prefill_alone"]["prefill"]["mean_step_s"],
-                                None if a.traces else longest, load)
+            window = sharing["measurements"]["prefill_alone"]["prefill"]
+            busy = busy_prefill(prof["engines"], window["mean_step_s"], None if a.traces else longest, load,
+                                window["step_buckets"])
             busy_handoff = sharing["measurements"].pop("handoff_busy", None)
             prof["shared_device"] = {"prefill": sharing["prefill"], "decode": sharing["decode"],
                                      "measurements": sharing["measurements"],

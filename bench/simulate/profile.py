@@ -14,7 +14,9 @@ figure the simulator is meant to predict.
                                        (by_streams optional: the overhead while other requests stream)
      "shared_device": {"prefill": ..., "decode": ..., "source": "..."},   (optional: engines sharing a device)
      "prefill_served": {"alone_s": ..., "by_streams": [[0, seconds], [streams, seconds], ...], "source": "...",
-                        "busy_s": ..., "busy_alone_s": ...}}   (busy_s, busy_alone_s optional: the busy window's)
+                        "busy_s": ..., "busy_alone_s": ..., "busy_step_buckets": [[le, count], ...]}}
+                                       (busy_* optional: the busy window's mean step, the same turns' alone, and
+                                        its step histogram)
                                        (optional: a prefill step as the running services take it)
 
 One engine step of a scheduled batch costs
@@ -71,9 +73,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from bench.serving.engine_counters import histogram_quantile
+
 TERMS = ("step_s", "token_s", "token_ctx_s", "request_s")
 # the terms a calibrated entry's `measured` rows give features for, in order (bench/simulate/calibrate.py)
 MEASURED_TERMS = (*TERMS, "chunk_ctx_s")
+BUSY_SPREAD_DRAWS = 40  # equally likely quantiles of the busy window's step histogram (served_prefill_spread)
 
 
 class ProfileError(ValueError):
@@ -239,10 +244,15 @@ class Profile:
                                f"with the streams increasing (got {raw!r})")
         return [(float(x), float(y)) for x, y in raw]
 
-    def served_prefill_spread(self) -> list[float] | None:
-        """How much a lone prefill step in the services varies: each probe's step (`prefill_served.probe_steps_s`)
-        over the median of its stream count's probes, scaled to mean 1; None where the entry kept no probe's own."""
+    def served_prefill_spread(self, by_streams: bool = False) -> list[float] | None:
+        """How much a prefill step in the services varies, as ratios of mean 1. Where the busy window is the served
+        step (served_prefill_extra) and kept its step histogram (`busy_step_buckets`): BUSY_SPREAD_DRAWS equally
+        likely quantiles of it (linear within a bucket). Else each lone probe's step (`probe_steps_s`) over the
+        median of its stream count's probes. None where the entry kept neither."""
         entry = self.raw.get("prefill_served") or {}
+        if not by_streams and self.served_prefill_busy is not None and isinstance(entry, dict) \
+                and "busy_step_buckets" in entry:
+            return self._busy_spread(entry["busy_step_buckets"])
         sets = entry.get("probe_steps_s") if isinstance(entry, dict) else None
         if not sets:
             return None
@@ -257,6 +267,21 @@ class Profile:
             ratios += [x / mid for x in steps]
         mean = sum(ratios) / len(ratios)
         return [r / mean for r in ratios]
+
+    def _busy_spread(self, buckets) -> list[float]:
+        ok = isinstance(buckets, list) and buckets and all(
+            isinstance(b, list) and len(b) == 2 and (b[0] is None or isinstance(b[0], (int, float)) and b[0] > 0)
+            and isinstance(b[1], (int, float)) and b[1] >= 0 for b in buckets)
+        bounds = [float("inf") if b[0] is None else float(b[0]) for b in buckets] if ok else []
+        counts = [float(b[1]) for b in buckets] if ok else []
+        if not ok or bounds != sorted(set(bounds)) or counts != sorted(counts) or counts[-1] <= 0:
+            raise ProfileError(f"profile {self.path}: prefill_served.busy_step_buckets must be [upper bound (null: "
+                               f"+Inf), cumulative count] pairs, bounds rising, counts not falling, some steps "
+                               f"(got {buckets!r})")
+        hist = list(zip(bounds, counts))
+        draws = [histogram_quantile((i + 0.5) / BUSY_SPREAD_DRAWS, hist) for i in range(BUSY_SPREAD_DRAWS)]
+        mean = sum(draws) / len(draws)
+        return [d / mean for d in draws]
 
     def served_prefill_extra(self, streams: float, ratio: float = 1.0, by_streams: bool = False) -> float:
         """Seconds a prefill step takes in the running services beyond its engine-alone cost (`prefill_served`):

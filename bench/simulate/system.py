@@ -404,15 +404,17 @@ class SimSystem:
         self.streams = 0  # requests past their first token, still streaming (request_overhead's load)
         self.busy_handoff = busy_handoff and profile.busy_handoff_s is not None
         self.busy_handoffs = 0  # handoffs costed at the busy handoff's latency
-        _ = profile.served_prefill_busy, profile.served_prefill_extra(0, by_streams=True)  # malformed: refused now
+        # malformed entries: refused now
+        _ = (profile.served_prefill_busy, profile.served_prefill_extra(0, by_streams=True),
+             profile.served_prefill_spread())
         slowdown = profile.shared_device
         served_prefill = served_prefill and profile.has_served_prefill
         if served_prefill:  # each prefill step as the services take it, at the streams live then
-            spread = profile.served_prefill_spread() if dispersion else None
+            spread = profile.served_prefill_spread(served_by_streams) if dispersion else None
             for n, s in enumerate(specs):
                 if s.role != "prefill":
                     continue
-                if spread:  # with dispersion, each step's served part drawn as the probes' own steps spread
+                if spread:  # with dispersion, each served step drawn as the busy window's (or the probes') spread
                     rng = random.Random(seed * 1000 + 500 + n)
                     extra = (lambda rng=rng: profile.served_prefill_extra(self.streams, rng.choice(spread),
                                                                           served_by_streams))

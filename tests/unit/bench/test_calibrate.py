@@ -125,6 +125,11 @@ def test_the_busy_prefill_window_is_set_beside_the_same_prompts_on_the_engine_al
     assert (got["busy_s"], got["busy_alone_s"]) == (0.016, 0.0115) and "same turns" in got["busy_source"]
     got = busy_prefill(engines, 0.016, 512, "two loops of 512-token prompts")
     assert got["busy_alone_s"] == pytest.approx(0.010 + 512e-5) and "512-token" in got["busy_source"]
+    assert "busy_step_buckets" not in got  # no histogram given
+    hist = [[0.01, 0], [0.02, 7], [None, 9]]
+    got = busy_prefill(engines, 0.016, None, "the turns of 70 traces", hist)
+    assert got["busy_step_buckets"] == hist and "histogram" in got["busy_source"]
+    assert "busy_step_buckets" not in busy_prefill(engines, 0.016, None, "x", [[0.01, 0], [None, 0]])  # no step
     assert busy_prefill(engines, None, None, "x") is None
     assert busy_prefill({"prefill/pcp1-dcp1": {**engines["prefill/pcp1-dcp1"], "median_step_s": None}}, 0.016,
                         None, "x") is None

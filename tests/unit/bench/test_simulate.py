@@ -566,3 +566,37 @@ def test_with_dispersion_the_served_prefill_step_spreads_as_the_probes_did(trace
     assert spread == prefill_phase(tmp_path / "again", "--step-dispersion")
     for p, s in zip(plain, spread):
         assert s["p90"] / s["p50"] > p["p90"] / p["p50"], (plain, spread)
+
+
+def test_with_dispersion_a_busy_served_step_spreads_as_the_busy_windows_histogram(traces, tmp_path, capsys):
+    """prefill_served.busy_step_buckets: the busy window's step histogram. Where the busy window is the served step,
+    `--step-dispersion` draws each served step at one of 40 equally likely quantiles of it (linear within a bucket)
+    over their mean, seeded; `--served-prefill-by-streams` keeps the probes' spread; malformed buckets are refused
+    before anything runs."""
+    # 5 steps in (0, 0.02], 25 in (0.02, 0.03], 6 in (0.03, 0.05], 4 in (0.05, 0.1], none past it
+    buckets = [[0.02, 5], [0.03, 30], [0.05, 36], [0.1, 40], [None, 40]]
+    entry = {"alone_s": 0.010, "by_streams": [[0, 0.012]], "busy_s": 0.030, "busy_alone_s": 0.012,
+             "probe_steps_s": {"0": [0.010, 0.012, 0.014]}, "busy_step_buckets": buckets}
+    prof = Profile.load(_profile(tmp_path, prefill_served=entry))
+    spread = prof.served_prefill_spread()
+    assert len(spread) == 40 and sum(spread) / 40 == pytest.approx(1.0)
+    # the first draw at rank 0.5 of the 5 in (0, 0.02], the last at rank 3.5 of the 4 in (0.05, 0.1]
+    assert max(spread) / min(spread) == pytest.approx((0.05 + 0.05 * 3.5 / 4) / (0.02 * 0.5 / 5))
+    assert prof.served_prefill_spread(by_streams=True) == pytest.approx([0.010 / 0.012, 1.0, 0.014 / 0.012])
+    for bad in ([[0.03, 10], [0.02, 20]], [[0.02, 10], [0.03, 5]], [[0.02, 0]], [["x", 1]], []):
+        with pytest.raises(ProfileError, match="busy_step_buckets"):
+            Profile.load(_profile(tmp_path, prefill_served={**entry, "busy_step_buckets": bad})).served_prefill_spread()
+    bad = _profile(tmp_path, prefill_served={**entry, "busy_step_buckets": [[0.02, 0]]})
+    assert cli.main(_argv(traces, bad, tmp_path / "bad")) == 2
+    assert "busy_step_buckets" in capsys.readouterr().err and not (tmp_path / "bad" / "result.json").exists()
+
+    def prefill_phase(out, *extra):
+        assert cli.main(_argv(traces, _profile(tmp_path, prefill_served=entry), out, *extra)) == 0
+        levels = json.loads((out / "result.json").read_text())["levels"]
+        return [lv["sim"]["time_by_phase_s"]["prefill"] for lv in levels]
+
+    plain = prefill_phase(tmp_path / "plain")
+    spread_run = prefill_phase(tmp_path / "spread", "--step-dispersion")
+    assert spread_run == prefill_phase(tmp_path / "again", "--step-dispersion")
+    for p, s in zip(plain, spread_run):  # a longer tail than without dispersion, about the same mean
+        assert s["p90"] > p["p90"] * 1.2 and s["mean"] == pytest.approx(p["mean"], rel=0.3), (plain, spread_run)
