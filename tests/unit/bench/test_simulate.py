@@ -37,6 +37,13 @@ def _profile(tmp_path, **changes):
     return p
 
 
+def _prefill_phases(traces, tmp_path, served: dict, name: str, *extra) -> list[dict]:
+    """Each level's simulated prefill phase (mean, p50, p90) with `prefill_served` = served."""
+    out = tmp_path / name
+    assert cli.main(_argv(traces, _profile(tmp_path, prefill_served=served), out, *extra)) == 0
+    return [lv["sim"]["time_by_phase_s"]["prefill"] for lv in json.loads((out / "result.json").read_text())["levels"]]
+
+
 def _argv(traces, profile, out, *extra):
     return ["--config", CPU_TOPOLOGY, "--profile", str(profile), "--traces", str(traces), "--concurrency", "2,6",
             "--duration", "150", "--warmup", "20", "--think-time-scale", "0.5", "--seed", "3", "--output-dir",
@@ -556,14 +563,9 @@ def test_with_dispersion_the_served_prefill_step_spreads_as_the_probes_did(trace
         Profile.load(_profile(tmp_path, prefill_served={**entry, "probe_steps_s": {"0": [0.01, -1]}})) \
             .served_prefill_spread()
 
-    def prefill_phase(out, *extra):
-        assert cli.main(_argv(traces, _profile(tmp_path, prefill_served=entry), out, *extra)) == 0
-        levels = json.loads((out / "result.json").read_text())["levels"]
-        return [lv["sim"]["time_by_phase_s"]["prefill"] for lv in levels]
-
-    plain = prefill_phase(tmp_path / "plain")
-    spread = prefill_phase(tmp_path / "spread", "--step-dispersion")
-    assert spread == prefill_phase(tmp_path / "again", "--step-dispersion")
+    plain = _prefill_phases(traces, tmp_path, entry, "plain")
+    spread = _prefill_phases(traces, tmp_path, entry, "spread", "--step-dispersion")
+    assert spread == _prefill_phases(traces, tmp_path, entry, "again", "--step-dispersion")
     for p, s in zip(plain, spread):
         assert s["p90"] / s["p50"] > p["p90"] / p["p50"], (plain, spread)
 
@@ -590,13 +592,8 @@ def test_with_dispersion_a_busy_served_step_spreads_as_the_busy_windows_histogra
     assert cli.main(_argv(traces, bad, tmp_path / "bad")) == 2
     assert "busy_step_buckets" in capsys.readouterr().err and not (tmp_path / "bad" / "result.json").exists()
 
-    def prefill_phase(out, *extra):
-        assert cli.main(_argv(traces, _profile(tmp_path, prefill_served=entry), out, *extra)) == 0
-        levels = json.loads((out / "result.json").read_text())["levels"]
-        return [lv["sim"]["time_by_phase_s"]["prefill"] for lv in levels]
-
-    plain = prefill_phase(tmp_path / "plain")
-    spread_run = prefill_phase(tmp_path / "spread", "--step-dispersion")
-    assert spread_run == prefill_phase(tmp_path / "again", "--step-dispersion")
+    plain = _prefill_phases(traces, tmp_path, entry, "plain")
+    spread_run = _prefill_phases(traces, tmp_path, entry, "spread", "--step-dispersion")
+    assert spread_run == _prefill_phases(traces, tmp_path, entry, "again", "--step-dispersion")
     for p, s in zip(plain, spread_run):  # a longer tail than without dispersion, about the same mean
         assert s["p90"] > p["p90"] * 1.2 and s["mean"] == pytest.approx(p["mean"], rel=0.3), (plain, spread_run)
