@@ -269,6 +269,7 @@ class Profile:
         return [r / mean for r in ratios]
 
     def _busy_spread(self, buckets) -> list[float]:
+        """`busy_step_buckets` checked, then BUSY_SPREAD_DRAWS of its quantiles over their mean."""
         ok = isinstance(buckets, list) and buckets and all(
             isinstance(b, list) and len(b) == 2 and (b[0] is None or isinstance(b[0], (int, float)) and b[0] > 0)
             and isinstance(b[1], (int, float)) and b[1] >= 0 for b in buckets)
