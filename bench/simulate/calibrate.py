@@ -43,7 +43,7 @@ from bench.serving.engine_counters import (
     STEP_HISTOGRAMS,
     engine_counters,
     histogram_buckets,
-    histogram_quantiles,
+    histogram_quantile,
     step_histograms,
 )
 from bench.serving.synth import PromptSynth
@@ -448,14 +448,13 @@ async def _sharing(url: str, redis_url: str, vocab: int, prompts: list[Iterator[
             out = {"wall_s": wall, "load_ended_early": ended}
             for role in ("prefill", "decode"):
                 secs = after[role][STEP_COUNTERS[1]] - before[role][STEP_COUNTERS[1]]
+                buckets = histogram_buckets(hist.get(role, {}), hist_after.get(role, {}), STEP_HISTOGRAMS[0][0])
                 out[role] = {"steps": ran[role], "mean_step_s": secs / ran[role] if ran[role] else None,
                              "busy": secs / wall,
                              # the steps' spread in the window (the step histogram: its quantiles, and its
                              # buckets, [upper bound, cumulative count] with +Inf written as null)
-                             "step_quantiles_s": {f"p{q}": v for q, v in histogram_quantiles(
-                                 hist.get(role, {}), hist_after.get(role, {}), STEP_HISTOGRAMS[0][0]).items()},
-                             "step_buckets": [[None if le == float("inf") else le, n] for le, n in histogram_buckets(
-                                 hist.get(role, {}), hist_after.get(role, {}), STEP_HISTOGRAMS[0][0])]}
+                             "step_quantiles_s": {f"p{q}": histogram_quantile(q / 100, buckets) for q in (50, 90, 99)},
+                             "step_buckets": [[None if le == float("inf") else le, n] for le, n in buckets]}
             return out
 
         async def busy_handoffs() -> dict:
@@ -802,10 +801,10 @@ def _calibrate_served(a, prof: dict) -> None:
                         "source": f"latency: median over 5 single {prompt_len}-token requests of the time from the "
                                   f"first to the second token ({got['second_token_s'] * 1e3:.1f} ms median) less "
                                   f"{less[1]}; bandwidth: {a.source}"}
-    if busy_handoff is not None:  # measured beside the busy window; the simulation does not read it (yet)
+    if busy_handoff is not None:  # measured beside the busy window; simulated with `--busy-handoff`
         prof["transfer"]["busy_s"] = busy_handoff["median_s"]
         prof["transfer"]["busy_handoffs_s"] = busy_handoff["handoffs_s"]
-        prof["transfer"]["source"] += (f"; busy_s (recorded, not simulated): the median over {PROBES} such "
+        prof["transfer"]["source"] += (f"; busy_s (simulated with --busy-handoff): the median over {PROBES} such "
                                        f"requests' handoffs while the prefill was kept busy (the shared_device "
                                        f"window's load), each less the decode's step seconds over it")
         print(f"handoff while the prefill is busy: {busy_handoff['median_s'] * 1e3:.1f} ms", file=sys.stderr)
