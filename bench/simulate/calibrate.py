@@ -49,7 +49,7 @@ from bench.serving.engine_counters import (
 from bench.serving.synth import PromptSynth
 from bench.serving.target import FreshServer, wait_ready
 from bench.serving.traces import load_traces
-from bench.simulate.profile import MEASURED_TERMS, Profile, StepCost, decode_key
+from bench.simulate.profile import MEASURED_TERMS, Profile, StepCost, decode_key, draft_passes
 from bench.simulate.system import engine_cfg, hisparse_admits, model_dir, services_of
 from engine.core.core import EngineCore
 from engine.core.request import Request
@@ -64,14 +64,16 @@ def _features(chunks) -> list[float]:
     n = sum(len(c.token_ids) for c in chunks)
     ctx = sum(len(c.token_ids) * (c.start + len(c.token_ids) / 2) for c in chunks)
     read = sum(c.start + len(c.token_ids) for c in chunks)
-    return [1.0, float(n), ctx, float(len(chunks)), float(read)]
+    return [1.0, float(n), ctx, float(len(chunks)), float(read), float(draft_passes(chunks))]
 
 
 @dataclass(frozen=True)
 class _Chunk:
-    """A chunk's shape, as the scheduler's chunks give it to a step cost: its first position and its tokens."""
+    """A chunk's shape, as the scheduler's chunks give it to a step cost: its first position, its tokens and the
+    drafts it proposes for the next step."""
     start: int
     token_ids: list[int]
+    max_drafts: int = 0
 
 
 def _cost(coef: list[float]) -> StepCost:
@@ -514,17 +516,21 @@ async def _sharing(url: str, redis_url: str, vocab: int, prompts: list[Iterator[
 
 
 CONTEXT_TERMS = ("token_ctx_s", "chunk_ctx_s")  # the step cost's terms that grow with the context
+# what served_decode_fit takes from the engine-alone fit: the context terms, and the draft passes' (every served
+# step at steady state proposes k drafts, so their cost cannot be told from the step's own there)
+ENGINE_ALONE_TERMS = (*CONTEXT_TERMS, "draft_pass_s")
 
 
 def served_decode_fit(rows: list[tuple[list[float], float]], engine_only: dict | None) -> tuple[list[float], float]:
     """The served decode steps' fit: `rows` (served_decode_rows) are all at one context, so they cannot tell a
-    per-request cost from one that grows with the context (their features are proportional). The context terms
-    are taken from the engine-alone fit (`engine_only`, measured at several contexts) and the other terms fitted
-    to what remains; without it, all terms are fitted. -> (coefficients in FIT_TERMS order, the median relative
-    error over the rows)."""
+    per-request cost from one that grows with the context (their features are proportional), nor the draft passes'
+    cost from the step's own (each proposes k drafts). Those terms (ENGINE_ALONE_TERMS) are taken from the
+    engine-alone fit (`engine_only`, measured at several contexts, down to a request's last drafts) and the other
+    terms fitted to what remains; without it, all terms are fitted. -> (coefficients in FIT_TERMS order, the median
+    relative error over the rows)."""
     if not engine_only:
         return nnls_fit(rows)
-    fixed = {t: float(engine_only.get(t, 0.0)) for t in CONTEXT_TERMS}
+    fixed = {t: float(engine_only.get(t, 0.0)) for t in ENGINE_ALONE_TERMS}
     free = [i for i, t in enumerate(FIT_TERMS) if t not in fixed]
     ctx = [(i, fixed[t]) for i, t in enumerate(FIT_TERMS) if t in fixed]
     rest = [([f[i] for i in free], max(t - sum(f[i] * c for i, c in ctx), 0.0)) for f, t in rows]
@@ -536,7 +542,7 @@ def served_decode_fit(rows: list[tuple[list[float], float]], engine_only: dict |
 
 def served_decode_rows(tpot: dict[int, float], k: int, acceptance: float, context: int) -> list:
     """A served decode step of B requests, from its TPOT: step = TPOT x tokens per step per request."""
-    chunk = _Chunk(context, [0] * (1 + k))  # each request's rows: its token and its drafts
+    chunk = _Chunk(context, [0] * (1 + k), k)  # each request's rows: its token and its drafts; k drafts next
     return [(_features([chunk] * b), t * acceptance) for b, t in tpot.items()]
 
 
@@ -556,7 +562,7 @@ def nnls_fit(rows: list[tuple[list[float], float]], relative: bool = False) -> t
     if relative:
         A = torch.cat([X / y[:, None], X.sum(dim=0, keepdim=True) / y.sum() * TOTAL_WEIGHT * len(rows)])
         b = torch.cat([torch.ones_like(y), torch.tensor([TOTAL_WEIGHT * len(rows)], dtype=torch.float64)])
-    keep = list(range(X.shape[1]))
+    keep = [i for i in range(X.shape[1]) if X[:, i].abs().max() > 0] or [0]  # a feature no step has: 0
     while True:
         cols = A[:, keep]
         scale = cols.abs().amax(dim=0).clamp(min=1e-12)
@@ -764,8 +770,8 @@ def _calibrate_served(a, prof: dict) -> None:
                             "measured": [[*f, t] for f, t in rows], "engine_only": engine_only,
                             "source": f"pdserve bench calibrate --through-services: TPOT of 1-{max(batches)} "
                                       f"concurrent streams x {acceptance:.2f} tokens per step, at one context "
-                                      f"({prompt_len + tokens // 2} tokens); the context terms are the engine-alone "
-                                      f"fit's"}
+                                      f"({prompt_len + tokens // 2} tokens); the context and draft-pass terms "
+                                      f"are the engine-alone fit's"}
     single = got["singles"]
     if single:  # each request's own engine steps, read from the engines' counters
         overhead, handoff = single["overhead_s"], single["handoff_s"]
@@ -776,7 +782,7 @@ def _calibrate_served(a, prof: dict) -> None:
         chunk = _Chunk(0, [0] * prompt_len)
         overhead = max(got["ttft_s"] - pre([chunk]), 0.0)
         dec = Profile({"version": 1, "engines": prof["engines"]}).engine(key)
-        handoff = max(got["second_token_s"] - dec([_Chunk(prompt_len, [0])]), 0.0)
+        handoff = max(got["second_token_s"] - dec([_Chunk(prompt_len, [0], k)]), 0.0)
         less = ("the prefill engine's fitted step", "the decode's fitted first step")
     prof["request_overhead_s"] = {"value": overhead, "source": f"median over 5 single {prompt_len}-token requests "
                                   f"through the services (median TTFT {got['ttft_s'] * 1e3:.1f} ms) of TTFT less "

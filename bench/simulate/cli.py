@@ -56,9 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost a handoff whose prefill has more work when it starts at the profile's busy handoff "
                         "(`transfer.busy_s`, measured by `bench calibrate --through-services` with the prefill kept "
                         "busy), where the profile has it")
-    p.add_argument("--step-dispersion", action="store_true",
+    p.add_argument("--step-dispersion", action=argparse.BooleanOptionalAction, default=True,
                    help="draw each engine step around its cost as the profile's measured steps spread around their "
-                        "fit (entries that kept them: `measured`), instead of one cost per shape")
+                        "fit (entries that kept them: `measured`; a busy served prefill step from the busy window's "
+                        "histogram), not one cost per shape (default: on; --no-step-dispersion: one cost per shape)")
     return p
 
 

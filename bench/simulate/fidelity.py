@@ -111,9 +111,14 @@ def compare_levels(real: list[dict], sim: list[dict], bound: float) -> list[dict
         figs = {}
         for key, _ in FIGURES:
             r, v = lv.get(key), s.get(key)
+            gpus = (lv.get("num_gpus"), s.get("num_gpus"))
+            if key == "throughput_per_gpu" and v is not None and all(gpus) and gpus[0] != gpus[1]:
+                v = v * gpus[1] / gpus[0]  # over the measured run's GPU count (its `--num-gpus`), like with like
             ratio = v / r if r and v is not None else None
             figs[key] = {"real": r, "sim": v, "ratio": ratio,
                          "within": ratio is not None and abs(ratio - 1.0) <= bound}
+            if key == "throughput_per_gpu" and all(gpus) and gpus[0] != gpus[1]:
+                figs[key]["gpus"] = {"real": gpus[0], "sim": gpus[1]}
             runs = lv.get("runs", {}).get(key)
             if runs and None not in runs and min(runs) > 0:  # the measurement's own spread over its runs
                 figs[key].update(runs=runs, spread=max(runs) / min(runs))
@@ -181,6 +186,10 @@ def table(rows: list[dict], bound: float) -> str:
             lines.append(f"| {row['concurrency']} | {name} | {fmt(f['real'])} | {fmt(f['sim'])} | {ratio} |{spread}")
     lines.append(f"\nBold: within {bound:.0%}." + (" Real: the median of the runs; spread: their largest over their "
                                                       "smallest." if several else ""))
+    regpu = {(f["gpus"]["real"], f["gpus"]["sim"]) for row in rows for f in row["figures"].values() if "gpus" in f}
+    for real_gpus, sim_gpus in sorted(regpu):
+        lines.append(f"tok/s per GPU: the simulated run's total over the measured run's {real_gpus} GPU(s) (the "
+                     f"simulation counts {sim_gpus} for this topology; the measured run's `--num-gpus` decides).")
     fmt = (lambda x: "-" if x is None else f"{x:.1f}")
     for row in rows:
         for name, split in (("mean TTFT", row.get("ttft_split")), ("TPOT's parts", row.get("tpot_split")),
@@ -204,8 +213,7 @@ def run(a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = a.sim_output_dir or tmp
         argv = simulate_argv(real, a.profile, out_dir, a.traces, a.config)
-        if a.step_dispersion:
-            argv.append("--step-dispersion")
+        argv.append("--step-dispersion" if a.step_dispersion else "--no-step-dispersion")
         if a.no_served_prefill:
             argv.append("--no-served-prefill")
         if a.served_prefill_by_streams:
@@ -239,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bound", type=float, default=0.15, help="relative bound per figure (default 0.15)")
     p.add_argument("--out", help="comparison JSON")
     p.add_argument("--sim-output-dir", help="keep the simulated run's outputs here")
-    p.add_argument("--step-dispersion", action="store_true", help="simulate with `--step-dispersion`")
+    p.add_argument("--step-dispersion", action=argparse.BooleanOptionalAction, default=True,
+                   help="simulate with `--step-dispersion` (the default) or `--no-step-dispersion`")
     p.add_argument("--no-served-prefill", action="store_true", help="simulate with `--no-served-prefill`")
     p.add_argument("--served-prefill-by-streams", action="store_true",
                    help="simulate with `--served-prefill-by-streams`")

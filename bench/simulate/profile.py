@@ -30,7 +30,14 @@ may add
     + chunk_ctx_s · Σ (start_i + n_i)
 
 for the context each chunk reads once whatever its rows (the cached KV pages dequantised or streamed per chunk: on
-a short turn after a long cached prefix this, not the rows, is most of the attention's cost), and a term for
+a short turn after a long cached prefix this, not the rows, is most of the attention's cost),
+
+    + draft_pass_s · max_i d_i
+
+for the MTP draft passes the step runs after its target pass (d_i: the drafts chunk i proposes for the next step,
+the scheduler's `max_drafts`; one forward a draft, over the requests still drafting, so the step runs the
+largest d_i of them): a request's last steps propose fewer drafts or none, and a step's draft work follows the
+drafts it proposes, not the tokens it verifies; and a term for
 sparse attention, whose work per row stops growing once the context passes the
 indexer's top-k (`index_topk`, K):
 
@@ -77,7 +84,7 @@ from bench.serving.engine_counters import histogram_quantile
 
 TERMS = ("step_s", "token_s", "token_ctx_s", "request_s")
 # the terms a calibrated entry's `measured` rows give features for, in order (bench/simulate/calibrate.py)
-MEASURED_TERMS = (*TERMS, "chunk_ctx_s")
+MEASURED_TERMS = (*TERMS, "chunk_ctx_s", "draft_pass_s")
 BUSY_SPREAD_DRAWS = 40  # equally likely quantiles of the busy window's step histogram (served_prefill_spread)
 
 
@@ -92,6 +99,12 @@ def selected(start: int, n: int, topk: int) -> int:
     return full * topk + part * start + part * (part + 1) // 2
 
 
+def draft_passes(chunks) -> int:
+    """The MTP draft forwards a step runs after its target pass: the most drafts any chunk proposes (`max_drafts`;
+    0 for a chunk that has none, mid-prompt or without MTP)."""
+    return max((getattr(c, "max_drafts", 0) for c in chunks), default=0)
+
+
 @dataclass(frozen=True)
 class StepCost:
     step_s: float
@@ -103,6 +116,7 @@ class StepCost:
     index_topk: int = 0
     group_token_s: float = 0.0
     chunk_ctx_s: float = 0.0
+    draft_pass_s: float = 0.0
 
     def __call__(self, chunks, group_tokens_per_rank: float | None = None) -> float:
         """Seconds of one step over `chunks` (ScheduledChunk: start, token_ids); `group_tokens_per_rank`: the
@@ -114,6 +128,8 @@ class StepCost:
             out += self.group_token_s * (n if group_tokens_per_rank is None else group_tokens_per_rank)
         if self.chunk_ctx_s:
             out += self.chunk_ctx_s * sum(c.start + len(c.token_ids) for c in chunks)
+        if self.draft_pass_s:
+            out += self.draft_pass_s * draft_passes(chunks)
         if self.token_sel_s:
             out += self.token_sel_s * sum(selected(c.start, len(c.token_ids), self.index_topk) for c in chunks)
         return out
@@ -162,7 +178,7 @@ class Profile:
         if not isinstance(sel, (int, float)) or sel < 0 or (sel and (not isinstance(topk, int) or topk < 1)):
             raise ProfileError(f"profile {self.path}: {key}: token_sel_s must be >= 0, and with it index_topk a "
                                f"positive integer (got {sel!r}, {topk!r})")
-        extra = {t: entry.get(t, 0.0) for t in ("group_token_s", "chunk_ctx_s")}
+        extra = {t: entry.get(t, 0.0) for t in ("group_token_s", "chunk_ctx_s", "draft_pass_s")}
         for t, v in extra.items():
             if not isinstance(v, (int, float)) or v < 0:
                 raise ProfileError(f"profile {self.path}: {key}: {t} must be >= 0, got {v!r}")
@@ -181,6 +197,8 @@ class Profile:
         coef = [float(entry.get(t, 0.0)) for t in MEASURED_TERMS]
         ratios = []
         for row in rows:
+            if isinstance(row, list) and len(row) == len(coef):  # written before the draft term: no drafts column
+                row = [*row[:-1], 0.0, row[-1]]
             if not (isinstance(row, list) and len(row) == len(coef) + 1
                     and all(isinstance(v, (int, float)) for v in row)):
                 raise ProfileError(f"profile {self.path}: {key}.measured rows must be [{', '.join(MEASURED_TERMS)} "

@@ -141,16 +141,21 @@ def test_the_served_decode_fit_takes_its_context_terms_from_the_engine_alone_fit
     rest is fitted to the served steps, so a long context costs what the engine alone says it adds."""
     from bench.simulate.calibrate import FIT_TERMS, _Chunk, _features, served_decode_fit, served_decode_rows
 
-    truth = {"step_s": 0.007, "token_s": 2e-5, "token_ctx_s": 1e-8, "request_s": 1e-4, "chunk_ctx_s": 0.0}
+    truth = {"step_s": 0.007, "token_s": 2e-5, "token_ctx_s": 1e-8, "request_s": 1e-4, "chunk_ctx_s": 0.0,
+             "draft_pass_s": 1e-3}
     cost = (lambda f: sum(truth[t] * x for t, x in zip(FIT_TERMS, f)))
     k, acceptance, context = 3, 2.0, 152
-    tpot = {b: cost(_features([_Chunk(context, [0] * (1 + k))] * b)) / acceptance for b in (1, 2, 4, 8, 16)}
+    tpot = {b: cost(_features([_Chunk(context, [0] * (1 + k), k)] * b)) / acceptance for b in (1, 2, 4, 8, 16)}
     rows = served_decode_rows(tpot, k, acceptance, context)
-    engine_only = {"step_s": 0.005, "token_s": 1e-5, "token_ctx_s": 1e-8, "request_s": 0.0, "chunk_ctx_s": 0.0}
+    engine_only = {"step_s": 0.005, "token_s": 1e-5, "token_ctx_s": 1e-8, "request_s": 0.0, "chunk_ctx_s": 0.0,
+                   "draft_pass_s": 1e-3}
     coef, rel = served_decode_fit(rows, engine_only)
     got = dict(zip(FIT_TERMS, coef))
-    assert got["token_ctx_s"] == 1e-8 and got["chunk_ctx_s"] == 0.0 and rel < 1e-6
-    long = _features([_Chunk(4000, [0] * (1 + k))] * 4)  # four requests at a 4K context
+    assert got["token_ctx_s"] == 1e-8 and got["chunk_ctx_s"] == 0.0 and got["draft_pass_s"] == 1e-3 and rel < 1e-6
+    long = _features([_Chunk(4000, [0] * (1 + k), k)] * 4)  # four requests at a 4K context
+    last = _features([_Chunk(152, [0])] * 4)  # four requests' last steps: no drafts proposed, 3 ms less
+    # (within 1%: the served steps' tokens are 4 per request, so their fit cannot split the two per-request terms)
+    assert sum(c * x for c, x in zip(coef, last)) == pytest.approx(cost(last), rel=1e-2)
     assert sum(c * x for c, x in zip(coef, long)) == pytest.approx(cost(long), rel=1e-6)
     plain, _ = served_decode_fit(rows, None)  # no engine-alone fit: every term fitted to the one context
     assert sum(c * x for c, x in zip(plain, rows[2][0])) == pytest.approx(rows[2][1], rel=1e-3)

@@ -139,7 +139,39 @@ def test_calibration_fit_recovers_its_terms_and_keeps_them_non_negative():
     assert min(coef) >= 0.0
     # a served step of B requests at k = 3: B x 4 rows, TPOT x tokens per step seconds
     (feat, t), = served_decode_rows({8: 0.02}, 3, 2.0, 100)
-    assert feat == [1.0, 32.0, 32 * 102.0, 8.0, 8 * 104.0] and t == pytest.approx(0.04)
+    assert feat == [1.0, 32.0, 32 * 102.0, 8.0, 8 * 104.0, 3.0] and t == pytest.approx(0.04)  # 3 draft passes
+
+
+def test_a_step_pays_for_the_draft_passes_it_runs_not_the_drafts_it_verifies():
+    """draft_pass_s: one MTP forward per draft the step proposes, as many as its chunk proposing the most; fitted
+    apart from the tokens on the engine alone (a request's last steps propose fewer), and taken from there by the
+    served fit, whose steady-state steps all propose k."""
+    from bench.simulate.calibrate import FIT_TERMS, _Chunk, _features, nnls_fit, served_decode_fit
+    from bench.simulate.profile import StepCost
+
+    assert FIT_TERMS[-1] == "draft_pass_s"
+    cost = StepCost(0.004, 1e-4, 0.0, 0.0, draft_pass_s=0.001)
+    tail = [_Chunk(100, [0] * 4, 2), _Chunk(100, [0] * 2, 0)]  # verifies 3 and 1 drafts, proposes 2 and 0
+    assert cost(tail) == pytest.approx(0.004 + 6 * 1e-4 + 2 * 0.001)
+    assert cost([_Chunk(100, [0])]) == pytest.approx(0.004 + 1e-4)  # a last step: no drafts proposed
+    assert cost([_Chunk(100, [0], 3)]) == pytest.approx(0.004 + 1e-4 + 0.003)  # a first one: k drafts
+    # a decode's steps down to its requests' last drafts (B requests in step, tokens 1 + the drafts verified)
+    true = {"step_s": 0.004, "token_s": 1e-4, "draft_pass_s": 0.001}
+    steps = [[_Chunk(200, [0] * (1 + v), d)] * b for b in (1, 4, 16) for v, d in ((3, 3), (3, 2), (2, 1), (1, 0))]
+    rows = [(_features(ch), sum(true.get(t, 0.0) * f for t, f in zip(FIT_TERMS, _features(ch)))) for ch in steps]
+    coef, err = nnls_fit(rows, relative=True)
+    assert dict(zip(FIT_TERMS, coef)) == pytest.approx({t: true.get(t, 0.0) for t in FIT_TERMS}, abs=1e-9)
+    # the served fit keeps the engine-alone draft term and fits the rest to its (all k-draft) steps
+    served = [(_features([_Chunk(152, [0] * 4, 3)] * b), 0.0062 + 4e-4 * b) for b in (1, 4, 16)]
+    coef, _ = served_decode_fit(served, dict(zip(FIT_TERMS, [0.0] * len(FIT_TERMS)), draft_pass_s=0.001))
+    got = dict(zip(FIT_TERMS, coef))
+    assert got["draft_pass_s"] == 0.001 and got["step_s"] == pytest.approx(0.0032, rel=1e-6)
+    # a profile written before the term: its steps' rows have no drafts column, and still give the spread
+    from bench.simulate.profile import Profile
+    entry = {"step_s": 0.004, "token_s": 1e-4, "token_ctx_s": 0.0, "request_s": 0.0,
+             "measured": [[1.0, 4.0, 0.0, 1.0, 0.0, 0.0044], [1.0, 4.0, 0.0, 1.0, 0.0, 0.0088]]}
+    assert Profile({"version": 1, "engines": {"decode/dp1": entry}}).dispersion("decode/dp1") == \
+        pytest.approx([2 / 3, 4 / 3])
 
 
 def test_a_chunk_reads_its_context_once_whatever_its_rows():
@@ -161,7 +193,7 @@ def test_a_chunk_reads_its_context_once_whatever_its_rows():
         ).engine("prefill/pcp1-dcp1")
     # the calibration grid's shapes (fresh prompts, a quarter more after them, then 32 more; three fresh prompts in
     # one step) separate the terms
-    true = dict(zip(FIT_TERMS, (0.02, 1e-4, 2e-8, 1e-3, 3e-5)))
+    true = dict(zip(FIT_TERMS, (0.02, 1e-4, 2e-8, 1e-3, 3e-5, 0.0)))  # no drafts in a prefill step
     lens = (64, 256, 1024, 2048)
     shapes = [[chunk(0, n)] for n in lens] + [[chunk(n, n // 4)] for n in lens] + \
         [[chunk(n + n // 4, 32)] for n in lens] + [[chunk(0, n // 2 + 8)] * 3 for n in lens]
@@ -446,7 +478,7 @@ def test_steps_can_be_drawn_around_their_cost_as_the_measured_steps_spread(trace
         assert cli.main(_argv(traces, prof_path, out, *extra)) == 0
         return json.loads((out / "result.json").read_text())["levels"]
 
-    plain, a, b = run(tmp_path / "p"), run(tmp_path / "a", "--step-dispersion"), run(tmp_path / "b",
+    plain, a, b = run(tmp_path / "p", "--no-step-dispersion"), run(tmp_path / "a"), run(tmp_path / "b",
                                                                                       "--step-dispersion")
     assert [lv["ttft_s"] for lv in a] == [lv["ttft_s"] for lv in b]
     assert [lv["ttft_s"] for lv in a] != [lv["ttft_s"] for lv in plain]
@@ -563,8 +595,8 @@ def test_with_dispersion_the_served_prefill_step_spreads_as_the_probes_did(trace
         Profile.load(_profile(tmp_path, prefill_served={**entry, "probe_steps_s": {"0": [0.01, -1]}})) \
             .served_prefill_spread()
 
-    plain = _prefill_phases(traces, tmp_path, entry, "plain")
-    spread = _prefill_phases(traces, tmp_path, entry, "spread", "--step-dispersion")
+    plain = _prefill_phases(traces, tmp_path, entry, "plain", "--no-step-dispersion")
+    spread = _prefill_phases(traces, tmp_path, entry, "spread")  # the default
     assert spread == _prefill_phases(traces, tmp_path, entry, "again", "--step-dispersion")
     for p, s in zip(plain, spread):
         assert s["p90"] / s["p50"] > p["p90"] / p["p50"], (plain, spread)
@@ -592,8 +624,8 @@ def test_with_dispersion_a_busy_served_step_spreads_as_the_busy_windows_histogra
     assert cli.main(_argv(traces, bad, tmp_path / "bad")) == 2
     assert "busy_step_buckets" in capsys.readouterr().err and not (tmp_path / "bad" / "result.json").exists()
 
-    plain = _prefill_phases(traces, tmp_path, entry, "plain")
-    spread_run = _prefill_phases(traces, tmp_path, entry, "spread", "--step-dispersion")
+    plain = _prefill_phases(traces, tmp_path, entry, "plain", "--no-step-dispersion")
+    spread_run = _prefill_phases(traces, tmp_path, entry, "spread")  # the default
     assert spread_run == _prefill_phases(traces, tmp_path, entry, "again", "--step-dispersion")
     for p, s in zip(plain, spread_run):  # a longer tail than without dispersion, about the same mean
         assert s["p90"] > p["p90"] * 1.2 and s["mean"] == pytest.approx(p["mean"], rel=0.3), (plain, spread_run)

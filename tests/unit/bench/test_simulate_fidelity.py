@@ -187,3 +187,23 @@ def test_the_engines_steps_spread_is_set_beside_the_simulated_steps(simulated, t
         assert steps["prefill_p50"]["real"] is None
     assert all(r["steps"] is None for r in fidelity.compare_levels(_as_measured(sim, {})["levels"], sim["levels"],
                                                                    0.15))
+
+
+def test_throughput_per_gpu_is_compared_over_the_measured_runs_gpu_count(simulated):
+    """A measured run counts the GPUs its `--num-gpus` says; the simulation those its topology places the engines
+    on (two CPU engines: 2). The simulated total is set over the measured run's count, and the table says so."""
+    _, sim_path = simulated
+    sim = json.loads(sim_path.read_text())
+    real = _as_measured(sim, {})
+    for lv in real["levels"]:
+        lv["throughput_per_gpu"] *= lv["num_gpus"]  # the same tokens over one GPU
+        lv["num_gpus"] = 1
+    rows = fidelity.compare_levels(real["levels"], sim["levels"], 0.15)
+    for row, lv in zip(rows, sim["levels"]):
+        f = row["figures"]["throughput_per_gpu"]
+        assert lv["num_gpus"] == 2 and f["gpus"] == {"real": 1, "sim": 2}
+        assert f["ratio"] == pytest.approx(1.0) and f["sim"] == pytest.approx(2 * lv["throughput_per_gpu"])
+    assert "over the measured run's 1 GPU(s)" in fidelity.table(rows, 0.15)
+    same = fidelity.compare_levels(_as_measured(sim, {})["levels"], sim["levels"], 0.15)
+    assert all("gpus" not in row["figures"]["throughput_per_gpu"] for row in same)
+    assert "GPU(s)" not in fidelity.table(same, 0.15)
