@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench.simulate import cli, fidelity
+from tests.helpers import ROOT
 from tests.helpers.agent_traces import write_traces
 from tests.unit.bench.test_simulate import CPU_TOPOLOGY, _argv, _profile
 
@@ -207,3 +208,20 @@ def test_throughput_per_gpu_is_compared_over_the_measured_runs_gpu_count(simulat
     same = fidelity.compare_levels(_as_measured(sim, {})["levels"], sim["levels"], 0.15)
     assert all("gpus" not in row["figures"]["throughput_per_gpu"] for row in same)
     assert "GPU(s)" not in fidelity.table(same, 0.15)
+
+
+def test_a_recorded_cpu_run_is_simulated_within_the_cpu_bound(tmp_path):
+    """The CPU comparison, in CI: a measured `bench agentx --fresh-server configs/topology.cpu.yaml` run (c = 1, 2,
+    45 s a level, the tests' synthetic traces) and the profile `bench calibrate --through-services` measured on the
+    same machine just before it (bench/data/simulate/cpu-synthetic-2026-12-07-draft-passes/), simulated here with
+    the shipped defaults: every figure within 25% of the measured one. The measured side is recorded, not measured
+    again (a calibration and a run on this machine take minutes, and hold only for that machine's speed)."""
+    data = ROOT / "bench" / "data" / "simulate" / "cpu-synthetic-2026-12-07-draft-passes"
+    out = tmp_path / "cmp.json"
+    assert fidelity.main(["--real", str(data / "real.json"), "--profile", str(data / "profile.json"),
+                          "--traces", str(write_traces(tmp_path / "traces", out_scale=4)),
+                          "--config", CPU_TOPOLOGY, "--bound", "0.25", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["levels"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    missed = {(r["concurrency"], k): f["ratio"] for r in rows for k, f in r["figures"].items() if not f["within"]}
+    assert not missed, missed
