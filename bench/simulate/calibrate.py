@@ -532,8 +532,8 @@ def served_decode_fit(rows: list[tuple[list[float], float]], engine_only: dict |
         return nnls_fit(rows)
     fixed = {t: float(engine_only.get(t, 0.0)) for t in ENGINE_ALONE_TERMS}
     free = [i for i, t in enumerate(FIT_TERMS) if t not in fixed]
-    ctx = [(i, fixed[t]) for i, t in enumerate(FIT_TERMS) if t in fixed]
-    rest = [([f[i] for i in free], max(t - sum(f[i] * c for i, c in ctx), 0.0)) for f, t in rows]
+    held = [(i, fixed[t]) for i, t in enumerate(FIT_TERMS) if t in fixed]
+    rest = [([f[i] for i in free], max(t - sum(f[i] * c for i, c in held), 0.0)) for f, t in rows]
     part, _ = nnls_fit(rest)
     coef = [fixed[t] if t in fixed else part[free.index(i)] for i, t in enumerate(FIT_TERMS)]
     rel = statistics.median(abs(sum(c * x for c, x in zip(coef, f)) - t) / t for f, t in rows)

@@ -112,12 +112,13 @@ def compare_levels(real: list[dict], sim: list[dict], bound: float) -> list[dict
         for key, _ in FIGURES:
             r, v = lv.get(key), s.get(key)
             gpus = (lv.get("num_gpus"), s.get("num_gpus"))
-            if key == "throughput_per_gpu" and v is not None and all(gpus) and gpus[0] != gpus[1]:
+            regpu = key == "throughput_per_gpu" and all(gpus) and gpus[0] != gpus[1]
+            if regpu and v is not None:
                 v = v * gpus[1] / gpus[0]  # over the measured run's GPU count (its `--num-gpus`), like with like
             ratio = v / r if r and v is not None else None
             figs[key] = {"real": r, "sim": v, "ratio": ratio,
                          "within": ratio is not None and abs(ratio - 1.0) <= bound}
-            if key == "throughput_per_gpu" and all(gpus) and gpus[0] != gpus[1]:
+            if regpu:
                 figs[key]["gpus"] = {"real": gpus[0], "sim": gpus[1]}
             runs = lv.get("runs", {}).get(key)
             if runs and None not in runs and min(runs) > 0:  # the measurement's own spread over its runs

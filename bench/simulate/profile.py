@@ -178,7 +178,7 @@ class Profile:
         if not isinstance(sel, (int, float)) or sel < 0 or (sel and (not isinstance(topk, int) or topk < 1)):
             raise ProfileError(f"profile {self.path}: {key}: token_sel_s must be >= 0, and with it index_topk a "
                                f"positive integer (got {sel!r}, {topk!r})")
-        extra = {t: entry.get(t, 0.0) for t in ("group_token_s", "chunk_ctx_s", "draft_pass_s")}
+        extra = {t: entry.get(t, 0.0) for t in ("group_token_s", *MEASURED_TERMS[len(TERMS):])}
         for t, v in extra.items():
             if not isinstance(v, (int, float)) or v < 0:
                 raise ProfileError(f"profile {self.path}: {key}: {t} must be >= 0, got {v!r}")
