@@ -210,8 +210,9 @@ async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vo
             if before is not None:
                 await asyncio.sleep(1.1)
                 after = await asyncio.to_thread(engine_counters, redis_url, STEP_COUNTERS)
-                work.append({r: after[r][STEP_COUNTERS[1]] - before[r][STEP_COUNTERS[1]]
-                             for r in ("prefill", "decode")})
+                work.append({**{r: after[r][STEP_COUNTERS[1]] - before[r][STEP_COUNTERS[1]]
+                                for r in ("prefill", "decode")},
+                             "decode_steps": after["decode"][STEP_COUNTERS[0]] - before["decode"][STEP_COUNTERS[0]]})
         ttft = [r.ttft_s for r in singles]
         second = [r.t_end - r.t_first for r in singles]  # the handoff to the decode and its first step
         measured = {}
@@ -221,7 +222,11 @@ async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vo
                         "handoff_s": statistics.median(max(s - w["decode"], 0.0) for s, w in zip(second, work)),
                         "prefill_step_s": statistics.median(w["prefill"] for w in work),
                         "prefill_steps_s": [w["prefill"] for w in work],
-                        "decode_step_s": statistics.median(w["decode"] for w in work)}
+                        # the decode's step seconds over the request: its one forward (a 2-token request's
+                        # decode proposes no draft) and the step that drops the finished request: the counters
+                        # count two steps (under async scheduling the forward's time splits across the two)
+                        "decode_step_s": statistics.median(w["decode"] for w in work),
+                        "decode_steps": statistics.median(w["decode_steps"] for w in work)}
         tpot = {}
         for b in batches:
             recs = await asyncio.gather(*(one(100 * b + j, tokens) for j in range(b)))
@@ -519,18 +524,28 @@ CONTEXT_TERMS = ("token_ctx_s", "chunk_ctx_s")  # the step cost's terms that gro
 # what served_decode_fit takes from the engine-alone fit: the context terms, and the draft passes' (every served
 # step at steady state proposes k drafts, so their cost cannot be told from the step's own there)
 ENGINE_ALONE_TERMS = (*CONTEXT_TERMS, "draft_pass_s")
+# with a served step that proposes no draft (served_single_row): the draft passes' cost is the served steps' own,
+# and the per-token term the engine alone's (the served steps' tokens are proportional to their requests but for
+# that one step, which also sets the draft term)
+ENGINE_ALONE_TERMS_WITH_SINGLE = (*CONTEXT_TERMS, "token_s")
 
 
-def served_decode_fit(rows: list[tuple[list[float], float]], engine_only: dict | None) -> tuple[list[float], float]:
+def served_decode_fit(rows: list[tuple[list[float], float]], engine_only: dict | None,
+                      single: tuple[list[float], float] | None = None) -> tuple[list[float], float]:
     """The served decode steps' fit: `rows` (served_decode_rows) are all at one context, so they cannot tell a
     per-request cost from one that grows with the context (their features are proportional), nor the draft passes'
     cost from the step's own (each proposes k drafts). Those terms (ENGINE_ALONE_TERMS) are taken from the
     engine-alone fit (`engine_only`, measured at several contexts, down to a request's last drafts) and the other
-    terms fitted to what remains; without it, all terms are fitted. -> (coefficients in FIT_TERMS order, the median
-    relative error over the rows)."""
+    terms fitted to what remains; without it, all terms are fitted. `single` (served_single_row): a served step of
+    one request that proposes no draft, measured through the services too: then the draft passes' cost is fitted
+    to the served steps with it (a service whose host work overlaps the device runs them cheaper than the engine
+    alone does, or for nothing) and the per-token term is held instead (ENGINE_ALONE_TERMS_WITH_SINGLE).
+    -> (coefficients in FIT_TERMS order, the median relative error over the rows, `single` among them)."""
     if not engine_only:
-        return nnls_fit(rows)
-    fixed = {t: float(engine_only.get(t, 0.0)) for t in ENGINE_ALONE_TERMS}
+        return nnls_fit(rows + ([single] if single else []))
+    held_terms = ENGINE_ALONE_TERMS_WITH_SINGLE if single else ENGINE_ALONE_TERMS
+    rows = rows + ([single] if single else [])
+    fixed = {t: float(engine_only.get(t, 0.0)) for t in held_terms}
     free = [i for i, t in enumerate(FIT_TERMS) if t not in fixed]
     held = [(i, fixed[t]) for i, t in enumerate(FIT_TERMS) if t in fixed]
     rest = [([f[i] for i in free], max(t - sum(f[i] * c for i, c in held), 0.0)) for f, t in rows]
@@ -538,6 +553,13 @@ def served_decode_fit(rows: list[tuple[list[float], float]], engine_only: dict |
     coef = [fixed[t] if t in fixed else part[free.index(i)] for i, t in enumerate(FIT_TERMS)]
     rel = statistics.median(abs(sum(c * x for c, x in zip(coef, f)) - t) / t for f, t in rows)
     return coef, rel
+
+
+def served_single_row(step_s: float, context: int) -> tuple[list[float], float]:
+    """The decode step of a lone 2-token request through the services (`step_s`, the decode engine's step seconds
+    over it, from its counters: the one forward it needs and the step that drops it once finished): one request,
+    one token at `context`, and no draft proposed (its last token is the step's)."""
+    return _features([_Chunk(context, [0], 0)]), step_s
 
 
 def served_decode_rows(tpot: dict[int, float], k: int, acceptance: float, context: int) -> list:
@@ -765,14 +787,20 @@ def _calibrate_served(a, prof: dict) -> None:
         prof.get("mtp_acceptance_length") or 1.0
     rows = served_decode_rows(got["tpot_s"], k, acceptance, prompt_len + tokens // 2)
     engine_only = prof["engines"].get(key)
-    coef, rel = served_decode_fit(rows, engine_only)
-    prof["engines"][key] = {**dict(zip(FIT_TERMS, coef)), "median_relative_error": rel, "steps": len(rows),
-                            "measured": [[*f, t] for f, t in rows], "engine_only": engine_only,
+    single = got["singles"]
+    one = served_single_row(single["decode_step_s"], prompt_len) if single and k else None
+    coef, rel = served_decode_fit(rows, engine_only, one)
+    held = "context and per-token" if one else "context and draft-pass"
+    prof["engines"][key] = {**dict(zip(FIT_TERMS, coef)), "median_relative_error": rel,
+                            "steps": len(rows) + (one is not None),
+                            "measured": [[*f, t] for f, t in rows + ([one] if one else [])],
+                            "engine_only": engine_only,
                             "source": f"pdserve bench calibrate --through-services: TPOT of 1-{max(batches)} "
                                       f"concurrent streams x {acceptance:.2f} tokens per step, at one context "
-                                      f"({prompt_len + tokens // 2} tokens); the context and draft-pass terms "
-                                      f"are the engine-alone fit's"}
-    single = got["singles"]
+                                      f"({prompt_len + tokens // 2} tokens)"
+                                      + (f", and a lone 2-token request's decode step (no draft proposed, "
+                                         f"{one[1] * 1e3:.1f} ms, counters)" if one else "")
+                                      + (f"; the {held} terms are the engine-alone fit's" if engine_only else "")}
     if single:  # each request's own engine steps, read from the engines' counters
         overhead, handoff = single["overhead_s"], single["handoff_s"]
         less = (f"its prefill's steps (median {single['prefill_step_s'] * 1e3:.1f} ms, the prefill engine's step "

@@ -159,3 +159,39 @@ def test_the_served_decode_fit_takes_its_context_terms_from_the_engine_alone_fit
     assert sum(c * x for c, x in zip(coef, long)) == pytest.approx(cost(long), rel=1e-6)
     plain, _ = served_decode_fit(rows, None)  # no engine-alone fit: every term fitted to the one context
     assert sum(c * x for c, x in zip(plain, rows[2][0])) == pytest.approx(rows[2][1], rel=1e-3)
+
+
+def test_a_lone_served_step_sets_the_draft_passes_cost_the_service_pays():
+    """A service whose host work overlaps the device runs the MTP draft passes cheaper than the engine alone (or
+    for nothing): with the decode step of a lone 2-token request through the services (one token, no draft
+    proposed: served_single_row), the served fit takes the draft passes' cost from the served steps, and holds
+    the per-token term from the engine alone instead; without that step it keeps the engine alone's draft cost."""
+    from bench.simulate.calibrate import (
+        FIT_TERMS,
+        _Chunk,
+        _features,
+        served_decode_fit,
+        served_decode_rows,
+        served_single_row,
+    )
+
+    served = {"step_s": 0.004, "token_s": 2e-5, "token_ctx_s": 1e-8, "request_s": 1e-4, "chunk_ctx_s": 0.0,
+              "draft_pass_s": 2e-4}
+    cost = (lambda f: sum(served[t] * x for t, x in zip(FIT_TERMS, f)))
+    engine_only = {**served, "step_s": 0.003, "request_s": 0.0, "draft_pass_s": 1e-3}  # drafts 5x dearer alone
+    k, acceptance, context = 3, 1.9, 152
+    tpot = {b: cost(_features([_Chunk(context, [0] * (1 + k), k)] * b)) / acceptance for b in (1, 2, 4, 8, 16)}
+    rows = served_decode_rows(tpot, k, acceptance, context)
+    lone = served_single_row(cost(_features([_Chunk(128, [0], 0)])), 128)
+    assert lone[0][-1] == 0.0 and lone[0][1] == 1.0  # no draft pass, one token
+    coef, rel = served_decode_fit(rows, engine_only, lone)
+    got = dict(zip(FIT_TERMS, coef))
+    assert got["draft_pass_s"] == pytest.approx(2e-4, rel=1e-6) and got["step_s"] == pytest.approx(0.004, rel=1e-6)
+    assert got["token_s"] == engine_only["token_s"] and got["token_ctx_s"] == 1e-8 and rel < 1e-6
+    last = _features([_Chunk(900, [0])] * 2)  # two requests' last steps: what the run's short requests end with
+    assert sum(c * x for c, x in zip(coef, last)) == pytest.approx(cost(last), rel=1e-6)
+    held, _ = served_decode_fit(rows, engine_only)  # no lone step: the engine alone's draft cost, 5x too dear
+    assert dict(zip(FIT_TERMS, held))["draft_pass_s"] == 1e-3
+    assert sum(c * x for c, x in zip(held, last)) < 0.8 * cost(last)
+    free = dict(zip(FIT_TERMS, served_decode_fit(rows, engine_only, (lone[0], lone[1] * 1.5))[0]))
+    assert free["draft_pass_s"] == 0.0  # a lone step dearer than the drafting one: the passes cost nothing

@@ -210,15 +210,18 @@ def test_throughput_per_gpu_is_compared_over_the_measured_runs_gpu_count(simulat
     assert "GPU(s)" not in fidelity.table(same, 0.15)
 
 
-def test_a_recorded_cpu_run_is_simulated_within_the_cpu_bound(tmp_path):
+@pytest.mark.parametrize("profile", ["profile.json", "profile-served-single.json"])
+def test_a_recorded_cpu_run_is_simulated_within_the_cpu_bound(tmp_path, profile):
     """The CPU comparison, in CI: a measured `bench agentx --fresh-server configs/topology.cpu.yaml` run (c = 1, 2,
     45 s a level, the tests' synthetic traces) and the profile `bench calibrate --through-services` measured on the
     same machine just before it (bench/data/simulate/cpu-synthetic-2026-12-07-draft-passes/), simulated here with
     the shipped defaults: every figure within 25% of the measured one. The measured side is recorded, not measured
-    again (a calibration and a run on this machine take minutes, and hold only for that machine's speed)."""
+    again (a calibration and a run on this machine take minutes, and hold only for that machine's speed). Both
+    served decode fits: as calibrated (the draft passes' cost the engine alone's) and as `bench calibrate` fits it
+    now, with the lone request's served step (`profile-served-single.json`, refit_served_single.py)."""
     data = ROOT / "bench" / "data" / "simulate" / "cpu-synthetic-2026-12-07-draft-passes"
     out = tmp_path / "cmp.json"
-    assert fidelity.main(["--real", str(data / "real.json"), "--profile", str(data / "profile.json"),
+    assert fidelity.main(["--real", str(data / "real.json"), "--profile", str(data / profile),
                           "--traces", str(write_traces(tmp_path / "traces", out_scale=4)),
                           "--config", CPU_TOPOLOGY, "--bound", "0.25", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["levels"]
