@@ -421,7 +421,9 @@ class SimSystem:
                 else:
                     extra = (lambda: profile.served_prefill_extra(self.streams, by_streams=served_by_streams))
                 self.engines[s.instance_id].served_extra = extra
-            if slowdown is not None:  # its points under streams hold the decode's share of the device
+            # the probes' points under streams hold the decode's share of the device; the busy window does not
+            # (the calibration keeps the prefill busy with the decode idle), so the sharing still slows its steps
+            if slowdown is not None and (served_by_streams or profile.served_prefill_busy is None):
                 slowdown = {**slowdown, "prefill": 1.0}
         sharing = [s for s in specs if s.shared_device and s.role != "kvstore"]
         # engines on one device take turns on it; without the profile's measured slowdowns, each as if alone

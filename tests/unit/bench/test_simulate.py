@@ -580,6 +580,29 @@ def test_with_a_busy_window_a_prefill_step_costs_the_services_share_under_load(t
         assert b > a + 17.0 and a + 1.5 < s < b - 10.0, (alone, busy, streams)
 
 
+def test_the_busy_window_leaves_the_decodes_share_of_the_device_to_the_sharing(traces, tmp_path):
+    """The served prefill step of the busy window was measured with the decode idle, so the decode's share of a
+    shared device still slows the simulated prefill's steps (the profile's `shared_device` prefill slowdown); the
+    probes' points under streams (`--served-prefill-by-streams`) already hold it, and the sharing leaves the
+    prefill at 1 there."""
+    entry = {"alone_s": 0.010, "by_streams": [[0, 0.012], [8, 0.016]], "busy_s": 0.030, "busy_alone_s": 0.012}
+
+    def run(name, shared, *extra):
+        out = tmp_path / name
+        prof = _profile(tmp_path, prefill_served=entry, **({"shared_device": shared} if shared else {}))
+        assert cli.main(_argv(traces, prof, out, "--no-step-dispersion", *extra)) == 0
+        levels = json.loads((out / "result.json").read_text())["levels"]
+        return [lv["sim"]["time_by_phase_s"]["prefill"]["mean"] for lv in levels], levels[0]["sim"]["shared_device"]
+
+    shared = {"prefill": 2.0, "decode": 1.0, "source": "test"}
+    alone, _ = run("alone", None)
+    busy, dev = run("busy", shared)
+    assert dev["slowdown"] == {"prefill": 2.0, "decode": 1.0} and dev["served_prefill"] == "busy"
+    assert all(b > a for a, b in zip(alone, busy)), (alone, busy)  # the decode's streams slow its steps
+    _, dev_s = run("streams", shared, "--served-prefill-by-streams")
+    assert dev_s["slowdown"] == {"prefill": 1.0, "decode": 1.0} and dev_s["served_prefill"] == "by streams"
+
+
 def test_with_dispersion_the_served_prefill_step_spreads_as_the_probes_did(traces, tmp_path):
     """prefill_served.probe_steps_s: each probe's own served step; `--step-dispersion` draws each prefill step's
     served part at one of their ratios to their stream count's median (scaled to mean 1), seeded: the prefill's
