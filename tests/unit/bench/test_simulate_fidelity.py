@@ -210,16 +210,19 @@ def test_throughput_per_gpu_is_compared_over_the_measured_runs_gpu_count(simulat
     assert "GPU(s)" not in fidelity.table(same, 0.15)
 
 
-@pytest.mark.parametrize("profile", ["profile.json", "profile-served-single.json"])
-def test_a_recorded_cpu_run_is_simulated_within_the_cpu_bound(tmp_path, profile):
+@pytest.mark.parametrize("pair, profile", [("cpu-synthetic-2026-12-07-draft-passes", "profile.json"),
+                                           ("cpu-synthetic-2026-12-07-draft-passes", "profile-served-single.json"),
+                                           ("cpu-synthetic-2026-12-08-lone-step", "profile.json")])
+def test_a_recorded_cpu_run_is_simulated_within_the_cpu_bound(tmp_path, pair, profile):
     """The CPU comparison, in CI: a measured `bench agentx --fresh-server configs/topology.cpu.yaml` run (c = 1, 2,
     45 s a level, the tests' synthetic traces) and the profile `bench calibrate --through-services` measured on the
     same machine just before it (bench/data/simulate/cpu-synthetic-2026-12-07-draft-passes/), simulated here with
     the shipped defaults: every figure within 25% of the measured one. The measured side is recorded, not measured
-    again (a calibration and a run on this machine take minutes, and hold only for that machine's speed). Both
-    served decode fits: as calibrated (the draft passes' cost the engine alone's) and as `bench calibrate` fits it
-    now, with the lone request's served step (`profile-served-single.json`, refit_served_single.py)."""
-    data = ROOT / "bench" / "data" / "simulate" / "cpu-synthetic-2026-12-07-draft-passes"
+    again (a calibration and a run on this machine take minutes, and hold only for that machine's speed). The
+    2026-12-07 pair with both served decode fits: as calibrated (the draft passes' cost the engine alone's) and as
+    `bench calibrate` fits it now, with the lone request's served step (`profile-served-single.json`,
+    refit_served_single.py); and a 2026-12-08 pair calibrated by today's `bench calibrate` itself."""
+    data = ROOT / "bench" / "data" / "simulate" / pair
     out = tmp_path / "cmp.json"
     assert fidelity.main(["--real", str(data / "real.json"), "--profile", str(data / profile),
                           "--traces", str(write_traces(tmp_path / "traces", out_scale=4)),
