@@ -210,9 +210,8 @@ async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vo
             if before is not None:
                 await asyncio.sleep(1.1)
                 after = await asyncio.to_thread(engine_counters, redis_url, STEP_COUNTERS)
-                work.append({**{r: after[r][STEP_COUNTERS[1]] - before[r][STEP_COUNTERS[1]]
-                                for r in ("prefill", "decode")},
-                             "decode_steps": after["decode"][STEP_COUNTERS[0]] - before["decode"][STEP_COUNTERS[0]]})
+                work.append({r: after[r][STEP_COUNTERS[1]] - before[r][STEP_COUNTERS[1]]
+                             for r in ("prefill", "decode")})
         ttft = [r.ttft_s for r in singles]
         second = [r.t_end - r.t_first for r in singles]  # the handoff to the decode and its first step
         measured = {}
@@ -225,8 +224,7 @@ async def _served(url: str, batches: list[int], prompt_len: int, tokens: int, vo
                         # the decode's step seconds over the request: its one forward (a 2-token request's
                         # decode proposes no draft) and the step that drops the finished request: the counters
                         # count two steps (under async scheduling the forward's time splits across the two)
-                        "decode_step_s": statistics.median(w["decode"] for w in work),
-                        "decode_steps": statistics.median(w["decode_steps"] for w in work)}
+                        "decode_step_s": statistics.median(w["decode"] for w in work)}
         tpot = {}
         for b in batches:
             recs = await asyncio.gather(*(one(100 * b + j, tokens) for j in range(b)))
@@ -541,10 +539,10 @@ def served_decode_fit(rows: list[tuple[list[float], float]], engine_only: dict |
     to the served steps with it (a service whose host work overlaps the device runs them cheaper than the engine
     alone does, or for nothing) and the per-token term is held instead (ENGINE_ALONE_TERMS_WITH_SINGLE).
     -> (coefficients in FIT_TERMS order, the median relative error over the rows, `single` among them)."""
-    if not engine_only:
-        return nnls_fit(rows + ([single] if single else []))
     held_terms = ENGINE_ALONE_TERMS_WITH_SINGLE if single else ENGINE_ALONE_TERMS
     rows = rows + ([single] if single else [])
+    if not engine_only:
+        return nnls_fit(rows)
     fixed = {t: float(engine_only.get(t, 0.0)) for t in held_terms}
     free = [i for i, t in enumerate(FIT_TERMS) if t not in fixed]
     held = [(i, fixed[t]) for i, t in enumerate(FIT_TERMS) if t in fixed]
@@ -790,10 +788,10 @@ def _calibrate_served(a, prof: dict) -> None:
     single = got["singles"]
     one = served_single_row(single["decode_step_s"], prompt_len) if single and k else None
     coef, rel = served_decode_fit(rows, engine_only, one)
+    fitted = rows + ([one] if one else [])
     held = "context and per-token" if one else "context and draft-pass"
-    prof["engines"][key] = {**dict(zip(FIT_TERMS, coef)), "median_relative_error": rel,
-                            "steps": len(rows) + (one is not None),
-                            "measured": [[*f, t] for f, t in rows + ([one] if one else [])],
+    prof["engines"][key] = {**dict(zip(FIT_TERMS, coef)), "median_relative_error": rel, "steps": len(fitted),
+                            "measured": [[*f, t] for f, t in fitted],
                             "engine_only": engine_only,
                             "source": f"pdserve bench calibrate --through-services: TPOT of 1-{max(batches)} "
                                       f"concurrent streams x {acceptance:.2f} tokens per step, at one context "

@@ -109,10 +109,11 @@ def compare_levels(real: list[dict], sim: list[dict], bound: float) -> list[dict
         if s is None:
             continue
         figs = {}
+        gpus = (lv.get("num_gpus"), s.get("num_gpus"))
+        counted_apart = all(gpus) and gpus[0] != gpus[1]
         for key, _ in FIGURES:
             r, v = lv.get(key), s.get(key)
-            gpus = (lv.get("num_gpus"), s.get("num_gpus"))
-            regpu = key == "throughput_per_gpu" and all(gpus) and gpus[0] != gpus[1]
+            regpu = key == "throughput_per_gpu" and counted_apart
             if regpu and v is not None:
                 v = v * gpus[1] / gpus[0]  # over the measured run's GPU count (its `--num-gpus`), like with like
             ratio = v / r if r and v is not None else None
